@@ -1,0 +1,72 @@
+"""Test configuration: 8 virtual CPU devices, set before any backend starts."""
+
+import os
+
+# Both knobs, before `jax` is imported anywhere: XLA_FLAGS for subprocesses
+# that inherit the environment, the config option for this process.
+_FLAG = '--xla_force_host_platform_device_count=8'
+if _FLAG not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FLAG).strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Keep TensorFlow's C++ logging out of test output.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', 8)
+jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+NUM_DEVICES = 8
+
+
+def pytest_configure(config):
+  del config
+  devices = jax.devices()
+  if jax.default_backend() != 'cpu':
+    raise pytest.UsageError(
+      f'flax_dtensor tests run on the CPU backend; got '
+      f'{jax.default_backend()!r}. Set JAX_PLATFORMS=cpu.'
+    )
+  if len(devices) < NUM_DEVICES:
+    raise pytest.UsageError(
+      f'Expected {NUM_DEVICES} virtual CPU devices, found {len(devices)}. '
+      f'JAX started before tests/conftest.py could set '
+      f'XLA_FLAGS={_FLAG!r}; run pytest from the repository root.'
+    )
+
+
+@pytest.fixture
+def explicit_mesh():
+  """A (2, 4) ('data', 'model') mesh with Explicit axes."""
+  return jax.make_mesh(
+    (2, 4),
+    ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+  )
+
+
+@pytest.fixture
+def auto_mesh():
+  """A (2, 4) ('data', 'model') mesh with Auto axes."""
+  return jax.make_mesh(
+    (2, 4),
+    ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
+
+
+@pytest.fixture
+def mixed_mesh():
+  """A (2, 4) mesh: 'data' Explicit, 'model' Auto."""
+  return jax.make_mesh(
+    (2, 4),
+    ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto),
+  )
+
+
+@pytest.fixture(params=['explicit', 'auto', 'mixed'])
+def any_mesh(request):
+  """Each of the three (2, 4) meshes in turn."""
+  return request.getfixturevalue(f'{request.param}_mesh')

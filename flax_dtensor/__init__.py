@@ -16,6 +16,21 @@ from flax_dtensor._errors import (
 from flax_dtensor._errors import (
   UnknownLogicalAxisError as UnknownLogicalAxisError,
 )
+from flax_dtensor._plan import PlanEntry as PlanEntry
+from flax_dtensor._plan import ShardingPlan as ShardingPlan
+from flax_dtensor._plan import plan as plan
+from flax_dtensor._rules import LogicalRules as LogicalRules
+from flax_dtensor._rules import get_logical_axis_rules as get_logical_axis_rules
+from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
+from flax_dtensor._rules import logical_to_mesh_axes as logical_to_mesh_axes
+from flax_dtensor._rules import propagate as propagate
+from flax_dtensor._rules import set_logical_axis_rules as set_logical_axis_rules
+from flax_dtensor._sharding import init as init
+from flax_dtensor._sharding import shard_module as shard_module
+from flax_dtensor._sharding import shard_value as shard_value
+from flax_dtensor._sharding import (
+  with_logical_constraint as with_logical_constraint,
+)
 
 __version__ = '0.1.0'
 
@@ -24,10 +39,23 @@ __all__ = (
   'DTensorInitializationError',
   'ExportError',
   'FlaxDTensorError',
+  'LogicalRules',
   'LogicalRulesError',
   'MeshAxisTypeError',
   'MeshError',
+  'PlanEntry',
   'RuleTargetTypeError',
+  'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
+  'get_logical_axis_rules',
+  'init',
+  'logical_axis_rules',
+  'logical_to_mesh_axes',
+  'plan',
+  'propagate',
+  'set_logical_axis_rules',
+  'shard_module',
+  'shard_value',
+  'with_logical_constraint',
 )

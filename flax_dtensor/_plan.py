@@ -1,0 +1,278 @@
+"""ShardingPlan: what goes where, and why, for every variable of a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import rich.console
+import rich.table
+from jax.sharding import PartitionSpec
+
+from flax_dtensor import _rules, _sharding
+
+
+def _itemsize(dtype: Any) -> int:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    # A typed PRNG key: count the bytes of its key data.
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    return math.prod(data.shape) * data.dtype.itemsize
+  return np.dtype(dtype).itemsize
+
+
+def _format_spec(spec: PartitionSpec) -> str:
+  return 'P(' + ', '.join(map(repr, spec)) + ')'
+
+
+def _shard_shape(
+  shape: tuple[int, ...], spec: PartitionSpec, sizes: dict[str, int] | None
+) -> tuple[int, ...]:
+  if sizes is None:
+    return shape
+  out = []
+  for dim, entry in zip(shape, tuple(spec) + (None,) * len(shape)):
+    if entry is PartitionSpec.UNCONSTRAINED:
+      out.append(dim)
+      continue
+    n = math.prod(sizes[m] for m in _rules.target_axes(entry))
+    out.append(-(-dim // n))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  """The plan for one variable.
+
+  Attributes:
+    path: The variable's path, joined with '/' (``layers/0/attn/kernel``).
+    kind: The variable type (``Param``, ``OptState``, ...).
+    shape: The global shape.
+    dtype: The dtype's name.
+    logical_axes: The logical axes it is annotated with, or None.
+    spec: The resolved PartitionSpec of mesh axes.
+    bytes: The global size in bytes.
+    bytes_per_device: The size of one device's shard in bytes.
+    fallbacks: One line per skipped candidate: dimension, logical name,
+      the skipped target and why.
+  """
+
+  path: str
+  kind: str
+  shape: tuple[int, ...]
+  dtype: str
+  logical_axes: tuple[str | None, ...] | None
+  spec: PartitionSpec
+  bytes: int
+  bytes_per_device: int
+  fallbacks: tuple[str, ...]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+      'path': self.path,
+      'kind': self.kind,
+      'shape': list(self.shape),
+      'dtype': self.dtype,
+      'logical_axes': (
+        list(self.logical_axes) if self.logical_axes is not None else None
+      ),
+      'spec': [
+        list(e) if isinstance(e, tuple) else e for e in tuple(self.spec)
+      ],
+      'bytes': self.bytes,
+      'bytes_per_device': self.bytes_per_device,
+      'fallbacks': list(self.fallbacks),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+  """Where every variable of a model goes, and why.
+
+  Print it for a table, or use `to_dict` / `to_json` for data.
+
+  Attributes:
+    entries: One `PlanEntry` per variable, in path order.
+    mesh_axes: The mesh's axis names and sizes, or None without a mesh.
+    num_devices: The number of devices in the mesh (1 without a mesh).
+  """
+
+  entries: tuple[PlanEntry, ...]
+  mesh_axes: dict[str, int] | None
+  num_devices: int
+
+  @property
+  def total_bytes(self) -> int:
+    """The bytes of all variables together (one copy)."""
+    return sum(e.bytes for e in self.entries)
+
+  @property
+  def bytes_per_device(self) -> int:
+    """The bytes one device holds (replicated variables count fully)."""
+    return sum(e.bytes_per_device for e in self.entries)
+
+  @property
+  def ideal_bytes_per_device(self) -> float:
+    """Total bytes divided by the device count: perfect sharding."""
+    return self.total_bytes / self.num_devices
+
+  def __getitem__(self, path: str) -> PlanEntry:
+    for e in self.entries:
+      if e.path == path:
+        return e
+    raise KeyError(
+      f'No variable at {path!r}; paths: {[e.path for e in self.entries]}'
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+      'mesh': self.mesh_axes,
+      'num_devices': self.num_devices,
+      'variables': [e.to_dict() for e in self.entries],
+      'total_bytes': self.total_bytes,
+      'bytes_per_device': self.bytes_per_device,
+      'ideal_bytes_per_device': self.ideal_bytes_per_device,
+    }
+
+  def to_json(self, **kwargs: Any) -> str:
+    return json.dumps(self.to_dict(), **kwargs)
+
+  def __rich__(self) -> rich.table.Table:
+    mesh = (
+      ', '.join(f'{k}={v}' for k, v in self.mesh_axes.items())
+      if self.mesh_axes
+      else 'no mesh'
+    )
+    table = rich.table.Table(
+      title=f'Sharding plan ({mesh}; {self.num_devices} devices)',
+      show_footer=True,
+    )
+    ratio = self.bytes_per_device / max(self.ideal_bytes_per_device, 1e-9)
+    table.add_column('path', footer='total')
+    table.add_column('type')
+    table.add_column('shape')
+    table.add_column('dtype')
+    table.add_column('logical axes')
+    table.add_column('spec')
+    table.add_column(
+      'bytes/device',
+      justify='right',
+      footer=(
+        f'{_human(self.bytes_per_device)} (ideal '
+        f'{_human(self.ideal_bytes_per_device)}, {ratio:.2f}x)'
+      ),
+    )
+    table.add_column('fallbacks', footer=f'of {_human(self.total_bytes)}')
+    for e in self.entries:
+      table.add_row(
+        e.path,
+        e.kind,
+        str(e.shape),
+        e.dtype,
+        str(e.logical_axes) if e.logical_axes is not None else '-',
+        _format_spec(e.spec),
+        _human(e.bytes_per_device),
+        '\n'.join(e.fallbacks),
+      )
+    return table
+
+  def __str__(self) -> str:
+    buffer = io.StringIO()
+    console = rich.console.Console(
+      file=buffer, width=160, color_system=None, soft_wrap=False
+    )
+    console.print(self)
+    return buffer.getvalue()
+
+
+def _human(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if abs(n) < 1024 or unit == 'GiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+  raise AssertionError('unreachable')
+
+
+def plan(
+  module_or_state: Any,
+  *,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  rules: _rules.RulesLike | None = None,
+) -> ShardingPlan:
+  """Plans the sharding of every variable of a module or state.
+
+  Works on an abstract model (``nnx.eval_shape``) without allocating it. For
+  every variable: shape, dtype, logical axes, the resolved PartitionSpec,
+  bytes per device, and each fallback taken with its reason.
+
+  Args:
+    module_or_state: An NNX module, an ``nnx.Optimizer``, or an
+      ``nnx.State`` (concrete or abstract).
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    rules: The rules. Defaults to the current `logical_axis_rules`.
+
+  Returns:
+    The plan.
+
+  Raises:
+    UnknownLogicalAxisError: If a variable names an axis in no rule; the
+      message names the variable path.
+    ShardingResolutionError: If a variable's axes cannot be resolved.
+
+  Example:
+    >>> import jax, flax_dtensor as fdt
+    >>>     >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+    >>> model = nnx.eval_shape(
+    ...     lambda: nnx.Linear(8, 6, kernel_init=init, rngs=nnx.Rngs(0)))
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> p = fdt.plan(model, mesh=mesh,
+    ...              rules=[('embed', 'data'), ('mlp', 'model'), ('mlp', None)])
+    >>> p['kernel'].spec, p['kernel'].fallbacks
+    (PartitionSpec('data', None), ("dim 1 ('mlp'): 'model': dim size 6 is not divisible by 4 (mesh axes ['model'])",))
+  """
+  rules_ = _rules.resolve_rules(rules) or _rules.LogicalRules(())
+  mesh_ = mesh if mesh is not None else _rules.current_mesh()
+  sizes = _rules.mesh_axis_sizes(mesh_) if mesh_ is not None else None
+  entries = []
+  for path, variable in _sharding._variables(module_or_state):  # pylint: disable=protected-access
+    where = _sharding.path_str(path)
+    value = variable.get_value()
+    shape = tuple(getattr(value, 'shape', np.shape(value)))
+    dtype = getattr(value, 'dtype', None) or np.asarray(value).dtype
+    resolution = _sharding.resolve_variable(
+      variable, mesh=mesh_, rules=rules_, path=where
+    )
+    if resolution is None:
+      spec = PartitionSpec()
+      logical_axes = None
+      fallbacks: tuple[str, ...] = ()
+    else:
+      spec = resolution.spec
+      logical_axes = resolution.logical_axes
+      fallbacks = tuple(
+        f'dim {i} ({resolution.logical_axes[i]!r}): {skip}'
+        for i, skip in resolution.skipped
+      )
+    itemsize = _itemsize(dtype)
+    entries.append(
+      PlanEntry(
+        path=where,
+        kind=type(variable).__name__,
+        shape=shape,
+        dtype=str(dtype),
+        logical_axes=logical_axes,
+        spec=spec,
+        bytes=math.prod(shape) * itemsize,
+        bytes_per_device=math.prod(_shard_shape(shape, spec, sizes)) * itemsize,
+        fallbacks=fallbacks,
+      )
+    )
+  entries.sort(key=lambda e: e.path)
+  num_devices = math.prod(sizes.values()) if sizes else 1
+  return ShardingPlan(
+    entries=tuple(entries), mesh_axes=sizes, num_devices=num_devices
+  )

@@ -144,18 +144,11 @@ def apply_spec(
 def _sharding_for(
   mesh: _rules.MeshLike, spec: PartitionSpec
 ) -> NamedSharding | PartitionSpec:
-  # Under `jax.set_mesh(mesh)` a bare spec refers to the context mesh, which
-  # also works inside jit; otherwise name the mesh explicitly.
-  current = jax.sharding.get_abstract_mesh()
-  if not current.empty and current == _abstract(mesh):
-    return spec
-  return NamedSharding(mesh, spec)
-
-
-def _abstract(mesh: _rules.MeshLike) -> jax.sharding.AbstractMesh:
   if isinstance(mesh, jax.sharding.Mesh):
-    return mesh.abstract_mesh
-  return mesh
+    return NamedSharding(mesh, spec)
+  # Inside jit only the abstract mesh of `jax.set_mesh` is known; a bare
+  # spec refers to it.
+  return spec
 
 
 def _concrete_or_current(mesh: _rules.MeshLike | None) -> Any:

@@ -1,0 +1,359 @@
+"""Tests for placement by mesh axis type, the NNX hook, init and shard_module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+RULES = fdt.LogicalRules(
+  [
+    ('batch', 'data'),
+    ('embed', 'fsdp'),
+    ('embed', 'data'),
+    ('mlp', 'model'),
+    ('mlp', 'data'),
+    ('vocab', None),
+  ]
+)
+
+
+def _lecun(axes):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
+
+
+class MLP(nnx.Module):
+  """The model of the issue, smaller."""
+
+  def __init__(self, rngs, din=16, dh=64):
+    self.up = nnx.Linear(
+      din, dh, rngs=rngs, kernel_init=_lecun(('embed', 'mlp'))
+    )
+    self.down = nnx.Linear(
+      dh, din, rngs=rngs, kernel_init=_lecun(('mlp', 'embed'))
+    )
+
+  def __call__(self, x):
+    h = fdt.with_logical_constraint(self.up(x), ('batch', 'mlp'))
+    return self.down(jax.nn.relu(h))
+
+
+# A model that trains well on the explicit mesh too: 'embed' must not take
+# the batch's mesh axis, or the contraction would be ambiguous.
+TRAIN_RULES = fdt.LogicalRules(
+  [('batch', 'data'), ('embed', None), ('mlp', 'model')]
+)
+
+
+def _unsharded(factory, *args):
+  """Builds a model without a mesh (Flax needs eager sharding off for it)."""
+  with nnx.use_eager_sharding(False):
+    return factory(*args)
+
+
+def _shard_values_equal(arr, expected):
+  """Every addressable shard holds exactly its slice of `expected`."""
+  expected = np.asarray(expected)
+  for shard in arr.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
+
+
+# shard_value
+# ------------------------------------------------------------------------------
+
+
+def test_shard_value_on_each_mesh_type_eager(any_mesh):
+  x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
+  y = fdt.shard_value(x, ('batch', 'mlp'), mesh=any_mesh, rules=RULES)
+  assert y.sharding == NamedSharding(any_mesh, P('data', 'model'))
+  assert len({s.device for s in y.addressable_shards}) == 8
+  _shard_values_equal(y, x)
+
+
+def test_shard_value_inside_jit_matches_eager(any_mesh):
+  x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
+  with jax.set_mesh(any_mesh), fdt.logical_axis_rules(RULES):
+    eager = fdt.shard_value(x, ('batch', 'mlp'))
+    jitted = jax.jit(lambda v: fdt.shard_value(v * 2, ('batch', 'mlp')))(x)
+  assert jitted.sharding.spec == P('data', 'model')
+  assert jax.typeof(jitted) == jax.typeof(eager)
+  _shard_values_equal(jitted, 2 * np.asarray(x))
+
+
+def test_mixed_mesh_carries_explicit_and_auto_parts(mixed_mesh):
+  """Flax raises on mixed meshes; the result here has the full sharding."""
+  x = jnp.ones((8, 16))
+
+  types = []
+
+  @jax.jit
+  def f(v):
+    y = fdt.shard_value(v, ('batch', 'mlp'))
+    types.append(jax.typeof(y))
+    return y
+
+  with jax.set_mesh(mixed_mesh), fdt.logical_axis_rules(RULES):
+    y = f(x)
+  (typ,) = types
+  # 'data' is Explicit: it is in the type; 'model' is Auto: in the sharding.
+  assert typ.sharding.spec == P('data', None)
+  assert y.sharding.spec == P('data', 'model')
+
+
+def test_product_of_mixed_axis_types_inside_jit_raises(mixed_mesh):
+  rules = [('heads', ('data', 'model'))]
+  with jax.set_mesh(mixed_mesh), fdt.logical_axis_rules(rules):
+    eager = fdt.shard_value(jnp.ones((16,)), ('heads',))
+    assert eager.sharding.spec == P(('data', 'model'))
+    with pytest.raises(
+      fdt.MeshAxisTypeError, match='mixes Explicit and Auto mesh axes'
+    ):
+      jax.jit(lambda v: fdt.shard_value(v, ('heads',)))(jnp.ones((16,)))
+
+
+def test_manual_axes_raise(explicit_mesh):
+  @jax.shard_map(in_specs=P('data'), out_specs=P('data'))
+  def f(v):
+    return fdt.shard_value(v, ('batch', None))
+
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    x = jax.sharding.reshard(jnp.ones((8, 4)), P('data', None))
+    with pytest.raises(fdt.MeshAxisTypeError, match=r"\['data'\] are Manual"):
+      f(x)
+
+
+def test_shard_value_without_mesh_raises():
+  with pytest.raises(fdt.MeshError, match=r'no mesh is set.*jax.set_mesh'):
+    fdt.shard_value(jnp.ones(4), ('batch',), rules=RULES)
+
+
+def test_non_divisible_falls_back_instead_of_failing_in_jax(explicit_mesh):
+  # Flax would hand P(None, 'model') to JAX, which raises for 6 % 4.
+  x = jnp.arange(16 * 6, dtype=jnp.float32).reshape(16, 6)
+  y = fdt.shard_value(x, ('embed', 'mlp'), mesh=explicit_mesh, rules=RULES)
+  assert y.sharding.spec == P('data', None)
+  _shard_values_equal(y, x)
+
+
+def test_with_logical_constraint_is_a_noop_without_rules_or_mesh(auto_mesh):
+  x = jnp.ones((8, 16))
+  assert fdt.with_logical_constraint(x, ('batch', 'mlp')) is x
+  with fdt.logical_axis_rules(RULES):
+    assert fdt.with_logical_constraint(x, ('batch', 'mlp')) is x
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(RULES):
+    y = jax.jit(lambda v: fdt.with_logical_constraint(v, ('batch', 'mlp')))(x)
+  assert y.sharding.spec == P('data', 'model')
+
+
+# The NNX hook
+# ------------------------------------------------------------------------------
+
+
+def test_params_sharded_at_creation_on_each_mesh_type(any_mesh):
+  with jax.set_mesh(any_mesh), fdt.logical_axis_rules(RULES):
+    model = MLP(nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(model))
+  # 'embed' -> 'fsdp' is missing, falls back to 'data'; 'mlp' -> 'model'.
+  assert model.up.kernel.sharding == NamedSharding(any_mesh, P('data', 'model'))
+  assert model.down.kernel.sharding.spec == P('model', 'data')
+  # Flax's own query agrees with the placement.
+  assert specs['up']['kernel'].get_value() == P('data', 'model')
+  assert specs['down']['kernel'].get_value() == P('model', 'data')
+  # Values are those of an unsharded build.
+  plain = _unsharded(MLP, nnx.Rngs(0))
+  _shard_values_equal(model.up.kernel.get_value(), plain.up.kernel.get_value())
+
+
+def test_get_named_sharding_agrees_with_placement(explicit_mesh):
+  rules = RULES.prepend([('mlp', 'data')])  # Now 'mlp' prefers 'data'.
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(rules):
+    model = MLP(nnx.Rngs(0))
+    state = nnx.state(model)
+    named = dict(
+      nnx.to_flat_state(nnx.get_named_sharding(state, explicit_mesh))
+    )
+  for path, variable in nnx.to_flat_state(state):
+    value = variable.get_value()
+    assert named[path].get_value().is_equivalent_to(value.sharding, value.ndim)
+  # 'mlp' takes 'data' first, so 'embed' finds 'data' taken.
+  assert model.up.kernel.sharding.spec == P(None, 'data')
+
+
+def test_flax_semantics_outside_our_context(explicit_mesh):
+  """Flax's own rules context keeps Flax's behaviour (last write wins)."""
+  with (
+    jax.set_mesh(explicit_mesh),
+    nnx.logical_axis_rules(
+      (('embed', 'data'), ('mlp', 'data'), ('mlp', 'model'))
+    ),
+  ):
+    model = MLP(nnx.Rngs(0))
+  assert model.up.kernel.sharding.spec == P('data', 'model')
+  assert model.down.kernel.sharding.spec == P('model', 'data')
+
+
+def test_unknown_name_fails_early_at_creation(explicit_mesh):
+  class Bad(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(
+        nnx.with_partitioning(nnx.initializers.ones, ('embed', 'hidden'))(
+          rngs.params(), (4, 8)
+        )
+      )
+
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    with pytest.raises(
+      fdt.UnknownLogicalAxisError, match=r"\['hidden'\] are not mentioned"
+    ):
+      Bad(nnx.Rngs(0))
+
+
+def test_creation_inside_nnx_jit(auto_mesh):
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(RULES):
+    model = nnx.jit(lambda: MLP(nnx.Rngs(0)))()
+  assert model.up.kernel.sharding.spec == P('data', 'model')
+  plain = _unsharded(MLP, nnx.Rngs(0))
+  _shard_values_equal(model.up.kernel.get_value(), plain.up.kernel.get_value())
+
+
+def test_variable_sharding_rules_metadata_take_priority(explicit_mesh):
+  init = nnx.with_partitioning(
+    nnx.initializers.ones, ('embed', 'mlp'), sharding_rules=(('mlp', None),)
+  )
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    layer = nnx.Linear(16, 8, kernel_init=init, rngs=nnx.Rngs(0))
+    spec = nnx.get_partition_spec(nnx.state(layer))['kernel'].get_value()
+  assert layer.kernel.sharding.spec == P('data', None)
+  assert spec == P('data', None)
+
+
+def test_legacy_sharding_names_metadata_is_read(explicit_mesh):
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    with pytest.warns(
+      DeprecationWarning, match="'sharding_names' is deprecated"
+    ):
+      p = nnx.Param(jnp.ones((8, 16)), sharding_names=('batch', 'mlp'))
+  assert p.get_value().sharding.spec == P('data', 'model')
+
+
+def test_optimizer_state_is_placed_like_params(any_mesh):
+  with jax.set_mesh(any_mesh), fdt.logical_axis_rules(TRAIN_RULES):
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    x, h = jnp.ones((8, 16)), jnp.ones((8, 64))
+
+    def loss_fn(m):
+      # Each contraction is over an unsharded input dim, so the explicit
+      # mesh needs no `out_sharding`.
+      return jnp.mean(m.up(x) ** 2) + jnp.mean(m.down(h) ** 2)
+
+    @nnx.jit
+    def step(model, opt, x):
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+      opt.update(model, grads)
+      return loss
+
+    losses = [float(step(model, opt, x)) for _ in range(3)]
+  adam = opt.opt_state[0]
+  for name in ('up', 'down'):
+    kernel = getattr(model, name).kernel.get_value()
+    assert adam.mu[name]['kernel'].get_value().sharding == kernel.sharding
+    assert adam.nu[name]['kernel'].get_value().sharding == kernel.sharding
+  assert losses[-1] < losses[0]
+
+
+# shard_module and init
+# ------------------------------------------------------------------------------
+
+
+def test_shard_module_places_an_unsharded_model(mixed_mesh):
+  model = _unsharded(MLP, nnx.Rngs(0))
+  before = np.asarray(model.up.kernel.get_value())
+  out = fdt.shard_module(model, mesh=mixed_mesh, rules=RULES)
+  assert out is model
+  assert model.up.kernel.sharding == NamedSharding(
+    mixed_mesh, P('data', 'model')
+  )
+  _shard_values_equal(model.up.kernel.get_value(), before)
+  # Unannotated variables are left alone.
+  assert len(model.up.bias.get_value().sharding.device_set) == 1
+
+
+def test_shard_module_error_names_the_path(explicit_mesh):
+  model = _unsharded(MLP, nnx.Rngs(0))
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"not mentioned by any rule at down/kernel \(logical axes \('mlp', ",
+  ):
+    fdt.shard_module(model, mesh=explicit_mesh, rules=[('batch', 'data')])
+
+
+def test_init_equals_eager_build_and_is_sharded(any_mesh):
+  rngs = nnx.Rngs(0)
+  model = fdt.init(MLP, rngs, din=16, mesh=any_mesh, rules=RULES)
+  plain_rngs = nnx.Rngs(0)
+  plain = _unsharded(MLP, plain_rngs)
+  assert model.up.kernel.sharding == NamedSharding(any_mesh, P('data', 'model'))
+  assert model.down.kernel.sharding.spec == P('model', 'data')
+  assert model.up.bias.sharding.is_equivalent_to(
+    NamedSharding(any_mesh, P()), 1
+  )
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(model, nnx.Param)),
+    jax.tree.leaves(nnx.state(plain, nnx.Param)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The caller's Rngs advanced exactly as in an eager build.
+  assert int(rngs.params.count[...]) == int(plain_rngs.params.count[...])
+
+
+def test_init_uses_context_mesh_and_rules(explicit_mesh):
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    model = fdt.init(lambda: MLP(nnx.Rngs(1)))
+  assert model.up.kernel.sharding.spec == P('data', 'model')
+
+
+def test_init_without_mesh_raises():
+  with pytest.raises(fdt.MeshError, match='Expected a concrete mesh'):
+    fdt.init(MLP, nnx.Rngs(0), rules=RULES)
+
+
+def test_issue_example_runs_on_all_axis_types(any_mesh):
+  """The user code of the core issue, as written."""
+
+  class Big(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(
+        512, 2048, rngs=rngs, kernel_init=_lecun(('embed', 'mlp'))
+      )
+      self.down = nnx.Linear(
+        2048, 512, rngs=rngs, kernel_init=_lecun(('mlp', 'embed'))
+      )
+
+  rules = fdt.LogicalRules(
+    [
+      ('batch', 'data'),
+      ('embed', 'fsdp'),
+      ('mlp', 'model'),
+      ('mlp', 'data'),
+      ('vocab', None),
+    ]
+  )
+  with jax.set_mesh(any_mesh), fdt.logical_axis_rules(rules):
+    model = Big(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    plan = fdt.plan(model)
+  assert model.up.kernel.sharding.spec == P(None, 'model')
+  assert opt.opt_state[0].mu['up']['kernel'].sharding.spec == P(None, 'model')
+  assert plan['up/kernel'].spec == P(None, 'model')
+  assert plan['up/kernel'].fallbacks == (
+    "dim 0 ('embed'): 'fsdp': the mesh has no axis 'fsdp' (axes: "
+    "['data', 'model'])",
+  )
+  assert 'up/kernel' in str(plan)

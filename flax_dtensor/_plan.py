@@ -35,7 +35,8 @@ def _shard_shape(
   if sizes is None:
     return shape
   out = []
-  for dim, entry in zip(shape, tuple(spec) + (None,) * len(shape)):
+  padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+  for dim, entry in zip(shape, padded, strict=True):
     if entry is PartitionSpec.UNCONSTRAINED:
       out.append(dim)
       continue

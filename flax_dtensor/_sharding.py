@@ -38,7 +38,9 @@ from flax_dtensor import _errors, _rules
 M = TypeVar('M')
 
 NO_MESH_MSG = (
-  'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`.'
+  'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`. '
+  'To build a model without a mesh and shard it later, build it under '
+  '`nnx.use_eager_sharding(False)` and call `fdt.shard_module`.'
 )
 
 

@@ -1,0 +1,182 @@
+"""Tests for fdt.plan and ShardingPlan."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+RULES = fdt.LogicalRules(
+  [
+    ('embed', 'fsdp'),
+    ('embed', 'data'),
+    ('mlp', 'model'),
+    ('mlp', 'data'),
+    ('vocab', None),
+  ]
+)
+MESH = AbstractMesh((2, 4), ('data', 'model'))
+
+
+def _abstract_model():
+  # Flax's own eager sharding needs a mesh for annotated variables; an
+  # abstract model built without one has eager sharding off.
+  with nnx.use_eager_sharding(False):
+    return nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
+
+
+class Model(nnx.Module):
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.embed = nnx.Embed(
+      num_embeddings=10,
+      features=16,
+      embedding_init=nnx.with_partitioning(init, ('vocab', 'embed')),
+      rngs=rngs,
+    )
+    self.up = nnx.Linear(
+      16,
+      6,
+      kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
+      param_dtype=jnp.bfloat16,
+      rngs=rngs,
+    )
+    self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+
+def test_plan_on_abstract_model_allocates_nothing():
+  abstract = _abstract_model()
+  assert isinstance(abstract.up.kernel.get_value(), jax.ShapeDtypeStruct)
+  plan = fdt.plan(abstract, mesh=MESH, rules=RULES)
+  assert [e.path for e in plan.entries] == [
+    'count',
+    'embed/embedding',
+    'up/bias',
+    'up/kernel',
+  ]
+  kernel = plan['up/kernel']
+  assert kernel.shape == (16, 6)
+  assert kernel.dtype == 'bfloat16'
+  assert kernel.kind == 'Param'
+  assert kernel.logical_axes == ('embed', 'mlp')
+  # Rules are scanned in order: 'embed' skips 'fsdp' and claims 'data';
+  # 'mlp' skips 'model' (6 % 4 != 0) and finds 'data' taken.
+  assert kernel.spec == P('data', None)
+  assert kernel.bytes == 16 * 6 * 2
+  assert kernel.bytes_per_device == 8 * 6 * 2
+  assert kernel.fallbacks == (
+    "dim 0 ('embed'): 'fsdp': the mesh has no axis 'fsdp' (axes: "
+    "['data', 'model'])",
+    "dim 1 ('mlp'): 'model': dim size 6 is not divisible by 4 (mesh axes "
+    "['model'])",
+    "dim 1 ('mlp'): 'data': mesh axis 'data' already shards dim 0 ('embed')",
+  )
+  embedding = plan['embed/embedding']
+  assert embedding.spec == P(None, 'data')
+  assert embedding.bytes_per_device == 10 * 8 * 4
+  count = plan['count']
+  assert (count.kind, count.shape, count.logical_axes) == (
+    'BatchStat',
+    (),
+    None,
+  )
+  assert count.bytes == count.bytes_per_device == 4
+
+
+def test_plan_totals_against_ideal():
+  abstract = _abstract_model()
+  plan = fdt.plan(abstract, mesh=MESH, rules=RULES)
+  total = 4 + 10 * 16 * 4 + 6 * 2 + 16 * 6 * 2
+  assert plan.total_bytes == total
+  assert plan.num_devices == 8
+  assert plan.ideal_bytes_per_device == total / 8
+  assert plan.bytes_per_device == 4 + 10 * 8 * 4 + 6 * 2 + 8 * 6 * 2
+  text = str(plan)
+  assert 'Sharding plan (data=2, model=4; 8 devices)' in text
+  assert 'ideal' in text and 'up/kernel' in text
+
+
+def test_plan_to_json_round_trips():
+  abstract = _abstract_model()
+  plan = fdt.plan(abstract, mesh=MESH, rules=RULES)
+  data = json.loads(plan.to_json())
+  assert data['mesh'] == {'data': 2, 'model': 4}
+  assert data['total_bytes'] == plan.total_bytes
+  kernel = next(v for v in data['variables'] if v['path'] == 'up/kernel')
+  assert kernel['spec'] == ['data', None]
+  assert kernel['logical_axes'] == ['embed', 'mlp']
+  assert len(kernel['fallbacks']) == 3
+
+
+def test_plan_uses_context_and_matches_placement(explicit_mesh):
+  with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    plan = fdt.plan(opt)
+    assert fdt.plan(model)['up/kernel'].spec == P('data', None)
+  by_path = {e.path: e for e in plan.entries}
+  assert model.up.kernel.sharding.spec == P('data', None)
+  # Adam's moments are planned, and placed, like their params.
+  mu = by_path['opt_state/0/mu/up/kernel']
+  assert mu.spec == P('data', None) and mu.kind == 'OptVariable'
+  assert opt.opt_state[0].mu['up']['kernel'].sharding.spec == P('data', None)
+
+
+def test_plan_on_a_state():
+  abstract = _abstract_model()
+  plan = fdt.plan(nnx.state(abstract, nnx.Param), mesh=MESH, rules=RULES)
+  assert [e.path for e in plan.entries] == [
+    'embed/embedding',
+    'up/bias',
+    'up/kernel',
+  ]
+
+
+def test_plan_without_mesh_counts_one_device():
+  abstract = _abstract_model()
+  plan = fdt.plan(abstract, rules=RULES)
+  assert plan.num_devices == 1 and plan.mesh_axes is None
+  # Without a mesh, Linen semantics: 'fsdp' is taken on trust.
+  assert plan['up/kernel'].spec == P('fsdp', 'model')
+  assert plan.bytes_per_device == plan.total_bytes
+  assert 'no mesh' in str(plan)
+
+
+def test_plan_rng_keys_are_counted():
+  abstract = nnx.eval_shape(lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+  assert jax.dtypes.issubdtype(
+    abstract.rngs.key.get_value().dtype, jax.dtypes.prng_key
+  )
+  plan = fdt.plan(abstract, mesh=MESH, rules=RULES)
+  key = next(e for e in plan.entries if e.kind == 'RngKey')
+  assert key.bytes == 8  # A threefry key is two uint32 words.
+
+
+def test_plan_errors_name_the_path():
+  abstract = _abstract_model()
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"\['mlp'\] are not mentioned by any "
+    r'rule at up/kernel',
+  ):
+    fdt.plan(abstract, mesh=MESH, rules=[('embed', None), ('vocab', None)])
+  with pytest.raises(KeyError, match='No variable at'):
+    fdt.plan(abstract, mesh=MESH, rules=RULES)['nope']
+
+
+def test_plan_a_large_mesh_on_a_small_machine():
+  """An abstract mesh of 256 devices: nothing is allocated or placed."""
+  big = AbstractMesh((16, 16), ('data', 'model'))
+  with jax.sharding.use_abstract_mesh(big), fdt.logical_axis_rules(RULES):
+    abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
+    plan = fdt.plan(abstract)
+  assert plan.num_devices == 256
+  # 16 % 16 == 0: 'embed' takes 'data'; 'mlp' (6) fits nowhere.
+  assert plan['up/kernel'].spec == P('data', None)
+  assert abstract.up.kernel.get_value().sharding.spec == P('data', None)

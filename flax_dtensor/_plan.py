@@ -225,15 +225,21 @@ def plan(
     ShardingResolutionError: If a variable's axes cannot be resolved.
 
   Example:
+    Plan a model for a mesh of 256 devices, without any device or memory:
+
     >>> import jax, flax_dtensor as fdt
-    >>>     >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
-    >>> model = nnx.eval_shape(
-    ...     lambda: nnx.Linear(8, 6, kernel_init=init, rngs=nnx.Rngs(0)))
-    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-    >>> p = fdt.plan(model, mesh=mesh,
-    ...              rules=[('embed', 'data'), ('mlp', 'model'), ('mlp', None)])
-    >>> p['kernel'].spec, p['kernel'].fallbacks
-    (PartitionSpec('data', None), ("dim 1 ('mlp'): 'model': dim size 6 is not divisible by 4 (mesh axes ['model'])",))
+    >>> from flax import nnx
+    >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+    >>> mesh = jax.sharding.AbstractMesh((16, 16), ('data', 'model'))
+    >>> rules = [('embed', 'data'), ('mlp', 'model'), ('mlp', None)]
+    >>> with jax.sharding.use_abstract_mesh(mesh), fdt.logical_axis_rules(rules):
+    ...   model = nnx.eval_shape(
+    ...       lambda: nnx.Linear(64, 24, kernel_init=init, rngs=nnx.Rngs(0)))
+    ...   p = fdt.plan(model)
+    >>> p['kernel'].spec
+    P('data', None)
+    >>> p['kernel'].fallbacks
+    ("dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16 (mesh axes ['model'])",)
   """
   rules_ = _rules.resolve_rules(rules) or _rules.LogicalRules(())
   mesh_ = mesh if mesh is not None else _rules.current_mesh()

@@ -430,7 +430,7 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
     >>> import flax_dtensor as fdt
     >>> with fdt.logical_axis_rules([('batch', 'data'), ('mlp', 'model')]):
     ...   fdt.logical_to_mesh_axes(('batch', 'mlp'))
-    PartitionSpec('data', 'model')
+    P('data', 'model')
   """
   rules = LogicalRules(rules)
   _install_hooks()
@@ -723,7 +723,7 @@ def logical_to_mesh_axes(
     >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
     >>> fdt.logical_to_mesh_axes(('embed', 'mlp'), (512, 6), mesh=mesh,
     ...                          rules=rules)
-    PartitionSpec(None, 'data')
+    P(None, 'data')
   """
   resolved_rules = resolve_rules(rules)
   if resolved_rules is None:

@@ -193,7 +193,7 @@ def shard_value(
     >>> x = fdt.shard_value(jnp.zeros((8, 16)), ('batch', 'mlp'), mesh=mesh,
     ...                     rules=[('batch', 'data'), ('mlp', 'model')])
     >>> x.sharding.spec
-    PartitionSpec('data', 'model')
+    P('data', 'model')
   """
   mesh = _require_mesh(mesh, 'a value', path)
   rules_ = _rules.resolve_rules(rules) or _rules.LogicalRules(())
@@ -493,7 +493,7 @@ def init(
     ...                  rngs=nnx.Rngs(0), mesh=mesh,
     ...                  rules=[('embed', 'data'), ('mlp', 'model')])
     >>> model.kernel.sharding.spec
-    PartitionSpec('data', 'model')
+    P('data', 'model')
   """
   with scope(mesh, rules):
     mesh_ = _rules.current_mesh()

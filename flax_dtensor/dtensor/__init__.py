@@ -16,18 +16,34 @@ from flax_dtensor.dtensor._mesh import mesh_to_dtensor as mesh_to_dtensor
 from flax_dtensor.dtensor._mesh import shutdown as shutdown
 
 # --- NNX state export (flax_dtensor/dtensor/_export.py) ---------------------
-# The export module adds its imports here (to_tf_module, save_checkpoint,
-# restore_checkpoint, save_saved_model) and its names to __all__ below.
+# isort: split
+from flax_dtensor.dtensor._export import checkpoint_key as checkpoint_key
+from flax_dtensor.dtensor._export import flat_variables as flat_variables
+from flax_dtensor.dtensor._export import nnx_path as nnx_path
+from flax_dtensor.dtensor._export import read_checkpoint as read_checkpoint
+from flax_dtensor.dtensor._export import (
+  restore_checkpoint as restore_checkpoint,
+)
+from flax_dtensor.dtensor._export import save_checkpoint as save_checkpoint
+from flax_dtensor.dtensor._export import save_saved_model as save_saved_model
+from flax_dtensor.dtensor._export import to_tf_module as to_tf_module
+
 # --- end of NNX state export -------------------------------------------------
 
 __all__ = (
-  # Low-level bridge.
   'array_to_dtensor',
+  'checkpoint_key',
   'dtensor_to_array',
+  'flat_variables',
   'initialize',
   'is_initialized',
   'layout_for',
   'mesh_to_dtensor',
+  'nnx_path',
+  'read_checkpoint',
+  'restore_checkpoint',
+  'save_checkpoint',
+  'save_saved_model',
   'shutdown',
-  # NNX state export: add names here.
+  'to_tf_module',
 )

@@ -19,6 +19,7 @@ lockstep.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import re
@@ -68,7 +69,8 @@ _topology_checked = False
 _mesh_cache: dict[
   tuple[jax.sharding.Mesh, tuple[tuple[str, ...], ...]], tuple[Any, _MeshRecord]
 ] = {}
-# DTensor mesh string -> the ways flax_dtensor built that DTensor mesh.
+# DTensor mesh string -> the ways flax_dtensor built that DTensor mesh, the
+# most recently used last.
 _registry: dict[str, list[_MeshRecord]] = {}
 # JAX device -> its one-device DTensor mesh.
 _single_device_cache: dict[jax.Device, tuple[Any, _MeshRecord]] = {}
@@ -85,12 +87,14 @@ class _MeshRecord:
     axis_groups: For each DTensor mesh axis, the JAX mesh axes it fuses.
     jax_mesh: The JAX mesh, or None for a single-device array.
     device: The device of a single-device array, else None.
+    key: The DTensor mesh's string (its key in the registry).
   """
 
   devices: np.ndarray = dataclasses.field(compare=False)
   axis_groups: tuple[tuple[str, ...], ...]
   jax_mesh: jax.sharding.Mesh | None
   device: jax.Device | None
+  key: str
 
   def sharding(self, specs: Sequence[str]) -> jax.sharding.Sharding:
     """Returns the JAX sharding of a DTensor layout on this mesh."""
@@ -148,19 +152,16 @@ def initialize(*, reset_context: bool = False) -> None:
           experimental_reset_context=reset_context,
         )
     except ValueError as e:
-      if 'already been initialized' in str(e):
-        raise _errors.DTensorInitializationError(
-          'TensorFlow was already initialized: expected '
-          'flax_dtensor.dtensor.initialize() to run before any other '
-          'TensorFlow operation, but TF already ran something (got '
-          f'{str(e).splitlines()[0]!r}). Call '
-          'flax_dtensor.dtensor.initialize() first thing in the program, or '
-          'pass `reset_context=True` (invalidates every existing TF tensor '
-          'and variable).'
-        ) from e
+      if 'already been initialized' not in str(e):
+        raise
       raise _errors.DTensorInitializationError(
-        f'TF DTensor failed to initialize with {jax.local_device_count()} '
-        f'logical CPU devices: got {e!r}.'
+        'TensorFlow was already initialized: expected '
+        'flax_dtensor.dtensor.initialize() to run before any other '
+        'TensorFlow operation, but TF already ran something (got '
+        f'{str(e).splitlines()[0]!r}). Call '
+        'flax_dtensor.dtensor.initialize() first thing in the program, or '
+        'pass `reset_context=True` (invalidates every existing TF tensor '
+        'and variable).'
       ) from e
     _topology_checked = False
     _check_topology()
@@ -196,6 +197,13 @@ def shutdown() -> None:
         'not support it; keep DTensor initialized until the processes exit.'
       )
     dt.shutdown_accelerator_system()
+    # TF keeps its DTensor device, bound to the context just reset; a later
+    # initialize() would then fail every pack ('device:CUSTOM:0 unknown
+    # device'). Drop it so that the next use creates a new one.
+    api = importlib.import_module('tensorflow.dtensor.python.api')
+    reset = getattr(api, '_reset', None)
+    if reset is not None:
+      reset()
     _topology_checked = False
     _mesh_cache.clear()
     _single_device_cache.clear()
@@ -412,18 +420,11 @@ def _dim_axes(
       axes = entry
     else:
       axes = (entry,)
-    for name in axes:
-      if name not in mesh.axis_names:
-        raise _errors.DTensorError(
-          f'PartitionSpec {spec!r} names mesh axis {name!r}, expected one of '
-          f'the mesh axes {mesh.axis_names!r}.'
-        )
     dim_axes.append(tuple(axes))
+  # NamedSharding itself rejects unknown and repeated mesh axes.
   used = [name for axes in dim_axes for name in axes]
-  if len(used) != len(set(used)):
-    raise _errors.DTensorError(
-      f'Expected each mesh axis at most once in a PartitionSpec, got {spec!r}.'
-    )
+  assert set(used) <= set(mesh.axis_names), (spec, mesh)
+  assert len(used) == len(set(used)), spec
   return dim_axes
 
 
@@ -451,6 +452,7 @@ def _dtensor_mesh(
   with _lock:
     cached = _mesh_cache.get(key)
     if cached is not None:
+      _use(cached[1])
       return cached
     if not mesh.axis_names:
       raise _errors.DTensorError(
@@ -464,8 +466,8 @@ def _dtensor_mesh(
     devices = np.transpose(mesh.devices, order).reshape(shape)
     names = [FUSED_AXIS_SEPARATOR.join(group) for group in groups]
     dmesh = _build_dtensor_mesh(names, devices)
-    record = _MeshRecord(devices, groups, mesh, None)
-    _register(dmesh, record)
+    record = _MeshRecord(devices, groups, mesh, None, dmesh.to_string())
+    _use(record)
     _mesh_cache[key] = (dmesh, record)
     return dmesh, record
 
@@ -475,11 +477,12 @@ def _single_device_mesh(device: jax.Device) -> tuple[Any, _MeshRecord]:
   with _lock:
     cached = _single_device_cache.get(device)
     if cached is not None:
+      _use(cached[1])
       return cached
     devices = np.array([device], dtype=object)
     dmesh = _build_dtensor_mesh([SINGLE_DEVICE_AXIS], devices)
-    record = _MeshRecord(devices, (), None, device)
-    _register(dmesh, record)
+    record = _MeshRecord(devices, (), None, device, dmesh.to_string())
+    _use(record)
     _single_device_cache[device] = (dmesh, record)
     return dmesh, record
 
@@ -499,27 +502,22 @@ def _build_dtensor_mesh(names: list[str], devices: np.ndarray) -> Any:
   local_index = _local_index()
   flat = list(devices.flat)
   this_process = jax.process_index()
-  for device in flat:
-    if device not in local_index and device.process_index == this_process:
-      raise _errors.DTensorError(
-        f'Mesh device {device!r} belongs to this process but is not one of '
-        f'its local devices jax.local_devices()={jax.local_devices()!r}. '
-        'Build the mesh from devices of the default JAX backend.'
-      )
   local_ids = [p for p, device in enumerate(flat) if device in local_index]
-  if not local_ids:
+  # A device of this process that is not a local device of the default
+  # backend (e.g. a CPU device when JAX runs on GPU) has no TF device.
+  foreign = [
+    d for d in flat if d not in local_index and d.process_index == this_process
+  ]
+  if foreign or not local_ids:
     raise _errors.DTensorError(
-      f'Expected a mesh with at least one device of this process (process '
-      f'{this_process}, devices {jax.local_devices()!r}), got devices '
-      f'{flat!r}. DTensor needs each process to hold part of the mesh.'
+      'Expected mesh devices that are local devices of this process '
+      f'(process {this_process}: jax.local_devices()={jax.local_devices()!r}) '
+      'or devices of other JAX processes, with at least one of this process '
+      f'(DTensor needs every process to hold part of a mesh); got {flat!r}.'
     )
   tf_devices = dt.local_devices('CPU')
-  if len(tf_devices) != len(local_index):
-    raise _errors.DTensorInitializationError(
-      f'Expected {len(local_index)} TF logical CPU devices, one per local JAX '
-      f'device, got {len(tf_devices)}. Call flax_dtensor.dtensor.initialize() '
-      'before any other TensorFlow operation.'
-    )
+  # _check_topology() guarantees one TF logical CPU per local JAX device.
+  assert len(tf_devices) == len(local_index), (tf_devices, local_index)
   local_devices = [tf_devices[local_index[flat[p]]] for p in local_ids]
   return dt.Mesh(
     list(names),
@@ -529,15 +527,27 @@ def _build_dtensor_mesh(names: list[str], devices: np.ndarray) -> Any:
   )
 
 
-def _register(dmesh: Any, record: _MeshRecord) -> None:
-  records = _registry.setdefault(dmesh.to_string(), [])
-  if record not in records:
-    records.append(record)
+def _use(record: _MeshRecord) -> None:
+  """Registers `record` as the most recent JAX origin of its DTensor mesh.
 
-
-def _lookup(dmesh: Any) -> list[_MeshRecord]:
+  Several JAX meshes can give one DTensor mesh: the same devices and axis
+  names with other `axis_types` (e.g. Explicit and Auto), or, in another
+  process, another placement of that process's devices. The JAX mesh used
+  most recently wins when a DTensor comes back without `mesh` or `sharding`.
+  """
   with _lock:
-    return list(_registry.get(dmesh.to_string(), ()))
+    records = _registry.setdefault(record.key, [])
+    if not records or records[-1] is not record:
+      if record in records:
+        records.remove(record)
+      records.append(record)
+
+
+def _lookup(dmesh: Any) -> _MeshRecord | None:
+  """Returns the most recent JAX origin of a DTensor mesh, if any."""
+  with _lock:
+    records = _registry.get(dmesh.to_string())
+    return records[-1] if records else None
 
 
 def _partition_spec(
@@ -573,12 +583,8 @@ def _component_indices(
     int(gid): p for p, gid in enumerate(dmesh.global_device_ids().flat)
   }
   for dim, spec in enumerate(specs):
-    if spec != _UNSHARDED and shape[dim] % mesh_shape[names.index(spec)]:
-      raise _errors.DTensorError(
-        f'Dimension {dim} of size {shape[dim]} is not divisible by the '
-        f'{mesh_shape[names.index(spec)]} devices of mesh axis {spec!r}; '
-        'DTensor needs even shards.'
-      )
+    # Neither JAX arrays nor DTensors are ever unevenly sharded.
+    assert spec == _UNSHARDED or not shape[dim] % mesh_shape[names.index(spec)]
   out = []
   for gid in dmesh.local_device_ids():
     coords = np.unravel_index(positions[int(gid)], mesh_shape)
@@ -654,9 +660,10 @@ def array_to_dtensor(arr: jax.Array) -> tf.Tensor:
     device = record.devices.flat[int(gid)]
     shard = by_device.get(device)
     if shard is None or _normalize_index(shard.index, shape) != index:
-      # An internal invariant: reaching this is a flax_dtensor bug.
-      raise _errors.DTensorError(
-        f'Internal error: the DTensor component at mesh position {gid} '
+      # An internal invariant, checked even under `python -O`: the layout
+      # must describe exactly the shards packed.
+      raise AssertionError(
+        f'flax_dtensor internal error: the DTensor component at mesh position {gid} '
         f'(JAX device {device!r}) should hold the slice {index!r} of the '
         f'array, but the JAX shard there is '
         f'{None if shard is None else shard.index!r}. Please report this '
@@ -683,7 +690,11 @@ def dtensor_to_array(
   The JAX sharding is, in order of preference: `sharding`; else the DTensor
   layout's axes looked up in `mesh` (a fused DTensor axis 'a+b' becomes
   `('a', 'b')`); else the JAX mesh the DTensor mesh was built from by this
-  module (`mesh_to_dtensor`, `layout_for`, `array_to_dtensor`).
+  module (`mesh_to_dtensor`, `layout_for`, `array_to_dtensor`). Several JAX
+  meshes can give the same DTensor mesh (same devices and axis names, other
+  `axis_types`): then the one converted most recently wins, so pass `mesh` or
+  `sharding` when it matters. Whichever is used, values are right: shards are
+  matched to components by slice.
 
   Args:
     t: A DTensor, or a DTensor variable (`dtensor.DVariable`).
@@ -699,8 +710,7 @@ def dtensor_to_array(
     DTensorInitializationError: If `initialize()` was not called.
     DTensorError: If `t` is not a DTensor; if both `mesh` and `sharding` are
       given; if `sharding` partitions the array differently from the DTensor
-      layout; if neither is given and the DTensor mesh was not built here, or
-      maps to several JAX meshes.
+      layout; if neither is given and the DTensor mesh was not built here.
   """
   dt = _require_initialized()
   tf_module = _tf.tf()
@@ -720,7 +730,7 @@ def dtensor_to_array(
   dmesh = layout.mesh
   specs = list(layout.sharding_specs)
   shape = tuple(int(d) for d in t.shape)
-  records = _lookup(dmesh)
+  record = _lookup(dmesh)
   if sharding is None:
     if mesh is not None:
       if not isinstance(mesh, jax.sharding.Mesh):
@@ -728,20 +738,14 @@ def dtensor_to_array(
           f'Expected `mesh` to be a jax.sharding.Mesh, got {mesh!r}.'
         )
       sharding = jax.sharding.NamedSharding(mesh, _partition_spec(specs, mesh))
-    elif not records:
+    elif record is None:
       raise _errors.DTensorError(
         'Expected a DTensor on a mesh built by flax_dtensor in this process, '
         f'got one on the DTensor mesh {dmesh.to_string()!r}, whose JAX '
         'devices are unknown. Pass `mesh=` or `sharding=`.'
       )
-    elif len(records) > 1:
-      raise _errors.DTensorError(
-        'The DTensor mesh was built from several JAX meshes, expected one: '
-        f'got {[r.jax_mesh or r.device for r in records]!r}. Pass `mesh=` or '
-        '`sharding=` to choose.'
-      )
     else:
-      sharding = records[0].sharding(specs)
+      sharding = record.sharding(specs)
   elif not isinstance(
     sharding,
     jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding,
@@ -750,12 +754,19 @@ def dtensor_to_array(
       'Expected `sharding` to be a jax.sharding.NamedSharding or '
       f'SingleDeviceSharding, got {sharding!r}.'
     )
+  elif isinstance(sharding, jax.sharding.NamedSharding) and (
+    len(sharding.spec) > len(shape)
+  ):
+    raise _errors.DTensorError(
+      f'Expected a `sharding` whose PartitionSpec has at most {len(shape)} '
+      f'entries for the rank-{len(shape)} DTensor, got {sharding!r}.'
+    )
   components = dt.unpack(t)
   indices = _component_indices(dmesh, specs, shape)
   # The device each component came from, when this module built the mesh.
   home = (
-    [records[0].devices.flat[int(g)] for g in dmesh.local_device_ids()]
-    if len(records) == 1
+    [record.devices.flat[int(g)] for g in dmesh.local_device_ids()]
+    if record is not None
     else [None] * len(components)
   )
   by_index: dict[tuple[tuple[int, int], ...], list[int]] = {}
@@ -763,7 +774,7 @@ def dtensor_to_array(
     by_index.setdefault(index, []).append(i)
   try:
     targets = sharding.addressable_devices_indices_map(shape)
-  except ValueError as e:
+  except (ValueError, IndexError) as e:
     raise _errors.DTensorError(
       f'Expected a `sharding` that fits the DTensor shape {shape}, got '
       f'{sharding!r}: {e}'

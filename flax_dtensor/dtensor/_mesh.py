@@ -779,7 +779,7 @@ def dtensor_to_array(
       f'Expected a `sharding` that fits the DTensor shape {shape}, got '
       f'{sharding!r}: {e}'
     ) from e
-  arrays = []
+  devices, views = [], []
   for device, index in targets.items():
     key = _normalize_index(index, shape)
     candidates = by_index.get(key)
@@ -794,7 +794,9 @@ def dtensor_to_array(
         'like the layout does, or relayout the DTensor first.'
       )
     i = next((c for c in candidates if home[c] == device), candidates[0])
-    arrays.append(jax.device_put(_component_numpy(components[i]), device))
+    devices.append(device)
+    views.append(_component_numpy(components[i]))
+  arrays = jax.device_put(views, devices)  # One batched call.
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

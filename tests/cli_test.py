@@ -1,0 +1,679 @@
+"""Tests of the `flax-dtensor` command line, run as real subprocesses.
+
+The subprocesses inherit the 8-device CPU setup of conftest.py (XLA_FLAGS,
+JAX_PLATFORMS). Anything that needs TensorFlow runs in a subprocess too, so
+this test process never initializes TF.
+
+`user_model` below is the "user factory": the CLI loads it from this file
+(`tests/cli_test.py:user_model`) or as a module (`cli_test:user_model` with
+`tests/` on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_dtensor import cli
+
+THIS_FILE = pathlib.Path(__file__).resolve()
+TESTS_DIR = THIS_FILE.parent
+DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
+USER_TARGET = f'{THIS_FILE}:user_model'
+TIMEOUT = 300
+USER_RULES = textwrap.dedent("""\
+  # A user's rules: 'hidden' prefers 'model', falls back to 'data'.
+  logical_axis_rules:
+    - ['features', 'data']
+    - ['hidden', 'model']
+    - ['hidden', 'data']
+    - ['classes', null]
+  """)
+
+
+# The user's model
+# ------------------------------------------------------------------------------
+
+
+class UserMLP(nnx.Module):
+  """A user's model: 'hidden' of size 6 does not divide 'model' (4)."""
+
+  def __init__(self, *, features: int, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.hidden = nnx.Linear(
+      features,
+      6,
+      kernel_init=nnx.with_partitioning(init, ('features', 'hidden')),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, ('hidden',)),
+      rngs=rngs,
+    )
+    self.out = nnx.Linear(
+      6,
+      3,
+      kernel_init=nnx.with_partitioning(init, ('hidden', 'classes')),
+      use_bias=False,
+      rngs=rngs,
+    )
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def user_model() -> UserMLP:
+  """The factory the CLI calls: takes no arguments, returns the module."""
+  return UserMLP(features=16, rngs=nnx.Rngs(1))
+
+
+def huge_user_model() -> nnx.Module:
+  """40 GB of float32 params: `plan` must not allocate them."""
+  init = nnx.with_partitioning(nnx.initializers.zeros, ('features', 'hidden'))
+  return nnx.Linear(100_000, 100_000, kernel_init=init, rngs=nnx.Rngs(0))
+
+
+def not_a_module() -> int:
+  return 3
+
+
+# Helpers
+# ------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT, **kwargs):
+  """Runs `python -m flax_dtensor ARGS`; returns the CompletedProcess."""
+  return subprocess.run(
+    [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    stdin=subprocess.DEVNULL,
+    check=False,
+    **kwargs,
+  )
+
+
+def ok(proc) -> str:
+  assert proc.returncode == 0, (
+    f'exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}'
+  )
+  return proc.stdout
+
+
+def bad_input(proc, *fragments: str) -> str:
+  """Asserts exit status 2, one `error:` line naming `fragments`."""
+  assert proc.returncode == 2, (
+    f'exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}'
+  )
+  assert 'Traceback' not in proc.stderr, proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if 'error' in line]
+  assert len(errors) == 1, proc.stderr
+  (line,) = errors
+  assert line.startswith('error: '), line
+  for fragment in fragments:
+    assert fragment in line, (fragment, line)
+  return line
+
+
+def run_python(script: str, *args: str, timeout: float = TIMEOUT) -> str:
+  proc = subprocess.run(
+    [sys.executable, '-c', script, *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    stdin=subprocess.DEVNULL,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr
+  return proc.stdout
+
+
+# Writes an Orbax checkpoint of nnx.state(TARGET()) and the same values (and,
+# for the demo model, logits on fixed tokens) to an .npz file. The user model
+# is built sharded on a (8,) mesh, so `export` restores it onto another layout.
+MAKE_CHECKPOINT = """
+import sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from flax import nnx
+import flax_dtensor as fdt
+from flax_dtensor import cli
+target, path, npz = sys.argv[1:4]
+factory = cli.load_target(target)
+if target.endswith('make_model'):
+  model = factory()
+else:
+  mesh = jax.make_mesh((8,), ('data',))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(
+      [('features', 'data'), ('hidden', None), ('classes', None)]):
+    model = factory()
+state = nnx.state(model)
+checkpointer = ocp.StandardCheckpointer()
+checkpointer.save(path, state)
+checkpointer.wait_until_finished()
+arrays = {'/'.join(map(str, k)): np.asarray(v.get_value())
+          for k, v in nnx.to_flat_state(state)}
+if target.endswith('make_model'):
+  tokens = (np.arange(2 * 128).reshape(2, 128) * 7 % 256).astype(np.int32)
+  arrays['__tokens__'] = tokens
+  arrays['__logits__'] = np.asarray(model(tokens))
+np.savez(npz, **{k.replace('/', '|'): v for k, v in arrays.items()})
+"""
+
+# Reads a DTensor checkpoint with TensorFlow and compares it with an .npz.
+CHECK_CHECKPOINT = """
+import json, sys
+import numpy as np
+from flax_dtensor import dtensor
+directory, npz = sys.argv[1:3]
+saved = dtensor.read_checkpoint(directory)
+expected = {k.replace('|', '/'): v for k, v in np.load(npz).items()
+            if not k.startswith('__')}
+print(json.dumps({
+  'missing': sorted(set(expected) - set(saved)),
+  'extra': sorted(set(saved) - set(expected)),
+  'max_abs_diff': max(float(np.max(np.abs(saved[k] - v)))
+                      for k, v in expected.items() if k in saved),
+  'layouts': {k: v.get('sharding') for k, v in json.load(
+      open(directory + '/flax_dtensor.json'))['variables'].items()},
+}))
+"""
+
+
+def make_checkpoint(
+  target: str, tmp: pathlib.Path
+) -> tuple[pathlib.Path, dict]:
+  path = tmp / 'orbax'
+  npz = tmp / 'expected.npz'
+  run_python(MAKE_CHECKPOINT, target, path, npz)
+  with np.load(npz) as f:
+    return path, {k.replace('|', '/'): f[k] for k in f.files}
+
+
+def check_checkpoint(directory: pathlib.Path, tmp: pathlib.Path) -> dict:
+  return json.loads(
+    run_python(CHECK_CHECKPOINT, directory, tmp / 'expected.npz')
+  )
+
+
+# Parsing (in process)
+# ------------------------------------------------------------------------------
+
+
+def test_parse_mesh():
+  assert cli.parse_mesh('data=2,model=4') == (('data', 2), ('model', 4))
+  assert cli.parse_mesh(' x=8 ') == (('x', 8),)
+
+
+@pytest.mark.parametrize(
+  'text, match',
+  [
+    ('data2,model=4', "expected NAME=SIZE, got 'data2'"),
+    ('data=2,,model=4', "got ''"),
+    ('data=0', 'sizes must be positive'),
+    ('data=-1', 'expected NAME=SIZE'),
+    ('data=2,data=4', "axis name\\(s\\) \\['data'\\] repeat"),
+  ],
+  ids=['no-equals', 'empty-item', 'zero', 'negative', 'repeat'],
+)
+def test_parse_mesh_errors(text, match):
+  with pytest.raises(cli.BadInputError, match=match):
+    cli.parse_mesh(text)
+
+
+def test_parse_input_shape():
+  spec = cli.parse_input_shape('x:1,128:int32', static_batch=False)
+  assert spec == cli.InputSpec('x', (None, 128), 'int32')
+  spec = cli.parse_input_shape('x:1,128:int32', static_batch=True)
+  assert spec.shape == (1, 128)
+  assert cli.parse_input_shape('y:b,?,3:float32', static_batch=True).shape == (
+    None,
+    None,
+    3,
+  )
+
+
+@pytest.mark.parametrize(
+  'text, match',
+  [
+    ('x:1,128', 'Malformed --input-shape'),
+    ('x:1,128:int33', "unknown dtype 'int33'"),
+    ('x:1,zero:int32', "dimension 'zero'"),
+    (':1:int32', 'Malformed --input-shape'),
+  ],
+  ids=['no-dtype', 'bad-dtype', 'bad-dim', 'no-name'],
+)
+def test_parse_input_shape_errors(text, match):
+  with pytest.raises(cli.BadInputError, match=match):
+    cli.parse_input_shape(text, static_batch=False)
+
+
+# plan
+# ------------------------------------------------------------------------------
+
+
+def test_plan_demo_table():
+  out = ok(run_cli('plan', DEMO_TARGET, '--mesh', 'data=2,model=4'))
+  assert 'Sharding plan (data=2, model=4; 8 devices)' in out
+  assert 'head/kernel' in out
+  assert "P('data', 'model')" in out
+  # The footer: total bytes per device against the ideal.
+  assert '260.0 KiB (ideal 232.9 KiB, 1.12x)' in out
+  assert "'fsdp': the mesh has no" in out
+
+
+def test_plan_demo_json():
+  result = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json')))
+  assert result['mesh'] == {'data': 2, 'model': 4}
+  variables = {v['path']: v for v in result['variables']}
+  assert len(variables) == 2 * 10 + 4
+  head = variables['head/kernel']
+  assert head['logical_axes'] == ['embed', 'vocab']
+  assert head['spec'] == ['data', 'model']
+  assert head['bytes'] == 128 * 256 * 4
+  assert head['bytes_per_device'] == 128 * 256 * 4 // 8
+  query = variables['layers/0/attn/query/kernel']
+  assert query['spec'] == ['data', 'model', None]
+  assert variables['final_norm/scale']['spec'] == [None]
+  assert result['total_bytes'] == sum(v['bytes'] for v in variables.values())
+  assert result['bytes_per_device'] == 266240
+  assert result['ideal_bytes_per_device'] == result['total_bytes'] / 8
+
+
+def test_plan_user_factory_with_rules(tmp_path):
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  result = json.loads(
+    ok(
+      run_cli(
+        'plan',
+        USER_TARGET,
+        '--mesh',
+        'data=2,model=4',
+        '--rules',
+        rules,
+        '--json',
+      )
+    )
+  )
+  variables = {v['path']: v for v in result['variables']}
+  # 'features' took 'data', so 'hidden' (6, not divisible by 4) cannot fall
+  # back to 'data' either: it stays unsharded, and the plan says why.
+  kernel = variables['hidden/kernel']
+  assert kernel['spec'] == ['data', None]
+  assert any('not divisible by 4' in f for f in kernel['fallbacks'])
+  assert any("'data' already shards dim 0" in f for f in kernel['fallbacks'])
+  # The bias has no 'features': 'hidden' falls back to 'data' (6 % 2 == 0).
+  assert variables['hidden/bias']['spec'] == ['data']
+  assert variables['out/kernel']['spec'] == ['data', None]
+
+
+def test_plan_user_factory_as_module(tmp_path):
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+  result = json.loads(
+    ok(
+      run_cli(
+        'plan',
+        'cli_test:user_model',
+        '--mesh',
+        'data=8',
+        '--rules',
+        rules,
+        '--json',
+        env=env,
+      )
+    )
+  )
+  variables = {v['path']: v for v in result['variables']}
+  assert variables['hidden/kernel']['spec'] == ['data', None]
+  assert result['num_devices'] == 8
+
+
+def test_plan_allocates_nothing(tmp_path):
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  result = json.loads(
+    ok(
+      run_cli(
+        'plan',
+        f'{THIS_FILE}:huge_user_model',
+        '--mesh',
+        'data=2,model=4',
+        '--rules',
+        rules,
+        '--json',
+      )
+    )
+  )
+  (kernel,) = [v for v in result['variables'] if v['path'] == 'kernel']
+  assert kernel['bytes'] == 100_000 * 100_000 * 4  # 40 GB, never allocated.
+  assert kernel['spec'] == ['data', 'model']
+  assert kernel['bytes_per_device'] == kernel['bytes'] // 8
+
+
+# Bad input: exit status 2, one line, no traceback
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'args, fragments',
+  [
+    (['--mesh', 'data2,model=4'], ['Malformed --mesh', 'NAME=SIZE']),
+    (['--mesh', 'data=2;model=4'], ['Malformed --mesh']),
+    (['--mesh', 'data=0'], ['sizes must be positive']),
+  ],
+  ids=['no-equals', 'bad-separator', 'zero'],
+)
+def test_plan_malformed_mesh(args, fragments):
+  bad_input(run_cli('plan', DEMO_TARGET, *args), *fragments)
+
+
+@pytest.mark.parametrize(
+  'target, fragments',
+  [
+    ('flax_dtensor.demo.model', ['not of the form package.module:factory']),
+    ('no_such_module_xyz:make', ["no module named 'no_such_module_xyz'"]),
+    (
+      'flax_dtensor.demo.model:no_such_factory',
+      ["has no attribute 'no_such_factory'"],
+    ),
+    ('/no/such/file.py:make', ["file '/no/such/file.py' does not exist"]),
+    (f'{THIS_FILE}:not_a_module', ['expected an nnx.Module']),
+    (f'{THIS_FILE}:USER_RULES', ['is a str, not a callable']),
+  ],
+  ids=[
+    'no-colon',
+    'no-module',
+    'no-attribute',
+    'no-file',
+    'not-a-module',
+    'not-callable',
+  ],
+)
+def test_plan_bad_target(target, fragments):
+  bad_input(run_cli('plan', target), 'TARGET', *fragments)
+
+
+@pytest.mark.parametrize(
+  'text, fragments',
+  [
+    ('logical_axis_rules: [[unclosed', ['not valid YAML']),
+    ('rules: []', ['no `logical_axis_rules` key']),
+    ('logical_axis_rules: [[embed, 3]]', ['expected a mesh axis name']),
+    ('logical_axis_rules: [[embed]]', ['expected a (logical_name, target)']),
+  ],
+  ids=['bad-yaml', 'no-key', 'bad-target', 'bad-pair'],
+)
+def test_plan_malformed_rules(tmp_path, text, fragments):
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(text)
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--rules', rules),
+    'Malformed rules file',
+    *fragments,
+  )
+
+
+def test_plan_missing_rules_file(tmp_path):
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--rules', tmp_path / 'nope.yaml'),
+    'does not exist',
+  )
+
+
+def test_plan_rules_missing_a_name(tmp_path):
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text("logical_axis_rules: [['batch', 'data']]")
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--rules', rules),
+    'UnknownLogicalAxisError',
+    'not mentioned by any rule',
+  )
+
+
+def test_debug_shows_traceback():
+  proc = run_cli('plan', DEMO_TARGET, '--mesh', 'data2', '--debug')
+  assert proc.returncode == 2
+  assert 'Traceback' in proc.stderr
+  assert 'error: Malformed --mesh' in proc.stderr
+
+
+def test_export_missing_checkpoint(tmp_path):
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      tmp_path / 'missing',
+      '--out',
+      tmp_path / 'out',
+    ),
+    'Checkpoint',
+    'does not exist',
+  )
+
+
+def test_export_not_a_checkpoint(tmp_path):
+  (tmp_path / 'empty').mkdir()
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      tmp_path / 'empty',
+      '--out',
+      tmp_path / 'out',
+    ),
+    'holds no Orbax checkpoint',
+  )
+
+
+def test_export_corrupt_checkpoint(tmp_path):
+  corrupt = tmp_path / 'corrupt'
+  corrupt.mkdir()
+  (corrupt / '_CHECKPOINT_METADATA').write_text('{not json')
+  (corrupt / '_METADATA').write_text('\x00garbage')
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      corrupt,
+      '--out',
+      tmp_path / 'out',
+    ),
+    'Cannot restore the Orbax checkpoint',
+  )
+  assert not (tmp_path / 'out' / 'checkpoint').exists()
+
+
+def test_export_mesh_does_not_match_devices(tmp_path):
+  checkpoint = tmp_path / 'ckpt'
+  (checkpoint).mkdir()
+  (checkpoint / '_METADATA').write_text('{}')
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      checkpoint,
+      '--mesh',
+      'data=4,model=4',
+      '--out',
+      tmp_path / 'out',
+    ),
+    'needs 16 devices but JAX sees 8',
+    '--cpu-devices 16',
+  )
+
+
+def test_export_saved_model_needs_input_shape(tmp_path):
+  checkpoint = tmp_path / 'ckpt'
+  checkpoint.mkdir()
+  (checkpoint / '_METADATA').write_text('{}')
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      checkpoint,
+      '--out',
+      tmp_path / 'out',
+      '--saved-model',
+    ),
+    '--saved-model needs',
+  )
+
+
+@pytest.mark.parametrize(
+  'path, fragments',
+  [('missing', ['is not a directory']), ('empty', ['holds no TF checkpoint'])],
+  ids=['missing', 'empty'],
+)
+def test_inspect_bad_directory(tmp_path, path, fragments):
+  (tmp_path / 'empty').mkdir()
+  bad_input(run_cli('inspect', tmp_path / path), *fragments)
+
+
+# export and inspect, for real
+# ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def demo_export(tmp_path_factory):
+  """Exports an Orbax checkpoint of the demo model with a SavedModel."""
+  tmp = tmp_path_factory.mktemp('demo_export')
+  orbax, expected = make_checkpoint(DEMO_TARGET, tmp)
+  out = tmp / 'out'
+  proc = run_cli(
+    'export',
+    DEMO_TARGET,
+    '--checkpoint',
+    orbax,
+    '--mesh',
+    'data=2,model=4',
+    '--out',
+    out,
+    '--saved-model',
+    '--input-shape',
+    'tokens:1,128:int32',
+  )
+  return tmp, out, expected, proc
+
+
+def test_export_demo_checkpoint_values(demo_export):
+  tmp, out, _, proc = demo_export
+  stdout = ok(proc)
+  assert 'Restored' in stdout and 'onto mesh data=2,model=4' in stdout
+  report = check_checkpoint(out / 'checkpoint', tmp)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0  # Bit-exact.
+  layouts = report['layouts']
+  assert 'data' in layouts['head/kernel'] and 'model' in layouts['head/kernel']
+
+
+def test_export_demo_saved_model_logits(demo_export):
+  _, out, expected, proc = demo_export
+  ok(proc)
+  logits, report = cli.verify_saved_model(
+    out / 'saved_model', expected['__tokens__']
+  )
+  assert not report['jax_imported']
+  assert logits.shape == (2, 128, 256)
+  np.testing.assert_allclose(
+    logits, expected['__logits__'], rtol=1e-4, atol=1e-4
+  )
+
+
+def test_export_refuses_to_overwrite(demo_export):
+  tmp, out, _, proc = demo_export
+  ok(proc)
+  bad_input(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      tmp / 'orbax',
+      '--out',
+      out,
+    ),
+    'already exists',
+    '--overwrite',
+  )
+
+
+def test_inspect_demo_export(demo_export):
+  _, out, _, proc = demo_export
+  ok(proc)
+  stdout = ok(run_cli('inspect', out))
+  assert 'DTensor checkpoint' in stdout
+  assert '24 variables' in stdout
+  lines = [line for line in stdout.splitlines() if 'head/kernel' in line]
+  assert any(
+    '(128, 256)' in line and 'float32' in line and "'data', 'model'" in line
+    for line in lines
+  ), lines
+  # The SavedModel: its signature and its variables.
+  assert 'serving_default' in stdout
+  assert 'tokens: [None, 128] int32' in stdout
+
+
+def test_export_and_inspect_user_factory(tmp_path):
+  orbax, _ = make_checkpoint(USER_TARGET, tmp_path)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  out = tmp_path / 'out'
+  ok(
+    run_cli(
+      'export',
+      USER_TARGET,
+      '--checkpoint',
+      orbax,
+      '--mesh',
+      'data=2,model=4',
+      '--rules',
+      rules,
+      '--out',
+      out,
+    )
+  )
+  report = check_checkpoint(out / 'checkpoint', tmp_path)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0
+  assert set(report['layouts']) == {
+    'hidden/bias',
+    'hidden/kernel',
+    'out/kernel',
+  }
+  stdout = ok(run_cli('inspect', out / 'checkpoint'))
+  assert '3 variables' in stdout
+  (line,) = [x for x in stdout.splitlines() if 'hidden/kernel' in x]
+  assert '(16, 6)' in line and 'float32' in line and "'data', None" in line
+
+
+# demo
+# ------------------------------------------------------------------------------
+
+
+def test_demo_trains_exports_and_verifies(tmp_path):
+  out = tmp_path / 'demo'
+  stdout = ok(run_cli('demo', '--steps', '40', '--out', out, timeout=900))
+  summary = json.loads((out / 'summary.json').read_text())
+  assert summary['steps'] == 40 and len(summary['losses']) == 40
+  assert summary['loss_first'] > 5.0  # ~ln(256): uniform over bytes.
+  assert summary['loss_last'] < summary['loss_first'] - 2.0
+  assert summary['max_abs_logits_diff'] < 1e-3
+  assert not summary['tf_subprocess']['jax_imported']
+  for name in ('orbax', 'checkpoint', 'saved_model'):
+    assert (out / name).is_dir()
+    assert summary['bytes'][name] > 1_000_000
+  for text in ('Sharding plan', 'Files written', 'Timings', 'Results'):
+    assert text in stdout
+  assert (out / 'rules.yaml').read_text().startswith('# Default')

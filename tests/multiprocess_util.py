@@ -1,0 +1,197 @@
+"""Runs a worker script in several local processes: JAX distributed + DTensor.
+
+Test side: `run_workers(script, num_processes=2)` starts the processes on
+127.0.0.1 (free ports picked by the OS), each with its own CPU devices, bounds
+them by a timeout, kills them all if one fails, and returns their outputs. On
+failure it raises `WorkerError` with every process's output.
+
+Worker side (first thing in the script, before anything touches JAX):
+
+    import multiprocess_util
+    multiprocess_util.initialize_jax()
+
+which calls `jax.distributed.initialize` from the environment set here. The
+environment also holds `DTENSOR_JOBS`, `DTENSOR_CLIENT_ID` and
+`DTENSOR_JOB_NAME`, so `flax_dtensor.dtensor.initialize()` then sets up one
+DTensor client per JAX process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+# Environment variables read by `initialize_jax`.
+COORDINATOR_ENV = 'FDT_MP_COORDINATOR'
+NUM_PROCESSES_ENV = 'FDT_MP_NUM_PROCESSES'
+PROCESS_ID_ENV = 'FDT_MP_PROCESS_ID'
+DEVICES_ENV = 'FDT_MP_DEVICES_PER_PROCESS'
+
+
+class WorkerError(RuntimeError):
+  """A worker process failed or timed out; the message has all outputs."""
+
+
+def free_ports(n: int) -> list[int]:
+  """Returns `n` distinct free TCP ports on 127.0.0.1 (bound, then released)."""
+  with contextlib.ExitStack() as stack:
+    ports = []
+    for _ in range(n):
+      s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+      s.bind(('127.0.0.1', 0))
+      ports.append(s.getsockname()[1])
+    return ports
+
+
+def worker_env(
+  process_id: int,
+  num_processes: int,
+  *,
+  coordinator_port: int,
+  dtensor_ports: Sequence[int],
+  devices_per_process: int,
+  extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+  """Returns the environment of worker `process_id`."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  env.update(
+    {
+      COORDINATOR_ENV: f'127.0.0.1:{coordinator_port}',
+      NUM_PROCESSES_ENV: str(num_processes),
+      PROCESS_ID_ENV: str(process_id),
+      DEVICES_ENV: str(devices_per_process),
+      'DTENSOR_JOBS': ','.join(f'127.0.0.1:{p}' for p in dtensor_ports),
+      'DTENSOR_CLIENT_ID': str(process_id),
+      'DTENSOR_JOB_NAME': 'worker',
+      'XLA_FLAGS': (
+        f'--xla_force_host_platform_device_count={devices_per_process}'
+      ),
+      'JAX_PLATFORMS': 'cpu',
+      'TF_CPP_MIN_LOG_LEVEL': '2',
+      'PYTHONUNBUFFERED': '1',
+      'PYTHONPATH': os.pathsep.join(
+        [str(REPO_ROOT), str(TESTS_DIR)]
+        + [p for p in [os.environ.get('PYTHONPATH')] if p]
+      ),
+    }
+  )
+  env.update(extra or {})
+  return env
+
+
+def run_workers(
+  script_path: str | os.PathLike[str],
+  num_processes: int = 2,
+  *,
+  args: Sequence[str] = (),
+  timeout: float = 300,
+  devices_per_process: int = 4,
+  env: Mapping[str, str] | None = None,
+) -> list[str]:
+  """Runs `script_path` in `num_processes` local processes; returns outputs.
+
+  Args:
+    script_path: The worker script. It calls `initialize_jax()` first.
+    num_processes: How many processes (JAX processes and DTensor clients).
+    args: Command-line arguments for every worker.
+    timeout: Seconds for the whole run; then every process is killed.
+    devices_per_process: CPU devices of each process.
+    env: Extra environment variables for every worker.
+
+  Returns:
+    Each process's combined stdout and stderr, by process id.
+
+  Raises:
+    WorkerError: If a process exits with a non-zero status (the others are
+      then killed) or the run times out. The message holds all outputs.
+  """
+  ports = free_ports(num_processes + 1)
+  coordinator_port, dtensor_ports = ports[0], ports[1:]
+  with tempfile.TemporaryDirectory(prefix='fdt_mp_') as tmp:
+    logs = [pathlib.Path(tmp, f'worker{i}.log') for i in range(num_processes)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+      for i in range(num_processes):
+        with open(logs[i], 'wb') as log:
+          procs.append(
+            subprocess.Popen(
+              [sys.executable, str(script_path), *args],
+              env=worker_env(
+                i,
+                num_processes,
+                coordinator_port=coordinator_port,
+                dtensor_ports=dtensor_ports,
+                devices_per_process=devices_per_process,
+                extra=env,
+              ),
+              cwd=REPO_ROOT,
+              stdout=log,
+              stderr=subprocess.STDOUT,
+              stdin=subprocess.DEVNULL,
+            )
+          )
+      failure = _wait(procs, timeout)
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+      for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+          p.wait(timeout=30)
+    outputs = [log.read_text(errors='replace') for log in logs]
+  if failure:
+    report = '\n'.join(
+      f'--- process {i} (exit {p.returncode}) ---\n{out}'
+      for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
+    )
+    raise WorkerError(f'{failure}\n{report}')
+  return outputs
+
+
+def _wait(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> str:
+  """Waits for all processes; returns '' or why the run failed."""
+  deadline = time.monotonic() + timeout
+  while True:
+    codes = [p.poll() for p in procs]
+    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      return f'worker(s) {failed} failed; killed the others'
+    if all(c == 0 for c in codes):
+      return ''
+    if time.monotonic() > deadline:
+      running = [i for i, c in enumerate(codes) if c is None]
+      return f'timed out after {timeout} s; worker(s) {running} still running'
+    time.sleep(0.1)
+
+
+def initialize_jax() -> None:
+  """In a worker: starts `jax.distributed` from the environment.
+
+  Call it before anything else touches JAX.
+  """
+  import jax
+
+  num_devices = int(os.environ[DEVICES_ENV])
+  jax.config.update('jax_num_cpu_devices', num_devices)
+  coordinator = os.environ[COORDINATOR_ENV]
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=int(os.environ[NUM_PROCESSES_ENV]),
+    process_id=int(os.environ[PROCESS_ID_ENV]),
+    coordinator_bind_address=coordinator,
+  )
+  if jax.local_device_count() != num_devices:
+    raise RuntimeError(
+      f'Expected {num_devices} local CPU devices, got '
+      f'{jax.local_device_count()}.'
+    )

@@ -56,7 +56,9 @@ NOT_INITIALIZED_MSG = (
   'device).'
 )
 _ENV_HELP = (
-  'Set, in every process and before initialize(): DTENSOR_JOBS to a '
+  'In a multi-process job, call jax.distributed.initialize() before '
+  'flax_dtensor.dtensor.initialize(). Set, in every process and before '
+  'initialize(): DTENSOR_JOBS to a '
   'comma-separated list of one free host:port per JAX process, in '
   'jax.process_index() order (the same list everywhere); DTENSOR_CLIENT_ID to '
   'jax.process_index(); and DTENSOR_JOB_NAME to one job name shared by all '
@@ -497,7 +499,7 @@ def _local_index() -> dict[jax.Device, int]:
 
 
 def _build_dtensor_mesh(names: list[str], devices: np.ndarray) -> Any:
-  """Builds a DTensor mesh whose device id p is the JAX device devices.flat[p]."""
+  """Builds a DTensor mesh: device id `p` is JAX device `devices.flat[p]`."""
   dt = _tf.dtensor()
   local_index = _local_index()
   flat = list(devices.flat)
@@ -569,7 +571,8 @@ def _partition_spec(
         )
     entries.append(axes[0] if len(axes) == 1 else axes)
   while entries and entries[-1] is None:
-    entries.pop()  # JAX's canonical form, e.g. P('data') rather than P('data', None).
+    # JAX's canonical form: P('data') rather than P('data', None).
+    entries.pop()
   return jax.sharding.PartitionSpec(*entries)
 
 
@@ -663,9 +666,9 @@ def array_to_dtensor(arr: jax.Array) -> tf.Tensor:
       # An internal invariant, checked even under `python -O`: the layout
       # must describe exactly the shards packed.
       raise AssertionError(
-        f'flax_dtensor internal error: the DTensor component at mesh position {gid} '
-        f'(JAX device {device!r}) should hold the slice {index!r} of the '
-        f'array, but the JAX shard there is '
+        'flax_dtensor internal error: the DTensor component at mesh '
+        f'position {gid} (JAX device {device!r}) should hold the slice '
+        f'{index!r} of the array, but the JAX shard there is '
         f'{None if shard is None else shard.index!r}. Please report this '
         f'with the sharding {arr.sharding!r}.'
       )

@@ -6,7 +6,7 @@ imported only when one of these functions runs, never by
 any other TensorFlow operation.
 """
 
-# Low-level bridge: topology, meshes, layouts, arrays (flax_dtensor/dtensor/_mesh.py).
+# Low-level bridge: topology, meshes, layouts, arrays (_mesh.py).
 from flax_dtensor.dtensor._mesh import array_to_dtensor as array_to_dtensor
 from flax_dtensor.dtensor._mesh import dtensor_to_array as dtensor_to_array
 from flax_dtensor.dtensor._mesh import initialize as initialize

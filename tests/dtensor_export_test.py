@@ -326,6 +326,70 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
   }
 
 
+def _mixed_state(mesh, other_mesh, seed=0):
+  """Arrays on 4 different DTensor meshes (DTensor saves one at a time)."""
+  rng = np.random.default_rng(seed)
+  specs = {
+    'grid': NamedSharding(mesh, P('data', 'model')),
+    'fused': NamedSharding(mesh, P(('data', 'model'), None)),
+    'fused_half': NamedSharding(mesh, P(None, ('model', 'data'))),
+    'other_mesh': NamedSharding(other_mesh, P('model', 'data')),
+    'one_device': jax.sharding.SingleDeviceSharding(jax.devices()[5]),
+    'replicated': NamedSharding(mesh, P()),
+  }
+  dtypes = {'fused_half': np.float16, 'one_device': np.int32}
+  out = {}
+  for name, sharding in specs.items():
+    x = (rng.standard_normal((16, 8)) * 50).astype(dtypes.get(name, np.float32))
+    out[name] = nnx.Param(jax.device_put(x, sharding))
+  return nnx.State(out)
+
+
+def test_checkpoint_with_arrays_on_several_meshes(
+  auto_mesh, transposed_mesh, tmp_path
+):
+  state = _mixed_state(auto_mesh, transposed_mesh)
+  meshes = {
+    dtensor.fetch_layout(fdt_tf.array_to_dtensor(v.get_value())).mesh
+    for v in state.values()
+  }
+  assert len(meshes) == 5
+  path = fdt_tf.save_checkpoint(state, tmp_path / 'mixed')
+  assert not [n for n in _listing(path) if n.startswith('.')]
+  reader = tf.train.load_checkpoint(path)
+  for name, var in state.items():
+    want = np.asarray(var.get_value())
+    got = reader.get_tensor(fdt_tf.checkpoint_key(name))
+    assert np.array_equal(got.astype(want.dtype), want), name
+  # Restore swapping the layouts around, bit-exact.
+  target = _mixed_state(transposed_mesh, auto_mesh, seed=1)
+  restored = fdt_tf.restore_checkpoint(path, target)
+  for name, var in restored.items():
+    arr = var.get_value()
+    assert arr.sharding == target[name].get_value().sharding, name
+    assert _bits(arr) == _bits(state[name].get_value()), name
+
+
+def test_checkpoint_object_graph_is_tf_checkpoints_own(auto_mesh, tmp_path):
+  """tf.train.Checkpoint(...).read works on it, as on its own checkpoints."""
+  model = _make_mlp(auto_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'ours')
+  tf_module = fdt_tf.to_tf_module(model)
+  theirs = tf.train.Checkpoint(tf_module).write(str(tmp_path / 'theirs'))
+  graph = '_CHECKPOINTABLE_OBJECT_GRAPH'
+  assert tf.train.load_checkpoint(path).get_tensor(graph) == (
+    tf.train.load_checkpoint(theirs).get_tensor(graph)
+  )
+  for var in tf_module.variables:
+    var.assign(tf.zeros_like(var))
+  status = tf.train.Checkpoint(tf_module).read(tf.train.latest_checkpoint(path))
+  status.assert_consumed()
+  flat = fdt_tf.flat_variables(tf_module)
+  np.testing.assert_array_equal(
+    _gathered(flat['layers/0/kernel']), model.layers[0].kernel.get_value()
+  )
+
+
 @pytest.mark.parametrize('mesh_name', ['explicit', 'transposed'])
 def test_restore_into_abstract_module(request, tmp_path, mesh_name):
   mesh = request.getfixturevalue(f'{mesh_name}_mesh')

@@ -46,6 +46,20 @@ and `tf.train.latest_checkpoint(d)` work) and `d/flax_dtensor.json` (each
 variable's checkpoint key, NNX type, dtype, stored dtype, shape and sharding).
 Writes are atomic: see `flax_dtensor.dtensor._atomic`.
 
+Several meshes. TF DTensor saves and restores the tensors of one DTensor
+mesh at a time (a save op mixing meshes fails in DTensor's mesh
+propagation), and an array with a dimension sharded over several mesh axes
+(`P(('data', 'model'))`, on a fused DTensor axis) or on a single device has a
+DTensor mesh of its own. So `save_checkpoint` writes one partial checkpoint
+per DTensor mesh (`tf.experimental.dtensor.sharded_save`), then process 0
+merges them with `MergeV2Checkpoints` (which renames data files and writes
+one index) together with the object graph `tf.train.Checkpoint` records, so
+`tf.train.Checkpoint(to_tf_module(model)).read(...)` also works (for
+variables on one mesh). `restore_checkpoint` reads one mesh at a time
+(`tf.experimental.dtensor.name_based_restore`). A SavedModel is written by a
+single save op: `save_saved_model` copies arrays that are not on the mesh
+holding most bytes onto it (see there).
+
 Multi-host recipe. Every process runs the same program and calls the export
 functions together (they run TF collectives and barriers):
 
@@ -74,10 +88,12 @@ barrier timeout, and the target directory is never created.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -105,6 +121,9 @@ METADATA_FILE = 'flax_dtensor.json'
 METADATA_FORMAT = 'flax_dtensor.checkpoint'
 METADATA_VERSION = 1
 _ATTRIBUTES_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+_OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
+# Scratch directory for the per-mesh partial checkpoints (removed after use).
+_SCRATCH_DIR = '.parts'
 # Show a progress bar (when stderr is a terminal) from this many variables.
 PROGRESS_MIN_VARIABLES = 16
 
@@ -356,14 +375,36 @@ def _to_jax_array(entry: _Entry) -> jax.Array:
         'e.g. jax.device_put(x, NamedSharding(mesh, P())).'
       )
     value = jnp.asarray(value)
+  if jax.process_count() > 1:
+    _check_spans_processes(entry.name, value.sharding)
   return value
 
 
-def _to_dtensor(entry: _Entry, *, widen: bool) -> tf.Tensor:
+def _check_spans_processes(name: str, sharding: jax.sharding.Sharding) -> None:
+  """Multi-process: every process must hold part of each array.
+
+  DTensor's multi-client save and restore are collective over a mesh's
+  processes; an array on some processes only (e.g. created outside any mesh
+  context, on one local device) would leave the others waiting.
+  """
+  processes = {d.process_index for d in sharding.device_set}
+  if len(processes) != jax.process_count():
+    raise _errors.ExportError(
+      f'The NNX variable {name!r} lives on the devices of processes '
+      f'{sorted(processes)} only ({sharding}): expected, in a multi-process '
+      'run, an array on a mesh over all processes. Create it under '
+      'jax.set_mesh(mesh), or place it with jax.device_put(x, '
+      'NamedSharding(mesh, P())).'
+    )
+
+
+def _to_dtensor(
+  entry: _Entry, *, widen: bool, value: jax.Array | None = None
+) -> tf.Tensor:
   """The variable's value as a DTensor (zero-copy unless widened)."""
   tf = _tf.tf()
   try:
-    t = _mesh.array_to_dtensor(_to_jax_array(entry))
+    t = _mesh.array_to_dtensor(_to_jax_array(entry) if value is None else value)
   except _errors.DTensorError as e:
     raise _errors.ExportError(
       f'Cannot export the NNX variable {entry.name!r} to TF DTensor: {e}'
@@ -392,18 +433,90 @@ def _make_module(variables: Iterable[tuple[Sequence[Any], Any]]) -> tf.Module:
 
 
 def _dvariables(
-  entries: Sequence[_Entry], *, widen: bool, show: bool, desc: str
+  entries: Sequence[_Entry],
+  *,
+  widen: bool,
+  show: bool,
+  desc: str,
+  values: Sequence[jax.Array | None] | None = None,
 ) -> list[Any]:
   dtensor = _tf.dtensor()
+  if values is None:
+    values = [None] * len(entries)
   out = []
-  for entry in _progress(entries, show=show, total=len(entries), desc=desc):
+  for entry, value in _progress(
+    zip(entries, values, strict=True), show=show, total=len(entries), desc=desc
+  ):
     out.append(
       dtensor.DVariable(
-        _to_dtensor(entry, widen=widen),
+        _to_dtensor(entry, widen=widen, value=value),
         name=_variable_name(entry.name),
         trainable=isinstance(entry.variable, nnx.Param),
       )
     )
+  return out
+
+
+def _simple_spec(sharding: jax.sharding.Sharding) -> bool:
+  """Whether the DTensor mesh of `sharding` is its JAX mesh, unfused."""
+  return isinstance(sharding, jax.sharding.NamedSharding) and all(
+    entry is None or isinstance(entry, str) or len(entry) == 1
+    for entry in sharding.spec
+  )
+
+
+def _spec_on(
+  mesh: jax.sharding.Mesh, sharding: jax.sharding.Sharding, shape: Sequence[int]
+) -> jax.sharding.PartitionSpec:
+  """A spec on `mesh` keeping what it can of `sharding` (one axis per dim)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.PartitionSpec()
+  used: set[str] = set()
+  out = []
+  for entry, size in zip(sharding.spec, shape, strict=False):
+    names = (
+      () if entry is None else (entry,) if isinstance(entry, str) else entry
+    )
+    pick = None
+    for name in names:
+      if (
+        name in mesh.shape and name not in used and size % mesh.shape[name] == 0
+      ):
+        pick = name
+        break
+    if pick is not None:
+      used.add(pick)
+    out.append(pick)
+  return jax.sharding.PartitionSpec(*out)
+
+
+def _onto_one_mesh(entries: Sequence[_Entry]) -> list[jax.Array]:
+  """The entries' arrays, resharded (only where needed) onto one mesh.
+
+  A SavedModel's variables are saved by one save op, which DTensor runs on
+  one mesh. Arrays already laid out on the mesh holding most bytes (without
+  fused axes) are used as they are; the others (a dimension sharded over
+  several mesh axes, another mesh, a single device) are copied onto it,
+  keeping one mesh axis per dimension where the names and sizes allow.
+  """
+  values = [_to_jax_array(e) for e in entries]
+  by_mesh: dict[jax.sharding.Mesh, int] = {}
+  for v in values:
+    if isinstance(v.sharding, jax.sharding.NamedSharding):
+      by_mesh[v.sharding.mesh] = by_mesh.get(v.sharding.mesh, 0) + v.nbytes
+  if not by_mesh:
+    devices = {d for v in values for d in v.sharding.device_set}
+    if len(devices) == 1:
+      return values
+    target = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return [jax.device_put(v, target) for v in values]
+  mesh = max(by_mesh, key=by_mesh.__getitem__)
+  out = []
+  for v in values:
+    if not (_simple_spec(v.sharding) and v.sharding.mesh == mesh):
+      spec = _spec_on(mesh, v.sharding, v.shape)
+      v = jax.device_put(v, jax.sharding.NamedSharding(mesh, spec))
+    out.append(v)
   return out
 
 
@@ -532,12 +645,79 @@ def _metadata(entries: Sequence[_Entry]) -> dict[str, Any]:
   }
 
 
-def _write_checkpoint(tf_module: tf.Module, directory: str) -> None:
-  """Writes the TF checkpoint files (all processes, collectively)."""
+def _by_mesh(tensors: Sequence[tf.Tensor]) -> list[tuple[Any, list[int]]]:
+  """Groups DTensors by DTensor mesh: [(mesh, indices)], in first-seen order.
+
+  TF DTensor saves and restores the tensors of one mesh at a time (a save
+  op mixing meshes fails in DTensor's mesh propagation). A fused mesh axis
+  (`P(('data', 'model'))`) or a single-device array has a mesh of its own.
+  """
+  dtensor = _tf.dtensor()
+  groups: dict[str, tuple[Any, list[int]]] = {}
+  for i, t in enumerate(tensors):
+    mesh = dtensor.fetch_layout(t).mesh
+    groups.setdefault(mesh.to_string(), (mesh, []))[1].append(i)
+  return list(groups.values())
+
+
+def _write_object_graph(entries: Sequence[_Entry], directory: str) -> str:
+  """Writes the checkpoint's object graph; returns the prefix written.
+
+  `tf.train.Checkpoint` records how the variables hang off the root (the
+  `_CHECKPOINTABLE_OBJECT_GRAPH` key), which its `read` needs. The graph of a
+  module of placeholder scalars with the same structure and names is the
+  same, so it is taken from one.
+  """
   tf = _tf.tf()
-  tf.train.Checkpoint(tf_module).write(
-    os.path.join(directory, CHECKPOINT_PREFIX)
+  skeleton = _make_module(
+    (e.path, tf.Variable(False, name=_variable_name(e.name))) for e in entries
   )
+  scratch = tf.train.Checkpoint(skeleton).write(
+    os.path.join(directory, 'skeleton')
+  )
+  graph = tf.train.load_checkpoint(scratch).get_tensor(_OBJECT_GRAPH_KEY)
+  prefix = os.path.join(directory, 'object_graph')
+  tf.raw_ops.SaveV2(
+    prefix=prefix,
+    tensor_names=[_OBJECT_GRAPH_KEY],
+    shape_and_slices=[''],
+    tensors=[tf.constant(graph)],
+  )
+  return prefix
+
+
+def _write_checkpoint(
+  entries: Sequence[_Entry], tensors: Sequence[tf.Tensor], directory: str
+) -> None:
+  """Writes `directory/ckpt.*` (all processes, collectively).
+
+  One DTensor sharded save per DTensor mesh into a scratch prefix (every
+  process writes its own shards), then process 0 adds the object graph and
+  merges all prefixes into one checkpoint with MergeV2Checkpoints, which only
+  renames data files and writes the index.
+  """
+  tf = _tf.tf()
+  dtensor = _tf.dtensor()
+  scratch = os.path.join(directory, _SCRATCH_DIR)
+  prefixes = []
+  for i, (mesh, indices) in enumerate(_by_mesh(tensors)):
+    prefix = os.path.join(scratch, f'mesh{i}')
+    dtensor.sharded_save(
+      mesh,
+      prefix,
+      [entries[j].key for j in indices],
+      [''] * len(indices),
+      [tensors[j] for j in indices],
+    )
+    prefixes.append(prefix)
+  if jax.process_index() == 0:
+    prefixes.append(_write_object_graph(entries, scratch))
+    tf.raw_ops.MergeV2Checkpoints(
+      checkpoint_prefixes=prefixes,
+      destination_prefix=os.path.join(directory, CHECKPOINT_PREFIX),
+      delete_old_dirs=True,
+    )
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_metadata(entries: Sequence[_Entry], directory: str) -> None:
@@ -604,19 +784,19 @@ def save_checkpoint(
   directory = os.path.abspath(os.fspath(directory))
   entries = _select(module_or_state, include, exclude, what='module_or_state')
   show = _show_progress(progress, len(entries))
-  dvars = _dvariables(
-    entries, widen=True, show=show, desc='flax_dtensor: to DTensor'
-  )
-  tf_module = _make_module(
-    (e.path, v) for e, v in zip(entries, dvars, strict=True)
-  )
+  tensors = [
+    _to_dtensor(e, widen=True)
+    for e in _progress(
+      entries, show=show, total=len(entries), desc='flax_dtensor: to DTensor'
+    )
+  ]
   with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
     nbytes = sum(
       int(np.prod(e.shape)) * e.stored_dtype.itemsize for e in entries
     )
     _announce(show, f'writing {len(entries)} variables ({nbytes / 1e6:.1f} MB)')
     start = time.perf_counter()
-    _write_checkpoint(tf_module, tmp)
+    _write_checkpoint(entries, tensors, tmp)
     _write_metadata(entries, tmp)
     _announce(show, f'wrote {directory} in {time.perf_counter() - start:.1f}s')
   return directory
@@ -832,7 +1012,7 @@ def restore_checkpoint(
   entries = _select(target, include, exclude, what='target')
   stored = _check_against(entries, tf.train.load_checkpoint(prefix), directory)
   show = _show_progress(progress, len(entries))
-  shardings, dvars = [], []
+  shardings, placeholders = [], []
   for e, stored_dtype in _progress(
     zip(entries, stored, strict=True),
     show=show,
@@ -840,32 +1020,42 @@ def restore_checkpoint(
     desc='flax_dtensor: allocating',
   ):
     sharding = _concrete_sharding(e, mesh)
+    if jax.process_count() > 1:
+      _check_spans_processes(e.name, sharding)
     try:
       layout = _mesh.layout_for(sharding, len(e.shape))
     except _errors.DTensorError as err:
       raise _errors.ExportError(
         f'Cannot restore {e.name!r} with the sharding {sharding}: {err}'
       ) from err
-    zeros = dtensor.call_with_layout(
-      tf.zeros, layout, shape=e.shape, dtype=stored_dtype
-    )
     shardings.append(sharding)
-    dvars.append(dtensor.DVariable(zeros, name=_variable_name(e.name)))
-  tf_module = _make_module(
-    (e.path, v) for e, v in zip(entries, dvars, strict=True)
-  )
+    # Gives DTensor the shape, dtype and layout to read into.
+    placeholders.append(
+      dtensor.call_with_layout(
+        tf.zeros, layout, shape=e.shape, dtype=stored_dtype
+      )
+    )
   _announce(show, f'reading {len(entries)} variables from {prefix}')
-  status = tf.train.Checkpoint(tf_module).read(prefix)
-  status.assert_existing_objects_matched()
-  status.expect_partial()
+  restored: list[Any] = [None] * len(entries)
+  for group_mesh, indices in _by_mesh(placeholders):
+    # Each process reads only the slices its devices hold.
+    out = dtensor.name_based_restore(
+      group_mesh,
+      prefix,
+      collections.OrderedDict(
+        (entries[i].key, placeholders[i]) for i in indices
+      ),
+    )
+    for i in indices:
+      restored[i] = out[entries[i].key]
+      placeholders[i] = None
   flat = []
-  for e, v, sharding in _progress(
-    zip(entries, dvars, shardings, strict=True),
+  for e, t, sharding in _progress(
+    zip(entries, restored, shardings, strict=True),
     show=show,
     total=len(entries),
     desc='flax_dtensor: to JAX',
   ):
-    t = v.read_value()
     if t.dtype != tf.as_dtype(e.dtype):
       t = tf.cast(t, e.dtype)
     array = _mesh.dtensor_to_array(t, sharding=sharding)
@@ -953,6 +1143,13 @@ def save_saved_model(
   baked in as constants. Sharded float16/uint16/uint32 variables are stored
   widened and cast back inside the graph (see the module docstring).
 
+  TF writes a SavedModel's variables with one save op, which DTensor runs
+  on one mesh: arrays that are not laid out on the JAX mesh holding most
+  bytes with at most one mesh axis per dimension (a dimension sharded over
+  several axes, another mesh, a single device) are first copied onto it,
+  keeping one mesh axis per dimension where names and sizes allow. The model
+  itself is not changed; the copies cost memory during the export.
+
   The exported function runs on the platforms of `platforms` (default: the
   current JAX backend). The written directory appears atomically.
 
@@ -1015,7 +1212,11 @@ def save_saved_model(
   entries = _select(exported, ..., nnx.Nothing, what='module')
   show = _show_progress(progress, len(entries))
   dvars = _dvariables(
-    entries, widen=True, show=show, desc='flax_dtensor: to DTensor'
+    entries,
+    widen=True,
+    show=show,
+    desc='flax_dtensor: to DTensor',
+    values=_onto_one_mesh(entries),
   )
   tf_module = _make_module(
     (e.path, v) for e, v in zip(entries, dvars, strict=True)

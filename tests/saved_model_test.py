@@ -1,0 +1,388 @@
+"""Tests of flax_dtensor.dtensor.save_saved_model, served by plain TF."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+tf = pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+
+# Runs in a fresh process that cannot import JAX (TF imports it when it is
+# installed, for TFLite's JAX converter; blocking it proves we need none of it)
+# and never initializes DTensor: plain TF serving.
+_SERVE_SCRIPT = textwrap.dedent(
+  """
+  import json, os, sys
+  sys.modules['jax'] = None
+  sys.modules['jaxlib'] = None
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  import numpy as np
+  import tensorflow as tf
+  from tensorflow.dtensor.python import accelerator_util
+
+  job = json.load(open(sys.argv[1]))
+  report = {}
+  for name, model in job['models'].items():
+    loaded = tf.saved_model.load(model['path'])
+    serve = loaded.signatures['serving_default']
+    out = {}
+    for i, x in enumerate(model['inputs']):
+      result = serve(**{k: tf.constant(np.load(v)) for k, v in x.items()})
+      for k, t in result.items():
+        np.save(os.path.join(job['out'], f'{name}_{i}_{k}.npy'), t.numpy())
+        out.setdefault(k, []).append(list(t.shape))
+    for v in serve.variables:
+      np.save(os.path.join(job['out'], f'{name}_var_{v.name}'.replace('/', '|')
+                           + '.npy'), v.numpy())
+    report[name] = {
+      'outputs': out,
+      'variables': sorted(v.name for v in serve.variables),
+      'devices': sorted({v.device for v in serve.variables}),
+      'inputs': sorted(serve.structured_input_signature[1]),
+    }
+  reader = tf.train.load_checkpoint(job['checkpoint'])
+  for key in reader.get_variable_to_shape_map():
+    if key.endswith('VARIABLE_VALUE'):
+      np.save(os.path.join(job['out'], 'ckpt_' + key.replace('/', '|') + '.npy'),
+              reader.get_tensor(key))
+  report['jax_modules'] = sorted(
+    m for m, v in sys.modules.items() if m.startswith('jax') and v is not None)
+  report['dtensor_initialized'] = bool(accelerator_util.is_initialized())
+  print(json.dumps(report))
+  """
+)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _dtensor_initialized():
+  """DTensor must be set up before any other TF op in the process."""
+  fdt_tf.initialize()
+
+
+def _part(names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+class Net(nnx.Module):
+  """A sharded MLP with batch norm and dropout, and a two-output method."""
+
+  def __init__(self, rngs, *, din=64, hidden=256, dout=16, dtype=jnp.float32):
+    self.up = nnx.Linear(
+      din,
+      hidden,
+      kernel_init=_part(('data', 'model')),
+      param_dtype=dtype,
+      dtype=dtype,
+      rngs=rngs,
+    )
+    self.norm = nnx.BatchNorm(hidden, param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.down = nnx.Linear(
+      hidden,
+      dout,
+      kernel_init=_part(('model', None)),
+      param_dtype=dtype,
+      dtype=dtype,
+      rngs=rngs,
+    )
+
+  def __call__(self, x):
+    return self.down(self.drop(self.norm(jax.nn.gelu(self.up(x)))))
+
+  def features(self, x, scale):
+    h = self.up(x)
+    return {'hidden': h, 'scaled': self.down(h) * scale[:, None]}
+
+
+class Mixed(nnx.Module):
+  """Params on several DTensor meshes: a fused axis, one device, a grid."""
+
+  def __init__(self, mesh):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    self.w = nnx.Param(
+      jax.device_put(w, NamedSharding(mesh, P(('data', 'model'), None)))
+    )
+    v = rng.standard_normal((32, 8)).astype(np.float32)
+    self.v = nnx.Param(
+      jax.device_put(v, NamedSharding(mesh, P('data', 'model')))
+    )
+    self.b = nnx.Param(
+      jax.device_put(np.float32(rng.standard_normal(8)), jax.devices()[3])
+    )
+
+  def __call__(self, x):
+    # Only ever traced for export (JAX refuses mixed devices eagerly).
+    return jnp.tanh(x @ self.w[...]) @ self.v[...] + self.b[...][None]
+
+
+def _trained(mesh, dtype=jnp.float32):
+  """A Net whose batch statistics moved away from their initial values."""
+  with jax.set_mesh(mesh):
+    net = Net(nnx.Rngs(0, dropout=1), dtype=dtype)
+    net(jax.random.normal(jax.random.key(2), (32, 64), dtype) * 3 + 1)
+  return nnx.view(net, deterministic=True, use_running_average=True)
+
+
+def _param_bytes(module):
+  state = nnx.state(module, (nnx.Param, nnx.BatchStat))
+  return sum(v.get_value().nbytes for _, v in nnx.to_flat_state(state))
+
+
+def _largest_constants(path):
+  """Sizes of the biggest constants in a SavedModel's graph and functions."""
+  from tensorflow.core.protobuf import saved_model_pb2
+
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  sizes = {'const': 0, 'xla_module': 0}
+  for graph in proto.meta_graphs:
+    nodes = list(graph.graph_def.node)
+    for fn in graph.graph_def.library.function:
+      nodes.extend(fn.node_def)
+    for node in nodes:
+      if node.op == 'Const':
+        size = len(node.attr['value'].tensor.SerializeToString())
+        sizes['const'] = max(sizes['const'], size)
+      if node.op == 'XlaCallModule':
+        sizes['xla_module'] = max(
+          sizes['xla_module'], len(node.attr['module'].s)
+        )
+  return sizes
+
+
+def _serve_in_plain_tf(tmp_path, models, checkpoint):
+  job = {'models': models, 'checkpoint': str(checkpoint), 'out': str(tmp_path)}
+  job_path = tmp_path / 'job.json'
+  job_path.write_text(json.dumps(job))
+  script = tmp_path / 'serve.py'
+  script.write_text(_SERVE_SCRIPT)
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  out = subprocess.run(
+    [sys.executable, str(script), str(job_path)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _save_inputs(tmp_path, name, arrays):
+  paths = {}
+  for key, value in arrays.items():
+    path = tmp_path / f'{name}_{key}.npy'
+    np.save(path, value)
+    paths[key] = str(path)
+  return paths
+
+
+def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
+  net = _trained(auto_mesh)
+  net16 = _trained(auto_mesh, dtype=jnp.float16)
+  rng = np.random.default_rng(0)
+  sm = fdt_tf.save_saved_model(
+    net,
+    tmp_path / 'net',
+    input_signature=[tf.TensorSpec([None, 64], tf.float32)],
+  )
+  sm_features = fdt_tf.save_saved_model(
+    net,
+    tmp_path / 'features',
+    method='features',
+    input_signature=[
+      jax.ShapeDtypeStruct((None, 64), jnp.float32),
+      tf.TensorSpec([None], tf.float32, name='scale'),
+    ],
+  )
+  sm16 = fdt_tf.save_saved_model(
+    net16,
+    tmp_path / 'net16',
+    input_signature=[tf.TensorSpec([None, 64], tf.float16)],
+  )
+  mixed = Mixed(auto_mesh)
+  sm_mixed = fdt_tf.save_saved_model(
+    mixed,
+    tmp_path / 'mixed',
+    input_signature=[tf.TensorSpec([None, 64], tf.float32)],
+  )
+  # The save did not change the model's own arrays.
+  assert mixed.w.get_value().sharding.spec == P(('data', 'model'), None)
+  ckpt = fdt_tf.save_checkpoint(
+    net, tmp_path / 'ckpt', include=(nnx.Param, nnx.BatchStat)
+  )
+  xs = [rng.standard_normal((b, 64)).astype(np.float32) for b in (1, 7)]
+  scale = rng.standard_normal(5).astype(np.float32)
+  x5 = rng.standard_normal((5, 64)).astype(np.float32)
+  models = {
+    'net': {
+      'path': sm,
+      'inputs': [
+        _save_inputs(tmp_path, f'net{i}', {'input_0': x})
+        for i, x in enumerate(xs)
+      ],
+    },
+    'features': {
+      'path': sm_features,
+      'inputs': [
+        _save_inputs(tmp_path, 'feat', {'input_0': x5, 'scale': scale})
+      ],
+    },
+    'net16': {
+      'path': sm16,
+      'inputs': [
+        _save_inputs(tmp_path, 'n16', {'input_0': xs[1].astype(np.float16)})
+      ],
+    },
+    'mixed': {
+      'path': sm_mixed,
+      'inputs': [_save_inputs(tmp_path, 'mixed', {'input_0': xs[1]})],
+    },
+  }
+  report = _serve_in_plain_tf(tmp_path, models, ckpt)
+  assert report['jax_modules'] == []
+  assert not report['dtensor_initialized']
+
+  # Outputs match JAX's forward pass (batch sizes 1 and 7: polymorphic).
+  assert report['net']['inputs'] == ['input_0']
+  assert report['net']['outputs'] == {'output_0': [[1, 16], [7, 16]]}
+  for i, x in enumerate(xs):
+    got = np.load(tmp_path / f'net_{i}_output_0.npy')
+    want = np.asarray(net(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert report['features']['inputs'] == ['input_0', 'scale']
+  feats = net.features(x5, scale)
+  for k in ('hidden', 'scaled'):
+    got = np.load(tmp_path / f'features_0_{k}.npy')
+    np.testing.assert_allclose(got, feats[k], rtol=1e-5, atol=1e-5)
+  got = np.load(tmp_path / 'mixed_0_output_0.npy')
+  w, v, b = (np.asarray(p.get_value()) for p in (mixed.w, mixed.v, mixed.b))
+  want = np.tanh(xs[1] @ w) @ v + b
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert report['mixed']['variables'] == ['b:0', 'v:0', 'w:0']
+  got16 = np.load(tmp_path / 'net16_0_output_0.npy')
+  assert got16.dtype == np.float16
+  want16 = np.asarray(net16(xs[1].astype(np.float16)))
+  np.testing.assert_allclose(got16, want16, rtol=2e-2, atol=2e-2)
+
+  # The serving function reads the model's variables, which hold its values.
+  names = [
+    'down/bias:0',
+    'down/kernel:0',
+    'norm/bias:0',
+    'norm/mean:0',
+    'norm/scale:0',
+    'norm/var:0',
+    'up/bias:0',
+    'up/kernel:0',
+  ]
+  assert report['net']['variables'] == names
+  assert len(report['net']['devices']) == 1
+  state = dict(nnx.to_flat_state(nnx.state(net, (nnx.Param, nnx.BatchStat))))
+  for name in names:
+    path = tuple(name[:-2].split('/'))
+    value = np.load(tmp_path / ('net_var_' + name.replace('/', '|') + '.npy'))
+    np.testing.assert_array_equal(value, state[path].get_value(), err_msg=name)
+    ckpt_value = np.load(
+      tmp_path
+      / ('ckpt_' + fdt_tf.checkpoint_key(name[:-2]).replace('/', '|') + '.npy')
+    )
+    np.testing.assert_array_equal(ckpt_value, state[path].get_value())
+  assert np.abs(state[('norm', 'mean')].get_value()).max() > 0.01
+  # float16 variables are stored widened and cast back in the graph.
+  kernel16 = np.load(tmp_path / 'net16_var_up|kernel:0.npy')
+  assert kernel16.dtype == np.float32
+  np.testing.assert_array_equal(
+    kernel16, np.asarray(net16.up.kernel.get_value()).astype(np.float32)
+  )
+
+  # No weights are baked into the graph.
+  params = _param_bytes(net)
+  assert params > 60_000
+  sizes = _largest_constants(sm)
+  assert sizes['xla_module'] > 0
+  assert sizes['xla_module'] < params / 10, sizes
+  assert sizes['const'] < 1024, sizes
+  assert os.path.getsize(os.path.join(sm, 'saved_model.pb')) < params / 2
+
+
+def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
+  net = _trained(auto_mesh)
+  sm = fdt_tf.save_saved_model(
+    net, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
+  )
+  loaded = tf.saved_model.load(sm)
+  flat = fdt_tf.flat_variables(loaded)
+  assert sorted(flat) == [
+    'down/bias',
+    'down/kernel',
+    'norm/bias',
+    'norm/mean',
+    'norm/scale',
+    'norm/var',
+    'up/bias',
+    'up/kernel',
+  ]
+  serving = loaded.signatures['serving_default']
+  assert {v.name for v in serving.variables} == {f'{k}:0' for k in flat}
+  reader = tf.train.load_checkpoint(os.path.join(sm, 'variables', 'variables'))
+  np.testing.assert_array_equal(
+    reader.get_tensor(fdt_tf.checkpoint_key('up/kernel')),
+    net.up.kernel.get_value(),
+  )
+
+
+def test_saved_model_errors(auto_mesh, tmp_path):
+  net = _trained(auto_mesh)
+  spec = [tf.TensorSpec([None, 64], tf.float32)]
+  with pytest.raises(fdt.ExportError, match=r"`method`.*'forward'.*Net"):
+    fdt_tf.save_saved_model(
+      net, tmp_path / 'a', input_signature=spec, method='forward'
+    )
+  with pytest.raises(
+    fdt.ExportError, match=r'tf.TensorSpec or\s+jax.ShapeDtypeStruct.*index 0'
+  ):
+    fdt_tf.save_saved_model(
+      net, tmp_path / 'b', input_signature=[np.zeros((2, 64))]
+    )
+  with pytest.raises(fdt.ExportError, match=r'one polymorphic shape per input'):
+    fdt_tf.save_saved_model(
+      net,
+      tmp_path / 'c',
+      input_signature=spec,
+      polymorphic_shapes=['(b, 64)', '(b,)'],
+    )
+  (tmp_path / 'taken').mkdir()
+  with pytest.raises(fdt.ExportError, match=r'already exists'):
+    fdt_tf.save_saved_model(net, tmp_path / 'taken', input_signature=spec)
+  fdt_tf.save_saved_model(
+    net, tmp_path / 'taken', input_signature=spec, overwrite=True
+  )
+  assert 'saved_model.pb' in os.listdir(tmp_path / 'taken')
+  assert sorted(os.listdir(tmp_path)) == ['taken']
+
+
+def test_polymorphic_shape_strings():
+  from flax_dtensor.dtensor import _export
+
+  shape = _export._polymorphic_shape
+  assert shape(tf.TensorSpec([None, 16]), 0) == '(b, 16)'
+  assert shape(tf.TensorSpec([None]), 1) == '(b,)'
+  assert shape(tf.TensorSpec([None, None, 3]), 2) == '(b, d2_1, 3)'
+  assert shape(tf.TensorSpec([4, 16]), 0) is None
+  assert shape(tf.TensorSpec(None), 0) is None

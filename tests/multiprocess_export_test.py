@@ -1,0 +1,196 @@
+"""Two local processes save ONE checkpoint; plain single-process TF reads it.
+
+Each worker (tests/multiprocess_export_worker.py) runs jax.distributed on
+127.0.0.1 with 4 CPU devices and a DTensor client of its own; together they
+shard a model over a (2, 4) mesh spanning both processes (row-major, and
+transposed so each mesh row mixes the processes), save it with
+`save_checkpoint`, check that a second save is refused on both, restore it
+onto the other layout and overwrite it. The parent then reads the checkpoint
+in a fresh process with plain TensorFlow (no JAX, no DTensor) and compares
+with the global values the workers gathered.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip('tensorflow')
+
+pytestmark = pytest.mark.multiprocess
+
+NUM_PROCESSES = 2
+DEVICES_PER_PROCESS = 4
+WORKER = os.path.join(
+  os.path.dirname(__file__), 'multiprocess_export_worker.py'
+)
+TIMEOUT = 300
+
+_READ_SCRIPT = textwrap.dedent(
+  """
+  import json, os, sys
+  sys.modules['jax'] = None
+  sys.modules['jaxlib'] = None
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  import numpy as np
+  import tensorflow as tf
+  reader = tf.train.load_checkpoint(sys.argv[1])
+  out, dtypes = {}, {}
+  for key, dtype in reader.get_variable_to_dtype_map().items():
+    if key.endswith('/.ATTRIBUTES/VARIABLE_VALUE'):
+      value = reader.get_tensor(key)
+      dtypes[key] = dtype.name
+      # .npz has no bfloat16: store it as float32 (exact).
+      out[key] = value.astype(np.float32) if dtype.name == 'bfloat16' else value
+  np.savez(sys.argv[2], **out)
+  print(json.dumps(dtypes))
+  """
+)
+
+
+def _free_ports(n):
+  socks = []
+  try:
+    for _ in range(n):
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      s.bind(('127.0.0.1', 0))
+      socks.append(s)
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
+
+
+def _launch(out_dir, kind):
+  """Runs the workers; returns each one's RESULT dict (bounded by TIMEOUT)."""
+  ports = _free_ports(1 + NUM_PROCESSES)
+  base = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(('DTENSOR_', 'JAX_', 'XLA_'))
+  }
+  base.update(
+    JAX_COORDINATOR=f'127.0.0.1:{ports[0]}',
+    JAX_NUM_PROCESSES=str(NUM_PROCESSES),
+    JAX_PLATFORMS='cpu',
+    XLA_FLAGS=(f'--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}'),
+    DTENSOR_JOBS=','.join(f'127.0.0.1:{p}' for p in ports[1:]),
+    DTENSOR_JOB_NAME='worker',
+    TF_CPP_MIN_LOG_LEVEL='2',
+  )
+  procs = []
+  for i in range(NUM_PROCESSES):
+    env = dict(base, JAX_PROCESS_ID=str(i), DTENSOR_CLIENT_ID=str(i))
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, WORKER, str(out_dir), kind],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=TIMEOUT))
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    logs = [p.communicate()[1][-3000:] for p in procs]
+    pytest.fail(f'Workers timed out after {TIMEOUT}s: {logs}')
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  results = []
+  for i, (p, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
+    assert p.returncode == 0, f'worker {i} failed:\n{stderr[-6000:]}'
+    lines = [line for line in stdout.splitlines() if line.startswith('RESULT ')]
+    assert lines, f'worker {i} printed no result:\n{stdout}\n{stderr[-3000:]}'
+    results.append(json.loads(lines[-1][len('RESULT ') :]))
+  return results
+
+
+def _plain_tf_read(checkpoint, out):
+  script = os.path.join(os.path.dirname(out), 'read.py')
+  with open(script, 'w') as f:
+    f.write(_READ_SCRIPT)
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  done = subprocess.run(
+    [sys.executable, script, checkpoint, out],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=env,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  dtypes = json.loads(done.stdout.strip().splitlines()[-1])
+  with np.load(out) as data:
+    return dict(data), dtypes
+
+
+@pytest.mark.parametrize('kind', ['default', 'transposed'])
+def test_two_processes_write_one_checkpoint(tmp_path, kind):
+  results = _launch(tmp_path, kind)
+  assert [r['process'] for r in results] == [0, 1]
+  for r in results:
+    assert r['processes'] == NUM_PROCESSES
+    assert r['devices'] == NUM_PROCESSES * DEVICES_PER_PROCESS
+    assert r['local_devices'] == DEVICES_PER_PROCESS
+    assert r['refused'], r
+    assert r['mismatched'] == [], r
+    assert r['restored_spec'] == "P('model', 'data')"
+    assert r['leftovers'] == [], r
+    assert "'w' lives on the devices of processes [" in r['local_error']
+    assert 'checkpoint' in r['files']
+    assert 'flax_dtensor.json' in r['files']
+  assert sorted(os.listdir(tmp_path)) == [
+    'ckpt',
+    'expected.npz',
+    'expected_dtypes.json',
+  ]
+
+  with np.load(tmp_path / 'expected.npz') as data:
+    expected = dict(data)
+  assert sorted(expected) == [
+    'counts',
+    'dense/bias',
+    'dense/kernel',
+    'embed/embedding',
+    'half',
+    'out/bias',
+    'out/kernel',
+    'step',
+  ]
+  with open(tmp_path / 'expected_dtypes.json') as f:
+    expected_dtypes = json.load(f)
+  read, dtypes = _plain_tf_read(
+    str(tmp_path / 'ckpt'), str(tmp_path / 'read.npz')
+  )
+  suffix = '/.ATTRIBUTES/VARIABLE_VALUE'
+  assert sorted(read) == sorted(f'state/{k}{suffix}' for k in expected)
+  for name, want in expected.items():
+    got = read[f'state/{name}{suffix}']
+    assert got.shape == want.shape, name
+    if name == 'step':
+      # Saved again, with overwrite=True, after step 7 -> 8.
+      assert got == 8
+      continue
+    # float16 and uint32 are stored widened; values are exact.
+    assert np.array_equal(got.astype(want.dtype), want), name
+    assert np.array_equal(got, want.astype(got.dtype)), name
+  assert expected_dtypes['half'] == 'float16'
+  assert expected_dtypes['counts'] == 'uint32'
+  assert expected_dtypes['out/kernel'] == 'bfloat16'
+  assert dtypes == {
+    f'state/{k}{suffix}': {'float16': 'float32', 'uint32': 'int64'}.get(d, d)
+    for k, d in expected_dtypes.items()
+  }

@@ -1,0 +1,186 @@
+"""One process of the multi-process export test (see multiprocess_export_test).
+
+Usage: python multiprocess_export_worker.py OUT_DIR MESH_KIND
+
+The launcher sets, per process: JAX_COORDINATOR (host:port), JAX_NUM_PROCESSES,
+JAX_PROCESS_ID, DTENSOR_JOBS, DTENSOR_CLIENT_ID, DTENSOR_JOB_NAME, and
+XLA_FLAGS for 4 CPU devices. Every process builds the same model on a (2, 4)
+mesh over both processes' devices, saves ONE checkpoint with all of them,
+restores it onto another layout, and process 0 writes the global values
+(gathered with process_allgather) to OUT_DIR/expected.npz for the parent to
+compare with a plain TF read. Prints one JSON line starting with 'RESULT '.
+"""
+
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update('jax_num_cpu_devices', 4)
+jax.config.update('jax_platforms', 'cpu')
+
+_COORDINATOR = os.environ['JAX_COORDINATOR']
+jax.distributed.initialize(
+  coordinator_address=_COORDINATOR,
+  num_processes=int(os.environ['JAX_NUM_PROCESSES']),
+  process_id=int(os.environ['JAX_PROCESS_ID']),
+  coordinator_bind_address=_COORDINATOR,
+  initialization_timeout=120,
+)
+
+import flax_dtensor.dtensor as fdt_tf  # noqa: E402
+
+fdt_tf.initialize()  # Before any other TF op.
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import flax_dtensor as fdt  # noqa: E402
+
+
+def _part(names):
+  return nnx.with_partitioning(nnx.initializers.normal(1.0), names)
+
+
+class Model(nnx.Module):
+  """Sharded layers plus odd dtypes (widened in checkpoints) and a scalar."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(
+      16, 32, embedding_init=_part(('model', 'data')), rngs=rngs
+    )
+    self.dense = nnx.Linear(
+      32,
+      64,
+      kernel_init=_part(('data', 'model')),
+      bias_init=_part(('model',)),
+      rngs=rngs,
+    )
+    self.out = nnx.Linear(
+      64,
+      8,
+      kernel_init=_part(('model', None)),
+      param_dtype=jnp.bfloat16,
+      rngs=rngs,
+    )
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.half = nnx.Param(
+      jax.random.normal(rngs.params(), (8, 32), jnp.float16),
+      out_sharding=('data', 'model'),
+    )
+    self.counts = nnx.Param(
+      jax.random.bits(rngs.params(), (16, 4), jnp.uint32),
+      out_sharding=(('data', 'model'), None),
+    )
+    self.step = nnx.Param(jnp.asarray(7, jnp.int32))
+
+
+def _mesh(kind):
+  devices = np.asarray(jax.devices())
+  if kind == 'transposed':
+    # Each mesh row mixes both processes' devices.
+    devices = devices.reshape(4, 2).T
+  else:
+    devices = devices.reshape(2, 4)
+  return jax.sharding.Mesh(
+    devices, ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+
+
+def _flat(module):
+  state = nnx.state(module, nnx.Param)
+  return {
+    '/'.join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)
+  }
+
+
+def _npz_safe(x):
+  return x.astype(np.float32) if x.dtype == jnp.bfloat16 else x
+
+
+def main():
+  out_dir, kind = sys.argv[1], sys.argv[2]
+  pid = jax.process_index()
+  mesh = _mesh(kind)
+  with jax.set_mesh(mesh):
+    model = Model(nnx.Rngs(0))
+  values = _flat(model)
+  assert not values['dense/kernel'].is_fully_addressable
+  assert values['dense/kernel'].sharding.spec == P('data', 'model')
+
+  ckpt = os.path.join(out_dir, 'ckpt')
+  path = fdt_tf.save_checkpoint(model, ckpt)
+  assert path == ckpt, path
+
+  # Refused consistently on every process (no process left waiting).
+  refused = False
+  try:
+    fdt_tf.save_checkpoint(model, ckpt)
+  except fdt.ExportError as e:
+    refused = 'already exists' in str(e)
+
+  expected = {
+    name: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    for name, v in values.items()
+  }
+  if pid == 0:
+    # .npz has no bfloat16: store it as float32 (exact), dtypes aside.
+    np.savez(
+      os.path.join(out_dir, 'expected.npz'),
+      **{k: _npz_safe(v) for k, v in expected.items()},
+    )
+    with open(os.path.join(out_dir, 'expected_dtypes.json'), 'w') as f:
+      json.dump({k: str(v.dtype) for k, v in expected.items()}, f)
+
+  # Restore onto the other mesh layout, through DTensor.
+  other = _mesh('transposed' if kind != 'transposed' else 'default')
+  with jax.set_mesh(other):
+    abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(1)))
+    restored = fdt_tf.restore_checkpoint(ckpt, abstract)
+  restored_values = _flat(restored)
+  mismatched = []
+  for name, v in restored_values.items():
+    assert v.sharding.mesh == other, name
+    gathered = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    want = expected[name]
+    if gathered.dtype != want.dtype or gathered.tobytes() != want.tobytes():
+      mismatched.append(name)
+  spec = restored_values['embed/embedding'].sharding.spec
+
+  # An array on this process's devices only is refused on every process
+  # alike (rather than leaving the others waiting in a collective).
+  local = nnx.State({'w': nnx.Param(jnp.ones(4))})
+  local_error = ''
+  try:
+    fdt_tf.save_checkpoint(local, os.path.join(out_dir, 'local'))
+  except fdt.ExportError as e:
+    local_error = str(e)
+
+  # Overwrite from every process.
+  with jax.set_mesh(mesh):
+    model.step.set_value(jnp.asarray(8, jnp.int32))
+  fdt_tf.save_checkpoint(model, ckpt, overwrite=True)
+  leftovers = sorted(n for n in os.listdir(out_dir) if n.startswith('.'))
+
+  result = {
+    'process': pid,
+    'processes': jax.process_count(),
+    'devices': jax.device_count(),
+    'local_devices': jax.local_device_count(),
+    'refused': refused,
+    'mismatched': mismatched,
+    'restored_spec': str(spec),
+    'leftovers': leftovers,
+    'local_error': local_error,
+    'files': sorted(os.listdir(ckpt)),
+  }
+  print('RESULT ' + json.dumps(result), flush=True)
+  multihost_utils.sync_global_devices('worker-done')
+
+
+if __name__ == '__main__':
+  main()

@@ -91,7 +91,7 @@ class Attention(nnx.Module):
       jnp.asarray(self.head_dim, x.dtype)
     )
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
     y = jnp.einsum('bhlm,bmhk->blhk', weights, v)
     y = fdt.with_logical_constraint(y, heads)
@@ -184,7 +184,7 @@ class TransformerLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     length = tokens.shape[1]
-    x = self.embed(tokens) + self.position.embedding[...][:length]
+    x = self.embed(tokens) + self.position.embedding[...][None, :length]
     x = fdt.with_logical_constraint(x, ('batch', 'length', 'embed'))
     for layer in self.layers:
       x = layer(x)

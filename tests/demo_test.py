@@ -1,0 +1,106 @@
+"""Tests of the demo package: corpus, batches, model, rules."""
+
+import doctest
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_dtensor as fdt
+from flax_dtensor.demo import data, train
+from flax_dtensor.demo import model as model_lib
+
+
+@pytest.mark.parametrize(
+  'name', ['flax_dtensor.demo.model', 'flax_dtensor.demo.train']
+)
+def test_docstring_examples(name):
+  result = doctest.testmod(importlib.import_module(name))
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_corpus_is_shipped_plain_ascii():
+  text = data.corpus_text()
+  assert 100_000 < len(text) < 300_000
+  assert "ALICE'S ADVENTURES IN WONDERLAND" in text
+  assert text.isascii()
+  assert data.decode(data.encode(text[:1000])) == text[:1000]
+
+
+def test_batches_and_held_out_split():
+  train_tokens, held_out = data.split_tokens()
+  assert len(held_out) == pytest.approx(
+    0.1 * (len(train_tokens) + len(held_out)), abs=1
+  )
+  batch = next(data.Batches(train_tokens, 4, 16, seed=0))
+  assert batch.shape == (4, 17) and batch.dtype == np.int32
+  again = next(data.Batches(train_tokens, 4, 16, seed=0))
+  np.testing.assert_array_equal(batch, again)
+  fixed = data.held_out_batch(8, 128)
+  assert fixed.shape == (8, 129)
+  # The held-out rows come from the end of the text, never from training.
+  text = data.decode(fixed[0])
+  assert text in data.decode(held_out)
+
+
+def test_batches_refuse_short_text():
+  with pytest.raises(ValueError, match='Expected more than 17 tokens'):
+    data.Batches(np.zeros(10, np.int32), 2, 16)
+
+
+def test_model_runs_on_one_device_without_rules():
+  lm = model_lib.make_model(layers=1)
+  logits = lm(jnp.zeros((2, 8), jnp.int32))
+  assert logits.shape == (2, 8, 256)
+  assert bool(jnp.isfinite(logits).all())
+
+
+def test_every_param_has_logical_axes_the_rules_know():
+  abstract = nnx.eval_shape(lambda: model_lib.make_model())
+  rules = train.default_rules()
+  for path, param in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+    axes = param.get_metadata('out_sharding', None)
+    assert axes, path
+    assert set(axes) <= set(rules.names), (path, axes)
+
+
+def test_default_plan_on_a_2x4_mesh():
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4),
+    ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
+  rules = train.default_rules()
+  with jax.sharding.use_abstract_mesh(mesh), fdt.logical_axis_rules(rules):
+    abstract = nnx.eval_shape(model_lib.make_model)
+  plan = fdt.plan(abstract, mesh=mesh, rules=rules)
+  P = jax.sharding.PartitionSpec
+  assert plan['head/kernel'].spec == P('data', 'model')
+  assert plan['embed/embedding'].spec == P('model', 'data')
+  assert plan['layers/0/attn/out/kernel'].spec == P('model', None, 'data')
+  assert plan['final_norm/scale'].spec == P(None)
+  assert plan.bytes_per_device < 1.2 * plan.ideal_bytes_per_device
+
+
+def test_train_step_lowers_the_loss():
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  tokens = data.split_tokens()[0]
+  batches = data.Batches(tokens, 8, 32, seed=0)
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(train.default_rules()):
+    lm = model_lib.make_model(layers=1, max_length=32)
+    optimizer = train.make_optimizer(lm, steps=15)
+    assert lm.head.kernel[...].sharding.spec == jax.P('data', 'model')
+    losses = [
+      float(train.train_step(lm, optimizer, train.shard_batch(next(batches))))
+      for _ in range(15)
+    ]
+    held_out = train.shard_batch(data.held_out_batch(8, 32))
+    final = float(train.eval_loss(lm, held_out))
+  assert losses[0] > 5.0
+  assert losses[-1] < losses[0] - 1.5
+  assert final < losses[0] - 1.5

@@ -51,8 +51,8 @@ _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 _MESH_ITEM = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)$')
 _MESH_HELP = 'Mesh axes as NAME=SIZE pairs, e.g. data=2,model=4.'
 _RULES_HELP = (
-  "A YAML rules file in MaxText's format (logical_axis_rules: [[name, "
-  'target], ...]). Default: the demo rules, flax_dtensor/demo/rules.yaml.'
+  "A YAML rules file in MaxText's format (a logical_axis_rules list of "
+  '(name, target) pairs). Default: the demo rules.'
 )
 _DEBUG_HELP = 'Show the traceback of an error.'
 _CPU_DEVICES_HELP = (
@@ -460,7 +460,7 @@ def plan(
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
-  debug: Annotated[bool, typer.Option(help=_DEBUG_HELP)] = False,
+  debug: Annotated[bool, typer.Option('--debug', help=_DEBUG_HELP)] = False,
 ) -> None:
   """Show where every variable of a model would go, without allocating it.
 
@@ -622,7 +622,7 @@ def demo(
       min=1, help=_CPU_DEVICES_HELP + ' Default: the size of --mesh.'
     ),
   ] = None,
-  debug: Annotated[bool, typer.Option(help=_DEBUG_HELP)] = False,
+  debug: Annotated[bool, typer.Option('--debug', help=_DEBUG_HELP)] = False,
 ) -> None:
   """Train a small Transformer LM on a sharded mesh and export it to TF.
 
@@ -964,18 +964,20 @@ def export(
   ] = None,
   static_batch: Annotated[
     bool,
-    typer.Option(help='Keep the first dimension of --input-shape fixed.'),
+    typer.Option(
+      '--static-batch', help='Keep the first dimension of --input-shape fixed.'
+    ),
   ] = False,
   method: Annotated[
     str, typer.Option(help='The module method to serve.')
   ] = '__call__',
   overwrite: Annotated[
-    bool, typer.Option(help='Replace existing outputs.')
+    bool, typer.Option('--overwrite', help='Replace existing outputs.')
   ] = False,
   cpu_devices: Annotated[
     int | None, typer.Option(min=1, help=_CPU_DEVICES_HELP)
   ] = None,
-  debug: Annotated[bool, typer.Option(help=_DEBUG_HELP)] = False,
+  debug: Annotated[bool, typer.Option('--debug', help=_DEBUG_HELP)] = False,
 ) -> None:
   """Restore an Orbax checkpoint onto a mesh and export it to TF DTensor.
 
@@ -1177,7 +1179,7 @@ def inspect(
       show_default=False,
     ),
   ],
-  debug: Annotated[bool, typer.Option(help=_DEBUG_HELP)] = False,
+  debug: Annotated[bool, typer.Option('--debug', help=_DEBUG_HELP)] = False,
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 

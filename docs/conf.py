@@ -1,0 +1,135 @@
+"""Sphinx configuration of the flax_dtensor docs.
+
+Build (warnings are errors in CI)::
+
+  python -m sphinx -W --keep-going -b html docs docs/_build/html
+  python -m sphinx -W --keep-going -b doctest docs docs/_build/doctest
+
+The notebooks in ``notebooks/`` are copied into ``docs/notebooks/`` and
+executed by myst-nb on every build (``NB_EXECUTION_MODE=off`` skips that for
+a quick local build). ``ext/coverage_check.py`` fails the build when a name
+in ``flax_dtensor.__all__`` or ``flax_dtensor.dtensor.__all__`` is not
+documented.
+"""
+
+import os
+import pathlib
+import shutil
+import sys
+
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(DOCS / 'ext'))
+sys.path.insert(0, str(ROOT))
+
+# 8 virtual CPU devices for the doctests, before JAX starts its backend.
+_FLAG = '--xla_force_host_platform_device_count=8'
+if _FLAG not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {_FLAG}'.strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import jax  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', 8)
+
+import flax_dtensor  # noqa: E402
+
+project = 'flax_dtensor'
+author = 'flax_dtensor maintainers'
+copyright = '2026, flax_dtensor maintainers'
+release = flax_dtensor.__version__
+version = release
+
+extensions = [
+  'sphinx.ext.autodoc',
+  'sphinx.ext.autosummary',
+  'sphinx.ext.napoleon',
+  'sphinx.ext.doctest',
+  'sphinx.ext.viewcode',
+  'myst_nb',
+  'cli_help',
+  'coverage_check',
+  'docstring_fixes',
+]
+
+source_suffix = {'.rst': 'restructuredtext', '.md': 'myst-nb'}
+exclude_patterns = [
+  '_build',
+  'Thumbs.db',
+  '.DS_Store',
+  'ext',
+  'jupyter_execute',
+]
+root_doc = 'index'
+default_role = 'py:obj'
+
+# autodoc / autosummary / napoleon: Google-style docstrings.
+autosummary_generate = False
+autodoc_typehints = 'description'
+autodoc_typehints_format = 'short'
+autodoc_member_order = 'bysource'
+autodoc_default_options = {'show-inheritance': False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_attr_annotations = True
+# Type annotations name many third-party types (jax.Array, nnx.Module, TF
+# types) that have no local target; intersphinx would need the network.
+nitpicky = False
+
+# myst / myst-nb.
+myst_enable_extensions = ['colon_fence', 'deflist']
+myst_heading_anchors = 3
+nb_execution_mode = os.environ.get('NB_EXECUTION_MODE', 'force')
+nb_execution_timeout = 300
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+nb_execution_excludepatterns = []
+# The notebooks print to stderr (TF and JAX logging); that is not an error.
+nb_output_stderr = 'remove-warn'
+
+# Doctests run without the module's globals: give every example the public
+# names (some examples in flax_dtensor.dtensor call them unqualified).
+doctest_global_setup = """
+import jax
+from flax import nnx
+import flax_dtensor as fdt
+from flax_dtensor.dtensor import *
+"""
+
+html_theme = 'sphinx_book_theme'
+html_title = 'flax_dtensor'
+html_theme_options = {
+  'show_toc_level': 2,
+  'repository_url': 'https://github.com/flax-dtensor/flax_dtensor',
+  'use_repository_button': False,
+}
+html_static_path = []
+
+suppress_warnings = ['mystnb.unknown_mime_type']
+
+
+def _copy_notebooks() -> None:
+  """Copies notebooks/*.ipynb into docs/notebooks/ (a build artefact)."""
+  target = DOCS / 'notebooks'
+  if target.exists():
+    shutil.rmtree(target)
+  target.mkdir()
+  for notebook in sorted((ROOT / 'notebooks').glob('*.ipynb')):
+    shutil.copy2(notebook, target / notebook.name)
+
+
+_copy_notebooks()
+
+
+def _execute_notebooks_for_html_only(app) -> None:
+  # The notebooks are executed for the HTML pages; the doctest builder only
+  # needs the docstrings, not the notebooks' outputs.
+  if app.builder.name != 'html':
+    app.config.nb_execution_mode = 'off'
+
+
+def setup(app) -> None:
+  app.connect('builder-inited', _execute_notebooks_for_html_only)

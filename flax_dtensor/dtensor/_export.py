@@ -1012,56 +1012,62 @@ def restore_checkpoint(
   entries = _select(target, include, exclude, what='target')
   stored = _check_against(entries, tf.train.load_checkpoint(prefix), directory)
   show = _show_progress(progress, len(entries))
-  shardings, placeholders = [], []
-  for e, stored_dtype in _progress(
-    zip(entries, stored, strict=True),
-    show=show,
-    total=len(entries),
-    desc='flax_dtensor: allocating',
-  ):
+  shardings, layouts = [], []
+  for e in entries:
     sharding = _concrete_sharding(e, mesh)
     if jax.process_count() > 1:
       _check_spans_processes(e.name, sharding)
     try:
-      layout = _mesh.layout_for(sharding, len(e.shape))
+      layouts.append(_mesh.layout_for(sharding, len(e.shape)))
     except _errors.DTensorError as err:
       raise _errors.ExportError(
         f'Cannot restore {e.name!r} with the sharding {sharding}: {err}'
       ) from err
     shardings.append(sharding)
-    # Gives DTensor the shape, dtype and layout to read into.
-    placeholders.append(
-      dtensor.call_with_layout(
-        tf.zeros, layout, shape=e.shape, dtype=stored_dtype
-      )
-    )
+  groups: dict[str, tuple[Any, list[int]]] = {}
+  for i, layout in enumerate(layouts):
+    key = layout.mesh.to_string()
+    groups.setdefault(key, (layout.mesh, []))[1].append(i)
   _announce(show, f'reading {len(entries)} variables from {prefix}')
-  restored: list[Any] = [None] * len(entries)
-  for group_mesh, indices in _by_mesh(placeholders):
-    # Each process reads only the slices its devices hold.
-    out = dtensor.name_based_restore(
-      group_mesh,
-      prefix,
-      collections.OrderedDict(
-        (entries[i].key, placeholders[i]) for i in indices
-      ),
+  arrays: list[Any] = [None] * len(entries)
+  bar = iter(
+    _progress(
+      range(len(entries)),
+      show=show,
+      total=len(entries),
+      desc='flax_dtensor: restoring',
     )
+  )
+  for group_mesh, indices in groups.values():
+    # Placeholders give DTensor the shape, dtype and layout to read into;
+    # allocated one mesh at a time, and dropped once read.
+    placeholders = collections.OrderedDict(
+      (
+        entries[i].key,
+        dtensor.call_with_layout(
+          tf.zeros, layouts[i], shape=entries[i].shape, dtype=stored[i]
+        ),
+      )
+      for i in indices
+    )
+    # Each process reads only the slices its devices hold.
+    out = dtensor.name_based_restore(group_mesh, prefix, placeholders)
+    del placeholders
     for i in indices:
-      restored[i] = out[entries[i].key]
-      placeholders[i] = None
-  flat = []
-  for e, t, sharding in _progress(
-    zip(entries, restored, shardings, strict=True),
-    show=show,
-    total=len(entries),
-    desc='flax_dtensor: to JAX',
-  ):
-    if t.dtype != tf.as_dtype(e.dtype):
-      t = tf.cast(t, e.dtype)
-    array = _mesh.dtensor_to_array(t, sharding=sharding)
-    if e.key_impl is not None:
-      array = jax.random.wrap_key_data(array, impl=e.key_impl)
-    flat.append((e.path, e.variable.copy(array)))
+      e = entries[i]
+      t = out.pop(e.key)
+      if t.dtype != tf.as_dtype(e.dtype):
+        t = tf.cast(t, e.dtype)
+      array = _mesh.dtensor_to_array(t, sharding=shardings[i])
+      if e.key_impl is not None:
+        array = jax.random.wrap_key_data(array, impl=e.key_impl)
+      arrays[i] = array
+      next(bar, None)
+  for _ in bar:
+    pass
+  flat = [
+    (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
+  ]
   state = nnx.from_flat_state(flat)
   if isinstance(target, nnx.State):
     return state  # type: ignore[return-value]

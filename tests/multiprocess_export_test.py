@@ -1,22 +1,23 @@
 """Two local processes save ONE checkpoint; plain single-process TF reads it.
 
-Each worker (tests/multiprocess_export_worker.py) runs jax.distributed on
-127.0.0.1 with 4 CPU devices and a DTensor client of its own; together they
-shard a model over a (2, 4) mesh spanning both processes (row-major, and
-transposed so each mesh row mixes the processes), save it with
-`save_checkpoint`, check that a second save is refused on both, restore it
-onto the other layout and overwrite it. The parent then reads the checkpoint
-in a fresh process with plain TensorFlow (no JAX, no DTensor) and compares
-with the global values the workers gathered.
+Each worker (tests/_mp_worker_export.py, started by multiprocess_util) runs
+jax.distributed on 127.0.0.1 with 4 CPU devices and a DTensor client of its
+own; together they shard a model over a (2, 4) mesh spanning both processes
+(row-major, and transposed so each mesh row mixes the processes), save it
+with `save_checkpoint`, check that a second save and a process-local array
+are refused on both, restore it onto the other layout and overwrite it. The
+parent then reads the checkpoint in a fresh process with plain TensorFlow (no
+JAX, no DTensor) and compares with the global values the workers gathered.
 """
 
 import json
 import os
-import socket
+import pathlib
 import subprocess
 import sys
 import textwrap
 
+import multiprocess_util
 import numpy as np
 import pytest
 
@@ -26,10 +27,8 @@ pytestmark = pytest.mark.multiprocess
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
-WORKER = os.path.join(
-  os.path.dirname(__file__), 'multiprocess_export_worker.py'
-)
-TIMEOUT = 300
+WORKER = pathlib.Path(__file__).resolve().parent / '_mp_worker_export.py'
+TIMEOUT = 400
 
 _READ_SCRIPT = textwrap.dedent(
   """
@@ -53,67 +52,19 @@ _READ_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_ports(n):
-  socks = []
-  try:
-    for _ in range(n):
-      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(('127.0.0.1', 0))
-      socks.append(s)
-    return [s.getsockname()[1] for s in socks]
-  finally:
-    for s in socks:
-      s.close()
-
-
 def _launch(out_dir, kind):
-  """Runs the workers; returns each one's RESULT dict (bounded by TIMEOUT)."""
-  ports = _free_ports(1 + NUM_PROCESSES)
-  base = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(('DTENSOR_', 'JAX_', 'XLA_'))
-  }
-  base.update(
-    JAX_COORDINATOR=f'127.0.0.1:{ports[0]}',
-    JAX_NUM_PROCESSES=str(NUM_PROCESSES),
-    JAX_PLATFORMS='cpu',
-    XLA_FLAGS=(f'--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}'),
-    DTENSOR_JOBS=','.join(f'127.0.0.1:{p}' for p in ports[1:]),
-    DTENSOR_JOB_NAME='worker',
-    TF_CPP_MIN_LOG_LEVEL='2',
+  """Runs the workers; returns each one's RESULT dict."""
+  outputs = multiprocess_util.run_workers(
+    WORKER,
+    NUM_PROCESSES,
+    args=[str(out_dir), kind],
+    timeout=TIMEOUT,
+    devices_per_process=DEVICES_PER_PROCESS,
   )
-  procs = []
-  for i in range(NUM_PROCESSES):
-    env = dict(base, JAX_PROCESS_ID=str(i), DTENSOR_CLIENT_ID=str(i))
-    procs.append(
-      subprocess.Popen(
-        [sys.executable, WORKER, str(out_dir), kind],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-      )
-    )
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=TIMEOUT))
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    logs = [p.communicate()[1][-3000:] for p in procs]
-    pytest.fail(f'Workers timed out after {TIMEOUT}s: {logs}')
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
   results = []
-  for i, (p, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
-    assert p.returncode == 0, f'worker {i} failed:\n{stderr[-6000:]}'
-    lines = [line for line in stdout.splitlines() if line.startswith('RESULT ')]
-    assert lines, f'worker {i} printed no result:\n{stdout}\n{stderr[-3000:]}'
+  for i, out in enumerate(outputs):
+    lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
+    assert lines, f'worker {i} printed no result:\n{out[-4000:]}'
     results.append(json.loads(lines[-1][len('RESULT ') :]))
   return results
 

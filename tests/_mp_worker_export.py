@@ -1,45 +1,37 @@
-"""One process of the multi-process export test (see multiprocess_export_test).
+"""Worker of multiprocess_export_test.py: one checkpoint from 2 processes.
 
-Usage: python multiprocess_export_worker.py OUT_DIR MESH_KIND
-
-The launcher sets, per process: JAX_COORDINATOR (host:port), JAX_NUM_PROCESSES,
-JAX_PROCESS_ID, DTENSOR_JOBS, DTENSOR_CLIENT_ID, DTENSOR_JOB_NAME, and
-XLA_FLAGS for 4 CPU devices. Every process builds the same model on a (2, 4)
-mesh over both processes' devices, saves ONE checkpoint with all of them,
-restores it onto another layout, and process 0 writes the global values
-(gathered with process_allgather) to OUT_DIR/expected.npz for the parent to
-compare with a plain TF read. Prints one JSON line starting with 'RESULT '.
+Usage (through multiprocess_util.run_workers): _mp_worker_export.py OUT_DIR
+MESH_KIND. Every process builds the same model on a (2, 4) mesh over both
+processes' devices (4 each), saves ONE checkpoint with all of them, checks
+that a second save and a process-local array are refused on every process,
+restores the checkpoint onto another layout, and overwrites it. Process 0
+writes the global values (gathered with process_allgather) to
+OUT_DIR/expected.npz for the parent to compare with a plain TF read. Prints
+one JSON line starting with 'RESULT '.
 """
 
+import multiprocess_util
+
+multiprocess_util.initialize_jax()
+
+# ruff: noqa: E402
 import json
 import os
 import sys
 
 import jax
 
-jax.config.update('jax_num_cpu_devices', 4)
-jax.config.update('jax_platforms', 'cpu')
-
-_COORDINATOR = os.environ['JAX_COORDINATOR']
-jax.distributed.initialize(
-  coordinator_address=_COORDINATOR,
-  num_processes=int(os.environ['JAX_NUM_PROCESSES']),
-  process_id=int(os.environ['JAX_PROCESS_ID']),
-  coordinator_bind_address=_COORDINATOR,
-  initialization_timeout=120,
-)
-
-import flax_dtensor.dtensor as fdt_tf  # noqa: E402
+import flax_dtensor.dtensor as fdt_tf
 
 fdt_tf.initialize()  # Before any other TF op.
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
-import flax_dtensor as fdt  # noqa: E402
+import flax_dtensor as fdt
 
 
 def _part(names):

@@ -17,6 +17,7 @@ DTensor before TensorFlow runs anything.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import importlib
@@ -1065,11 +1066,40 @@ def export(
 # ------------------------------------------------------------------------------
 
 
-def _layout_text(meta: dict[str, Any]) -> str:
-  for key in ('layout', 'sharding'):
-    if meta.get(key):
-      return str(meta[key])
-  return '-'
+_SHARDING_REPR = re.compile(
+  r'^(?:P|PartitionSpec)\((?P<spec>.*)\) on mesh (?P<mesh>\{.*\})$'
+)
+
+
+def dtensor_layout_text(sharding: str | None, ndim: int) -> str:
+  """DTensor layout text from a recorded JAX sharding.
+
+  ``"P('data', None) on mesh {'data': 2, 'model': 4}"`` becomes
+  ``'data,unsharded @ data=2,model=4'``: one DTensor sharding spec per
+  dimension, then the mesh. A dimension sharded over several JAX mesh axes
+  is on a fused DTensor axis (``data+model``). Anything unparsable is
+  returned as recorded.
+  """
+  if not sharding:
+    return '-'
+  match = _SHARDING_REPR.match(sharding)
+  if match is None:
+    return sharding
+  try:
+    entries = ast.literal_eval(f'[{match.group("spec")}]')
+    mesh = ast.literal_eval(match.group('mesh'))
+  except (ValueError, SyntaxError):
+    return sharding
+  specs = []
+  for entry in (*entries, *([None] * (ndim - len(entries)))):
+    if entry is None:
+      specs.append('unsharded')
+    elif isinstance(entry, tuple):
+      specs.append('+'.join(entry))
+    else:
+      specs.append(str(entry))
+  mesh_text = ','.join(f'{k}={v}' for k, v in mesh.items())
+  return f'{",".join(specs) or "scalar"} @ {mesh_text}'
 
 
 def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
@@ -1101,7 +1131,7 @@ def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
   table = rich.table.Table(
     title=f'DTensor checkpoint {path}', title_justify='left'
   )
-  for column in ('variable', 'type', 'shape', 'dtype', 'layout'):
+  for column in ('variable', 'type', 'shape', 'dtype', 'DTensor layout'):
     table.add_column(column)
   count = 0
   for key in sorted(shapes):
@@ -1118,10 +1148,13 @@ def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
       meta.get('type', '-'),
       str(tuple(shapes[key])),
       dtype,
-      _layout_text(meta),
+      dtensor_layout_text(meta.get('sharding'), len(shapes[key])),
     )
     count += 1
-  table.caption = f'{count} variables'
+  table.caption = (
+    f'{count} variables. DTensor layout: one sharding spec per dimension '
+    '@ the mesh (from flax_dtensor.json).'
+  )
   return table
 
 

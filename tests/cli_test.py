@@ -253,6 +253,34 @@ def test_parse_input_shape_errors(text, match):
     cli.parse_input_shape(text, static_batch=False)
 
 
+@pytest.mark.parametrize(
+  'sharding, ndim, expected',
+  [
+    (
+      "P('model', None, 'data') on mesh {'data': 2, 'model': 4}",
+      3,
+      'model,unsharded,data @ data=2,model=4',
+    ),
+    (
+      "P() on mesh {'data': 2, 'model': 4}",
+      2,
+      'unsharded,unsharded @ data=2,model=4',
+    ),
+    (
+      "P(('data', 'model'),) on mesh {'data': 2, 'model': 4}",
+      1,
+      'data+model @ data=2,model=4',
+    ),
+    ("P() on mesh {'x': 8}", 0, 'scalar @ x=8'),
+    ('SingleDeviceSharding', 2, 'SingleDeviceSharding'),
+    (None, 2, '-'),
+  ],
+  ids=['2d', 'replicated', 'fused', 'scalar', 'unparsable', 'none'],
+)
+def test_dtensor_layout_text(sharding, ndim, expected):
+  assert cli.dtensor_layout_text(sharding, ndim) == expected
+
+
 # plan
 # ------------------------------------------------------------------------------
 
@@ -617,7 +645,9 @@ def test_inspect_demo_export(demo_export):
   assert '24 variables' in stdout
   lines = [line for line in stdout.splitlines() if 'head/kernel' in line]
   assert any(
-    '(128, 256)' in line and 'float32' in line and "'data', 'model'" in line
+    '(128, 256)' in line
+    and 'float32' in line
+    and 'data,model @ data=2,model=4' in line
     for line in lines
   ), lines
   # The SavedModel: its signature and its variables.
@@ -655,7 +685,8 @@ def test_export_and_inspect_user_factory(tmp_path):
   stdout = ok(run_cli('inspect', out / 'checkpoint'))
   assert '3 variables' in stdout
   (line,) = [x for x in stdout.splitlines() if 'hidden/kernel' in x]
-  assert '(16, 6)' in line and 'float32' in line and "'data', None" in line
+  assert '(16, 6)' in line and 'float32' in line
+  assert 'data,unsharded @ data=2,model=4' in line
 
 
 # demo

@@ -101,11 +101,7 @@ from flax_dtensor.dtensor import *
 
 html_theme = 'sphinx_book_theme'
 html_title = 'flax_dtensor'
-html_theme_options = {
-  'show_toc_level': 2,
-  'repository_url': 'https://github.com/flax-dtensor/flax_dtensor',
-  'use_repository_button': False,
-}
+html_theme_options = {'show_toc_level': 2}
 html_static_path = []
 
 suppress_warnings = ['mystnb.unknown_mime_type']

@@ -688,3 +688,9 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(
   assert 'writing 6 variables' in capsys.readouterr().err
   fdt_tf.save_checkpoint(model, tmp_path / 'off', progress=False)
   assert capsys.readouterr().err == ''
+  fdt_tf.restore_checkpoint(tmp_path / 'off', model, progress=True)
+  err = capsys.readouterr().err
+  assert 'reading 6 variables' in err
+  assert 'flax_dtensor: restoring' in err
+  fdt_tf.restore_checkpoint(tmp_path / 'off', model, progress=False)
+  assert capsys.readouterr().err == ''

@@ -386,3 +386,43 @@ def test_polymorphic_shape_strings():
   assert shape(tf.TensorSpec([None, None, 3]), 2) == '(b, d2_1, 3)'
   assert shape(tf.TensorSpec([4, 16]), 0) is None
   assert shape(tf.TensorSpec(None), 0) is None
+
+
+def _xla_call_module_versions(path):
+  from tensorflow.core.protobuf import saved_model_pb2
+
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  return {
+    node.attr['version'].i
+    for graph in proto.meta_graphs
+    for fn in graph.graph_def.library.function
+    for node in fn.node_def
+    if node.op == 'XlaCallModule'
+  }
+
+
+def test_calling_convention_follows_what_tf_runs(
+  auto_mesh, tmp_path, monkeypatch
+):
+  from flax_dtensor.dtensor import _export
+
+  net = _trained(auto_mesh)
+  spec = [tf.TensorSpec([None, 64], tf.float32)]
+  current = jax.config.jax_export_calling_convention_version
+  assert current <= _export._tf_max_calling_convention()
+  sm = fdt_tf.save_saved_model(net, tmp_path / 'now', input_signature=spec)
+  assert _xla_call_module_versions(sm) == {current}
+  # An older TF: export with the newest version both run.
+  oldest = jax.export.minimum_supported_calling_convention_version
+  monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest)
+  sm = fdt_tf.save_saved_model(net, tmp_path / 'old', input_signature=spec)
+  assert _xla_call_module_versions(sm) == {oldest}
+  assert jax.config.jax_export_calling_convention_version == current
+  monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest - 1)
+  with pytest.raises(
+    fdt.ExportError, match=rf'up to {oldest - 1} only.*newer TensorFlow'
+  ):
+    fdt_tf.save_saved_model(net, tmp_path / 'none', input_signature=spec)
+  assert sorted(os.listdir(tmp_path)) == ['now', 'old']

@@ -89,6 +89,7 @@ barrier timeout, and the target directory is never created.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -345,6 +346,22 @@ def _progress(
     items, total=total, desc=desc, unit='var', file=sys.stderr, leave=False
   ) as bar:
     yield from bar
+
+
+@contextlib.contextmanager
+def _counter(
+  *, show: bool, total: int, desc: str
+) -> Iterator[Callable[..., Any]]:
+  """Yields `advance(n=1)` for a progress bar (a no-op when not shown)."""
+  if not show:
+    yield lambda n=1: None
+    return
+  import tqdm
+
+  with tqdm.tqdm(
+    total=total, desc=desc, unit='var', file=sys.stderr, leave=False
+  ) as bar:
+    yield bar.update
 
 
 def _announce(show: bool, message: str) -> None:
@@ -952,6 +969,40 @@ def _check_against(
   return out
 
 
+def _restore_group(
+  mesh: Any,
+  prefix: str,
+  entries: Sequence[_Entry],
+  layouts: Sequence[Any],
+  stored: Sequence[np.dtype],
+  shardings: Sequence[jax.sharding.Sharding],
+  out: list[Any],
+  indices: Sequence[int],
+) -> None:
+  """Restores the entries laid out on one DTensor mesh into `out[indices]`."""
+  tf = _tf.tf()
+  dtensor = _tf.dtensor()
+  # Placeholders give DTensor the shape, dtype and layout to read into.
+  placeholders = collections.OrderedDict(
+    (
+      e.key,
+      dtensor.call_with_layout(tf.zeros, layout, shape=e.shape, dtype=dtype),
+    )
+    for e, layout, dtype in zip(entries, layouts, stored, strict=True)
+  )
+  # Each process reads only the slices its devices hold.
+  restored = dtensor.name_based_restore(mesh, prefix, placeholders)
+  del placeholders
+  for e, sharding, i in zip(entries, shardings, indices, strict=True):
+    t = restored.pop(e.key)
+    if t.dtype != tf.as_dtype(e.dtype):
+      t = tf.cast(t, e.dtype)
+    array = _mesh.dtensor_to_array(t, sharding=sharding)
+    if e.key_impl is not None:
+      array = jax.random.wrap_key_data(array, impl=e.key_impl)
+    out[i] = array
+
+
 def restore_checkpoint(
   directory: str | os.PathLike[str],
   target: A,
@@ -1006,7 +1057,6 @@ def restore_checkpoint(
     ...   model = restore_checkpoint('/tmp/ckpt', abstract)
   """
   tf = _tf.tf()
-  dtensor = _tf.dtensor()
   directory = os.fspath(directory)
   prefix = _checkpoint_prefix(directory)
   entries = _select(target, include, exclude, what='target')
@@ -1030,41 +1080,21 @@ def restore_checkpoint(
     groups.setdefault(key, (layout.mesh, []))[1].append(i)
   _announce(show, f'reading {len(entries)} variables from {prefix}')
   arrays: list[Any] = [None] * len(entries)
-  bar = iter(
-    _progress(
-      range(len(entries)),
-      show=show,
-      total=len(entries),
-      desc='flax_dtensor: restoring',
-    )
-  )
-  for group_mesh, indices in groups.values():
-    # Placeholders give DTensor the shape, dtype and layout to read into;
-    # allocated one mesh at a time, and dropped once read.
-    placeholders = collections.OrderedDict(
-      (
-        entries[i].key,
-        dtensor.call_with_layout(
-          tf.zeros, layouts[i], shape=entries[i].shape, dtype=stored[i]
-        ),
+  with _counter(
+    show=show, total=len(entries), desc='flax_dtensor: restoring'
+  ) as advance:
+    for group_mesh, indices in groups.values():
+      _restore_group(
+        group_mesh,
+        prefix,
+        [entries[i] for i in indices],
+        [layouts[i] for i in indices],
+        [stored[i] for i in indices],
+        [shardings[i] for i in indices],
+        arrays,
+        indices,
       )
-      for i in indices
-    )
-    # Each process reads only the slices its devices hold.
-    out = dtensor.name_based_restore(group_mesh, prefix, placeholders)
-    del placeholders
-    for i in indices:
-      e = entries[i]
-      t = out.pop(e.key)
-      if t.dtype != tf.as_dtype(e.dtype):
-        t = tf.cast(t, e.dtype)
-      array = _mesh.dtensor_to_array(t, sharding=shardings[i])
-      if e.key_impl is not None:
-        array = jax.random.wrap_key_data(array, impl=e.key_impl)
-      arrays[i] = array
-      next(bar, None)
-  for _ in bar:
-    pass
+      advance(len(indices))
   flat = [
     (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
   ]
@@ -1255,10 +1285,61 @@ def save_saved_model(
 
   serve_fn = tf.function(serve, input_signature=specs, autograph=False)
   tf_module.serve = serve_fn
-  with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+  version = _calling_convention_version()
+  with (
+    _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+    _jax_export_version(version),
+  ):
     _announce(show, f'tracing and writing a SavedModel to {directory}')
     _write_saved_model(tf_module, tmp, serve_fn.get_concrete_function())
   return directory
+
+
+def _tf_max_calling_convention() -> int | None:
+  """The newest jax2tf calling convention this TF's XlaCallModule runs."""
+  _tf.tf()
+  try:
+    from tensorflow.compiler.tf2xla.python import xla
+  except ImportError:  # pragma: no cover - TF moved it.
+    return None
+  return int(xla.call_module_maximum_supported_version())
+
+
+def _calling_convention_version() -> int:
+  """The calling convention to export with: JAX's, or older if TF needs it.
+
+  JAX emits `jax_export_calling_convention_version` (10 in jax 0.10, which
+  TF 2.21 runs). If the installed TF only runs older versions, export with
+  the newest one both support; if there is none, fail here rather than in
+  the serving process.
+  """
+  current = int(jax.config.jax_export_calling_convention_version)
+  tf_max = _tf_max_calling_convention()
+  if tf_max is None or current <= tf_max:
+    return current
+  if tf_max >= jax.export.minimum_supported_calling_convention_version:
+    return tf_max
+  raise _errors.ExportError(
+    f'JAX exports StableHLO with calling convention version {current} (at '
+    f'least {jax.export.minimum_supported_calling_convention_version}), but '
+    f'the installed TensorFlow runs versions up to {tf_max} only: expected '
+    'a common version. Install a newer TensorFlow (pip install '
+    '"flax-dtensor[tf]").'
+  )
+
+
+@contextlib.contextmanager
+def _jax_export_version(version: int) -> Iterator[None]:
+  """Sets `jax_export_calling_convention_version` for the block."""
+  old = int(jax.config.jax_export_calling_convention_version)
+  if version == old:
+    yield
+    return
+  jax.config.update('jax_export_calling_convention_version', version)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_export_calling_convention_version', old)
 
 
 def _write_saved_model(

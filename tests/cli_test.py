@@ -542,6 +542,22 @@ def test_export_mesh_does_not_match_devices(tmp_path):
   )
 
 
+def test_demo_mesh_does_not_match_cpu_devices(tmp_path):
+  bad_input(
+    run_cli(
+      'demo',
+      '--mesh',
+      'data=4,model=4',
+      '--cpu-devices',
+      '8',
+      '--out',
+      tmp_path / 'demo',
+    ),
+    'needs 16 devices but JAX sees 8',
+  )
+  assert not (tmp_path / 'demo').exists()
+
+
 def test_export_saved_model_needs_input_shape(tmp_path):
   checkpoint = tmp_path / 'ckpt'
   checkpoint.mkdir()

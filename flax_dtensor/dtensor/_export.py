@@ -208,8 +208,8 @@ def nnx_path(key: str) -> str | None:
   The inverse of `checkpoint_key` (exact for paths without '/' inside a key).
 
   Args:
-    key: A key listed by `tf.train.load_checkpoint(...).get_variable_to_
-      shape_map()`.
+    key: A checkpoint key, as `tf.train.load_checkpoint(d)` lists them
+      (`get_variable_to_shape_map()`).
 
   Returns:
     The NNX path joined with '/', or None if `key` is not the value of a

@@ -128,4 +128,5 @@ def _execute_notebooks_for_html_only(app) -> None:
 
 
 def setup(app) -> None:
-  app.connect('builder-inited', _execute_notebooks_for_html_only)
+  # Before myst-nb reads its configuration (also on builder-inited).
+  app.connect('builder-inited', _execute_notebooks_for_html_only, priority=1)

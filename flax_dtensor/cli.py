@@ -820,6 +820,11 @@ def _print_summary(
     f'{losses[0]:.3f} -> {losses[-1]:.3f}',
   )
   results.add_row('train loss, minimum', f'{summary["loss_min"]:.3f}')
+  stride = max(1, len(losses) // 8)
+  results.add_row(
+    f'train loss every {stride} steps',
+    ' '.join(f'{x:.2f}' for x in losses[::stride]),
+  )
   results.add_row(
     'max |logits TF - logits JAX| (held-out batch '
     f'{tuple(summary["held_out_shape"])})',

@@ -153,7 +153,7 @@ class ShardingPlan:
       show_footer=True,
     )
     ratio = self.bytes_per_device / max(self.ideal_bytes_per_device, 1e-9)
-    table.add_column('path', footer='total')
+    table.add_column('path', footer=f'total {_human(self.total_bytes)}')
     table.add_column('type')
     table.add_column('shape')
     table.add_column('dtype')
@@ -167,7 +167,7 @@ class ShardingPlan:
         f'{_human(self.ideal_bytes_per_device)}, {ratio:.2f}x)'
       ),
     )
-    table.add_column('fallbacks', footer=f'of {_human(self.total_bytes)}')
+    table.add_column('fallbacks')
     for e in self.entries:
       table.add_row(
         e.path,

@@ -6,7 +6,9 @@ import os
 # that inherit the environment, the config option for this process.
 _FLAG = '--xla_force_host_platform_device_count=8'
 if _FLAG not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FLAG).strip()
+  os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' ' + _FLAG
+  ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Keep TensorFlow's C++ logging out of test output.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')

@@ -316,7 +316,12 @@ def test_init_equals_eager_build_and_is_sharded(any_mesh):
 def test_init_uses_context_mesh_and_rules(explicit_mesh):
   with jax.set_mesh(explicit_mesh), fdt.logical_axis_rules(RULES):
     model = fdt.init(lambda: MLP(nnx.Rngs(1)))
-  assert model.up.kernel.sharding.spec == P('data', 'model')
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  kernel = model.up.kernel.get_value()
+  # Typed on the caller's Explicit mesh, although built on an Auto copy.
+  assert jax.typeof(kernel).sharding.spec == P('data', 'model')
+  assert kernel.sharding == NamedSharding(explicit_mesh, P('data', 'model'))
+  assert opt.opt_state[0].mu['up']['kernel'].sharding == kernel.sharding
 
 
 def test_init_without_mesh_raises():

@@ -153,7 +153,7 @@ class ShardingPlan:
       show_footer=True,
     )
     ratio = self.bytes_per_device / max(self.ideal_bytes_per_device, 1e-9)
-    table.add_column('path', footer=f'total {_human(self.total_bytes)}')
+    table.add_column('path', footer=f'total {human_bytes(self.total_bytes)}')
     table.add_column('type')
     table.add_column('shape')
     table.add_column('dtype')
@@ -163,8 +163,8 @@ class ShardingPlan:
       'bytes/device',
       justify='right',
       footer=(
-        f'{_human(self.bytes_per_device)} (ideal '
-        f'{_human(self.ideal_bytes_per_device)}, {ratio:.2f}x)'
+        f'{human_bytes(self.bytes_per_device)} (ideal '
+        f'{human_bytes(self.ideal_bytes_per_device)}, {ratio:.2f}x)'
       ),
     )
     table.add_column('fallbacks')
@@ -176,7 +176,7 @@ class ShardingPlan:
         e.dtype,
         str(e.logical_axes) if e.logical_axes is not None else '-',
         _format_spec(e.spec),
-        _human(e.bytes_per_device),
+        human_bytes(e.bytes_per_device),
         '\n'.join(e.fallbacks),
       )
     return table
@@ -190,7 +190,8 @@ class ShardingPlan:
     return buffer.getvalue()
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+  """'1.5 MiB' for 1572864."""
   for unit in ('B', 'KiB', 'MiB', 'GiB'):
     if abs(n) < 1024 or unit == 'GiB':
       return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'

@@ -124,11 +124,9 @@ def _handle_errors(debug: bool) -> Iterator[None]:
 
 
 def _human_bytes(n: float) -> str:
-  for unit in ('B', 'KiB', 'MiB', 'GiB'):
-    if abs(n) < 1024 or unit == 'GiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-  raise AssertionError('unreachable')
+  from flax_dtensor import _plan  # pylint: disable=g-import-not-at-top
+
+  return _plan.human_bytes(n)
 
 
 def _disk_usage(path: pathlib.Path) -> int:

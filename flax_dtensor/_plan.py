@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import rich.console
 import rich.table
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _rules, _sharding
 
@@ -23,6 +23,12 @@ def _itemsize(dtype: Any) -> int:
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
     return math.prod(data.shape) * data.dtype.itemsize
   return np.dtype(dtype).itemsize
+
+
+def _canonical(spec: PartitionSpec, ndim: int) -> tuple[Any, ...]:
+  """A spec as one tuple of mesh axes per dimension, for comparisons."""
+  entries = tuple(spec) + (None,) * (ndim - len(spec))
+  return tuple(_rules.target_axes(e) for e in entries)
 
 
 def _format_spec(spec: PartitionSpec) -> str:
@@ -60,6 +66,9 @@ class PlanEntry:
     bytes_per_device: The size of one device's shard in bytes.
     fallbacks: One line per skipped candidate: dimension, logical name,
       the skipped target and why.
+    placed: Where the array actually is (its NamedSharding's spec), for
+      arrays that carry a sharding; None otherwise. It differs from `spec`
+      when the model was placed under other rules, or not at all.
   """
 
   path: str
@@ -71,6 +80,14 @@ class PlanEntry:
   bytes: int
   bytes_per_device: int
   fallbacks: tuple[str, ...]
+  placed: PartitionSpec | None = None
+
+  @property
+  def misplaced(self) -> bool:
+    """Whether the array is placed other than the rules say."""
+    return self.placed is not None and _canonical(
+      self.placed, len(self.shape)
+    ) != _canonical(self.spec, len(self.shape))
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -87,6 +104,11 @@ class PlanEntry:
       'bytes': self.bytes,
       'bytes_per_device': self.bytes_per_device,
       'fallbacks': list(self.fallbacks),
+      'placed': (
+        None
+        if self.placed is None
+        else [list(e) if isinstance(e, tuple) else e for e in self.placed]
+      ),
     }
 
 
@@ -175,7 +197,8 @@ class ShardingPlan:
         str(e.shape),
         e.dtype,
         str(e.logical_axes) if e.logical_axes is not None else '-',
-        _format_spec(e.spec),
+        _format_spec(e.spec)
+        + (f'\n(placed {_format_spec(e.placed)})' if e.misplaced else ''),
         human_bytes(e.bytes_per_device),
         '\n'.join(e.fallbacks),
       )
@@ -209,7 +232,10 @@ def plan(
 
   Works on an abstract model (``nnx.eval_shape``) without allocating it. For
   every variable: shape, dtype, logical axes, the resolved PartitionSpec,
-  bytes per device, and each fallback taken with its reason.
+  bytes per device, and each fallback taken with its reason. For arrays
+  that are already placed, bytes per device count the actual placement, and
+  an entry whose placement differs from the rules shows both (see
+  `PlanEntry.misplaced`).
 
   Args:
     module_or_state: An NNX module, an ``nnx.Optimizer``, or an
@@ -266,6 +292,13 @@ def plan(
         for i, skip in resolution.skipped
       )
     itemsize = _itemsize(dtype)
+    sharding = getattr(value, 'sharding', None)
+    placed = sharding.spec if isinstance(sharding, NamedSharding) else None
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+      # A concrete array: count the bytes where it really is.
+      per_device = math.prod(sharding.shard_shape(shape)) * itemsize
+    else:
+      per_device = math.prod(_shard_shape(shape, spec, sizes)) * itemsize
     entries.append(
       PlanEntry(
         path=where,
@@ -275,8 +308,9 @@ def plan(
         logical_axes=logical_axes,
         spec=spec,
         bytes=math.prod(shape) * itemsize,
-        bytes_per_device=math.prod(_shard_shape(shape, spec, sizes)) * itemsize,
+        bytes_per_device=per_device,
         fallbacks=fallbacks,
+        placed=placed,
       )
     )
   entries.sort(key=lambda e: e.path)

@@ -25,7 +25,6 @@ import functools
 import math
 import os
 import pathlib
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -237,7 +236,8 @@ class LogicalRules(tuple):
     return not self == other
 
   def __hash__(self) -> int:
-    return hash((tuple(self), self.unknown, self.strict))
+    # Hash like the plain tuple of pairs, which compares equal to it.
+    return tuple.__hash__(self)
 
   def __repr__(self) -> str:
     options = ''
@@ -311,6 +311,13 @@ class LogicalRules(tuple):
           "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
         )
       document = document['logical_axis_rules']
+    if path is None and isinstance(document, str) and '\n' not in text:
+      raise _errors.LogicalRulesError(
+        f'No rules file {path_or_text!r}: expected the path of an existing '
+        'YAML file or YAML text holding a list of [logical_name, target] '
+        'pairs. Check the path (it was read as YAML text because no such '
+        'file exists).'
+      )
     if not isinstance(document, list):
       raise _errors.LogicalRulesError(
         f'{source}: expected a list of [logical_name, target] pairs; got '
@@ -328,22 +335,6 @@ RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]
 
 # Context
 # ------------------------------------------------------------------------------
-
-_install_lock = threading.Lock()
-_hooks_installed = False
-
-
-def _install_hooks() -> None:
-  """Installs the Flax hooks once (see `_sharding.install_flax_hooks`)."""
-  global _hooks_installed
-  if _hooks_installed:
-    return
-  with _install_lock:
-    if not _hooks_installed:
-      from flax_dtensor import _sharding  # pylint: disable=g-import-not-at-top
-
-      _sharding.install_flax_hooks()
-      _hooks_installed = True
 
 
 def current_rules() -> LogicalRules | None:
@@ -400,9 +391,7 @@ def set_logical_axis_rules(rules: RulesLike | None) -> None:
   if rules is None:
     core_spmd.set_logical_axis_rules(())
     return
-  rules = LogicalRules(rules)
-  _install_hooks()
-  core_spmd.set_logical_axis_rules(rules)
+  core_spmd.set_logical_axis_rules(LogicalRules(rules))
 
 
 @contextlib.contextmanager
@@ -433,7 +422,6 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
     P('data', 'model')
   """
   rules = LogicalRules(rules)
-  _install_hooks()
   with core_spmd.logical_axis_rules(rules):
     yield rules
 
@@ -451,18 +439,33 @@ def resolve_rules(rules: RulesLike | None) -> LogicalRules | None:
 MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
-def current_mesh() -> MeshLike | None:
-  """Returns the mesh set by ``jax.set_mesh`` (abstract inside jit), or None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
+def _mesh_context() -> tuple[
+  jax.sharding.AbstractMesh | None, jax.sharding.Mesh | None
+]:
+  """The (abstract, concrete) meshes of this thread's context, or None."""
+  abstract = jax.sharding.get_abstract_mesh()
   try:
     concrete = jax.sharding.get_mesh()
   except ValueError:  # Inside jit only the abstract mesh is known.
-    return mesh
-  if not concrete.empty and concrete.abstract_mesh == mesh:
+    concrete = None
+  return (
+    None if abstract.empty else abstract,
+    None if concrete is None or concrete.empty else concrete,
+  )
+
+
+def current_mesh() -> MeshLike | None:
+  """Returns the mesh set by ``jax.set_mesh`` (abstract inside jit), or None.
+
+  The concrete mesh when it is the one in effect, else the abstract mesh
+  (inside ``jit``, or under ``jax.sharding.use_abstract_mesh``).
+  """
+  abstract, concrete = _mesh_context()
+  if abstract is None:
+    return None
+  if concrete is not None and concrete.abstract_mesh == abstract:
     return concrete
-  return mesh
+  return abstract
 
 
 def mesh_axis_sizes(mesh: MeshLike) -> dict[str, int]:
@@ -762,23 +765,17 @@ def propagate(fn: C) -> C:
     LogicalRules([('embed', 'data')])
   """
   rules = core_spmd.get_logical_axis_rules()
-  mesh = jax.sharding.get_abstract_mesh()
-  concrete = None
-  if not mesh.empty:
-    try:
-      concrete = jax.sharding.get_mesh()
-    except ValueError:
-      concrete = None
-    if concrete is not None and concrete.empty:
-      concrete = None
+  abstract, concrete = _mesh_context()
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
     with contextlib.ExitStack() as stack:
       if concrete is not None:
         stack.enter_context(jax.set_mesh(concrete))
-      elif not mesh.empty:
-        stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+      if abstract is not None and (
+        concrete is None or concrete.abstract_mesh != abstract
+      ):
+        stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
       stack.enter_context(core_spmd.logical_axis_rules(rules))
       return fn(*args, **kwargs)
 

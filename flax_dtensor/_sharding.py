@@ -7,8 +7,7 @@ then a constraint for the Auto part). Outside ``jit`` a mixed placement is a
 single ``jax.device_put`` to the full sharding, since an eager
 ``with_sharding_constraint`` would drop the Explicit part.
 
-The hook into Flax (one mechanism, installed the first time a rules context
-is entered): Flax calls ``flax.core.spmd.shard_value`` from
+The hook into Flax (one mechanism, installed when flax_dtensor is imported): Flax calls ``flax.core.spmd.shard_value`` from
 ``Variable.__init__`` to place annotated variables, and
 ``flax.nnx.spmd.get_var_pspec`` to answer ``nnx.get_partition_spec``,
 ``nnx.get_named_sharding`` and ``nnx.eval_shape``. flax_dtensor wraps both.
@@ -101,10 +100,18 @@ def apply_spec(
       f'({_rules.describe_mesh(mesh)}). Create sharded variables outside '
       '`shard_map`, or constrain them with the Manual axes removed.'
     )
+  if not _is_traced(x) and not isinstance(mesh, jax.sharding.Mesh):
+    raise _errors.MeshError(
+      f'Expected a concrete mesh to place a concrete array'
+      f'{_rules._where(path)}; got the abstract {mesh} (from '
+      '`jax.sharding.use_abstract_mesh` or `jax.eval_shape`). Outside jit, '
+      'place arrays under `jax.set_mesh(mesh)` or pass `mesh=` a '
+      '`jax.sharding.Mesh`.'
+    )
   explicit = {m for m in used if types[m] == AxisType.Explicit}
   auto = {m for m in used if types[m] == AxisType.Auto}
   if not explicit and not auto:  # Replicated.
-    if not _is_traced(x) and isinstance(mesh, jax.sharding.Mesh):
+    if not _is_traced(x):
       return jax.device_put(x, NamedSharding(mesh, spec))
     if AxisType.Explicit in types.values():
       return jax.sharding.reshard(x, _sharding_for(mesh, spec))
@@ -115,11 +122,6 @@ def apply_spec(
     return jax.lax.with_sharding_constraint(x, _sharding_for(mesh, spec))
   # Mixed.
   if not _is_traced(x):
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise _errors.MeshError(
-        f'Expected a concrete mesh to place a concrete array'
-        f'{_rules._where(path)}; got the abstract {mesh}. {NO_MESH_MSG}'
-      )
     return jax.device_put(x, NamedSharding(mesh, spec))
   explicit_part, auto_part = [], []
   for entry in spec:
@@ -345,7 +347,10 @@ def _get_var_pspec_hook(
 def install_flax_hooks() -> None:
   """Routes Flax's variable placement and pspec queries through ours.
 
-  Idempotent; called under a lock by `_rules._install_hooks`.
+  Called once, when flax_dtensor is imported; idempotent. The wrappers
+  defer to Flax's own functions unless the current rules are `LogicalRules`
+  (which only flax_dtensor puts there), so importing flax_dtensor changes
+  nothing for code that does not use it.
   """
   if getattr(core_spmd.shard_value, '__flax_dtensor_hook__', False):
     return
@@ -570,3 +575,6 @@ def _abstract_spec(variable: nnx.Variable) -> PartitionSpec:
   if isinstance(sharding, NamedSharding):
     return sharding.spec
   return PartitionSpec()
+
+
+install_flax_hooks()

@@ -180,3 +180,30 @@ def test_plan_a_large_mesh_on_a_small_machine():
   # 16 % 16 == 0: 'embed' takes 'data'; 'mlp' (6) fits nowhere.
   assert plan['up/kernel'].spec == P('data', None)
   assert abstract.up.kernel.get_value().sharding.spec == P('data', None)
+
+
+def test_plan_reports_actual_placement_of_concrete_arrays(explicit_mesh):
+  """A model placed under other rules: the plan says so, and counts truly."""
+  with nnx.use_eager_sharding(False):
+    model = Model(nnx.Rngs(0))  # Unsharded: every array on one device.
+  plan = fdt.plan(model, mesh=explicit_mesh, rules=RULES)
+  kernel = plan['up/kernel']
+  assert kernel.spec == P('data', None)
+  assert kernel.placed is None  # Single-device arrays carry no spec.
+  assert kernel.bytes_per_device == kernel.bytes
+  with (
+    jax.set_mesh(explicit_mesh),
+    fdt.logical_axis_rules(
+      [('embed', None), ('mlp', None), ('vocab', 'model')]
+    ),
+  ):
+    other = Model(nnx.Rngs(0))
+  plan = fdt.plan(other, mesh=explicit_mesh, rules=RULES)
+  embedding = plan['embed/embedding']
+  assert embedding.spec == P(None, 'data')
+  assert embedding.placed == P(None, None) or embedding.placed == P()
+  assert embedding.misplaced
+  assert embedding.bytes_per_device == 10 * 16 * 4  # Replicated, in fact.
+  assert plan['up/bias'].misplaced is False
+  assert '(placed P(' in str(plan)
+  assert plan.to_dict()['variables'][1]['placed'] is not None

@@ -480,3 +480,35 @@ def test_new_threads_start_without_rules_and_propagate_opts_in():
   assert plain == (None, ())
   assert carried == (fdt.LogicalRules([('a', 'data')]), ('data', 'model'))
   assert after == (None, ())
+
+
+def test_propagate_carries_an_abstract_mesh_over_a_concrete_one():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  inner = AbstractMesh((8, 1), ('data', 'model'))
+
+  def look():
+    return fdt.logical_to_mesh_axes(('mlp',), (4,))
+
+  rules = [('mlp', 'data'), ('mlp', 'model')]
+  with jax.set_mesh(mesh), jax.sharding.use_abstract_mesh(inner):
+    with fdt.logical_axis_rules(rules):
+      here = look()
+      wrapped = fdt.propagate(look)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    there = pool.submit(wrapped).result()
+  # On the (8, 1) mesh, 4 % 8 != 0: 'mlp' falls back to 'model' (size 1).
+  assert here == there == P('model')
+
+
+def test_rules_hash_like_the_equal_tuple():
+  pairs = (('a', 'x'), ('b', ('x', 'y')))
+  rules = fdt.LogicalRules(pairs)
+  assert rules == pairs and hash(rules) == hash(pairs)
+  assert {rules: 1}[pairs] == 1
+
+
+def test_from_yaml_path_that_does_not_exist_says_so():
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r"No rules file 'configs/rules'.*no such file"
+  ):
+    fdt.LogicalRules.from_yaml('configs/rules')

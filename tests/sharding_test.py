@@ -1,5 +1,10 @@
 """Tests for placement by mesh axis type, the NNX hook, init and shard_module."""
 
+import concurrent.futures
+import subprocess
+import sys
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,3 +367,67 @@ def test_issue_example_runs_on_all_axis_types(any_mesh):
     "['data', 'model'])",
   )
   assert 'up/kernel' in str(plan)
+
+
+def test_hook_semantics_do_not_depend_on_history():
+  """LogicalRules in Flax's own context mean flax_dtensor semantics, even
+  before any flax_dtensor context was ever entered in the process."""
+  code = '\n'.join(
+    [
+      'import jax',
+      "jax.config.update('jax_num_cpu_devices', 8)",
+      'from flax import nnx',
+      'import flax_dtensor as fdt',
+      "mesh = jax.make_mesh((2, 4), ('data', 'model'))",
+      "rules = fdt.LogicalRules([('mlp', 'model'), ('mlp', 'data')])",
+      'with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):',
+      '  p = nnx.Param(',
+      "    nnx.with_partitioning(nnx.initializers.ones, (None, 'mlp'))(",
+      '      jax.random.key(0), (2, 8)))',
+      'print(p.get_value().sharding.spec)',
+    ]
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  # Flax's last-write-wins dict would give P(None, 'data').
+  assert out.stdout.strip() == "P(None, 'model')"
+
+
+def test_variables_created_in_32_threads_follow_their_own_rules(
+  explicit_mesh,
+):
+  n = 32
+  barrier = threading.Barrier(n)
+
+  def work(i):
+    axis = ('data', 'model')[i % 2]
+    with (
+      jax.set_mesh(explicit_mesh),
+      fdt.logical_axis_rules([('embed', None), ('mlp', axis)]),
+    ):
+      barrier.wait(timeout=60)
+      layer = nnx.Linear(
+        8,
+        16,
+        kernel_init=_lecun(('embed', 'mlp')),
+        rngs=nnx.Rngs(i),
+      )
+      reported = nnx.get_partition_spec(nnx.state(layer))['kernel']
+    return i, layer.kernel.sharding.spec, reported.get_value()
+
+  with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    for i, placed, reported in pool.map(work, range(n)):
+      expected = P(None, ('data', 'model')[i % 2])
+      assert placed == reported == expected
+
+
+def test_concrete_array_with_only_an_abstract_mesh_raises():
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  with pytest.raises(fdt.MeshError, match='got the abstract'):
+    fdt.shard_value(jnp.ones((8, 4)), ('batch', None), mesh=mesh, rules=RULES)

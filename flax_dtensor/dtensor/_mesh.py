@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _rules
 from flax_dtensor.dtensor import _tf
 
 if TYPE_CHECKING:
@@ -410,19 +410,13 @@ def _dim_axes(
     )
   dim_axes: list[tuple[str, ...]] = []
   for entry in (*spec, *([None] * (ndim - len(spec)))):
-    if entry is None:
-      axes: tuple[Any, ...] = ()
-    elif entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+    if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
       raise _errors.DTensorError(
         f'Expected a concrete PartitionSpec, got {spec!r} with '
         'P.UNCONSTRAINED, which only has a meaning inside jax.jit. Convert '
         'the array returned by the jitted function instead.'
       )
-    elif isinstance(entry, tuple):
-      axes = entry
-    else:
-      axes = (entry,)
-    dim_axes.append(tuple(axes))
+    dim_axes.append(tuple(_rules.target_axes(entry)))
   # NamedSharding itself rejects unknown and repeated mesh axes.
   used = [name for axes in dim_axes for name in axes]
   assert set(used) <= set(mesh.axis_names), (spec, mesh)

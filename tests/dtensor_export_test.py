@@ -3,9 +3,13 @@
 import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -21,6 +25,40 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 dtensor = tf.experimental.dtensor
 
 DTYPES = ['float32', 'bfloat16', 'float16', 'int8', 'int32', 'uint32', 'bool']
+# Every dtype a JAX array can have. Each either round-trips bit-exactly
+# through save_checkpoint / restore_checkpoint and plain TF, or is refused
+# before anything is written. The 64-bit ones run under jax.enable_x64.
+ROUND_TRIP_DTYPES = [
+  'float32',
+  'bfloat16',
+  'float16',
+  'float8_e4m3fn',
+  'float8_e5m2',
+  'float8_e4m3fnuz',
+  'float8_e4m3b11fnuz',
+  'float8_e5m2fnuz',
+  'float8_e3m4',
+  'float8_e4m3',
+  'float8_e8m0fnu',
+  'float4_e2m1fn',
+  'int2',
+  'int4',
+  'int8',
+  'int16',
+  'int32',
+  'int64',
+  'uint2',
+  'uint4',
+  'uint8',
+  'uint16',
+  'uint32',
+  'bool',
+  'complex64',
+  'float64',
+  'complex128',
+]
+REFUSED_DTYPES = ['uint64']
+_X64_DTYPES = {'int64', 'uint64', 'float64', 'complex128'}
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -89,9 +127,9 @@ def _gathered(v):
 
 
 def _bits(x):
-  """The raw bytes of an array, for bit-exact comparisons."""
+  """The dtype, shape and raw bytes of an array, for bit-exact comparisons."""
   x = np.ascontiguousarray(np.asarray(x))
-  return x.dtype.str, x.shape, x.tobytes()
+  return x.dtype.name, x.shape, x.tobytes()
 
 
 def _listing(directory):
@@ -113,7 +151,7 @@ def _sharding_axes(arr):
 def test_to_tf_module_names_layouts_and_values(request, mesh_name):
   mesh = request.getfixturevalue(f'{mesh_name}_mesh')
   model = _make_mlp(mesh)
-  tf_module = fdt_tf.to_tf_module(model)
+  tf_module = fdt_tf.to_tf_module(model, include=nnx.Param)
   flat = fdt_tf.flat_variables(tf_module)
   expected = {
     '/'.join(map(str, p)): v.get_value()
@@ -154,6 +192,8 @@ def test_to_tf_module_include_filters(auto_mesh):
   everything = fdt_tf.flat_variables(fdt_tf.to_tf_module(model, include=...))
   # RNG state (the Dropout's nnx.Rngs) is skipped by default.
   assert set(everything) == set(both)
+  # The default selection is every variable but RNG state.
+  assert set(fdt_tf.flat_variables(fdt_tf.to_tf_module(model))) == set(both)
   with_rng = fdt_tf.flat_variables(
     fdt_tf.to_tf_module(model, include=..., exclude=nnx.Nothing)
   )
@@ -235,13 +275,17 @@ def _dtype_values(dtype, seed=0):
   dtype = np.dtype(jnp.dtype(dtype))
   if dtype == np.bool_:
     return rng.random((8, 16)) > 0.5, np.bool_(True)
-  if np.issubdtype(dtype, np.integer):
-    info = np.iinfo(dtype)
-    big = rng.integers(info.min, info.max, (8, 16), endpoint=True)
-    return big.astype(dtype), dtype.type(info.max)
+  if jnp.issubdtype(dtype, jnp.integer):
+    info = ml_dtypes.iinfo(dtype)
+    native = dtype if dtype.kind in 'iu' else np.int64  # int4: from int64.
+    big = rng.integers(info.min, info.max, (8, 16), endpoint=True, dtype=native)
+    return big.astype(dtype), np.asarray(info.max, native).astype(dtype)
   values = rng.standard_normal((8, 16)) * 100
+  # Float8 types without infinities turn these into NaNs.
   values[0, :4] = [0.0, -0.0, np.inf, -np.inf]
-  return values.astype(dtype), dtype.type(-1.5)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    values = values + 1j * rng.standard_normal((8, 16))
+  return values.astype(dtype), np.asarray(-1.5).astype(dtype)
 
 
 _SPECS = (P('data', 'model'), P(None, 'model'))
@@ -259,37 +303,83 @@ def _dtype_state(mesh, dtype, *, specs=_SPECS):
   return nnx.State({k: nnx.Variable(v) for k, v in arrays.items()})
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('dtype', ROUND_TRIP_DTYPES)
 def test_checkpoint_round_trip_is_bit_exact(explicit_mesh, tmp_path, dtype):
-  state = _dtype_state(explicit_mesh, dtype)
-  path = fdt_tf.save_checkpoint(state, tmp_path / 'ckpt', include=...)
-  assert path == str(tmp_path / 'ckpt')
-  assert 'checkpoint' in _listing(path)
-  # Plain TF reads it (widened dtypes compare equal as numbers).
-  reader = tf.train.load_checkpoint(path)
-  for name, var in nnx.to_flat_state(state):
-    arr = np.asarray(var.get_value())
-    got = reader.get_tensor(fdt_tf.checkpoint_key(name))
-    assert got.shape == arr.shape
-    np.testing.assert_array_equal(got, arr.astype(got.dtype))
-    assert np.array_equal(got.astype(arr.dtype), arr)
-  read = fdt_tf.read_checkpoint(path)
-  assert list(read) == ['columns', 'replicated', 'scalar', 'sharded']
-  for (name,), var in nnx.to_flat_state(state):
-    assert _bits(read[name]) == _bits(var.get_value()), name
-  # Restore into other shardings: through DTensor, relaid out by slices.
-  target = _dtype_state(
-    explicit_mesh, dtype, specs=(P('model', 'data'), P('data', None))
-  )
-  for var in target.values():
-    var.set_value(jnp.zeros_like(var.get_value()))
-  restored = fdt_tf.restore_checkpoint(path, target, include=...)
+  with jax.enable_x64(dtype in _X64_DTYPES):
+    state = _dtype_state(explicit_mesh, dtype)
+    assert state['sharded'].get_value().dtype == jnp.dtype(dtype)
+    path = fdt_tf.save_checkpoint(state, tmp_path / 'ckpt')
+    assert path == str(tmp_path / 'ckpt')
+    assert 'checkpoint' in _listing(path)
+    stored = _export.STORED_DTYPES.get(np.dtype(jnp.dtype(dtype)))
+    with open(os.path.join(path, 'flax_dtensor.json')) as f:
+      record = json.load(f)['variables']['sharded']
+    assert record['dtype'] == dtype
+    assert record['stored_dtype'] == (stored or np.dtype(dtype)).name
+    # Plain TF reads it: widened dtypes convert back exactly.
+    reader = tf.train.load_checkpoint(path)
+    for name, var in nnx.to_flat_state(state):
+      arr = np.asarray(var.get_value())
+      got = reader.get_tensor(fdt_tf.checkpoint_key(name))
+      assert got.dtype == (stored or arr.dtype), name
+      assert got.shape == arr.shape
+      assert _bits(got.astype(arr.dtype)) == _bits(arr), name
+    read = fdt_tf.read_checkpoint(path)
+    assert list(read) == ['columns', 'replicated', 'scalar', 'sharded']
+    for (name,), var in nnx.to_flat_state(state):
+      assert _bits(read[name]) == _bits(var.get_value()), name
+    # Restore into other shardings: through DTensor, relaid out by slices.
+    target = _dtype_state(
+      explicit_mesh, dtype, specs=(P('model', 'data'), P('data', None))
+    )
+    for var in target.values():
+      var.set_value(jnp.zeros_like(var.get_value()))
+    restored = fdt_tf.restore_checkpoint(path, target)
   assert isinstance(restored, nnx.State)
   for (name,), var in nnx.to_flat_state(restored):
     arr = var.get_value()
     assert arr.sharding == target[name].get_value().sharding, name
     assert _bits(arr) == _bits(state[name].get_value()), name
   assert restored['sharded'].get_value().sharding.spec == P('model', 'data')
+
+
+@pytest.mark.parametrize('dtype', REFUSED_DTYPES)
+def test_unstorable_dtypes_are_refused_before_writing(
+  explicit_mesh, tmp_path, dtype
+):
+  with jax.enable_x64(dtype in _X64_DTYPES):
+    state = _dtype_state(explicit_mesh, dtype)
+    for save in (
+      lambda: fdt_tf.save_checkpoint(state, tmp_path / 'ckpt'),
+      lambda: fdt_tf.save_saved_model(
+        state, tmp_path / 'sm', input_signature=[], method='__repr__'
+      ),
+      lambda: fdt_tf.to_tf_module(state),
+    ):
+      with pytest.raises(
+        fdt.ExportError,
+        match=rf"'columns' has dtype {dtype}.*expected one of .*float8_e4m3fn"
+        r'.*Cast it',
+      ):
+        save()
+  assert _listing(tmp_path) == []
+
+
+def test_to_tf_module_refuses_dtypes_tf_lacks(explicit_mesh):
+  state = _dtype_state(explicit_mesh, 'int2')
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"'columns' has dtype int2, for which TensorFlow has no usable"
+    r'.*store it widened to int8',
+  ):
+    fdt_tf.to_tf_module(state)
+  # TF holds float8_e4m3fn itself: kept as it is.
+  state = _dtype_state(explicit_mesh, 'float8_e4m3fn')
+  flat = fdt_tf.flat_variables(fdt_tf.to_tf_module(state))
+  assert flat['sharded'].dtype.name == 'float8_e4m3fn'
+  arr = state['sharded'].get_value()
+  back = fdt_tf.dtensor_to_array(flat['sharded'], sharding=arr.sharding)
+  assert _bits(back) == _bits(arr)
 
 
 def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
@@ -315,6 +405,7 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
   with open(os.path.join(path, 'flax_dtensor.json')) as f:
     meta = json.load(f)
   assert meta['format'] == 'flax_dtensor.checkpoint'
+  assert meta['version'] == 2
   assert meta['variables']['float16'] == {
     'key': 'state/float16/.ATTRIBUTES/VARIABLE_VALUE',
     'type': 'Variable',
@@ -322,8 +413,61 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
     'stored_dtype': 'float32',
     'shape': [8, 16],
     'key_impl': None,
-    'sharding': "P('data', 'model') on mesh {'data': 2, 'model': 4}",
+    'sharding': {
+      'kind': 'named',
+      'spec': [['data'], ['model']],
+      'mesh': {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]},
+      'dtensor_layout': {
+        'sharding_specs': ['data', 'model'],
+        'mesh': {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]},
+      },
+    },
   }
+
+
+def test_checkpoint_metadata_records_layouts_as_data(
+  auto_mesh, transposed_mesh, tmp_path
+):
+  state = _mixed_state(auto_mesh, transposed_mesh)
+  path = fdt_tf.save_checkpoint(state, tmp_path / 'c')
+  with open(os.path.join(path, 'flax_dtensor.json')) as f:
+    records = json.load(f)['variables']
+  shardings = {name: r['sharding'] for name, r in records.items()}
+  mesh = {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]}
+  # A dimension over two JAX axes is on one fused DTensor axis.
+  assert shardings['fused'] == {
+    'kind': 'named',
+    'spec': [['data', 'model'], []],
+    'mesh': mesh,
+    'dtensor_layout': {
+      'sharding_specs': ['data+model', 'unsharded'],
+      'mesh': {'axis_names': ['data+model'], 'axis_sizes': [8]},
+    },
+  }
+  assert shardings['fused_half']['dtensor_layout'] == {
+    'sharding_specs': ['unsharded', 'model+data'],
+    'mesh': {'axis_names': ['model+data'], 'axis_sizes': [8]},
+  }
+  assert shardings['replicated']['spec'] == [[], []]
+  assert shardings['replicated']['dtensor_layout']['sharding_specs'] == [
+    'unsharded',
+    'unsharded',
+  ]
+  assert shardings['one_device'] == {
+    'kind': 'single_device',
+    'spec': [[], []],
+    'mesh': {'axis_names': [], 'axis_sizes': []},
+    'dtensor_layout': {
+      'sharding_specs': ['unsharded', 'unsharded'],
+      'mesh': {'axis_names': ['single_device'], 'axis_sizes': [1]},
+    },
+  }
+  # Each record is the layout DTensor really used.
+  for name, var in state.items():
+    layout = fdt_tf.layout_for(var.get_value().sharding, 2)
+    want = shardings[name]['dtensor_layout']
+    assert list(layout.sharding_specs) == want['sharding_specs'], name
+    assert list(layout.mesh.dim_names) == want['mesh']['axis_names'], name
 
 
 def _mixed_state(mesh, other_mesh, seed=0):
@@ -436,7 +580,9 @@ def test_restore_into_abstract_state_with_mesh_argument(
     ('layers', 1, 'bias'),
     ('layers', 1, 'kernel'),
     ('norm', 'bias'),
+    ('norm', 'mean'),
     ('norm', 'scale'),
+    ('norm', 'var'),
   }
 
 
@@ -450,6 +596,84 @@ def test_restore_unsharded_target_goes_to_one_device(auto_mesh, tmp_path):
   kernel = plain.layers[0].kernel.get_value()
   assert kernel.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
   np.testing.assert_array_equal(kernel, model.layers[0].kernel.get_value())
+
+
+class Logical(nnx.Module):
+  """Params annotated with logical axes (resolved by the rules)."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.normal()
+    self.up = nnx.Param(
+      init(rngs.params(), (16, 32)), out_sharding=('embed', 'mlp')
+    )
+    self.down = nnx.Param(
+      init(rngs.params(), (32, 16)), out_sharding=('mlp', 'embed')
+    )
+    self.bias = nnx.Param(jnp.zeros(32), out_sharding=('mlp',))
+    self.plain = nnx.Param(jnp.arange(8.0))  # No logical axes.
+
+
+_LOGICAL_RULES = [('embed', 'data'), ('mlp', 'model')]
+
+
+@pytest.mark.parametrize('mesh_name', ['explicit', 'auto'])
+def test_restore_resolves_logical_axes_by_the_rules(
+  request, tmp_path, mesh_name
+):
+  mesh = request.getfixturevalue(f'{mesh_name}_mesh')
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(_LOGICAL_RULES):
+    saved = Logical(nnx.Rngs(0))
+  assert saved.up.get_value().sharding.spec == P('data', 'model')
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'ckpt')
+  # A target built unsharded (on one device), with its annotations.
+  with nnx.use_eager_sharding(False):
+    target = Logical(nnx.Rngs(1))
+  assert target.up.get_value().sharding.is_fully_replicated
+  assert len(target.up.get_value().sharding.device_set) == 1
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(_LOGICAL_RULES):
+    fdt_tf.restore_checkpoint(path, target)
+    specs = nnx.get_partition_spec(nnx.state(target))
+  for name in ('up', 'down', 'bias'):
+    arr = getattr(target, name).get_value()
+    want = specs[name].get_value()
+    assert arr.sharding == NamedSharding(mesh, want), name
+    assert _bits(arr) == _bits(getattr(saved, name).get_value()), name
+  assert target.down.get_value().sharding.spec == P('model', 'data')
+  # Without logical axes: the value's own sharding (one device), as before.
+  plain = target.plain.get_value()
+  assert plain.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  np.testing.assert_array_equal(plain, np.arange(8.0))
+
+
+def test_restore_rules_and_mesh_arguments(auto_mesh, tmp_path):
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(_LOGICAL_RULES):
+    saved = Logical(nnx.Rngs(0))
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'ckpt')
+  with nnx.use_eager_sharding(False):
+    target = Logical(nnx.Rngs(1))
+  # No context at all: the arguments alone; other rules than at save time.
+  swapped = [('embed', 'model'), ('mlp', 'data')]
+  fdt_tf.restore_checkpoint(path, target, rules=swapped, mesh=auto_mesh)
+  up = target.up.get_value()
+  assert up.sharding == NamedSharding(auto_mesh, P('model', 'data'))
+  assert _bits(up) == _bits(saved.up.get_value())
+  # Flax's own rules context counts too; an abstract target as well.
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: Logical(nnx.Rngs(2)))
+  assert abstract.up.get_value().sharding is None
+  with jax.set_mesh(auto_mesh):
+    with nnx.logical_axis_rules([('embed', None), ('mlp', 'data')]):
+      fdt_tf.restore_checkpoint(path, abstract)
+  assert abstract.up.get_value().sharding.spec == P(None, 'data')
+  assert _bits(abstract.down.get_value()) == _bits(saved.down.get_value())
+  # A logical axis the rules do not know: refused before anything is read.
+  with nnx.use_eager_sharding(False):
+    other = Logical(nnx.Rngs(3))
+  with pytest.raises(fdt.UnknownLogicalAxisError, match=r'embed'):
+    fdt_tf.restore_checkpoint(
+      path, other, rules=[('mlp', 'model')], mesh=auto_mesh
+    )
+  assert len(other.up.get_value().sharding.device_set) == 1
 
 
 def test_optimizer_state_round_trip(auto_mesh, tmp_path):
@@ -550,20 +774,26 @@ def test_path_components_with_dots_are_readable(auto_mesh, tmp_path):
 def test_restore_errors(auto_mesh, tmp_path):
   model = _make_mlp(auto_mesh)
   path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
-  with pytest.raises(fdt.ExportError, match=r"no variable 'norm/mean'"):
-    fdt_tf.restore_checkpoint(
-      path, _make_mlp(auto_mesh), include=(nnx.Param, nnx.BatchStat)
-    )
+  params_only = fdt_tf.save_checkpoint(
+    model, tmp_path / 'params', include=nnx.Param
+  )
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"no variable 'norm/mean'.*holds 6 variables.*`include=nnx.Param`",
+  ):
+    fdt_tf.restore_checkpoint(params_only, _make_mlp(auto_mesh))
   wider = _make_mlp(auto_mesh, hidden=64)
   with pytest.raises(
     fdt.ExportError,
-    match=r"Shape mismatch for 'layers/0/bias'.*\(64,\).*\(32,\)",
+    match=r"Shape mismatch for 'layers/0/bias'.*\(64,\).*\(32,\)\. Build the"
+    r' target with the shapes that were saved.*`include=`/`exclude=`',
   ):
     fdt_tf.restore_checkpoint(path, wider)
   half = _make_mlp(auto_mesh, dtype=jnp.bfloat16)
   with pytest.raises(
     fdt.ExportError,
-    match=r"Dtype mismatch for 'layers/0/bias'.*bfloat16.*float32",
+    match=r"Dtype mismatch for 'layers/0/bias'.*expects bfloat16.*has float32"
+    r'.*build the target with dtype float32',
   ):
     fdt_tf.restore_checkpoint(path, half)
   with pytest.raises(fdt.ExportError, match=r'holds no TF checkpoint'):
@@ -579,6 +809,232 @@ def test_restore_errors(auto_mesh, tmp_path):
     fdt_tf.restore_checkpoint(path, abstract, mesh=other)
   # The failed restores left the module untouched.
   assert isinstance(abstract.layers[0].kernel.get_value(), jax.ShapeDtypeStruct)
+
+
+def _narrow_target(dtype):
+  return nnx.Dict(w=nnx.Param(jnp.zeros((2, 4), dtype)))
+
+
+@pytest.mark.parametrize('target_dtype', ['float16', 'uint32', 'bfloat16'])
+def test_restore_never_narrows_a_saved_dtype(tmp_path, target_dtype):
+  """A float32 checkpoint does not restore into a narrower target."""
+  saved = nnx.Dict(w=nnx.Param(jnp.asarray([[1e-8, 70000.0, 1.5, -2.0]] * 2)))
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'f32')
+  target = _narrow_target(target_dtype)
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf"Dtype mismatch for 'w': the target expects {target_dtype}, the "
+    r"checkpoint '.*f32/ckpt' has float32 \(saved as float32, stored as "
+    r'float32\)\. A restore never converts.*build the target with dtype '
+    r'float32.*restore and then cast.*`include=`/`exclude=`',
+  ):
+    fdt_tf.restore_checkpoint(path, target)
+  np.testing.assert_array_equal(target['w'].get_value(), 0)
+
+
+def test_restore_compares_the_saved_dtype_not_the_stored_one(tmp_path):
+  # A float16 checkpoint is stored as float32, and restores into float16
+  # (not into float32, which its stored dtype would allow).
+  saved = nnx.Dict(w=nnx.Param(jnp.full((2, 4), 0.1, jnp.float16)))
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'f16')
+  assert (
+    tf.train.load_checkpoint(path).get_tensor(fdt_tf.checkpoint_key('w')).dtype
+    == np.float32
+  )
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'expects float32.*has float16 \(saved as float16, stored as float32',
+  ):
+    fdt_tf.restore_checkpoint(path, _narrow_target('float32'))
+  target = fdt_tf.restore_checkpoint(path, _narrow_target('float16'))
+  assert _bits(target['w'].get_value()) == _bits(saved['w'].get_value())
+
+
+@pytest.mark.parametrize(
+  ('saved', 'target_dtype'),
+  [(np.float32, 'float16'), (np.int64, 'uint32'), (np.float16, 'float32')],
+)
+def test_restore_plain_tf_checkpoint_needs_the_same_dtype(
+  tmp_path, saved, target_dtype
+):
+  """Without flax_dtensor.json, the dtype TF holds must be the target's."""
+  root = tf.Module()
+  root.state = {'w': tf.Variable(np.asarray([[1, 2, 3, 700]] * 2, saved))}
+  prefix = tf.train.Checkpoint(root).write(str(tmp_path / 'plain'))
+  name = np.dtype(saved).name
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf'expects {target_dtype}.*has {name} \(holds {name}, and no '
+    r'flax_dtensor.json says otherwise\)',
+  ):
+    fdt_tf.restore_checkpoint(prefix, _narrow_target(target_dtype))
+
+
+def _rewrite_metadata(path, edit):
+  meta_path = os.path.join(path, 'flax_dtensor.json')
+  with open(meta_path) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(meta_path, 'w') as f:
+    json.dump(meta, f)
+
+
+def test_restore_checks_the_metadata(tmp_path):
+  saved = nnx.Dict(w=nnx.Param(jnp.ones((2, 4), jnp.float16)))
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'c')
+  meta_path = os.path.join(path, 'flax_dtensor.json')
+
+  def says_float32(meta):
+    meta['variables']['w']['dtype'] = 'bfloat16'
+
+  _rewrite_metadata(path, says_float32)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"holds 'w' as float32, but its flax_dtensor.json says bfloat16, "
+    r'expected stored as bfloat16.*Delete the flax_dtensor.json',
+  ):
+    fdt_tf.restore_checkpoint(path, _narrow_target('bfloat16'))
+
+  def unknown_dtype(meta):
+    meta['variables']['w']['dtype'] = 'float99'
+
+  _rewrite_metadata(path, unknown_dtype)
+  for read in (
+    lambda: fdt_tf.restore_checkpoint(path, _narrow_target('float16')),
+    lambda: fdt_tf.read_checkpoint(path),
+  ):
+    with pytest.raises(
+      fdt.ExportError, match=r"dtype 'float99' for 'w'.*Upgrade jax"
+    ):
+      read()
+  for text in ('{not json', '{"variables": {"w": 3}}', '[]'):
+    with open(meta_path, 'w') as f:
+      f.write(text)
+    for read in (
+      lambda: fdt_tf.restore_checkpoint(path, _narrow_target('float16')),
+      lambda: fdt_tf.read_checkpoint(path),
+    ):
+      with pytest.raises(
+        fdt.ExportError,
+        match=r'flax_dtensor.json\' is not valid flax_dtensor metadata.*'
+        r'Delete it',
+      ):
+        read()
+  # Without it, the checkpoint holds float32: restored as float32 only.
+  os.remove(meta_path)
+  assert fdt_tf.read_checkpoint(path)['w'].dtype == np.float32
+  target = fdt_tf.restore_checkpoint(path, _narrow_target('float32'))
+  np.testing.assert_array_equal(target['w'].get_value(), 1)
+
+
+# A TF error poisons TF DTensor for the rest of its process, so each runs in
+# a fresh process: a truncated checkpoint, or a file where a directory goes.
+_TF_FAILURE_SCRIPT = textwrap.dedent(
+  """
+  import os, sys
+  import jax, jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor as fdt_tf
+  from flax_dtensor.dtensor import _export
+
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  state = nnx.Dict(
+    w=nnx.Param(jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P()))),
+    v=nnx.Param(jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))),
+  )
+  root = sys.argv[2]
+  if sys.argv[1] == 'read':
+    path = fdt_tf.save_checkpoint(state, os.path.join(root, 'ckpt'))
+    for name in os.listdir(path):
+      if name.startswith('ckpt.data'):
+        with open(os.path.join(path, name), 'r+b') as f:
+          f.truncate(16)
+    run = lambda: fdt_tf.restore_checkpoint(path, state)
+  else:
+    open(os.path.join(root, 'a_file'), 'w').close()
+    _export._SCRATCH_DIR = os.path.join(root, 'a_file', 'parts')
+    run = lambda: fdt_tf.save_checkpoint(state, os.path.join(root, 'new'))
+  try:
+    run()
+  except fdt.ExportError as e:
+    print('ERROR ' + ' '.join(str(e).split()))
+  print('FILES ' + ' '.join(sorted(os.listdir(root))))
+  """
+)
+
+
+@pytest.mark.parametrize(
+  ('what', 'pattern', 'files'),
+  [
+    (
+      'read',
+      r"TensorFlow failed to read the NNX variables 'v', 'w' \(one DTensor "
+      r"mesh\) from the checkpoint '.*/ckpt/ckpt': expected an intact "
+      r'checkpoint, got (OutOfRange|DataLoss)Error: .*Check that every data '
+      r'file .*re-export it\. TF DTensor cancels every later TensorFlow '
+      r'operation of this process.*restart the process',
+      'ckpt',
+    ),
+    (
+      'write',
+      r"TensorFlow failed to write the NNX variables 'v', 'w' \(one DTensor "
+      r"mesh\) to '.*/a_file/parts/mesh0': expected a writable directory, "
+      r'got FailedPreconditionError: .*Not a directory.*Check the disk and '
+      r'the path.*restart the process',
+      'a_file',
+    ),
+  ],
+  ids=['read', 'write'],
+)
+def test_tf_errors_name_the_variables(tmp_path, what, pattern, files):
+  script = tmp_path / 'script.py'
+  script.write_text(_TF_FAILURE_SCRIPT)
+  root = tmp_path / 'root'
+  root.mkdir()
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  out = subprocess.run(
+    [sys.executable, str(script), what, str(root)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  lines = dict(line.split(' ', 1) for line in out.stdout.strip().splitlines())
+  with pytest.raises(fdt.ExportError, match=pattern):
+    raise fdt.ExportError(lines['ERROR'])
+  # Nothing half-written is left behind.
+  assert lines['FILES'] == files
+
+
+def test_batch_norm_statistics_round_trip_by_default(auto_mesh, tmp_path):
+  model = _make_mlp(auto_mesh, seed=0)
+  with jax.set_mesh(auto_mesh):
+    model(jax.random.normal(jax.random.key(1), (8, 16)) * 3 + 1)
+  mean = model.norm.mean.get_value()
+  assert not np.allclose(mean, 0)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
+  assert {'norm/mean', 'norm/var'} <= set(fdt_tf.read_checkpoint(path))
+  fresh = _make_mlp(auto_mesh, seed=3)
+  np.testing.assert_array_equal(fresh.norm.mean.get_value(), 0)
+  fdt_tf.restore_checkpoint(path, fresh)
+  for name in ('mean', 'var', 'scale', 'bias'):
+    a = getattr(model.norm, name).get_value()
+    b = getattr(fresh.norm, name).get_value()
+    assert _bits(b) == _bits(a), name
+  assert _bits(fresh.layers[0].kernel.get_value()) == _bits(
+    model.layers[0].kernel.get_value()
+  )
+  # And the restored model computes what the saved one does.
+  x = jax.random.normal(jax.random.key(2), (4, 16))
+  with jax.set_mesh(auto_mesh):
+    eval_model = nnx.view(model, deterministic=True, use_running_average=True)
+    eval_fresh = nnx.view(fresh, deterministic=True, use_running_average=True)
+    np.testing.assert_array_equal(eval_fresh(x), eval_model(x))
 
 
 def test_restore_from_a_plain_tf_checkpoint(tmp_path):
@@ -627,7 +1083,7 @@ def test_interrupted_save_leaves_nothing(
     fdt_tf.save_checkpoint(model, target, include=nnx.BatchStat)
   seen = []
 
-  def fail(entries, directory):
+  def fail(metadata, directory):
     seen.append(_listing(directory))
     raise RuntimeError('disk on fire')
 
@@ -680,17 +1136,19 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(
   assert capsys.readouterr().err == ''
   fdt_tf.save_checkpoint(model, tmp_path / 'shown', progress=True)
   err = capsys.readouterr().err
-  assert 'flax_dtensor: to DTensor' in err
-  assert 'writing 6 variables' in err
+  # Not a terminal: rich prints the finished bar once.
+  assert re.search(r'flax_dtensor: to DTensor .*━+ 8/8 var', err), err
+  assert 'writing 8 variables' in err
   monkeypatch.setattr(_export, 'PROGRESS_MIN_VARIABLES', 2)
   monkeypatch.setattr(_export.sys.stderr, 'isatty', lambda: True)
   fdt_tf.save_checkpoint(model, tmp_path / 'tty')
-  assert 'writing 6 variables' in capsys.readouterr().err
+  assert 'writing 8 variables' in capsys.readouterr().err
   fdt_tf.save_checkpoint(model, tmp_path / 'off', progress=False)
   assert capsys.readouterr().err == ''
   fdt_tf.restore_checkpoint(tmp_path / 'off', model, progress=True)
-  err = capsys.readouterr().err
-  assert 'reading 6 variables' in err
-  assert 'flax_dtensor: restoring' in err
+  # On a terminal the bar is live (ANSI codes), and removed when done.
+  err = re.sub(r'\x1b\[[0-9;?]*[A-Za-z]', '', capsys.readouterr().err)
+  assert 'reading 8 variables' in err
+  assert re.search(r'flax_dtensor: restoring .*8/8 var', err), err
   fdt_tf.restore_checkpoint(tmp_path / 'off', model, progress=False)
   assert capsys.readouterr().err == ''

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +129,23 @@ class Mixed(nnx.Module):
     return jnp.tanh(x @ self.w[...]) @ self.v[...] + self.b[...][None]
 
 
+class Float8(nnx.Module):
+  """float8 weights: one dtype TF has (e4m3fn), one it lacks (e8m0fnu)."""
+
+  def __init__(self, mesh):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 16)).astype(jnp.float8_e4m3fn)
+    self.w = nnx.Param(
+      jax.device_put(w, NamedSharding(mesh, P('data', 'model')))
+    )
+    scale = (2.0 ** rng.integers(-3, 4, 16)).astype(jnp.float8_e8m0fnu)
+    self.scale = nnx.Param(jax.device_put(scale, NamedSharding(mesh, P())))
+
+  def __call__(self, x):
+    w = self.w[...].astype(jnp.float32)
+    return (x @ w) * self.scale[...].astype(jnp.float32)[None]
+
+
 def _trained(mesh, dtype=jnp.float32):
   """A Net whose batch statistics moved away from their initial values."""
   with jax.set_mesh(mesh):
@@ -215,6 +233,12 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
     tmp_path / 'net16',
     input_signature=[tf.TensorSpec([None, 64], tf.float16)],
   )
+  net8 = Float8(auto_mesh)
+  sm8 = fdt_tf.save_saved_model(
+    net8,
+    tmp_path / 'net8',
+    input_signature=[tf.TensorSpec([None, 64], tf.float32)],
+  )
   mixed = Mixed(auto_mesh)
   sm_mixed = fdt_tf.save_saved_model(
     mixed,
@@ -253,6 +277,10 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
       'path': sm_mixed,
       'inputs': [_save_inputs(tmp_path, 'mixed', {'input_0': xs[1]})],
     },
+    'net8': {
+      'path': sm8,
+      'inputs': [_save_inputs(tmp_path, 'n8', {'input_0': xs[1]})],
+    },
   }
   report = _serve_in_plain_tf(tmp_path, models, ckpt)
   assert report['jax_modules'] == []
@@ -279,6 +307,15 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
   assert got16.dtype == np.float16
   want16 = np.asarray(net16(xs[1].astype(np.float16)))
   np.testing.assert_allclose(got16, want16, rtol=2e-2, atol=2e-2)
+  # float8 variables are stored as float32 and converted back inside the
+  # served JAX function (TF has no float8_e8m0fnu at all).
+  got8 = np.load(tmp_path / 'net8_0_output_0.npy')
+  np.testing.assert_allclose(got8, net8(xs[1]), rtol=1e-6, atol=1e-5)
+  scale8 = np.load(tmp_path / 'net8_var_scale:0.npy')
+  assert scale8.dtype == np.float32
+  np.testing.assert_array_equal(
+    scale8, np.asarray(net8.scale.get_value()).astype(np.float32)
+  )
 
   # The serving function reads the model's variables, which hold its values.
   names = [
@@ -345,6 +382,60 @@ def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
     reader.get_tensor(fdt_tf.checkpoint_key('up/kernel')),
     net.up.kernel.get_value(),
   )
+
+
+def test_saved_model_records_its_variables(auto_mesh, tmp_path):
+  net16 = _trained(auto_mesh, dtype=jnp.float16)
+  sm = fdt_tf.save_saved_model(
+    net16, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
+  )
+  with open(os.path.join(sm, 'assets', 'flax_dtensor.json')) as f:
+    meta = json.load(f)
+  assert meta['format'] == 'flax_dtensor.saved_model'
+  assert meta['checkpoint_prefix'] == 'variables/variables'
+  kernel = meta['variables']['up/kernel']
+  assert kernel['type'] == 'Param'
+  assert (kernel['dtype'], kernel['stored_dtype']) == ('float16', 'float32')
+  assert kernel['sharding']['spec'] == [['data'], ['model']]
+  assert kernel['sharding']['dtensor_layout'] == {
+    'sharding_specs': ['data', 'model'],
+    'mesh': {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]},
+  }
+  assert meta['variables']['norm/mean']['type'] == 'BatchStat'
+  # The SavedModel's variables read back in their own dtypes, through it.
+  prefix = os.path.join(sm, 'variables', 'variables')
+  read = fdt_tf.read_checkpoint(prefix)
+  assert read['up/kernel'].dtype == np.float16
+  np.testing.assert_array_equal(read['up/kernel'], net16.up.kernel.get_value())
+  with jax.set_mesh(auto_mesh):
+    abstract = nnx.eval_shape(lambda: Net(nnx.Rngs(5), dtype=jnp.float16))
+    restored = fdt_tf.restore_checkpoint(prefix, abstract)
+  for name in ('up', 'down'):
+    a = getattr(net16, name).kernel.get_value()
+    b = getattr(restored, name).kernel.get_value()
+    assert b.dtype == jnp.float16
+    assert b.sharding == a.sharding
+    np.testing.assert_array_equal(b, a)
+  np.testing.assert_array_equal(
+    restored.norm.mean.get_value(), net16.norm.mean.get_value()
+  )
+
+
+def test_saved_model_refuses_several_processes(
+  auto_mesh, tmp_path, monkeypatch
+):
+  net = _trained(auto_mesh)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'save_saved_model runs in a single process: expected '
+    r'jax.process_count\(\) == 1, got 2\..*restore it with '
+    r'restore_checkpoint.*call save_saved_model there',
+  ):
+    fdt_tf.save_saved_model(
+      net, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
+    )
+  assert os.listdir(tmp_path) == []
 
 
 def test_saved_model_errors(auto_mesh, tmp_path):
@@ -414,11 +505,28 @@ def test_calling_convention_follows_what_tf_runs(
   assert current <= _export._tf_max_calling_convention()
   sm = fdt_tf.save_saved_model(net, tmp_path / 'now', input_signature=spec)
   assert _xla_call_module_versions(sm) == {current}
-  # An older TF: export with the newest version both run.
+  # An older TF: export with the newest version both run, set for the
+  # exporting thread only (other threads keep the global setting).
   oldest = jax.export.minimum_supported_calling_convention_version
   monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest)
+  seen = {}
+  write = _export._write_saved_model
+
+  def spy(*args):
+    seen['here'] = jax.config.jax_export_calling_convention_version
+    other = threading.Thread(
+      target=lambda: seen.setdefault(
+        'other', jax.config.jax_export_calling_convention_version
+      )
+    )
+    other.start()
+    other.join()
+    return write(*args)
+
+  monkeypatch.setattr(_export, '_write_saved_model', spy)
   sm = fdt_tf.save_saved_model(net, tmp_path / 'old', input_signature=spec)
   assert _xla_call_module_versions(sm) == {oldest}
+  assert seen == {'here': oldest, 'other': current}
   assert jax.config.jax_export_calling_convention_version == current
   monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest - 1)
   with pytest.raises(

@@ -23,7 +23,9 @@ checkpoint as `{nnx path: numpy array}`.
 Selection. `include` and `exclude` are NNX filters (`nnx.Param`,
 `(nnx.Param, nnx.BatchStat)`, `...` for everything, `nnx.OptState` for an
 `nnx.Optimizer`'s state including its `step`). A variable is exported if it
-matches `include` and not `exclude`. `exclude` defaults to `nnx.RngState`
+matches `include` and not `exclude`. `include` defaults to `...` (every
+variable: parameters, batch statistics and any other state, so that a
+restored model is the saved one). `exclude` defaults to `nnx.RngState`
 (`nnx.RngKey` and `nnx.RngCount`, e.g. the `nnx.Rngs` a `nnx.Dropout` holds):
 RNG keys are typed PRNG-key arrays, which TF cannot hold; they are per-run
 state that is usually re-seeded rather than served or resumed; and their raw
@@ -32,19 +34,34 @@ them anyway: a key is stored as `jax.random.key_data` (uint32, one trailing
 dimension more) and restored with `jax.random.wrap_key_data`.
 
 Checkpoint dtypes. TensorFlow cannot read back a sharded (sliced) checkpoint
-tensor of dtype float16, uint16 or uint32 ("Dtype half not supported", both in
-`tf.train.load_checkpoint` and in DTensor's own restore). `save_checkpoint`
-and `save_saved_model` therefore store those dtypes widened, exactly
-(float16 -> float32, uint16 -> int32, uint32 -> int64), for every layout, and
-`restore_checkpoint`, `read_checkpoint` and the SavedModel's serving function
-convert back. `to_tf_module` itself keeps every dtype. A float16 NaN keeps its
-sign and quiet bit but may lose payload bits through float32.
+tensor of dtype float16, uint16, uint32 or float8 ("Dtype half not
+supported", both in `tf.train.load_checkpoint` and in DTensor's own restore);
+it has no dtype at all for some ml_dtypes (float8_e3m4, float8_e8m0fnu, ...),
+and its checkpoint writer crashes the process on int2, uint2 and
+float4_e2m1fn. `save_checkpoint` and `save_saved_model` therefore store those
+dtypes widened, exactly, for every layout (`STORED_DTYPES`: float16 and every
+float8/float4 -> float32, uint16 -> int32, uint32 -> int64, int2 -> int8,
+uint2 -> uint8), and `restore_checkpoint`, `read_checkpoint` and the
+SavedModel's serving function convert back. Every other dtype a JAX array can
+have that TF cannot store (uint64) is refused before anything is written.
+`to_tf_module` itself keeps every dtype TF has, and refuses the others. A NaN
+stays a NaN of the same sign, but the payload bits of a float16, float8_e5m2,
+float8_e4m3 or float8_e3m4 NaN may change through float32.
+
+`restore_checkpoint` never changes a value: the dtype a variable was saved
+with (recorded in `flax_dtensor.json`; for a checkpoint without that file,
+the dtype it holds) must be the target's.
 
 Checkpoint directory. `save_checkpoint(..., d)` writes `d/ckpt.index`,
 `d/ckpt.data-*`, a `d/checkpoint` state file (so `tf.train.load_checkpoint(d)`
-and `tf.train.latest_checkpoint(d)` work) and `d/flax_dtensor.json` (each
-variable's checkpoint key, NNX type, dtype, stored dtype, shape and sharding).
-Writes are atomic: see `flax_dtensor.dtensor._atomic`.
+and `tf.train.latest_checkpoint(d)` work) and `d/flax_dtensor.json`: for each
+variable its checkpoint key, NNX type, dtype, stored dtype, shape, and
+sharding as data (the JAX PartitionSpec as a list of mesh axes per
+dimension, the JAX mesh axis names and sizes, and the DTensor layout it was
+written with: one sharding spec per dimension and the DTensor mesh, whose
+axes may fuse JAX axes, e.g. 'data+model' of size 8). A SavedModel carries
+the same file as `assets/flax_dtensor.json`. Writes are atomic: see
+`flax_dtensor.dtensor._atomic`.
 
 Several meshes. TF DTensor saves and restores the tensors of one DTensor
 mesh at a time (a save op mixing meshes fails in DTensor's mesh
@@ -84,6 +101,10 @@ functions together (they run TF collectives and barriers):
    restore with `restore_checkpoint` (again in every process, with an
    abstract target from `nnx.eval_shape` under `jax.set_mesh(mesh)`).
 
+`save_saved_model` runs in a single process only (it raises `ExportError`
+when `jax.process_count() > 1`): restore the checkpoint in one process, on
+that process's devices, and export the SavedModel there.
+
 The directory must be on a filesystem every process sees (NFS, or one
 machine's disk). Process 0 creates the temporary directory, writes the state
 and metadata files and renames the result into place; the others wait at
@@ -114,7 +135,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _rules, _sharding
 from flax_dtensor.dtensor import _atomic, _mesh, _tf
 
 if TYPE_CHECKING:
@@ -128,7 +149,12 @@ STATE_ATTRIBUTE = 'state'
 CHECKPOINT_PREFIX = 'ckpt'
 METADATA_FILE = 'flax_dtensor.json'
 METADATA_FORMAT = 'flax_dtensor.checkpoint'
-METADATA_VERSION = 1
+SAVED_MODEL_METADATA_FORMAT = 'flax_dtensor.saved_model'
+# 2: `sharding` is structured data (version 1 had a display string).
+METADATA_VERSION = 2
+# Where a SavedModel keeps flax_dtensor.json, and its variables' prefix.
+SAVED_MODEL_ASSETS = 'assets'
+SAVED_MODEL_PREFIX = 'variables/variables'
 _ATTRIBUTES_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
 _OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 # Scratch directory for the per-mesh partial checkpoints (removed after use).
@@ -136,16 +162,89 @@ _SCRATCH_DIR = '.parts'
 # Show a progress bar (when stderr is a terminal) from this many variables.
 PROGRESS_MIN_VARIABLES = 16
 
-# Dtypes TF cannot read back from a sliced checkpoint tensor, and the exact,
-# readable dtype each is stored as.
-_STORED_DTYPES = {
+
+def _dtypes(names: Iterable[str]) -> list[np.dtype]:
+  """The dtypes of `names` this JAX / ml_dtypes has (others are skipped)."""
+  out = []
+  for name in names:
+    try:
+      out.append(np.dtype(jnp.dtype(name)))
+    except TypeError:  # pragma: no cover - an older ml_dtypes.
+      pass
+  return out
+
+
+# Dtypes a TF checkpoint holds and reads back as they are (checked on
+# tensorflow-cpu 2.21 for sliced DTensor saves and plain reads).
+_KEPT_DTYPES = frozenset(
+  _dtypes(
+    [
+      'bool',
+      'int4',
+      'int8',
+      'int16',
+      'int32',
+      'int64',
+      'uint4',
+      'uint8',
+      'bfloat16',
+      'float32',
+      'float64',
+      'complex64',
+      'complex128',
+    ]
+  )
+)
+_FLOAT8 = [
+  'float8_e4m3fn',
+  'float8_e5m2',
+  'float8_e4m3fnuz',
+  'float8_e4m3b11fnuz',
+  'float8_e5m2fnuz',
+  'float8_e3m4',
+  'float8_e4m3',
+  'float8_e8m0fnu',
+  'float4_e2m1fn',
+]
+# Dtypes TF cannot read back from a sliced checkpoint tensor (or store at
+# all), and the readable dtype each is stored as. Every value converts
+# exactly (NaN payloads aside, see the module docstring).
+STORED_DTYPES: Mapping[np.dtype, np.dtype] = {
   np.dtype(np.float16): np.dtype(np.float32),
   np.dtype(np.uint16): np.dtype(np.int32),
   np.dtype(np.uint32): np.dtype(np.int64),
+  **{d: np.dtype(np.float32) for d in _dtypes(_FLOAT8)},
+  **dict(zip(_dtypes(['int2']), _dtypes(['int8']), strict=True)),
+  **dict(zip(_dtypes(['uint2']), _dtypes(['uint8']), strict=True)),
 }
-_UNSTORABLE_DTYPES = frozenset({np.dtype(np.uint64)})
+# Dtypes TF has no usable tensor dtype for (none, or one its checkpoint
+# writer crashes the process on): `to_tf_module` refuses them.
+_NOT_IN_TF = frozenset(
+  _dtypes(
+    [
+      'int2',
+      'uint2',
+      'float4_e2m1fn',
+      'float8_e3m4',
+      'float8_e4m3',
+      'float8_e8m0fnu',
+    ]
+  )
+)
 _NAME_UNSAFE = re.compile(r'[^A-Za-z0-9_.\-/]')
 
+_MULTI_PROCESS_SAVED_MODEL_MSG = (
+  'save_saved_model runs in a single process: expected '
+  'jax.process_count() == 1, got {count}. Every process would write the '
+  'same SavedModel, and the variables are not yet gathered onto one '
+  "process's devices. Save a checkpoint with save_checkpoint (in every "
+  'process), then in a single process restore it with restore_checkpoint '
+  "onto that process's devices and call save_saved_model there."
+)
+_TF_POISONED_MSG = (
+  'TF DTensor cancels every later TensorFlow operation of this process '
+  'after such an error: restart the process once the cause is fixed.'
+)
 _NO_VARIABLES_MSG = (
   'No NNX variable of {what} matched `include={include!r}` minus '
   '`exclude={exclude!r}`: expected at least one. Check the filters, e.g. '
@@ -259,11 +358,28 @@ class _Entry:
 
   @property
   def stored_dtype(self) -> np.dtype:
-    return _STORED_DTYPES.get(self.dtype, self.dtype)
+    return _stored_dtype(self.dtype)
+
+  @property
+  def widened_in_jax(self) -> bool:
+    """Whether it is widened, and converted in JAX (else in TF, if at all).
+
+    JAX converts when it holds the stored dtype natively: every ml_dtype
+    (which TF may lack) goes through float32, int8 or uint8. uint32 is
+    widened to int64 by TF unless JAX runs with 64-bit types.
+    """
+    stored = self.stored_dtype
+    return stored != self.dtype and (
+      np.dtype(jax.dtypes.canonicalize_dtype(stored)) == stored
+    )
 
   @property
   def key(self) -> str:
     return checkpoint_key(self.path)
+
+
+def _stored_dtype(dtype: np.dtype) -> np.dtype:
+  return STORED_DTYPES.get(dtype, dtype)
 
 
 def _state_of(node: Any, what: str) -> nnx.State:
@@ -282,10 +398,18 @@ def _is_key_dtype(dtype: Any) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _storable_names() -> str:
+  names = sorted(d.name for d in (*_KEPT_DTYPES, *STORED_DTYPES))
+  return ', '.join(names)
+
+
 def _select(
-  node: Any, include: Any, exclude: Any, *, what: str
+  node: Any, include: Any, exclude: Any, *, what: str, widen: bool = True
 ) -> list[_Entry]:
-  """The variables of `node` matching `include` and not `exclude`."""
+  """The variables of `node` matching `include` and not `exclude`.
+
+  `widen=False` (to_tf_module) also refuses dtypes TF has no tensor for.
+  """
   state = _state_of(node, what)
   selected = filterlib.to_predicate(nnx.All(include, nnx.Not(exclude)))
   entries = []
@@ -313,11 +437,20 @@ def _select(
       data = jax.eval_shape(jax.random.key_data, value)
       shape, dtype = data.shape, data.dtype
     dtype = np.dtype(dtype)
-    if dtype in _UNSTORABLE_DTYPES:
+    if dtype not in _KEPT_DTYPES and dtype not in STORED_DTYPES:
       raise _errors.ExportError(
         f'The NNX variable {name!r} has dtype {dtype}, which TF cannot '
-        'store in a sharded checkpoint: expected a dtype of at most 32 bits '
-        'for unsigned integers. Cast it, or leave it out with `exclude=`.'
+        'store in a sharded checkpoint: expected one of '
+        f'{_storable_names()}. Cast it (e.g. uint64 to int64), or leave it '
+        'out with `exclude=`.'
+      )
+    if not widen and dtype in _NOT_IN_TF:
+      raise _errors.ExportError(
+        f'The NNX variable {name!r} has dtype {dtype}, for which TensorFlow '
+        'has no usable tensor dtype: expected a dtype TF holds. Cast it, '
+        'leave it out with `exclude=`, or use save_checkpoint / '
+        f'save_saved_model, which store it widened to '
+        f'{_stored_dtype(dtype)}.'
       )
     entries.append(
       _Entry(tuple(path), name, variable, tuple(shape), dtype, key_impl)
@@ -342,34 +475,42 @@ def _show_progress(progress: bool | None, count: int) -> bool:
   return bool(progress)
 
 
-def _progress(
-  items: Iterable[A], *, show: bool, total: int, desc: str
-) -> Iterator[A]:
-  if not show:
-    yield from items
-    return
-  import tqdm
-
-  with tqdm.tqdm(
-    items, total=total, desc=desc, unit='var', file=sys.stderr, leave=False
-  ) as bar:
-    yield from bar
-
-
 @contextlib.contextmanager
 def _counter(
   *, show: bool, total: int, desc: str
 ) -> Iterator[Callable[..., Any]]:
-  """Yields `advance(n=1)` for a progress bar (a no-op when not shown)."""
+  """Yields `advance(n=1)` for a progress bar (a no-op when not shown).
+
+  The bar is drawn with rich on stderr: live and removed when done on a
+  terminal, otherwise printed once, finished (e.g. into a log).
+  """
   if not show:
     yield lambda n=1: None
     return
-  import tqdm
+  import rich.console
+  import rich.progress
 
-  with tqdm.tqdm(
-    total=total, desc=desc, unit='var', file=sys.stderr, leave=False
+  console = rich.console.Console(file=sys.stderr)
+  with rich.progress.Progress(
+    rich.progress.TextColumn('{task.description}'),
+    rich.progress.BarColumn(),
+    rich.progress.MofNCompleteColumn(),
+    rich.progress.TextColumn('var'),
+    rich.progress.TimeElapsedColumn(),
+    console=console,
+    transient=console.is_terminal,
   ) as bar:
-    yield bar.update
+    task = bar.add_task(desc, total=total)
+    yield lambda n=1: bar.advance(task, n)
+
+
+def _progress(
+  items: Iterable[A], *, show: bool, total: int, desc: str
+) -> Iterator[A]:
+  with _counter(show=show, total=total, desc=desc) as advance:
+    for item in items:
+      yield item
+      advance()
 
 
 def _announce(show: bool, message: str) -> None:
@@ -426,15 +567,24 @@ def _check_spans_processes(name: str, sharding: jax.sharding.Sharding) -> None:
 def _to_dtensor(
   entry: _Entry, *, widen: bool, value: jax.Array | None = None
 ) -> tf.Tensor:
-  """The variable's value as a DTensor (zero-copy unless widened)."""
+  """The variable's value as a DTensor (zero-copy unless widened).
+
+  With `widen`, a dtype of `STORED_DTYPES` is widened exactly: in JAX (same
+  sharding) before TF sees it when JAX holds the stored dtype, else by TF.
+  """
   tf = _tf.tf()
+  if value is None:
+    value = _to_jax_array(entry)
+  widened = widen and entry.stored_dtype != entry.dtype
+  if widened and entry.widened_in_jax:
+    value = value.astype(entry.stored_dtype)
   try:
-    t = _mesh.array_to_dtensor(_to_jax_array(entry) if value is None else value)
+    t = _mesh.array_to_dtensor(value)
   except _errors.DTensorError as e:
     raise _errors.ExportError(
       f'Cannot export the NNX variable {entry.name!r} to TF DTensor: {e}'
     ) from e
-  if widen and entry.stored_dtype != entry.dtype:
+  if widened and not entry.widened_in_jax:
     t = tf.cast(t, entry.stored_dtype)
   return t
 
@@ -499,11 +649,8 @@ def _spec_on(
   used: set[str] = set()
   out = []
   for entry, size in zip(sharding.spec, shape, strict=False):
-    names = (
-      () if entry is None else (entry,) if isinstance(entry, str) else entry
-    )
     pick = None
-    for name in names:
+    for name in _rules.target_axes(entry):
       if (
         name in mesh.shape and name not in used and size % mesh.shape[name] == 0
       ):
@@ -548,7 +695,7 @@ def _onto_one_mesh(entries: Sequence[_Entry]) -> list[jax.Array]:
 def to_tf_module(
   module_or_state: Any,
   *,
-  include: filterlib.Filter = nnx.Param,
+  include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   progress: bool | None = None,
 ) -> tf.Module:
@@ -565,13 +712,15 @@ def to_tf_module(
   keyed by path (integers as strings), so `tf.train.Checkpoint(tf_module)`
   and `tf.saved_model.save` track them under readable names (see
   `checkpoint_key`). Use `save_checkpoint` to write a checkpoint: TF cannot
-  read back sharded float16/uint16/uint32 variables, which it stores widened.
+  read back sharded float16, uint16, uint32 or float8 variables, which it
+  stores widened. Dtypes TF has no usable tensor dtype for (int2, uint2,
+  float4_e2m1fn, float8_e3m4, float8_e4m3, float8_e8m0fnu) are refused.
 
   Args:
     module_or_state: An NNX module, another NNX graph node (`nnx.Optimizer`),
       or an `nnx.State`, holding concrete `jax.Array`s.
-    include: NNX filter of the variables to export (`nnx.Param`,
-      `(nnx.Param, nnx.BatchStat)`, `...`, `nnx.OptState`).
+    include: NNX filter of the variables to export: every variable by
+      default; `nnx.Param`, `(nnx.Param, nnx.BatchStat)`, `nnx.OptState`.
     exclude: NNX filter of variables to leave out even if included. The
       default leaves out RNG state (see the module docstring);
       `exclude=nnx.Nothing` exports RNG keys as `jax.random.key_data`.
@@ -586,7 +735,8 @@ def to_tf_module(
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
     ExportError: If no variable is selected, a selected variable holds no
-      array or an abstract one, or its sharding has no DTensor layout.
+      array or an abstract one, has a dtype TF lacks, or its sharding has no
+      DTensor layout.
 
   Example:
     >>> import flax_dtensor.dtensor as fdt_tf  # doctest: +SKIP
@@ -594,7 +744,9 @@ def to_tf_module(
     >>> tf_module.state['linear']['kernel'].name  # doctest: +SKIP
     'linear/kernel:0'
   """
-  entries = _select(module_or_state, include, exclude, what='module_or_state')
+  entries = _select(
+    module_or_state, include, exclude, what='module_or_state', widen=False
+  )
   show = _show_progress(progress, len(entries))
   dvars = _dvariables(
     entries, widen=False, show=show, desc='flax_dtensor: to DTensor'
@@ -642,19 +794,64 @@ def flat_variables(tf_module: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def _sharding_repr(value: Any) -> str | None:
-  sharding = getattr(value, 'sharding', None)
+def _axes_record(names: Iterable[Any], sizes: Iterable[Any]) -> dict[str, Any]:
+  return {'axis_names': [str(n) for n in names], 'axis_sizes': list(sizes)}
+
+
+def _sharding_record(
+  sharding: jax.sharding.Sharding, layout: Any, ndim: int
+) -> dict[str, Any]:
+  """A variable's layout as data, for flax_dtensor.json.
+
+  `spec` lists the JAX mesh axes of each dimension (`[['data', 'model'],
+  []]` for `P(('data', 'model'), None)`); `dtensor_layout` is the DTensor
+  layout the variable was written with: its sharding spec per dimension and
+  its DTensor mesh (a fused axis 'data+model' of size 8 for that example).
+  """
   if isinstance(sharding, jax.sharding.NamedSharding):
-    axes = dict(sharding.mesh.shape)
-    return f'{sharding.spec} on mesh {axes}'
-  return None if sharding is None else type(sharding).__name__
-
-
-def _metadata(entries: Sequence[_Entry]) -> dict[str, Any]:
+    entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
+    kind = 'named'
+    spec = [list(_rules.target_axes(entry)) for entry in entries]
+    mesh = _axes_record(sharding.mesh.axis_names, sharding.mesh.axis_sizes)
+  else:
+    kind = 'single_device'
+    spec = [[] for _ in range(ndim)]
+    mesh = _axes_record([], [])
   return {
-    'format': METADATA_FORMAT,
+    'kind': kind,
+    'spec': spec,
+    'mesh': mesh,
+    'dtensor_layout': {
+      'sharding_specs': list(layout.sharding_specs),
+      'mesh': _axes_record(
+        layout.mesh.dim_names, (int(s) for s in layout.mesh.shape())
+      ),
+    },
+  }
+
+
+def _metadata(
+  entries: Sequence[_Entry],
+  values: Sequence[jax.Array],
+  tensors: Sequence[Any],
+  *,
+  saved_model: bool = False,
+) -> dict[str, Any]:
+  """flax_dtensor.json: what each variable is, and how it was written.
+
+  Args:
+    entries: The exported variables.
+    values: Their JAX arrays, as exported (RNG keys as key data).
+    tensors: Their DTensors or DVariables, as written.
+    saved_model: Describe a SavedModel rather than a checkpoint directory.
+  """
+  dtensor = _tf.dtensor()
+  return {
+    'format': SAVED_MODEL_METADATA_FORMAT if saved_model else METADATA_FORMAT,
     'version': METADATA_VERSION,
-    'checkpoint_prefix': CHECKPOINT_PREFIX,
+    'checkpoint_prefix': (
+      SAVED_MODEL_PREFIX if saved_model else CHECKPOINT_PREFIX
+    ),
     'variables': {
       e.name: {
         'key': e.key,
@@ -663,11 +860,72 @@ def _metadata(entries: Sequence[_Entry]) -> dict[str, Any]:
         'stored_dtype': e.stored_dtype.name,
         'shape': list(e.shape),
         'key_impl': e.key_impl,
-        'sharding': _sharding_repr(e.variable.get_value()),
+        'sharding': _sharding_record(
+          v.sharding, dtensor.fetch_layout(t), len(e.shape)
+        ),
       }
-      for e in entries
+      for e, v, t in zip(entries, values, tensors, strict=True)
     },
   }
+
+
+def _dump_metadata(metadata: dict[str, Any], path: str) -> None:
+  with open(path, 'w') as f:
+    json.dump(metadata, f, indent=1)
+    f.write('\n')
+
+
+def _metadata_dtype(name: str, path: str, variable: str) -> np.dtype:
+  try:
+    return np.dtype(jnp.dtype(name))
+  except TypeError as e:
+    raise _errors.ExportError(
+      f'{path!r} records the dtype {name!r} for {variable!r}, which this '
+      'JAX does not know: expected a JAX dtype name. Upgrade jax / '
+      'ml_dtypes, or re-export the checkpoint.'
+    ) from e
+
+
+def _read_metadata(prefix: str) -> dict[str, dict[str, Any]] | None:
+  """The variables recorded by flax_dtensor for the checkpoint at `prefix`.
+
+  Looks for `flax_dtensor.json` next to the checkpoint (a `save_checkpoint`
+  directory) or in the `assets` of the SavedModel whose variables `prefix`
+  is; the file must name `prefix` as its checkpoint.
+
+  Returns:
+    `{nnx path: record}`, or None if no such file describes `prefix`.
+
+  Raises:
+    ExportError: If the file is not valid flax_dtensor metadata.
+  """
+  here = os.path.dirname(os.path.abspath(prefix))
+  parent = os.path.dirname(here)
+  candidates = (
+    (here, os.path.join(here, METADATA_FILE)),
+    (parent, os.path.join(parent, SAVED_MODEL_ASSETS, METADATA_FILE)),
+  )
+  for root, path in candidates:
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path) as f:
+        meta = json.load(f)
+      own = os.path.join(root, meta.get('checkpoint_prefix', CHECKPOINT_PREFIX))
+      variables = meta['variables']
+      for name, record in variables.items():
+        if not isinstance(record, dict) or not isinstance(record['dtype'], str):
+          raise TypeError(f'bad record for {name!r}: {record!r:.100}')
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise _errors.ExportError(
+        f'{path!r} is not valid flax_dtensor metadata: expected the JSON '
+        f'file save_checkpoint writes, got an error reading it ({e}). '
+        'Delete it to read the checkpoint by the dtypes it holds, or '
+        're-export the checkpoint.'
+      ) from e
+    if os.path.normpath(own) == os.path.normpath(os.path.abspath(prefix)):
+      return variables
+  return None
 
 
 def _by_mesh(tensors: Sequence[tf.Tensor]) -> list[tuple[Any, list[int]]]:
@@ -727,13 +985,22 @@ def _write_checkpoint(
   prefixes = []
   for i, (mesh, indices) in enumerate(_by_mesh(tensors)):
     prefix = os.path.join(scratch, f'mesh{i}')
-    dtensor.sharded_save(
-      mesh,
-      prefix,
-      [entries[j].key for j in indices],
-      [''] * len(indices),
-      [tensors[j] for j in indices],
-    )
+    try:
+      dtensor.sharded_save(
+        mesh,
+        prefix,
+        [entries[j].key for j in indices],
+        [''] * len(indices),
+        [tensors[j] for j in indices],
+      )
+    except tf.errors.OpError as e:
+      raise _errors.ExportError(
+        'TensorFlow failed to write the NNX variables '
+        f'{_names(entries[j] for j in indices)} (one DTensor mesh) to '
+        f'{prefix!r}: expected a writable directory, got {_tf_error(e)}. '
+        'Check the disk and the path (on several hosts: a filesystem every '
+        'process sees). ' + _TF_POISONED_MSG
+      ) from e
     prefixes.append(prefix)
   if jax.process_index() == 0:
     prefixes.append(_write_object_graph(entries, scratch))
@@ -745,7 +1012,36 @@ def _write_checkpoint(
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write_metadata(entries: Sequence[_Entry], directory: str) -> None:
+def _names(entries: Iterable[_Entry], limit: int = 4) -> str:
+  names = [e.name for e in entries]
+  shown = ', '.join(repr(n) for n in names[:limit])
+  return shown + (
+    f' and {len(names) - limit} more' if len(names) > limit else ''
+  )
+
+
+def _tf_error(e: Exception) -> str:
+  """'Type: message' of a TF error, on one line.
+
+  DTensor runs its ops asynchronously: the op that fails may report only a
+  `CancelledError`, while the cause waits in TF's executors; it is fetched
+  from there.
+  """
+  tf = _tf.tf()
+  if isinstance(e, tf.errors.CancelledError):
+    try:
+      from tensorflow.python.eager import context
+
+      context.context().sync_executors()
+    except tf.errors.OpError as cause:
+      e = cause
+    except Exception:  # pragma: no cover - TF moved it.
+      pass
+  text = ' '.join(str(getattr(e, 'message', None) or e).split())
+  return f'{type(e).__name__}: {text[:500]}'
+
+
+def _write_metadata(metadata: dict[str, Any], directory: str) -> None:
   """Writes the state file and flax_dtensor.json (process 0 only)."""
   if jax.process_index() != 0:
     return
@@ -755,16 +1051,14 @@ def _write_metadata(entries: Sequence[_Entry], directory: str) -> None:
       f'model_checkpoint_path: "{CHECKPOINT_PREFIX}"\n'
       f'all_model_checkpoint_paths: "{CHECKPOINT_PREFIX}"\n'
     )
-  with open(os.path.join(directory, METADATA_FILE), 'w') as f:
-    json.dump(_metadata(entries), f, indent=1)
-    f.write('\n')
+  _dump_metadata(metadata, os.path.join(directory, METADATA_FILE))
 
 
 def save_checkpoint(
   module_or_state: Any,
   directory: str | os.PathLike[str],
   *,
-  include: filterlib.Filter = nnx.Param,
+  include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   overwrite: bool = False,
   progress: bool | None = None,
@@ -775,8 +1069,11 @@ def save_checkpoint(
   (nothing is gathered). The result is an ordinary `tf.train.Checkpoint`:
   plain single-process TensorFlow reads it with
   `tf.train.load_checkpoint(directory)`, without DTensor, under the keys of
-  `checkpoint_key` (float16, uint16 and uint32 stored widened, see the module
-  docstring). The directory appears atomically, complete or not at all.
+  `checkpoint_key` (float16, float8, uint16 and uint32 stored widened, see
+  the module docstring). The directory appears atomically, complete or not
+  at all. By default every variable but RNG state is saved, so that
+  `restore_checkpoint` gives back the same model (batch statistics
+  included).
 
   In a multi-process run every process must call this with the same
   arguments (see the module docstring for the recipe).
@@ -785,7 +1082,9 @@ def save_checkpoint(
     module_or_state: An NNX module, graph node (`nnx.Optimizer`) or
       `nnx.State` holding concrete, sharded `jax.Array`s.
     directory: The checkpoint directory to create. Its parent must exist.
-    include: NNX filter of the variables to save.
+    include: NNX filter of the variables to save (default: every variable;
+      e.g. `nnx.Param` for the parameters only, `nnx.OptState` for an
+      `nnx.Optimizer`'s state).
     exclude: NNX filter of variables to leave out (default: RNG state).
     overwrite: Replace `directory` if it exists.
     progress: Show a progress bar; None shows one from
@@ -798,8 +1097,8 @@ def save_checkpoint(
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
     ExportError: If `directory` exists and `overwrite` is false, its parent
-      does not exist, no variable is selected, or a variable cannot be
-      exported.
+      does not exist, no variable is selected, a variable cannot be exported
+      (e.g. a uint64 dtype), or TensorFlow fails to write.
 
   Example:
     >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP
@@ -809,12 +1108,14 @@ def save_checkpoint(
   directory = os.path.abspath(os.fspath(directory))
   entries = _select(module_or_state, include, exclude, what='module_or_state')
   show = _show_progress(progress, len(entries))
-  tensors = [
-    _to_dtensor(e, widen=True)
-    for e in _progress(
-      entries, show=show, total=len(entries), desc='flax_dtensor: to DTensor'
-    )
-  ]
+  values, tensors = [], []
+  for e in _progress(
+    entries, show=show, total=len(entries), desc='flax_dtensor: to DTensor'
+  ):
+    values.append(_to_jax_array(e))
+    tensors.append(_to_dtensor(e, widen=True, value=values[-1]))
+  metadata = _metadata(entries, values, tensors)
+  del values
   with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
     nbytes = sum(
       int(np.prod(e.shape)) * e.stored_dtype.itemsize for e in entries
@@ -822,7 +1123,7 @@ def save_checkpoint(
     _announce(show, f'writing {len(entries)} variables ({nbytes / 1e6:.1f} MB)')
     start = time.perf_counter()
     _write_checkpoint(entries, tensors, tmp)
-    _write_metadata(entries, tmp)
+    _write_metadata(metadata, tmp)
     _announce(show, f'wrote {directory} in {time.perf_counter() - start:.1f}s')
   return directory
 
@@ -850,19 +1151,21 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
   """Reads a checkpoint into host memory as `{nnx path: numpy array}`.
 
   Plain TensorFlow suffices (DTensor need not be initialized). Widened
-  dtypes are converted back to the saved ones (from `flax_dtensor.json`); RNG
+  dtypes are converted back to the saved ones (from `flax_dtensor.json`), so
+  a float8 or bfloat16 array comes back as an `ml_dtypes` numpy array; RNG
   keys come back as key data (uint32). Every array is read whole on this
   host: for big models use `restore_checkpoint`.
 
   Args:
     directory: A directory written by `save_checkpoint`, or a TF checkpoint
-      prefix.
+      prefix (e.g. a SavedModel's `variables/variables`).
 
   Returns:
     A dict from NNX path ('/'-joined) to numpy array, in path order.
 
   Raises:
-    ExportError: If `directory` holds no TF checkpoint.
+    ExportError: If `directory` holds no TF checkpoint, or its
+      `flax_dtensor.json` is not valid.
 
   Example:
     >>> arrays = read_checkpoint('/tmp/ckpt')  # doctest: +SKIP
@@ -871,12 +1174,7 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
   """
   tf = _tf.tf()
   prefix = _checkpoint_prefix(directory)
-  meta_path = os.path.join(os.path.dirname(prefix), METADATA_FILE)
-  dtypes: dict[str, str] = {}
-  if os.path.exists(meta_path):
-    with open(meta_path) as f:
-      meta = json.load(f)
-    dtypes = {k: v['dtype'] for k, v in meta.get('variables', {}).items()}
+  records = _read_metadata(prefix) or {}
   reader = tf.train.load_checkpoint(prefix)
   out = {}
   for key in sorted(reader.get_variable_to_shape_map()):
@@ -884,16 +1182,77 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if path is None:
       continue
     value = np.asarray(reader.get_tensor(key))
-    if path in dtypes and value.dtype != np.dtype(dtypes[path]):
-      value = value.astype(dtypes[path])
+    if path in records:
+      dtype = _metadata_dtype(records[path]['dtype'], prefix, path)
+      if value.dtype != dtype:
+        value = value.astype(dtype)
     out[path] = value
   return dict(sorted(out.items()))
 
 
+def _placement_mesh(
+  entry: _Entry, mesh: jax.sharding.Mesh | None
+) -> jax.sharding.Mesh | None:
+  """The concrete mesh to place a variable resolved by the rules on.
+
+  The variable's own `mesh` metadata if concrete, else `mesh`, else the
+  current mesh (`jax.set_mesh`), else the mesh of its value's sharding.
+  """
+  own = entry.variable.get_metadata('mesh', None)
+  if isinstance(own, jax.sharding.Mesh):
+    return own
+  if mesh is not None:
+    return mesh
+  current = jax.sharding.get_mesh()
+  if not current.empty:
+    return current
+  sharding = getattr(entry.variable.get_value(), 'sharding', None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+    sharding.mesh, jax.sharding.Mesh
+  ):
+    return sharding.mesh
+  return None
+
+
 def _concrete_sharding(
+  entry: _Entry,
+  mesh: jax.sharding.Mesh | None,
+  rules: _rules.LogicalRules | None,
+) -> jax.sharding.Sharding:
+  """The concrete JAX sharding the restored array of `entry` must have.
+
+  An annotated variable (logical axes in its `out_sharding` metadata) is
+  resolved by `rules` when there are rules and a concrete mesh; any other
+  variable keeps its value's own sharding.
+  """
+  sharding = None
+  placement = _placement_mesh(entry, mesh) if rules is not None else None
+  if placement is not None:
+    assert rules is not None
+    resolution = _sharding.resolve_variable(
+      entry.variable, mesh=placement, rules=rules, path=entry.name
+    )
+    if resolution is not None:
+      sharding = jax.sharding.NamedSharding(placement, resolution.spec)
+  if sharding is None:
+    sharding = _own_sharding(entry, mesh)
+  if entry.key_impl is not None and isinstance(
+    sharding, jax.sharding.NamedSharding
+  ):
+    # The key-data dimension is not sharded.
+    spec = tuple(sharding.spec) + (None,) * (
+      len(entry.shape) - len(sharding.spec)
+    )
+    sharding = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*spec)
+    )
+  return sharding
+
+
+def _own_sharding(
   entry: _Entry, mesh: jax.sharding.Mesh | None
 ) -> jax.sharding.Sharding:
-  """The concrete JAX sharding the restored array of `entry` must have."""
+  """The target value's own sharding, made concrete."""
   value = entry.variable.get_value()
   sharding = getattr(value, 'sharding', None)
   if mesh is None:
@@ -927,26 +1286,21 @@ def _concrete_sharding(
         'in a multi-process run. Build the target under jax.set_mesh(mesh), '
         'or pass `mesh=`.'
       )
-  if entry.key_impl is not None and isinstance(
-    sharding, jax.sharding.NamedSharding
-  ):
-    # The key-data dimension is not sharded.
-    spec = tuple(sharding.spec) + (None,) * (
-      len(entry.shape) - len(sharding.spec)
-    )
-    sharding = jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*spec)
-    )
   return sharding
 
 
 def _check_against(
-  entries: Sequence[_Entry], reader: Any, directory: str
+  entries: Sequence[_Entry],
+  reader: Any,
+  records: Mapping[str, Mapping[str, Any]] | None,
+  prefix: str,
 ) -> list[np.dtype]:
   """Each entry's dtype in the checkpoint; ExportError if it does not fit.
 
-  A checkpoint from save_checkpoint holds widened dtypes; one written by
-  other code may hold the target's own dtype: both are accepted.
+  A restore never changes a value: the dtype a variable was saved with must
+  be the target's. `records` (from flax_dtensor.json) give the saved dtype,
+  and the checkpoint must then hold its stored (maybe widened) dtype;
+  without a record, the checkpoint must hold the target's dtype itself.
   """
   shapes = reader.get_variable_to_shape_map()
   dtypes = reader.get_variable_to_dtype_map()
@@ -956,25 +1310,60 @@ def _check_against(
       held = sorted(p for p in map(nnx_path, shapes) if p is not None)
       shown = ', '.join(held[:8]) + (', ...' if len(held) > 8 else '')
       raise _errors.ExportError(
-        f'The checkpoint {directory!r} has no variable {e.name!r} (key '
+        f'The checkpoint {prefix!r} has no variable {e.name!r} (key '
         f'{e.key!r}), which the target needs. It holds {len(held)} '
-        f'variables: {shown}. Restore with a narrower `include=`/`exclude=`, '
-        'or a checkpoint saved from the same model.'
+        f'variables: {shown}. Restore with a narrower `include=`/`exclude=` '
+        '(e.g. `include=nnx.Param` for a checkpoint of the parameters '
+        'only), or a checkpoint saved from the same model.'
       )
     shape = tuple(shapes[e.key])
     if shape != e.shape:
       raise _errors.ExportError(
         f'Shape mismatch for {e.name!r}: the target expects {e.shape}, the '
-        f'checkpoint {directory!r} holds {shape}.'
+        f'checkpoint {prefix!r} holds {shape}. Build the target with the '
+        'shapes that were saved (the same model configuration), or leave '
+        'this variable out with `include=`/`exclude=`.'
       )
     stored = np.dtype(dtypes[e.key].as_numpy_dtype)
-    if stored not in (e.dtype, e.stored_dtype):
+    record = (records or {}).get(e.name)
+    if record is not None:
+      saved = _metadata_dtype(record['dtype'], prefix, e.name)
+      expected_stored = _stored_dtype(saved)
+      where = f'saved as {saved}, stored as {stored}'
+    else:
+      saved = expected_stored = stored
+      where = f'holds {stored}, and no {METADATA_FILE} says otherwise'
+    if saved != e.dtype:
       raise _errors.ExportError(
         f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, the '
-        f'checkpoint {directory!r} holds {stored}.'
+        f'checkpoint {prefix!r} has {saved} ({where}). A restore never '
+        'converts (that could round or wrap values): build the target with '
+        f'dtype {saved} (e.g. `param_dtype=`), restore and then cast, or '
+        'leave this variable out with `include=`/`exclude=`.'
+      )
+    if stored != expected_stored:
+      raise _errors.ExportError(
+        f'The checkpoint {prefix!r} holds {e.name!r} as {stored}, but its '
+        f'{METADATA_FILE} says {saved}, expected stored as '
+        f'{expected_stored}: the metadata belongs to another checkpoint. '
+        f'Delete the {METADATA_FILE} next to it, or re-export the checkpoint.'
       )
     out.append(stored)
   return out
+
+
+def _astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
+  """`array.astype(dtype)`, keeping exactly `array.sharding`.
+
+  On an Explicit mesh JAX returns an equivalent sharding spelled otherwise
+  (`P(None, None)` for `P()`); the shards are put back under the original.
+  """
+  out = array.astype(dtype)
+  if out.sharding == array.sharding:
+    return out
+  return jax.make_array_from_single_device_arrays(
+    out.shape, array.sharding, [s.data for s in out.addressable_shards]
+  )
 
 
 def _restore_group(
@@ -990,22 +1379,37 @@ def _restore_group(
   """Restores the entries laid out on one DTensor mesh into `out[indices]`."""
   tf = _tf.tf()
   dtensor = _tf.dtensor()
-  # Placeholders give DTensor the shape, dtype and layout to read into.
-  placeholders = collections.OrderedDict(
-    (
-      e.key,
-      dtensor.call_with_layout(tf.zeros, layout, shape=e.shape, dtype=dtype),
+  try:
+    # Placeholders give DTensor the shape, dtype and layout to read into.
+    placeholders = collections.OrderedDict(
+      (
+        e.key,
+        dtensor.call_with_layout(tf.zeros, layout, shape=e.shape, dtype=dtype),
+      )
+      for e, layout, dtype in zip(entries, layouts, stored, strict=True)
     )
-    for e, layout, dtype in zip(entries, layouts, stored, strict=True)
-  )
-  # Each process reads only the slices its devices hold.
-  restored = dtensor.name_based_restore(mesh, prefix, placeholders)
+    # Each process reads only the slices its devices hold.
+    restored = dtensor.name_based_restore(mesh, prefix, placeholders)
+  except tf.errors.OpError as e:
+    raise _errors.ExportError(
+      f'TensorFlow failed to read the NNX variables {_names(entries)} (one '
+      f'DTensor mesh) from the checkpoint {prefix!r}: expected an intact '
+      f'checkpoint, got {_tf_error(e)}. Check that every data file of the '
+      'checkpoint is complete and readable, or re-export it. '
+      + _TF_POISONED_MSG
+    ) from e
   del placeholders
-  for e, sharding, i in zip(entries, shardings, indices, strict=True):
+  for e, dtype, sharding, i in zip(
+    entries, stored, shardings, indices, strict=True
+  ):
     t = restored.pop(e.key)
-    if t.dtype != tf.as_dtype(e.dtype):
+    # After _check_against, `dtype` is e.dtype or its widened form.
+    narrow_in_jax = dtype != e.dtype and e.widened_in_jax
+    if dtype != e.dtype and not narrow_in_jax:
       t = tf.cast(t, e.dtype)
     array = _mesh.dtensor_to_array(t, sharding=sharding)
+    if narrow_in_jax:
+      array = _astype(array, e.dtype)
     if e.key_impl is not None:
       array = jax.random.wrap_key_data(array, impl=e.key_impl)
     out[i] = array
@@ -1015,9 +1419,10 @@ def restore_checkpoint(
   directory: str | os.PathLike[str],
   target: A,
   *,
-  include: filterlib.Filter = nnx.Param,
+  include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   mesh: jax.sharding.Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
   progress: bool | None = None,
 ) -> A:
   """Restores NNX variables from a checkpoint, sharded as the target says.
@@ -1026,11 +1431,19 @@ def restore_checkpoint(
   laid out like the target's sharding, so every process reads only the
   slices its devices hold (no host gathers the full model, the saved layout
   does not matter), then handed to JAX. Values are bit-exact to what was
-  saved.
+  saved, and never converted: each variable must have the dtype it was
+  saved with (widened dtypes, see the module docstring, are narrowed back
+  exactly).
 
-  The target's shardings: a concrete array's own sharding; for an abstract
-  target (`nnx.eval_shape` under `jax.set_mesh(mesh)` and, with the core,
-  `fdt.logical_axis_rules`), the abstract sharding placed on `mesh` (or the
+  The target's shardings: a variable annotated with logical axes (its
+  `out_sharding` metadata, e.g. from `nnx.with_partitioning`) is resolved by
+  the rules (`rules`, or the current `fdt.logical_axis_rules` /
+  `nnx.logical_axis_rules`) on `mesh` (or the current mesh), whatever its
+  value's own sharding; so a target built unsharded
+  (`nnx.use_eager_sharding(False)`) is still restored sharded. Without
+  rules, or for a variable without logical axes: a concrete array's own
+  sharding; for an abstract target (`nnx.eval_shape` under
+  `jax.set_mesh(mesh)`), the abstract sharding placed on `mesh` (or the
   current mesh). A value without a sharding is replicated over `mesh` (or,
   without a mesh, put on the first local device).
 
@@ -1042,10 +1455,13 @@ def restore_checkpoint(
     target: An NNX module (concrete, or abstract from `nnx.eval_shape`), which
       is updated in place and returned; or an `nnx.State`, for which a new
       `nnx.State` of the restored variables is returned.
-    include: NNX filter of the variables to restore.
+    include: NNX filter of the variables to restore (default: every
+      variable; each must be in the checkpoint).
     exclude: NNX filter of variables to leave alone (default: RNG state).
-    mesh: The concrete mesh for abstract shardings; default the current mesh
-      (`jax.set_mesh`).
+    mesh: The concrete mesh for abstract shardings and for variables
+      resolved by the rules; default the current mesh (`jax.set_mesh`).
+    rules: Logical-axis rules for annotated variables; default the current
+      rules, if any.
     progress: Show a progress bar; None shows one from
       `PROGRESS_MIN_VARIABLES` variables when stderr is a terminal.
 
@@ -1056,8 +1472,13 @@ def restore_checkpoint(
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
     ExportError: If `directory` holds no checkpoint, the checkpoint lacks a
-      selected variable or holds it with another shape or dtype, no variable
-      is selected, or an abstract sharding has no concrete mesh.
+      selected variable or holds it with another shape or saved dtype, no
+      variable is selected, an abstract sharding has no concrete mesh, or
+      TensorFlow fails to read the checkpoint.
+    UnknownLogicalAxisError: If the rules do not mention a logical axis of
+      an annotated variable (see `flax_dtensor.LogicalRules`).
+    ShardingResolutionError: If an annotated variable's logical axes cannot
+      be resolved by the rules.
 
   Example:
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
@@ -1067,12 +1488,17 @@ def restore_checkpoint(
   tf = _tf.tf()
   directory = os.fspath(directory)
   prefix = _checkpoint_prefix(directory)
+  rules_ = (
+    _rules.current_rules() if rules is None else _rules.LogicalRules(rules)
+  )
   entries = _select(target, include, exclude, what='target')
-  stored = _check_against(entries, tf.train.load_checkpoint(prefix), directory)
+  stored = _check_against(
+    entries, tf.train.load_checkpoint(prefix), _read_metadata(prefix), prefix
+  )
   show = _show_progress(progress, len(entries))
   shardings, layouts = [], []
   for e in entries:
-    sharding = _concrete_sharding(e, mesh)
+    sharding = _concrete_sharding(e, mesh, rules_)
     if jax.process_count() > 1:
       _check_spans_processes(e.name, sharding)
     try:
@@ -1184,8 +1610,11 @@ def save_saved_model(
   the variables as ordinary single-device variables). Call the module in the
   mode you want to serve, e.g. `nnx.view(model, deterministic=True,
   use_running_average=True)`; variables left out by `include`/`exclude` are
-  baked in as constants. Sharded float16/uint16/uint32 variables are stored
-  widened and cast back inside the graph (see the module docstring).
+  baked in as constants. Variables of the dtypes in `STORED_DTYPES`
+  (float16, float8, uint16, uint32, ...) are stored widened and converted
+  back inside the served function (see the module docstring). Next to the
+  SavedModel's files, `assets/flax_dtensor.json` records each variable's
+  NNX type, dtype and layout (as for `save_checkpoint`).
 
   TF writes a SavedModel's variables with one save op, which DTensor runs
   on one mesh: arrays that are not laid out on the JAX mesh holding most
@@ -1196,6 +1625,10 @@ def save_saved_model(
 
   The exported function runs on the platforms of `platforms` (default: the
   current JAX backend). The written directory appears atomically.
+
+  Single process only: in a multi-process run (`jax.process_count() > 1`)
+  it raises. Restore the checkpoint in one process (`restore_checkpoint`
+  onto that process's devices) and export the SavedModel there.
 
   Args:
     module: The NNX module to serve (concrete arrays).
@@ -1222,10 +1655,10 @@ def save_saved_model(
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
-    ExportError: If `method` is not a method of `module`, `input_signature`
-      has an entry of the wrong type or the wrong length of
-      `polymorphic_shapes`, `directory` exists and `overwrite` is false, or a
-      variable cannot be exported.
+    ExportError: If it runs in several processes, `method` is not a method
+      of `module`, `input_signature` has an entry of the wrong type or the
+      wrong length of `polymorphic_shapes`, `directory` exists and
+      `overwrite` is false, or a variable cannot be exported.
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -1234,6 +1667,10 @@ def save_saved_model(
     >>> loaded = tf.saved_model.load('/tmp/sm')  # doctest: +SKIP
     >>> loaded.signatures['serving_default'](input_0=x)  # doctest: +SKIP
   """
+  if jax.process_count() > 1:
+    raise _errors.ExportError(
+      _MULTI_PROCESS_SAVED_MODEL_MSG.format(count=jax.process_count())
+    )
   tf = _tf.tf()
   from jax.experimental import jax2tf
 
@@ -1255,13 +1692,16 @@ def save_saved_model(
   graphdef, exported, rest = nnx.split(module, selected, ...)
   entries = _select(exported, ..., nnx.Nothing, what='module')
   show = _show_progress(progress, len(entries))
+  values = _onto_one_mesh(entries)
   dvars = _dvariables(
     entries,
     widen=True,
     show=show,
     desc='flax_dtensor: to DTensor',
-    values=_onto_one_mesh(entries),
+    values=values,
   )
+  metadata = _metadata(entries, values, dvars, saved_model=True)
+  del values
   tf_module = _make_module(
     (e.path, v) for e, v in zip(entries, dvars, strict=True)
   )
@@ -1269,6 +1709,8 @@ def save_saved_model(
   def forward(params: list[jax.Array], *inputs: jax.Array) -> Any:
     flat = []
     for e, p in zip(entries, params, strict=True):
+      if e.widened_in_jax:
+        p = p.astype(e.dtype)
       if e.key_impl is not None:
         p = jax.random.wrap_key_data(p, impl=e.key_impl)
       flat.append((e.path, e.variable.copy(p)))
@@ -1285,8 +1727,12 @@ def save_saved_model(
   )
 
   def serve(*inputs: tf.Tensor) -> Any:
+    # Widened variables go back to their dtype in TF, or inside the JAX
+    # function (`forward`) for dtypes TF may lack.
     params = [
-      v if e.stored_dtype == e.dtype else tf.cast(v, e.dtype)
+      tf.cast(v, e.dtype)
+      if e.stored_dtype != e.dtype and not e.widened_in_jax
+      else v
       for e, v in zip(entries, dvars, strict=True)
     ]
     return _signature_outputs(forward_tf(params, *inputs))
@@ -1300,6 +1746,9 @@ def save_saved_model(
   ):
     _announce(show, f'tracing and writing a SavedModel to {directory}')
     _write_saved_model(tf_module, tmp, serve_fn.get_concrete_function())
+    assets = os.path.join(tmp, SAVED_MODEL_ASSETS)
+    os.makedirs(assets, exist_ok=True)
+    _dump_metadata(metadata, os.path.join(assets, METADATA_FILE))
   return directory
 
 
@@ -1338,16 +1787,23 @@ def _calling_convention_version() -> int:
 
 @contextlib.contextmanager
 def _jax_export_version(version: int) -> Iterator[None]:
-  """Sets `jax_export_calling_convention_version` for the block."""
-  old = int(jax.config.jax_export_calling_convention_version)
-  if version == old:
+  """Exports with calling convention `version` in this thread only.
+
+  Neither `jax.export.export` nor `jax2tf.convert` takes the version as an
+  argument in jax 0.10: `_export_lowered` reads the option
+  `jax_export_calling_convention_version`. `jax.config.update` would change
+  it for every thread while the export runs; the option's own context
+  manager (a thread-local value, restored on exit) changes it for this one
+  only. JAX exposes it only as `jax._src.config.<option>`, as its own
+  export tests use it.
+  """
+  if version == int(jax.config.jax_export_calling_convention_version):
     yield
     return
-  jax.config.update('jax_export_calling_convention_version', version)
-  try:
+  from jax._src import config as jax_config
+
+  with jax_config.jax_export_calling_convention_version(version):
     yield
-  finally:
-    jax.config.update('jax_export_calling_convention_version', old)
 
 
 def _write_saved_model(

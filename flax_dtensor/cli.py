@@ -17,7 +17,6 @@ DTensor before TensorFlow runs anything.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import importlib
@@ -1069,40 +1068,72 @@ def export(
 # ------------------------------------------------------------------------------
 
 
-_SHARDING_REPR = re.compile(
-  r'^(?:P|PartitionSpec)\((?P<spec>.*)\) on mesh (?P<mesh>\{.*\})$'
-)
+def _axes_text(mesh: dict[str, Any]) -> str:
+  names, sizes = mesh.get('axis_names', []), mesh.get('axis_sizes', [])
+  return ','.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))
 
 
-def dtensor_layout_text(sharding: str | None, ndim: int) -> str:
-  """DTensor layout text from a recorded JAX sharding.
+def sharding_texts(record: Any) -> tuple[str, str]:
+  """(JAX sharding, DTensor layout) texts of a flax_dtensor.json record.
 
-  ``"P('data', None) on mesh {'data': 2, 'model': 4}"`` becomes
-  ``'data,unsharded @ data=2,model=4'``: one DTensor sharding spec per
-  dimension, then the mesh. A dimension sharded over several JAX mesh axes
-  is on a fused DTensor axis (``data+model``). Anything unparsable is
-  returned as recorded.
+  The record is the structured ``sharding`` of a variable (the JAX spec as
+  mesh axes per dimension, the JAX mesh, and the DTensor layout it was
+  written with), e.g. ``P('data', 'model') @ data=2,model=4`` and
+  ``data,model @ data=2,model=4``. A dimension over two JAX axes is on a
+  fused DTensor axis: ``P(('data', 'model'), None) @ data=2,model=4`` and
+  ``data+model,unsharded @ data+model=8``. A record of an older
+  flax_dtensor (a display string) is shown as it is, with no DTensor
+  layout; a missing one as '-'.
   """
-  if not sharding:
-    return '-'
-  match = _SHARDING_REPR.match(sharding)
-  if match is None:
-    return sharding
+  if not isinstance(record, dict):
+    return (str(record) if record else '-'), '-'
   try:
-    entries = ast.literal_eval(f'[{match.group("spec")}]')
-    mesh = ast.literal_eval(match.group('mesh'))
-  except (ValueError, SyntaxError):
-    return sharding
-  specs = []
-  for entry in (*entries, *([None] * (ndim - len(entries)))):
-    if entry is None:
-      specs.append('unsharded')
-    elif isinstance(entry, tuple):
-      specs.append('+'.join(entry))
+    if record['kind'] == 'single_device':
+      jax_text = 'one device'
     else:
-      specs.append(str(entry))
-  mesh_text = ','.join(f'{k}={v}' for k, v in mesh.items())
-  return f'{",".join(specs) or "scalar"} @ {mesh_text}'
+      entries = []
+      for axes in record['spec']:
+        if not axes:
+          entries.append('None')
+        elif len(axes) == 1:
+          entries.append(repr(axes[0]))
+        else:
+          entries.append('(' + ', '.join(map(repr, axes)) + ')')
+      jax_text = f'P({", ".join(entries)}) @ {_axes_text(record["mesh"])}'
+    layout = record['dtensor_layout']
+    specs = ','.join(layout['sharding_specs']) or 'scalar'
+    dtensor_text = f'{specs} @ {_axes_text(layout["mesh"])}'
+  except (KeyError, TypeError, ValueError) as e:
+    raise BadInputError(
+      f'Malformed sharding record in flax_dtensor.json: {record!r:.200} '
+      f'({type(e).__name__}: {e}). Re-export the checkpoint.'
+    ) from e
+  return jax_text, dtensor_text
+
+
+def _read_metadata(path: pathlib.Path) -> dict[str, Any]:
+  """The `variables` of a flax_dtensor.json ({} if there is none)."""
+  if not path.exists():
+    return {}
+  try:
+    variables = json.loads(path.read_text())['variables']
+    if not isinstance(variables, dict) or not all(
+      isinstance(v, dict) for v in variables.values()
+    ):
+      raise TypeError(f'`variables` is not a dict of dicts: {variables!r:.100}')
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise BadInputError(
+      f'{str(path)!r} is not valid flax_dtensor metadata '
+      f'({type(e).__name__}: {e}). Re-export, or delete the file.'
+    ) from e
+  return variables
+
+
+_LAYOUT_CAPTION = (
+  'JAX sharding: the PartitionSpec @ the JAX mesh. DTensor layout: one '
+  'sharding spec per dimension @ the DTensor mesh (an axis a+b fuses JAX '
+  'axes a and b). From flax_dtensor.json.'
+)
 
 
 def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
@@ -1111,16 +1142,7 @@ def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
   from flax_dtensor.dtensor import _export  # pylint: disable=g-import-not-at-top
 
   tf = dtensor._tf.tf()  # pylint: disable=protected-access
-  metadata: dict[str, Any] = {}
-  meta_path = path / _export.METADATA_FILE
-  if meta_path.exists():
-    try:
-      metadata = json.loads(meta_path.read_text()).get('variables', {})
-    except (json.JSONDecodeError, AttributeError) as e:
-      raise BadInputError(
-        f'{str(meta_path)!r} is not valid flax_dtensor metadata ({e}). '
-        'Re-export the checkpoint.'
-      ) from e
+  metadata = _read_metadata(path / _export.METADATA_FILE)
   try:
     reader = tf.train.load_checkpoint(str(path))
   except Exception as e:
@@ -1134,31 +1156,41 @@ def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
   table = rich.table.Table(
     title=f'DTensor checkpoint {path}', title_justify='left'
   )
-  for column in ('variable', 'type', 'shape', 'dtype', 'DTensor layout'):
+  for column in _VARIABLE_COLUMNS:
     table.add_column(column)
   count = 0
   for key in sorted(shapes):
     name = dtensor.nnx_path(key)
     if name is None:
       continue
-    meta = metadata.get(name, {})
-    stored = dtypes[key].name
-    dtype = meta.get('dtype', stored)
-    if dtype != stored:
-      dtype = f'{dtype} (stored as {stored})'
+    shape = tuple(shapes[key])
     table.add_row(
-      name,
-      meta.get('type', '-'),
-      str(tuple(shapes[key])),
-      dtype,
-      dtensor_layout_text(meta.get('sharding'), len(shapes[key])),
+      name, *_variable_row(metadata.get(name, {}), shape, dtypes[key].name)
     )
     count += 1
-  table.caption = (
-    f'{count} variables. DTensor layout: one sharding spec per dimension '
-    '@ the mesh (from flax_dtensor.json).'
-  )
+  table.caption = f'{count} variables. {_LAYOUT_CAPTION}'
   return table
+
+
+_VARIABLE_COLUMNS = (
+  'variable',
+  'type',
+  'shape',
+  'dtype',
+  'JAX sharding',
+  'DTensor layout',
+)
+
+
+def _variable_row(
+  meta: dict[str, Any], shape: tuple[int, ...], stored: str
+) -> tuple[str, ...]:
+  """type, shape, dtype, JAX sharding and DTensor layout cells."""
+  dtype = meta.get('dtype', stored)
+  if dtype != stored:
+    dtype = f'{dtype} (stored as {stored})'
+  jax_text, dtensor_text = sharding_texts(meta.get('sharding'))
+  return (meta.get('type', '-'), str(shape), dtype, jax_text, dtensor_text)
 
 
 def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
@@ -1191,15 +1223,27 @@ def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
       describe(fn.structured_input_signature[1]),
       describe(fn.structured_outputs),
     )
+  from flax_dtensor.dtensor import _export  # pylint: disable=g-import-not-at-top
+
+  metadata = _read_metadata(
+    path / _export.SAVED_MODEL_ASSETS / _export.METADATA_FILE
+  )
   variables = rich.table.Table(
     title=f'SavedModel {path}: variables', title_justify='left'
   )
-  for column in ('variable', 'shape', 'dtype'):
+  for column in _VARIABLE_COLUMNS:
     variables.add_column(column)
   flat = dtensor.flat_variables(loaded)
   for name, v in sorted(flat.items()):
-    variables.add_row(name, str(tuple(v.shape)), v.dtype.name)
-  variables.caption = f'{len(flat)} variables'
+    shape = tuple(v.shape)
+    variables.add_row(
+      name, *_variable_row(metadata.get(name, {}), shape, v.dtype.name)
+    )
+  variables.caption = f'{len(flat)} variables. ' + (
+    _LAYOUT_CAPTION.replace('flax_dtensor.json', 'assets/flax_dtensor.json')
+    if metadata
+    else 'No assets/flax_dtensor.json: no layouts.'
+  )
   return [signatures, variables]
 
 
@@ -1219,9 +1263,11 @@ def inspect(
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 
-  Read with TensorFlow (plain TF, no JAX involved in reading). For a
-  DTensor checkpoint the layouts come from its flax_dtensor.json; a
-  SavedModel also shows its serving signatures.
+  Read with TensorFlow (plain TF, no JAX involved in reading). The layouts
+  (JAX PartitionSpec and mesh, and the DTensor layout written, whose mesh
+  axis a+b fuses JAX axes a and b) come from the flax_dtensor.json next to
+  a checkpoint, or in a SavedModel's assets; a SavedModel also shows its
+  serving signatures.
   """
   with _handle_errors(debug):
     if not directory.is_dir():

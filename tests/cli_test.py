@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -253,32 +254,93 @@ def test_parse_input_shape_errors(text, match):
     cli.parse_input_shape(text, static_batch=False)
 
 
+def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
+  def axes(pairs):
+    return {
+      'axis_names': [n for n, _ in pairs],
+      'axis_sizes': [s for _, s in pairs],
+    }
+
+  return {
+    'kind': kind,
+    'spec': spec,
+    'mesh': axes(mesh),
+    'dtensor_layout': {
+      'sharding_specs': dtensor_specs,
+      'mesh': axes(dtensor_mesh),
+    },
+  }
+
+
+_GRID = [('data', 2), ('model', 4)]
+
+
 @pytest.mark.parametrize(
-  'sharding, ndim, expected',
+  'record, expected',
   [
     (
-      "P('model', None, 'data') on mesh {'data': 2, 'model': 4}",
-      3,
-      'model,unsharded,data @ data=2,model=4',
+      _record(
+        [['model'], [], ['data']],
+        _GRID,
+        ['model', 'unsharded', 'data'],
+        _GRID,
+      ),
+      (
+        "P('model', None, 'data') @ data=2,model=4",
+        'model,unsharded,data @ data=2,model=4',
+      ),
     ),
     (
-      "P() on mesh {'data': 2, 'model': 4}",
-      2,
-      'unsharded,unsharded @ data=2,model=4',
+      _record([[], []], _GRID, ['unsharded', 'unsharded'], _GRID),
+      (
+        'P(None, None) @ data=2,model=4',
+        'unsharded,unsharded @ data=2,model=4',
+      ),
     ),
     (
-      "P(('data', 'model'),) on mesh {'data': 2, 'model': 4}",
-      1,
-      'data+model @ data=2,model=4',
+      _record(
+        [['data', 'model'], []],
+        _GRID,
+        ['data+model', 'unsharded'],
+        [('data+model', 8)],
+      ),
+      (
+        "P(('data', 'model'), None) @ data=2,model=4",
+        'data+model,unsharded @ data+model=8',
+      ),
     ),
-    ("P() on mesh {'x': 8}", 0, 'scalar @ x=8'),
-    ('SingleDeviceSharding', 2, 'SingleDeviceSharding'),
-    (None, 2, '-'),
+    (
+      _record([], [('x', 8)], [], [('x', 8)]),
+      ('P() @ x=8', 'scalar @ x=8'),
+    ),
+    (
+      _record(
+        [[]], [], ['unsharded'], [('single_device', 1)], kind='single_device'
+      ),
+      ('one device', 'unsharded @ single_device=1'),
+    ),
+    (
+      "P('data', None) on mesh {'data': 2, 'model': 4}",
+      ("P('data', None) on mesh {'data': 2, 'model': 4}", '-'),
+    ),
+    (None, ('-', '-')),
   ],
-  ids=['2d', 'replicated', 'fused', 'scalar', 'unparsable', 'none'],
+  ids=['2d', 'replicated', 'fused', 'scalar', 'one-device', 'v1', 'none'],
 )
-def test_dtensor_layout_text(sharding, ndim, expected):
-  assert cli.dtensor_layout_text(sharding, ndim) == expected
+def test_sharding_texts(record, expected):
+  assert cli.sharding_texts(record) == expected
+
+
+@pytest.mark.parametrize(
+  'record',
+  [{'kind': 'named'}, {'kind': 'named', 'spec': 3, 'mesh': {}}],
+  ids=['missing-keys', 'bad-spec'],
+)
+def test_sharding_texts_malformed(record):
+  with pytest.raises(
+    cli.BadInputError, match=r'Malformed sharding record.*Re-export'
+  ):
+    cli.sharding_texts(record)
 
 
 # plan
@@ -620,7 +682,7 @@ def test_export_demo_checkpoint_values(demo_export):
   assert report['missing'] == [] and report['extra'] == []
   assert report['max_abs_diff'] == 0.0  # Bit-exact.
   layouts = report['layouts']
-  assert 'data' in layouts['head/kernel'] and 'model' in layouts['head/kernel']
+  assert layouts['head/kernel']['spec'] == [['data'], ['model']]
 
 
 def test_export_demo_saved_model_logits(demo_export):
@@ -660,15 +722,16 @@ def test_inspect_demo_export(demo_export):
   assert 'DTensor checkpoint' in stdout
   assert '24 variables' in stdout
   lines = [line for line in stdout.splitlines() if 'head/kernel' in line]
-  assert any(
-    '(128, 256)' in line
-    and 'float32' in line
-    and 'data,model @ data=2,model=4' in line
-    for line in lines
-  ), lines
+  # The checkpoint's row, and the SavedModel's (from its assets).
+  assert len(lines) == 2, lines
+  for line in lines:
+    assert '(128, 256)' in line and 'float32' in line, line
+    assert "P('data', 'model') @ data=2,model=4" in line, line
+    assert 'data,model @ data=2,model=4' in line, line
   # The SavedModel: its signature and its variables.
   assert 'serving_default' in stdout
   assert 'tokens: [None, 128] int32' in stdout
+  assert 'From assets/flax_dtensor.json' in ' '.join(stdout.split())
 
 
 def test_export_and_inspect_user_factory(tmp_path):
@@ -702,7 +765,73 @@ def test_export_and_inspect_user_factory(tmp_path):
   assert '3 variables' in stdout
   (line,) = [x for x in stdout.splitlines() if 'hidden/kernel' in x]
   assert '(16, 6)' in line and 'float32' in line
+  assert "P('data', None) @ data=2,model=4" in line
   assert 'data,unsharded @ data=2,model=4' in line
+
+
+# Writes a DTensor checkpoint with a fused axis, a single-device array and a
+# float16 array (stored widened), and a SavedModel.
+FUSED_CHECKPOINT = """
+import sys
+import jax, jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flax_dtensor import dtensor
+dtensor.initialize()
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+def put(shape, sharding, dtype=jnp.float32):
+  return nnx.Param(jax.device_put(jnp.ones(shape, dtype), sharding))
+state = nnx.Dict(
+  fused=put((16, 4), NamedSharding(mesh, P(('data', 'model'), None))),
+  single=put((3,), jax.devices()[2]),
+  half=put((8, 4), NamedSharding(mesh, P('data', 'model')), jnp.float16),
+)
+dtensor.save_checkpoint(state, sys.argv[1] + '/checkpoint')
+"""
+
+
+@pytest.fixture(scope='module')
+def fused_export(tmp_path_factory):
+  out = tmp_path_factory.mktemp('fused')
+  run_python(FUSED_CHECKPOINT, out)
+  return out
+
+
+def test_inspect_shows_fused_dtensor_axes(fused_export):
+  stdout = ok(run_cli('inspect', fused_export))
+  rows = {}
+  for line in stdout.splitlines():
+    cells = [c.strip() for c in line.split('│')[1:-1]]
+    if cells and cells[0] in ('fused', 'single', 'half'):
+      rows[cells[0]] = cells[1:]
+  assert rows['fused'] == [
+    'Param',
+    '(16, 4)',
+    'float32',
+    "P(('data', 'model'), None) @ data=2,model=4",
+    # The real DTensor mesh: one axis fusing both JAX axes.
+    'data+model,unsharded @ data+model=8',
+  ]
+  assert rows['single'][3:] == ['one device', 'unsharded @ single_device=1']
+  assert rows['half'][2] == 'float16 (stored as float32)'
+  assert rows['half'][4] == 'data,model @ data=2,model=4'
+  assert '3 variables' in stdout
+
+
+@pytest.mark.parametrize(
+  'text',
+  ['{not json', '{"variables": [1]}', '{"variables": {"fused": 3}}'],
+  ids=['json', 'list', 'record'],
+)
+def test_inspect_malformed_metadata(fused_export, tmp_path, text):
+  shutil.copytree(fused_export / 'checkpoint', tmp_path / 'checkpoint')
+  (tmp_path / 'checkpoint' / 'flax_dtensor.json').write_text(text)
+  bad_input(
+    run_cli('inspect', tmp_path),
+    'flax_dtensor.json',
+    'is not valid flax_dtensor metadata',
+    'Re-export, or delete the file',
+  )
 
 
 # demo

@@ -195,7 +195,7 @@ _KEPT_DTYPES = frozenset(
     ]
   )
 )
-_FLOAT8 = [
+_NARROW_FLOATS = [
   'float8_e4m3fn',
   'float8_e5m2',
   'float8_e4m3fnuz',
@@ -213,9 +213,9 @@ STORED_DTYPES: Mapping[np.dtype, np.dtype] = {
   np.dtype(np.float16): np.dtype(np.float32),
   np.dtype(np.uint16): np.dtype(np.int32),
   np.dtype(np.uint32): np.dtype(np.int64),
-  **{d: np.dtype(np.float32) for d in _dtypes(_FLOAT8)},
-  **dict(zip(_dtypes(['int2']), _dtypes(['int8']), strict=True)),
-  **dict(zip(_dtypes(['uint2']), _dtypes(['uint8']), strict=True)),
+  **{d: np.dtype(np.float32) for d in _dtypes(_NARROW_FLOATS)},
+  **{d: np.dtype(np.int8) for d in _dtypes(['int2'])},
+  **{d: np.dtype(np.uint8) for d in _dtypes(['uint2'])},
 }
 # Dtypes TF has no usable tensor dtype for (none, or one its checkpoint
 # writer crashes the process on): `to_tf_module` refuses them.

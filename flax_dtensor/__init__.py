@@ -5,10 +5,14 @@ from flax_dtensor._errors import (
   DTensorInitializationError as DTensorInitializationError,
 )
 from flax_dtensor._errors import ExportError as ExportError
+from flax_dtensor._errors import (
+  FlaxCompatibilityError as FlaxCompatibilityError,
+)
 from flax_dtensor._errors import FlaxDTensorError as FlaxDTensorError
 from flax_dtensor._errors import LogicalRulesError as LogicalRulesError
 from flax_dtensor._errors import MeshAxisTypeError as MeshAxisTypeError
 from flax_dtensor._errors import MeshError as MeshError
+from flax_dtensor._errors import NotAModelError as NotAModelError
 from flax_dtensor._errors import RuleTargetTypeError as RuleTargetTypeError
 from flax_dtensor._errors import (
   ShardingResolutionError as ShardingResolutionError,
@@ -16,21 +20,29 @@ from flax_dtensor._errors import (
 from flax_dtensor._errors import (
   UnknownLogicalAxisError as UnknownLogicalAxisError,
 )
+from flax_dtensor._init import init as init
+from flax_dtensor._placement import shard_module as shard_module
+from flax_dtensor._placement import shard_value as shard_value
+from flax_dtensor._placement import (
+  with_logical_constraint as with_logical_constraint,
+)
 from flax_dtensor._plan import PlanEntry as PlanEntry
 from flax_dtensor._plan import ShardingPlan as ShardingPlan
 from flax_dtensor._plan import plan as plan
+from flax_dtensor._resolution import (
+  logical_to_mesh_axes as logical_to_mesh_axes,
+)
 from flax_dtensor._rules import LogicalRules as LogicalRules
 from flax_dtensor._rules import get_logical_axis_rules as get_logical_axis_rules
 from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
-from flax_dtensor._rules import logical_to_mesh_axes as logical_to_mesh_axes
 from flax_dtensor._rules import propagate as propagate
 from flax_dtensor._rules import set_logical_axis_rules as set_logical_axis_rules
-from flax_dtensor._sharding import init as init
-from flax_dtensor._sharding import shard_module as shard_module
-from flax_dtensor._sharding import shard_value as shard_value
-from flax_dtensor._sharding import (
-  with_logical_constraint as with_logical_constraint,
-)
+
+# isort: split
+from flax_dtensor import _hook
+
+_hook.install()
+_hook.check_routing()
 
 __version__ = '0.1.0'
 
@@ -38,11 +50,13 @@ __all__ = (
   'DTensorError',
   'DTensorInitializationError',
   'ExportError',
+  'FlaxCompatibilityError',
   'FlaxDTensorError',
   'LogicalRules',
   'LogicalRulesError',
   'MeshAxisTypeError',
   'MeshError',
+  'NotAModelError',
   'PlanEntry',
   'RuleTargetTypeError',
   'ShardingPlan',

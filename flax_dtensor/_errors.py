@@ -33,6 +33,23 @@ class ShardingResolutionError(FlaxDTensorError, ValueError):
   """
 
 
+class NotAModelError(FlaxDTensorError, TypeError):
+  """Expected an NNX module, graph node or state; got something else.
+
+  For example a factory (``lambda: Model(...)``) where a built model is
+  expected, or a plain dict of arrays.
+  """
+
+
+class FlaxCompatibilityError(FlaxDTensorError, TypeError):
+  """The installed Flax no longer routes through flax_dtensor's hook.
+
+  Raised when ``import flax_dtensor`` finds that Flax creates variables or
+  answers ``nnx.get_partition_spec`` without calling the functions
+  flax_dtensor wraps, so the rules would silently stop applying.
+  """
+
+
 class MeshError(FlaxDTensorError, ValueError):
   """No usable mesh: none given and none set, or one of the wrong kind."""
 

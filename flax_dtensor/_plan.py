@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import rich.console
 import rich.table
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from flax_dtensor import _rules, _sharding
+from flax_dtensor import _meshes, _rules, _variables
 
 
 def _itemsize(dtype: Any) -> int:
@@ -240,11 +240,15 @@ def plan(
   Args:
     module_or_state: An NNX module, an ``nnx.Optimizer``, or an
       ``nnx.State`` (concrete or abstract).
-    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
-    rules: The rules. Defaults to the current `logical_axis_rules`.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``, else each
+      array's own mesh.
+    rules: The rules. Defaults to the rules in effect (see
+      `get_logical_axis_rules`): the plan says what creation, `init`,
+      `shard_module` and ``nnx.get_partition_spec`` do under them.
 
   Returns:
-    The plan.
+    The plan, its variables in natural path order ('layers/2' before
+    'layers/10').
 
   Raises:
     UnknownLogicalAxisError: If a variable names an axis in no rule; the
@@ -268,20 +272,22 @@ def plan(
     >>> p['kernel'].fallbacks
     ("dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16 (mesh axes ['model'])",)
   """
-  rules_ = _rules.resolve_rules(rules) or _rules.LogicalRules(())
-  mesh_ = mesh if mesh is not None else _rules.current_mesh()
-  sizes = _rules.mesh_axis_sizes(mesh_) if mesh_ is not None else None
+  rules_ = _rules.rules_in_effect(rules)
+  mesh_ = mesh if mesh is not None else _meshes.current_mesh()
+  sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   entries = []
-  for path, variable in _sharding._variables(module_or_state):  # pylint: disable=protected-access
-    where = _sharding.path_str(path)
-    value = variable.get_value()
+  for path, variable in _variables.iter_variables(module_or_state):
+    where = _variables.path_str(path)
+    value = _variables.value_of(variable)
     shape = tuple(getattr(value, 'shape', np.shape(value)))
-    dtype = getattr(value, 'dtype', None) or np.asarray(value).dtype
-    resolution = _sharding.resolve_variable(
-      variable, mesh=mesh_, rules=rules_, path=where
+    dtype = _variables.dtype_of(value)
+    resolution = _variables.spec_of_variable(
+      variable, rules=rules_, mesh=mesh_, path=where
     )
+    placed = _variables.placed_spec(value)
     if resolution is None:
-      spec = PartitionSpec()
+      # Not governed by rules: it stays where it is (replicated if new).
+      spec = placed if placed is not None else PartitionSpec()
       logical_axes = None
       fallbacks: tuple[str, ...] = ()
     else:
@@ -292,11 +298,9 @@ def plan(
         for i, skip in resolution.skipped
       )
     itemsize = _itemsize(dtype)
-    sharding = getattr(value, 'sharding', None)
-    placed = sharding.spec if isinstance(sharding, NamedSharding) else None
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
       # A concrete array: count the bytes where it really is.
-      per_device = math.prod(sharding.shard_shape(shape)) * itemsize
+      per_device = math.prod(value.sharding.shard_shape(shape)) * itemsize
     else:
       per_device = math.prod(_shard_shape(shape, spec, sizes)) * itemsize
     entries.append(
@@ -313,7 +317,7 @@ def plan(
         placed=placed,
       )
     )
-  entries.sort(key=lambda e: e.path)
+  entries.sort(key=lambda e: _variables.natural_key(e.path))
   num_devices = math.prod(sizes.values()) if sizes else 1
   return ShardingPlan(
     entries=tuple(entries), mesh_axes=sizes, num_devices=num_devices

@@ -1,19 +1,9 @@
-"""Logical-axis rules: the rule set, its thread-local context, and resolution.
+"""Logical-axis rules: the rule set and its thread-local context.
 
-A rule set is an ordered sequence of ``(logical_name, target)`` pairs. The
-target is a mesh axis name, a tuple of mesh axis names (one array dimension
-sharded over their product), or ``None`` (replicate). Resolution follows Flax
-Linen's ``logical_to_mesh_axes`` priority semantics, extended with knowledge of
-the mesh and of the array's shape: rules are scanned in order, and a rule
-claims its array dimension when that dimension is still unassigned, none of its
-mesh axes is used by another dimension of the same array, every mesh axis it
-names exists in the mesh, and the product of their sizes divides the
-dimension. A rule that fails one of the last two checks is a *skipped
-candidate*; the next rule for the same logical name is its fallback.
-
-The rules live in Flax's own thread-local rules holder
-(``flax.core.spmd.logical_axis_rules``), so there is a single source of truth:
-Flax Linen's ``nn.logical_to_mesh_axes`` and Flax NNX read the same rules.
+`LogicalRules` is an ordered, immutable set of ``(logical_name, target)``
+pairs. The context (`logical_axis_rules`) keeps the rules in Flax's own
+thread-local holder, the single source of truth; `rules_in_effect` says which
+rules apply here and so whose semantics. Resolution lives in `_resolution`.
 """
 
 from __future__ import annotations
@@ -22,7 +12,6 @@ import collections.abc
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,9 +20,8 @@ from typing import Any, Literal, TypeVar
 import jax
 import yaml
 from flax.core import spmd as core_spmd
-from jax.sharding import PartitionSpec
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _meshes
 
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
@@ -337,32 +325,51 @@ RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]
 # ------------------------------------------------------------------------------
 
 
-def current_rules() -> LogicalRules | None:
-  """Returns the rules in effect in this thread, or None.
+@dataclasses.dataclass(frozen=True)
+class FlaxRules:
+  """Rules set with Flax's own context (a plain tuple): Flax's semantics.
 
-  Rules set with Flax's own ``nnx.logical_axis_rules`` are read too and
-  returned as `LogicalRules`.
+  Flax NNX applies such rules as a dict (the last rule for a name wins, and
+  a name no rule mentions is used as a mesh axis name). flax_dtensor reads
+  them the same way everywhere, so that what it reports and places agrees
+  with what Flax creates.
+
+  Attributes:
+    pairs: The rules exactly as set, ``()`` when none are set.
   """
-  rules = core_spmd.get_logical_axis_rules()
-  if isinstance(rules, LogicalRules):
-    return rules
-  if not rules:
-    return None
-  return LogicalRules(rules)
+
+  pairs: tuple[Any, ...] = ()
 
 
-def active_rules() -> LogicalRules | None:
-  """Returns the rules if a flax_dtensor context is active, else None.
+def rules_in_effect(rules: RulesLike | None = None) -> LogicalRules | FlaxRules:
+  """The rules that apply here, and by that, whose semantics.
 
-  Unlike `current_rules`, rules set with Flax's own context do not count:
-  those keep Flax's own semantics.
+  The one decision, applied by every API of the package: rules passed to a
+  flax_dtensor function (`rules=`), or set with `logical_axis_rules` /
+  `set_logical_axis_rules`, are `LogicalRules` and get flax_dtensor's
+  semantics (priority, fallbacks, mesh and shape checks). Rules set with
+  Flax's own ``nnx.logical_axis_rules`` or
+  ``flax.core.spmd.set_logical_axis_rules`` (plain tuples), and no rules at
+  all, keep Flax's semantics.
+
+  Args:
+    rules: Rules passed explicitly, or None for the context's.
   """
-  rules = core_spmd.get_logical_axis_rules()
-  return rules if isinstance(rules, LogicalRules) else None
+  if rules is not None:
+    return LogicalRules(rules)
+  context = core_spmd.get_logical_axis_rules()
+  if isinstance(context, LogicalRules):
+    return context
+  return FlaxRules(tuple(context) if context else ())
 
 
-def get_logical_axis_rules() -> LogicalRules | None:
+def get_logical_axis_rules() -> LogicalRules | tuple[Any, ...] | None:
   """Returns the logical-axis rules in effect in this thread, or None.
+
+  A `LogicalRules` when they were set by flax_dtensor (its semantics
+  apply); the plain tuple when they were set with Flax's own
+  ``nnx.logical_axis_rules`` (Flax's semantics apply, see the concepts
+  page); None when no rules are set.
 
   Example:
     >>> import flax_dtensor as fdt
@@ -372,7 +379,10 @@ def get_logical_axis_rules() -> LogicalRules | None:
     >>> fdt.get_logical_axis_rules() is None
     True
   """
-  return current_rules()
+  rules = core_spmd.get_logical_axis_rules()
+  if isinstance(rules, LogicalRules):
+    return rules
+  return tuple(rules) if rules else None
 
 
 def set_logical_axis_rules(rules: RulesLike | None) -> None:
@@ -426,316 +436,6 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
     yield rules
 
 
-def resolve_rules(rules: RulesLike | None) -> LogicalRules | None:
-  """Returns `rules` as LogicalRules, or the current rules when None."""
-  if rules is None:
-    return current_rules()
-  return LogicalRules(rules)
-
-
-# Mesh helpers
-# ------------------------------------------------------------------------------
-
-MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
-
-
-def _mesh_context() -> tuple[
-  jax.sharding.AbstractMesh | None, jax.sharding.Mesh | None
-]:
-  """The (abstract, concrete) meshes of this thread's context, or None."""
-  abstract = jax.sharding.get_abstract_mesh()
-  try:
-    concrete = jax.sharding.get_mesh()
-  except ValueError:  # Inside jit only the abstract mesh is known.
-    concrete = None
-  return (
-    None if abstract.empty else abstract,
-    None if concrete is None or concrete.empty else concrete,
-  )
-
-
-def current_mesh() -> MeshLike | None:
-  """Returns the mesh set by ``jax.set_mesh`` (abstract inside jit), or None.
-
-  The concrete mesh when it is the one in effect, else the abstract mesh
-  (inside ``jit``, or under ``jax.sharding.use_abstract_mesh``).
-  """
-  abstract, concrete = _mesh_context()
-  if abstract is None:
-    return None
-  if concrete is not None and concrete.abstract_mesh == abstract:
-    return concrete
-  return abstract
-
-
-def mesh_axis_sizes(mesh: MeshLike) -> dict[str, int]:
-  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
-def describe_mesh(mesh: MeshLike | None) -> str:
-  if mesh is None:
-    return 'no mesh'
-  sizes = ', '.join(f'{n}={s}' for n, s in mesh_axis_sizes(mesh).items())
-  types = ', '.join(str(t).rsplit('.', 1)[-1] for t in mesh.axis_types)
-  return f'mesh({sizes}; {types})'
-
-
-# Resolution
-# ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SkippedCandidate:
-  """A rule that could not shard a dimension, and why."""
-
-  target: Target
-  reason: str
-
-  def __str__(self) -> str:
-    return f'{_format_target(self.target)}: {self.reason}'
-
-
-@dataclasses.dataclass(frozen=True)
-class DimResolution:
-  """How one array dimension was resolved."""
-
-  logical_name: str | None
-  target: Target
-  skipped: tuple[SkippedCandidate, ...] = ()
-  rule_found: bool = True
-
-  @property
-  def fell_back(self) -> bool:
-    """Whether a preferred candidate was skipped for this dimension."""
-    return bool(self.skipped)
-
-
-@dataclasses.dataclass(frozen=True)
-class Resolution:
-  """The resolved PartitionSpec of one array and the reasons behind it."""
-
-  logical_axes: tuple[Any, ...]
-  shape: tuple[int, ...] | None
-  dims: tuple[DimResolution, ...]
-
-  @property
-  def spec(self) -> PartitionSpec:
-    return PartitionSpec(*(d.target for d in self.dims))
-
-  @property
-  def skipped(self) -> tuple[tuple[int, SkippedCandidate], ...]:
-    """Every skipped candidate, with the index of its dimension."""
-    return tuple((i, s) for i, d in enumerate(self.dims) for s in d.skipped)
-
-
-def _format_target(target: Target) -> str:
-  if target is None:
-    return 'None'
-  if isinstance(target, str):
-    return repr(target)
-  return '(' + ', '.join(map(repr, target)) + ')'
-
-
-def _where(path: str | None) -> str:
-  return f' at {path}' if path else ''
-
-
-def _context_text(
-  logical_axes: Any,
-  shape: Sequence[int] | None,
-  rules: LogicalRules | None,
-  mesh: MeshLike | None,
-) -> str:
-  shape_text = f', shape {tuple(shape)}' if shape is not None else ''
-  return (
-    f'(logical axes {tuple(logical_axes)!r}{shape_text}, rules '
-    f'{list(rules) if rules is not None else None!r}, {describe_mesh(mesh)})'
-  )
-
-
-def resolve(
-  logical_axes: LogicalAxes | PartitionSpec,
-  shape: Sequence[int] | None = None,
-  *,
-  mesh: MeshLike | None = None,
-  rules: LogicalRules,
-  path: str | None = None,
-) -> Resolution:
-  """Resolves logical axes to mesh axes; see the module docstring.
-
-  Args:
-    logical_axes: One entry per array dimension: a logical name, or None.
-    shape: The array's shape; enables the divisibility check.
-    mesh: The mesh; enables the existence check. None skips it.
-    rules: The rules.
-    path: The variable path, for error messages.
-
-  Returns:
-    The resolution, with every skipped candidate and its reason.
-
-  Raises:
-    ShardingResolutionError: If a logical name repeats, the number of logical
-      axes does not match the rank, an entry is not a str or None, or (in
-      strict mode) a dimension has no fitting candidate.
-    UnknownLogicalAxisError: If a logical name is in no rule and
-      ``rules.unknown == 'error'``.
-  """
-  axes = tuple(logical_axes)
-  where = _where(path)
-  if shape is not None and len(axes) != len(shape):
-    raise _errors.ShardingResolutionError(
-      f'Expected one logical axis per dimension{where}: the array has shape '
-      f'{tuple(shape)} (rank {len(shape)}) but got {len(axes)} logical axes '
-      f'{axes!r}. Fix the annotation, e.g. nnx.with_partitioning(init, '
-      f'{tuple(["..."] * len(shape))!r}).'
-    )
-  for a in axes:
-    if not (
-      a is None or isinstance(a, str) or a is PartitionSpec.UNCONSTRAINED
-    ):
-      raise _errors.ShardingResolutionError(
-        f'Expected each logical axis{where} to be a str or None; got {a!r} '
-        f'in {axes!r}. Name one logical axis per dimension; map a logical '
-        f'name to several mesh axes in the rules instead, e.g. '
-        f"('embed', ('data', 'model'))."
-      )
-  counts = collections.Counter(a for a in axes if isinstance(a, str))
-  dups = sorted(a for a, c in counts.items() if c > 1)
-  if dups:
-    raise _errors.ShardingResolutionError(
-      f'Logical axis name(s) {dups} occur more than once{where} '
-      f'{_context_text(axes, shape, rules, mesh)}. A mesh axis can shard '
-      'only one dimension of an array: give each dimension its own logical '
-      "name, e.g. ('embed', 'embed_out')."
-    )
-  known = set(rules.names)
-  unknown = [a for a in axes if isinstance(a, str) and a not in known]
-  if unknown and rules.unknown == 'error':
-    suggestions = ', '.join(f'({a!r}, None)' for a in unknown)
-    raise _errors.UnknownLogicalAxisError(
-      f'Logical axis name(s) {unknown} are not mentioned by any rule{where} '
-      f'{_context_text(axes, shape, rules, mesh)}. Add a rule for each, e.g. '
-      f'{suggestions} to replicate, or pass `unknown="replicate"` to '
-      'LogicalRules to replicate every unmentioned name.'
-    )
-  sizes = mesh_axis_sizes(mesh) if mesh is not None else None
-
-  targets: list[Target] = [None] * len(axes)
-  assigned = [not isinstance(a, str) for a in axes]
-  skipped: list[list[SkippedCandidate]] = [[] for _ in axes]
-  for name, target in rules:
-    if name not in axes:
-      continue
-    pos = axes.index(name)
-    if assigned[pos]:
-      continue
-    wanted = target_axes(target)
-    used_by = {
-      m: i
-      for i, t in enumerate(targets)
-      if assigned[i] and i != pos
-      for m in target_axes(t)
-    }
-    clash = [m for m in wanted if m in used_by]
-    if clash:
-      i = used_by[clash[0]]
-      reason = f'mesh axis {clash[0]!r} already shards dim {i} ({axes[i]!r})'
-      skipped[pos].append(SkippedCandidate(target, reason))
-      continue
-    if sizes is not None:
-      missing = [m for m in wanted if m not in sizes]
-      if missing:
-        reason = f'the mesh has no axis {missing[0]!r} (axes: {list(sizes)})'
-        skipped[pos].append(SkippedCandidate(target, reason))
-        continue
-      if shape is not None:
-        product = math.prod(sizes[m] for m in wanted)
-        if shape[pos] % product:
-          reason = (
-            f'dim size {shape[pos]} is not divisible by {product} '
-            f'(mesh axes {list(wanted)})'
-          )
-          skipped[pos].append(SkippedCandidate(target, reason))
-          continue
-    targets[pos] = target
-    assigned[pos] = True
-
-  if rules.strict:
-    for pos, name in enumerate(axes):
-      if isinstance(name, str) and not assigned[pos] and skipped[pos]:
-        reasons = '; '.join(map(str, skipped[pos]))
-        raise _errors.ShardingResolutionError(
-          f'No rule fits dim {pos} ({name!r}){where} '
-          f'{_context_text(axes, shape, rules, mesh)}: {reasons}. Add a '
-          f'fallback rule for {name!r} (a target that exists in the mesh and '
-          f'divides the dimension, or None to replicate), or drop '
-          '`strict=True` to leave it unsharded.'
-        )
-  dims = tuple(
-    DimResolution(
-      logical_name=name if isinstance(name, str) else None,
-      target=(name if name is PartitionSpec.UNCONSTRAINED else targets[pos]),
-      skipped=tuple(skipped[pos]),
-      rule_found=not isinstance(name, str) or name in known,
-    )
-    for pos, name in enumerate(axes)
-  )
-  return Resolution(
-    logical_axes=axes,
-    shape=tuple(shape) if shape is not None else None,
-    dims=dims,
-  )
-
-
-def logical_to_mesh_axes(
-  logical_axes: LogicalAxes | PartitionSpec,
-  shape: Sequence[int] | None = None,
-  *,
-  mesh: MeshLike | None = None,
-  rules: RulesLike | None = None,
-) -> PartitionSpec:
-  """Resolves logical axis names to a `PartitionSpec` of mesh axes.
-
-  Rules are scanned in order; a rule claims its dimension when the dimension
-  is still unassigned and none of its mesh axes is used by another dimension
-  (Flax Linen's priority semantics). With a mesh, a rule naming a mesh axis
-  the mesh lacks is skipped; with a shape, a rule whose mesh-axis product does
-  not divide the dimension is skipped. The next rule for the same name is the
-  fallback. A dimension with no fitting rule stays unsharded (or raises, with
-  ``strict=True`` rules).
-
-  Args:
-    logical_axes: One entry per dimension: a logical name or None.
-    shape: The array's shape, for the divisibility check.
-    mesh: The mesh to resolve against. Defaults to the mesh set by
-      ``jax.set_mesh``, if any.
-    rules: The rules. Defaults to those of the current `logical_axis_rules`
-      context.
-
-  Returns:
-    The PartitionSpec, with None for unsharded dimensions.
-
-  Raises:
-    UnknownLogicalAxisError: If a name is in no rule (see `LogicalRules`).
-    ShardingResolutionError: If a name repeats, the rank does not match, or
-      in strict mode no rule fits a dimension.
-
-  Example:
-    >>> import jax, flax_dtensor as fdt
-    >>> rules = [('mlp', 'model'), ('mlp', 'data'), ('embed', None)]
-    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-    >>> fdt.logical_to_mesh_axes(('embed', 'mlp'), (512, 6), mesh=mesh,
-    ...                          rules=rules)
-    P(None, 'data')
-  """
-  resolved_rules = resolve_rules(rules)
-  if resolved_rules is None:
-    resolved_rules = LogicalRules(())
-  if mesh is None:
-    mesh = current_mesh()
-  return resolve(logical_axes, shape, mesh=mesh, rules=resolved_rules).spec
-
-
 # Threads
 # ------------------------------------------------------------------------------
 
@@ -765,7 +465,7 @@ def propagate(fn: C) -> C:
     LogicalRules([('embed', 'data')])
   """
   rules = core_spmd.get_logical_axis_rules()
-  abstract, concrete = _mesh_context()
+  abstract, concrete = _meshes.context_meshes()
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ DTensor before TensorFlow runs anything.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib
@@ -83,10 +84,13 @@ app = typer.Typer(
 
 
 def _console(*, stderr: bool = False) -> rich.console.Console:
-  console = rich.console.Console(stderr=stderr)
+  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+
+  file = _output.stream() if stderr else sys.stdout
+  console = rich.console.Console(file=file)
   if not console.is_terminal:
     # Piped or captured: wide enough that the tables do not wrap.
-    console = rich.console.Console(stderr=stderr, width=200)
+    console = rich.console.Console(file=file, width=200)
   return console
 
 
@@ -94,32 +98,95 @@ def _one_line(text: str) -> str:
   return ' '.join(str(text).split())
 
 
+# Set by `main` (a real process): the capture of other libraries' output
+# then lasts until the process exits, so that their exit-time logs are
+# captured too.
+_capture_until_exit = False
+
+
+@contextlib.contextmanager
+def _own_messages_only(debug: bool) -> Iterator[str | None]:
+  """Within the block, stderr holds only our own messages.
+
+  Everything written to file descriptor 2 (TensorFlow's and XLA's C++
+  logs, absl, Python warnings of other libraries) goes to a log file;
+  flax_dtensor's messages and progress bars go to the real stderr. With
+  `debug`, nothing is redirected.
+
+  Yields:
+    The log file's path, or None with `debug`.
+  """
+  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+
+  if debug:
+    yield None
+    return
+  sys.stderr.flush()
+  own = os.fdopen(
+    os.dup(2), 'w', buffering=1, encoding='utf-8', errors='replace'
+  )
+  log = tempfile.NamedTemporaryFile(
+    prefix='flax-dtensor-', suffix='.log', delete=False
+  )
+  os.dup2(log.fileno(), 2)
+  log.close()
+  previous = _output.route(own)
+  try:
+    yield log.name
+  finally:
+    own.flush()
+    if not _capture_until_exit:
+      sys.stderr.flush()
+      os.dup2(own.fileno(), 2)
+      _output.route(previous)
+      own.close()
+
+
 @contextlib.contextmanager
 def _handle_errors(debug: bool) -> Iterator[None]:
-  """Turns exceptions into one-line messages and exit statuses."""
-  try:
-    yield
-  except (typer.Exit, typer.Abort):
-    raise
-  except KeyboardInterrupt:
-    _console(stderr=True).print('interrupted', style='red', highlight=False)
-    raise typer.Exit(130) from None
-  except Exception as e:  # pylint: disable=broad-except
-    from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  """Turns exceptions into one-line messages and exit statuses.
 
-    if isinstance(e, BadInputError):
-      message, status = str(e), EXIT_BAD_INPUT
-    elif isinstance(e, _errors.FlaxDTensorError):
-      message, status = f'{type(e).__name__}: {e}', EXIT_BAD_INPUT
-    else:
-      message = f'{type(e).__name__}: {e}'
-      if not debug:
-        message += ' (rerun with --debug for the traceback)'
-      status = EXIT_FAILURE
-    if debug:
-      traceback.print_exc()
-    print(f'error: {_one_line(message)}', file=sys.stderr)
-    raise typer.Exit(status) from None
+  Also keeps other libraries' output off stderr (see `_own_messages_only`).
+  """
+  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+
+  with _own_messages_only(debug) as log:
+    keep_log = False
+    try:
+      yield
+    except (typer.Exit, typer.Abort):
+      raise
+    except KeyboardInterrupt:
+      print('interrupted', file=_output.stream(), flush=True)
+      raise typer.Exit(130) from None
+    except Exception as e:  # pylint: disable=broad-except
+      from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+
+      if isinstance(e, BadInputError):
+        message, status = str(e), EXIT_BAD_INPUT
+      elif isinstance(e, _errors.FlaxDTensorError):
+        message, status = f'{type(e).__name__}: {e}', EXIT_BAD_INPUT
+      else:
+        message = f'{type(e).__name__}: {e}'
+        if not debug:
+          message += ' (rerun with --debug for the traceback'
+          if log is not None:
+            keep_log = True
+            message += f"; other libraries' output is in {log}"
+          message += ')'
+        status = EXIT_FAILURE
+      if debug:
+        traceback.print_exc()
+      print(f'error: {_one_line(message)}', file=_output.stream(), flush=True)
+      raise typer.Exit(status) from None
+    finally:
+      if log is not None and not keep_log:
+        atexit.register(_remove, log)
+
+
+def _remove(path: str) -> None:
+  with contextlib.suppress(OSError):
+    os.remove(path)
 
 
 def _human_bytes(n: float) -> str:
@@ -1300,4 +1367,6 @@ def inspect(
 
 def main(argv: Sequence[str] | None = None) -> None:
   """Runs the command line (the ``flax-dtensor`` entry point)."""
+  global _capture_until_exit
+  _capture_until_exit = True
   app(args=list(argv) if argv is not None else None, prog_name='flax-dtensor')

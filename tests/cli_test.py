@@ -108,12 +108,17 @@ def ok(proc) -> str:
 
 
 def bad_input(proc, *fragments: str) -> str:
-  """Asserts exit status 2, one `error:` line naming `fragments`."""
+  """Asserts exit status 2, one `error:` line naming `fragments`.
+
+  Only our own line is looked at: what other libraries print is not ours.
+  """
   assert proc.returncode == 2, (
     f'exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}'
   )
   assert 'Traceback' not in proc.stderr, proc.stderr
-  errors = [line for line in proc.stderr.splitlines() if 'error' in line]
+  errors = [
+    line for line in proc.stderr.splitlines() if line.startswith('error')
+  ]
   assert len(errors) == 1, proc.stderr
   (line,) = errors
   assert line.startswith('error: '), line
@@ -535,6 +540,49 @@ def test_debug_shows_traceback():
   assert 'error: Malformed --mesh' in proc.stderr
 
 
+# A factory file that writes to the process's stderr the way native libraries
+# do (straight to file descriptor 2), and the way Python libraries do.
+NOISY_FACTORY = """
+import os, sys, warnings
+os.write(2, b'I0000 00:00:0.0  1 native.cc:1] noise at import\\n')
+from flax import nnx
+
+def noisy_model():
+  os.write(2, b'native noise while building\\n')
+  warnings.warn('a library warning')
+  print('python noise', file=sys.stderr)
+  return nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+def noisy_failure():
+  os.write(2, b'native noise before failing\\n')
+  raise RuntimeError('the factory broke')
+"""
+
+
+def test_stderr_holds_only_our_messages(tmp_path):
+  path = tmp_path / 'noisy.py'
+  path.write_text(NOISY_FACTORY)
+  proc = run_cli('plan', f'{path}:noisy_model', '--mesh', 'data=8')
+  assert 'Sharding plan' in ok(proc)
+  assert proc.stderr == ''
+  proc = run_cli('plan', f'{path}:noisy_failure', '--mesh', 'data=8')
+  line = bad_input(proc, 'the factory broke')
+  assert proc.stderr.splitlines() == [line]
+
+
+def test_debug_shows_other_libraries_output(tmp_path):
+  path = tmp_path / 'noisy.py'
+  path.write_text(NOISY_FACTORY)
+  proc = run_cli('plan', f'{path}:noisy_model', '--mesh', 'data=8', '--debug')
+  ok(proc)
+  for noise in (
+    'noise at import',
+    'native noise while building',
+    'python noise',
+  ):
+    assert noise in proc.stderr
+
+
 def test_export_missing_checkpoint(tmp_path):
   bad_input(
     run_cli(
@@ -677,6 +725,8 @@ def demo_export(tmp_path_factory):
 def test_export_demo_checkpoint_values(demo_export):
   tmp, out, _, proc = demo_export
   stdout = ok(proc)
+  # TensorFlow is imported and runs: none of its output reaches stderr.
+  assert proc.stderr == ''
   assert 'Restored' in stdout and 'onto mesh data=2,model=4' in stdout
   report = check_checkpoint(out / 'checkpoint', tmp)
   assert report['missing'] == [] and report['extra'] == []
@@ -718,7 +768,9 @@ def test_export_refuses_to_overwrite(demo_export):
 def test_inspect_demo_export(demo_export):
   _, out, _, proc = demo_export
   ok(proc)
-  stdout = ok(run_cli('inspect', out))
+  proc = run_cli('inspect', out)
+  stdout = ok(proc)
+  assert proc.stderr == ''
   assert 'DTensor checkpoint' in stdout
   assert '24 variables' in stdout
   lines = [line for line in stdout.splitlines() if 'head/kernel' in line]

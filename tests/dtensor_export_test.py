@@ -1140,7 +1140,7 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(
   assert re.search(r'flax_dtensor: to DTensor .*━+ 8/8 var', err), err
   assert 'writing 8 variables' in err
   monkeypatch.setattr(_export, 'PROGRESS_MIN_VARIABLES', 2)
-  monkeypatch.setattr(_export.sys.stderr, 'isatty', lambda: True)
+  monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)
   fdt_tf.save_checkpoint(model, tmp_path / 'tty')
   assert 'writing 8 variables' in capsys.readouterr().err
   fdt_tf.save_checkpoint(model, tmp_path / 'off', progress=False)

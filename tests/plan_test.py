@@ -207,3 +207,21 @@ def test_plan_reports_actual_placement_of_concrete_arrays(explicit_mesh):
   assert plan['up/bias'].misplaced is False
   assert '(placed P(' in str(plan)
   assert plan.to_dict()['variables'][1]['placed'] is not None
+
+
+def test_plan_sorts_paths_naturally():
+  class Stack(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List(
+        [nnx.Linear(2, 2, use_bias=False, rngs=rngs) for _ in range(12)]
+      )
+
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: Stack(nnx.Rngs(0)))
+  paths = [e.path for e in fdt.plan(abstract, mesh=MESH, rules=RULES).entries]
+  assert paths == [f'layers/{i}/kernel' for i in range(12)]
+
+
+def test_plan_of_a_factory_is_an_error_not_an_empty_plan():
+  with pytest.raises(fdt.NotAModelError, match='It is callable'):
+    fdt.plan(lambda: 3, mesh=MESH, rules=RULES)

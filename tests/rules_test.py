@@ -240,9 +240,11 @@ def test_resolution_with_mesh_and_shape(axes, shape, expected):
 
 
 def test_resolution_records_skips():
-  from flax_dtensor import _rules
+  from flax_dtensor import _resolution
 
-  res = _rules.resolve(('batch', 'mlp'), (8, 6), mesh=MESH, rules=RULES)
+  res = _resolution.resolve_dims(
+    ('batch', 'mlp'), (8, 6), mesh=MESH, rules=RULES
+  )
   dim = res.dims[1]
   assert dim.target is None and dim.fell_back
   assert [str(s) for s in dim.skipped] == [
@@ -285,9 +287,15 @@ def test_unknown_name_errors_by_default_and_can_replicate():
   )
 
 
-def test_no_rules_at_all_names_the_fix():
-  with pytest.raises(fdt.UnknownLogicalAxisError, match='Add a rule for each'):
-    fdt.logical_to_mesh_axes(('embed',))
+def test_no_rules_at_all_keeps_flax_semantics():
+  # No rules: names are mesh axes, as in Flax. Against a mesh, a name that
+  # is no mesh axis is an error naming the fix.
+  assert fdt.logical_to_mesh_axes(('data', None)) == P('data', None)
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"maps to 'embed', which is not an axis of the mesh.*Add or fix",
+  ):
+    fdt.logical_to_mesh_axes(('embed',), mesh=MESH)
 
 
 @pytest.mark.parametrize(

@@ -189,17 +189,64 @@ def test_get_named_sharding_agrees_with_placement(explicit_mesh):
   assert model.up.kernel.sharding.spec == P(None, 'data')
 
 
-def test_flax_semantics_outside_our_context(explicit_mesh):
-  """Flax's own rules context keeps Flax's behaviour (last write wins)."""
-  with (
-    jax.set_mesh(explicit_mesh),
-    nnx.logical_axis_rules(
-      (('embed', 'data'), ('mlp', 'data'), ('mlp', 'model'))
-    ),
-  ):
+@pytest.mark.parametrize(
+  'set_rules',
+  [
+    lambda r: nnx.logical_axis_rules(r),
+    lambda r: _core_rules(r),
+  ],
+  ids=['nnx.logical_axis_rules', 'flax.core.spmd.set_logical_axis_rules'],
+)
+def test_flax_semantics_outside_our_context(explicit_mesh, set_rules):
+  """Rules set with Flax's own context keep Flax's semantics, in every API.
+
+  With these rules the two semantics differ: Flax's dict takes the last
+  rule for 'mlp' ('model'); flax_dtensor's priority takes the first
+  ('data').
+  """
+  rules = (('mlp', 'data'), ('mlp', 'model'), ('embed', None))
+  assert fdt.logical_to_mesh_axes(
+    (None, 'mlp'), rules=rules, mesh=explicit_mesh
+  ) == P(None, 'data')
+  with jax.set_mesh(explicit_mesh), set_rules(rules):
     model = MLP(nnx.Rngs(0))
-  assert model.up.kernel.sharding.spec == P('data', 'model')
-  assert model.down.kernel.sharding.spec == P('model', 'data')
+    reported = nnx.get_partition_spec(nnx.state(model))
+    plan = fdt.plan(model)
+    resolved = fdt.logical_to_mesh_axes((None, 'mlp'))
+    with nnx.use_eager_sharding(False):
+      unsharded = MLP(nnx.Rngs(0))
+    fdt.shard_module(unsharded)
+    built = fdt.init(MLP, nnx.Rngs(0))
+    y = jax.jit(lambda x: fdt.with_logical_constraint(x, ('embed', 'mlp')))(
+      jnp.ones((8, 16))
+    )
+  for spec in (
+    model.up.kernel.sharding.spec,
+    reported['up']['kernel'].get_value(),
+    plan['up/kernel'].spec,
+    resolved,
+    unsharded.up.kernel.sharding.spec,
+    built.up.kernel.sharding.spec,
+    y.sharding.spec,
+  ):
+    assert spec == P(None, 'model')
+
+
+def _core_rules(rules):
+  import contextlib
+
+  from flax.core import spmd as core_spmd
+
+  @contextlib.contextmanager
+  def scope():
+    old = core_spmd.get_logical_axis_rules()
+    core_spmd.set_logical_axis_rules(rules)
+    try:
+      yield
+    finally:
+      core_spmd.set_logical_axis_rules(old)
+
+  return scope()
 
 
 def test_unknown_name_fails_early_at_creation(explicit_mesh):

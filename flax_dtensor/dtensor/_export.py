@@ -124,7 +124,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -135,7 +134,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _rules, _sharding
+from flax_dtensor import _errors, _meshes, _output, _rules, _variables
 from flax_dtensor.dtensor import _atomic, _mesh, _tf
 
 if TYPE_CHECKING:
@@ -471,51 +470,19 @@ def _show_progress(progress: bool | None, count: int) -> bool:
   if jax.process_index() != 0:
     return False
   if progress is None:
-    return count >= PROGRESS_MIN_VARIABLES and sys.stderr.isatty()
+    return count >= PROGRESS_MIN_VARIABLES and _output.stream().isatty()
   return bool(progress)
-
-
-@contextlib.contextmanager
-def _counter(
-  *, show: bool, total: int, desc: str
-) -> Iterator[Callable[..., Any]]:
-  """Yields `advance(n=1)` for a progress bar (a no-op when not shown).
-
-  The bar is drawn with rich on stderr: live and removed when done on a
-  terminal, otherwise printed once, finished (e.g. into a log).
-  """
-  if not show:
-    yield lambda n=1: None
-    return
-  import rich.console
-  import rich.progress
-
-  console = rich.console.Console(file=sys.stderr)
-  with rich.progress.Progress(
-    rich.progress.TextColumn('{task.description}'),
-    rich.progress.BarColumn(),
-    rich.progress.MofNCompleteColumn(),
-    rich.progress.TextColumn('var'),
-    rich.progress.TimeElapsedColumn(),
-    console=console,
-    transient=console.is_terminal,
-  ) as bar:
-    task = bar.add_task(desc, total=total)
-    yield lambda n=1: bar.advance(task, n)
 
 
 def _progress(
   items: Iterable[A], *, show: bool, total: int, desc: str
 ) -> Iterator[A]:
-  with _counter(show=show, total=total, desc=desc) as advance:
+  with _output.progress(
+    show=show, total=total, description=desc, unit='var'
+  ) as advance:
     for item in items:
       yield item
       advance()
-
-
-def _announce(show: bool, message: str) -> None:
-  if show:
-    print(f'flax_dtensor: {message}', file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -1120,11 +1087,15 @@ def save_checkpoint(
     nbytes = sum(
       int(np.prod(e.shape)) * e.stored_dtype.itemsize for e in entries
     )
-    _announce(show, f'writing {len(entries)} variables ({nbytes / 1e6:.1f} MB)')
+    _output.announce(
+      show, f'writing {len(entries)} variables ({nbytes / 1e6:.1f} MB)'
+    )
     start = time.perf_counter()
     _write_checkpoint(entries, tensors, tmp)
     _write_metadata(metadata, tmp)
-    _announce(show, f'wrote {directory} in {time.perf_counter() - start:.1f}s')
+    _output.announce(
+      show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
+    )
   return directory
 
 
@@ -1193,44 +1164,31 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
 def _placement_mesh(
   entry: _Entry, mesh: jax.sharding.Mesh | None
 ) -> jax.sharding.Mesh | None:
-  """The concrete mesh to place a variable resolved by the rules on.
-
-  The variable's own `mesh` metadata if concrete, else `mesh`, else the
-  current mesh (`jax.set_mesh`), else the mesh of its value's sharding.
-  """
-  own = entry.variable.get_metadata('mesh', None)
-  if isinstance(own, jax.sharding.Mesh):
-    return own
-  if mesh is not None:
-    return mesh
-  current = jax.sharding.get_mesh()
-  if not current.empty:
-    return current
-  sharding = getattr(entry.variable.get_value(), 'sharding', None)
-  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-    sharding.mesh, jax.sharding.Mesh
-  ):
-    return sharding.mesh
-  return None
+  """The concrete mesh to place a variable resolved by the rules on."""
+  placement = _meshes.mesh_for(entry.variable, mesh=mesh)
+  return placement if isinstance(placement, jax.sharding.Mesh) else None
 
 
 def _concrete_sharding(
   entry: _Entry,
   mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
 ) -> jax.sharding.Sharding:
   """The concrete JAX sharding the restored array of `entry` must have.
 
   An annotated variable (logical axes in its `out_sharding` metadata) is
-  resolved by `rules` when there are rules and a concrete mesh; any other
-  variable keeps its value's own sharding.
+  resolved by the rules in effect when there are rules and a concrete mesh;
+  any other variable, and every variable when no rules are in effect, keeps
+  its value's own sharding.
   """
   sharding = None
-  placement = _placement_mesh(entry, mesh) if rules is not None else None
+  no_rules = isinstance(rules, _rules.FlaxRules) and not rules.pairs
+  placement = _placement_mesh(entry, mesh)
+  if no_rules and not entry.variable.get_metadata('sharding_rules', None):
+    placement = None
   if placement is not None:
-    assert rules is not None
-    resolution = _sharding.resolve_variable(
-      entry.variable, mesh=placement, rules=rules, path=entry.name
+    resolution = _variables.spec_of_variable(
+      entry.variable, rules=rules, mesh=placement, path=entry.name
     )
     if resolution is not None:
       sharding = jax.sharding.NamedSharding(placement, resolution.spec)
@@ -1488,9 +1446,7 @@ def restore_checkpoint(
   tf = _tf.tf()
   directory = os.fspath(directory)
   prefix = _checkpoint_prefix(directory)
-  rules_ = (
-    _rules.current_rules() if rules is None else _rules.LogicalRules(rules)
-  )
+  rules_ = _rules.rules_in_effect(rules)
   entries = _select(target, include, exclude, what='target')
   stored = _check_against(
     entries, tf.train.load_checkpoint(prefix), _read_metadata(prefix), prefix
@@ -1512,10 +1468,13 @@ def restore_checkpoint(
   for i, layout in enumerate(layouts):
     key = layout.mesh.to_string()
     groups.setdefault(key, (layout.mesh, []))[1].append(i)
-  _announce(show, f'reading {len(entries)} variables from {prefix}')
+  _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   arrays: list[Any] = [None] * len(entries)
-  with _counter(
-    show=show, total=len(entries), desc='flax_dtensor: restoring'
+  with _output.progress(
+    show=show,
+    total=len(entries),
+    description='flax_dtensor: restoring',
+    unit='var',
   ) as advance:
     for group_mesh, indices in groups.values():
       _restore_group(
@@ -1744,7 +1703,7 @@ def save_saved_model(
     _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
     _jax_export_version(version),
   ):
-    _announce(show, f'tracing and writing a SavedModel to {directory}')
+    _output.announce(show, f'tracing and writing a SavedModel to {directory}')
     _write_saved_model(tf_module, tmp, serve_fn.get_concrete_function())
     assets = os.path.join(tmp, SAVED_MODEL_ASSETS)
     os.makedirs(assets, exist_ok=True)

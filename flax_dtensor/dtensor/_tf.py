@@ -7,10 +7,14 @@ TensorFlow: every function of `flax_dtensor.dtensor` that needs it calls
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
 import sys
+import tempfile
 import types
+from collections.abc import Iterator
 
 INSTALL_HINT = (
   'flax_dtensor.dtensor needs TensorFlow, which could not be imported. '
@@ -21,8 +25,13 @@ INSTALL_HINT = (
 def tf() -> types.ModuleType:
   """Imports and returns the `tensorflow` module.
 
-  TensorFlow's C++ logging is silenced (`TF_CPP_MIN_LOG_LEVEL=2`, errors only)
-  unless the variable is already set.
+  TensorFlow's C++ logging is set to errors only (`TF_CPP_MIN_LOG_LEVEL=2`)
+  unless the variable is already set. That level only applies once TF's
+  logging is initialized: during the import itself, on CPUs where oneDNN
+  is on, TF prints an INFO line about oneDNN and absl's "All log messages
+  before absl::InitializeLog()" notice whatever the level. Those two are
+  dropped here (see `_start_up_noise_dropped`); oneDNN stays on, so TF
+  keeps its speed. Anything else TF prints at import is passed on.
 
   Returns:
     The `tensorflow` module.
@@ -35,10 +44,56 @@ def tf() -> types.ModuleType:
     return module
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   try:
-    import tensorflow
+    with _start_up_noise_dropped():
+      import tensorflow
   except ImportError as e:
     raise ImportError(f'{INSTALL_HINT} ({e})') from e
   return tensorflow
+
+
+# TF's start-up lines: glog-style INFO/WARNING lines (I0000 00:00:...) and
+# absl's notice about messages logged before its initialization.
+_NOISE = re.compile(
+  r'^([IW]\d{4} [\d:.]+\s+\d+ [\w./-]+:\d+\] |WARNING: All log messages '
+  r'before absl::InitializeLog\(\) is called)'
+)
+
+
+@contextlib.contextmanager
+def _start_up_noise_dropped() -> Iterator[None]:
+  """Captures file descriptor 2 in the block; re-emits all but TF's noise.
+
+  TF's C++ code writes to the process's stderr directly, so redirecting
+  `sys.stderr` is not enough: the descriptor itself points to a temporary
+  file while TF imports.
+  """
+  try:
+    sys.stderr.flush()
+    saved = os.dup(2)
+  except (OSError, ValueError, AttributeError):  # No usable descriptor 2.
+    yield
+    return
+  with tempfile.TemporaryFile() as capture:
+    os.dup2(capture.fileno(), 2)
+    try:
+      yield
+    finally:
+      try:
+        sys.stderr.flush()
+      except (OSError, ValueError):
+        pass
+      os.dup2(saved, 2)
+      os.close(saved)
+      capture.seek(0)
+      text = capture.read().decode('utf-8', errors='replace')
+      kept = [
+        line
+        for line in text.splitlines(keepends=True)
+        if not _NOISE.match(line)
+      ]
+      if kept:
+        sys.stderr.write(''.join(kept))
+        sys.stderr.flush()
 
 
 def dtensor() -> types.ModuleType:

@@ -1,0 +1,201 @@
+"""The hook into Flax: variable creation and pspec queries follow our rules.
+
+Flax places an annotated variable at creation with
+``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec``,
+``nnx.get_named_sharding``, ``nnx.as_abstract`` and ``nnx.eval_shape`` with
+``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, at import. The
+wrappers take any arguments and defer to Flax unless `LogicalRules` are in
+effect; then both use `_variables.spec_of_variable`, so what Flax reports is
+where the variable is. `check_routing` proves at import that Flax still
+calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax
+import numpy as np
+from flax import nnx
+from flax.core import spmd as core_spmd
+from flax.nnx import spmd as nnx_spmd
+from jax.sharding import PartitionSpec
+
+from flax_dtensor import (
+  _errors,
+  _placement,
+  _resolution,
+  _rules,
+  _variables,
+)
+
+_MARK = '__flax_dtensor_hook__'
+
+
+class _State(threading.local):
+  """Per-thread switches of the hook."""
+
+  deferred: bool = False  # Inside `init`'s builds: placement comes later.
+  probe: list[str] | None = None  # `check_routing` records calls here.
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def deferred_placement() -> Iterator[None]:
+  """Within the block, created variables stay where their value is.
+
+  Used by `init` and by abstract builds, which place (or plan) every
+  variable themselves, by the same `_variables.spec_of_variable`.
+  """
+  old = _state.deferred
+  _state.deferred = True
+  try:
+    yield
+  finally:
+    _state.deferred = old
+
+
+def _bind(fn: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any]:
+  """Flax's arguments by name, or {} if Flax's signature changed."""
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except TypeError:
+    return {}
+  return dict(bound.arguments)
+
+
+def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  named = _bind(flax_fn, args, kwargs)
+  if not {'value', 'out_sharding'} <= named.keys():
+    return flax_fn(*args, **kwargs)
+  value, out_sharding = named['value'], named['out_sharding']
+  if _state.probe is not None:
+    _state.probe.append('shard_value')
+    return value
+  if not out_sharding:
+    return flax_fn(*args, **kwargs)
+  if _state.deferred:
+    return value
+  rules = _rules.rules_in_effect()
+  local = named.get('sharding_rules')
+  uses_ours = isinstance(rules, _rules.LogicalRules) or (
+    not rules.pairs and isinstance(local, _rules.LogicalRules)
+  )
+  if not uses_ours or not isinstance(
+    out_sharding, tuple | list | PartitionSpec
+  ):
+    return flax_fn(*args, **kwargs)
+  mesh = _placement.require_mesh(named.get('mesh'), 'a new variable')
+  resolution = _resolution.resolve(
+    tuple(out_sharding),
+    np.shape(value),
+    mesh=mesh,
+    rules=rules,
+    local_rules=local,
+  )
+  return _placement.apply_spec(value, resolution.spec, mesh)
+
+
+def _get_var_pspec(
+  flax_fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> PartitionSpec | None:
+  named = _bind(flax_fn, args, kwargs)
+  variable = named.get('v', args[0] if args else None)
+  if not isinstance(variable, nnx.Variable):
+    return flax_fn(*args, **kwargs)
+  if _state.probe is not None:
+    _state.probe.append('get_var_pspec')
+  rules = _rules.rules_in_effect()
+  local = variable.get_metadata('sharding_rules', None)
+  uses_ours = isinstance(rules, _rules.LogicalRules) or (
+    not rules.pairs and isinstance(local, _rules.LogicalRules)
+  )
+  if not uses_ours or _variables.logical_axes_of(variable) is None:
+    return flax_fn(*args, **kwargs)
+  resolution = _variables.spec_of_variable(variable, rules=rules)
+  assert resolution is not None
+  return resolution.spec
+
+
+def install() -> None:
+  """Wraps Flax's two functions; idempotent. Called at import."""
+  if getattr(core_spmd.shard_value, _MARK, False):
+    return
+  flax_shard_value = core_spmd.shard_value
+  flax_get_var_pspec = nnx_spmd.get_var_pspec
+
+  @functools.wraps(flax_shard_value)
+  def shard_value(*args: Any, **kwargs: Any) -> Any:
+    return _shard_value(flax_shard_value, *args, **kwargs)
+
+  @functools.wraps(flax_get_var_pspec)
+  def get_var_pspec(*args: Any, **kwargs: Any) -> Any:
+    return _get_var_pspec(flax_get_var_pspec, *args, **kwargs)
+
+  for hook in (shard_value, get_var_pspec):
+    setattr(hook, _MARK, True)
+  core_spmd.shard_value = shard_value
+  nnx_spmd.get_var_pspec = get_var_pspec
+
+
+def check_routing() -> None:
+  """Proves that Flax routes creation and pspec queries through the hook.
+
+  Creates one annotated variable from a NumPy value (no JAX backend starts)
+  and asks for its PartitionSpec, with the hook in probe mode.
+
+  Raises:
+    FlaxCompatibilityError: If Flax did not call one of the wrapped
+      functions: the installed Flax has moved on, and the rules would
+      silently stop applying.
+  """
+  calls: list[str] = []
+  problems: list[str] = []
+  old = _state.probe
+  _state.probe = calls
+  try:
+    for name, probe in (
+      ('shard_value', _probe_creation),
+      ('get_var_pspec', _probe_query),
+    ):
+      try:
+        probe()
+      except Exception as e:  # Reported below, with what was not called.
+        problems.append(f'{name}: {type(e).__name__}: {e}')
+  finally:
+    _state.probe = old
+  missing = [n for n in ('shard_value', 'get_var_pspec') if n not in calls]
+  if missing:
+    details = f' (Probing raised {"; ".join(problems)})' if problems else ''
+    raise _errors.FlaxCompatibilityError(
+      _ROUTING_MSG.format(version=flax.__version__, missing=missing) + details
+    )
+
+
+def _probe_creation() -> None:
+  with nnx.use_eager_sharding(True):
+    nnx.Param(np.zeros((2,), np.float32), out_sharding=('x',))
+
+
+def _probe_query() -> None:
+  variable = nnx.Param(
+    np.zeros((2,), np.float32), out_sharding=('x',), eager_sharding=False
+  )
+  nnx.get_partition_spec(nnx.State({'v': variable}))
+
+
+_ROUTING_MSG = (
+  'flax_dtensor needs Flax to create annotated variables through '
+  '`flax.core.spmd.shard_value` and to answer `nnx.get_partition_spec` '
+  'through `flax.nnx.spmd.get_var_pspec`; the installed Flax {version} did '
+  'not call {missing}. Expected a Flax version flax_dtensor supports (see '
+  "its pyproject.toml, e.g. pip install 'flax>=0.12.8,<0.13'); a newer Flax "
+  'needs a newer flax_dtensor.'
+)

@@ -1,0 +1,231 @@
+"""`init`: build a module under ``jit`` so no parameter ever exists unsharded.
+
+The factory runs once, traced under ``nnx.jit`` on an all-Auto copy of the
+caller's mesh (same devices): each variable is constrained to the spec
+`_variables.spec_of_variable` gives it, so XLA computes only its shards.
+Inputs and outputs cross to and from the Auto copy by zero-copy retyping,
+so the result and the caller's `nnx.Rngs` keep the caller's mesh and axis
+types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from flax_dtensor import (
+  _errors,
+  _hook,
+  _meshes,
+  _placement,
+  _rules,
+  _variables,
+)
+
+M = TypeVar('M')
+
+
+@contextlib.contextmanager
+def scope(mesh: Mesh | None, rules: _rules.RulesLike | None) -> Iterator[None]:
+  """Enters ``jax.set_mesh(mesh)`` and `logical_axis_rules(rules)` if given."""
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      stack.enter_context(jax.set_mesh(mesh))
+    if rules is not None:
+      stack.enter_context(_rules.logical_axis_rules(rules))
+    yield
+
+
+def _auto_copy(mesh: Mesh) -> Mesh:
+  return Mesh(
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+  )
+
+
+def _same_devices(a: _meshes.MeshLike, b: Mesh) -> bool:
+  return (
+    isinstance(a, Mesh)
+    and a.axis_names == b.axis_names
+    and a.devices.shape == b.devices.shape
+    and (a.devices == b.devices).all()
+  )
+
+
+def _retype(x: Any, mesh: Mesh) -> Any:
+  """`x` on `mesh`, zero-copy when it is laid out on the same devices."""
+  if not isinstance(x, jax.Array):
+    return x
+  sharding = x.sharding
+  if isinstance(sharding, NamedSharding) and _same_devices(sharding.mesh, mesh):
+    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+  return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def _is_node(x: Any) -> bool:
+  return nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
+
+
+def init(
+  factory: Callable[..., M],
+  *args: Any,
+  mesh: Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
+  **kwargs: Any,
+) -> M:
+  """Builds a module under ``jax.jit`` so no parameter ever exists unsharded.
+
+  ``factory(*args, **kwargs)`` runs once, traced: every variable is
+  constrained to the spec the rules give it (the one `plan` reports), so
+  XLA computes each parameter directly in its shards. Arrays and NNX graph
+  nodes (``nnx.Rngs``) anywhere in the arguments are traced, and the
+  ``nnx.Rngs`` advance as in an eager call; other arguments (sizes,
+  dtypes, initializers) are static. The values equal an eager build's bit
+  for bit, and the result lives on the caller's mesh with its axis types
+  (Explicit, Auto or mixed), in graph and tree mode alike.
+
+  Args:
+    factory: A callable returning an NNX module (or another graph node),
+      e.g. the module class.
+    *args: Positional arguments for `factory`.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    rules: The rules. Defaults to the rules in effect (see
+      `get_logical_axis_rules`).
+    **kwargs: Keyword arguments for `factory`.
+
+  Returns:
+    The module, every variable placed on the mesh.
+
+  Raises:
+    MeshError: If there is no concrete mesh, or a variable names another
+      mesh in its metadata.
+    UnknownLogicalAxisError: If a variable names an axis in no rule.
+    ShardingResolutionError: If a variable's axes cannot be resolved.
+
+  Example:
+    >>> import jax, flax_dtensor as fdt
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+    >>> model = fdt.init(nnx.Linear, 8, 16, kernel_init=init,
+    ...                  rngs=nnx.Rngs(0), mesh=mesh,
+    ...                  rules=[('embed', 'data'), ('mlp', 'model')])
+    >>> model.kernel.sharding.spec
+    P('data', 'model')
+  """
+  with scope(mesh, rules):
+    mesh_ = _meshes.current_mesh()
+    if not isinstance(mesh_, Mesh):
+      raise _errors.MeshError(
+        'Expected a concrete mesh for `fdt.init`, but no mesh is set'
+        + (f' (got the abstract {mesh_})' if mesh_ is not None else '')
+        + f'. {_placement.NO_MESH_MSG}'
+      )
+    rules_ = _rules.rules_in_effect()
+    auto = _auto_copy(mesh_)
+    leaves, treedef = jax.tree_util.tree_flatten(
+      (args, kwargs), is_leaf=_is_node
+    )
+    dynamic = [
+      i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
+    ]
+    nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
+    # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
+    # zero-copy, keeping their own Variable objects and shardings.
+    originals = nnx.state(nodes, graph=True)
+    original_shardings = jax.tree.map(
+      lambda x: getattr(x, 'sharding', None), originals
+    )
+
+    def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+      full = list(leaves)
+      for i, v in zip(dynamic, values, strict=True):
+        full[i] = v
+      return jax.tree_util.tree_unflatten(treedef, full)
+
+    @nnx.jit(graph=True, graph_updates=True)
+    def create(values: list[Any]) -> Any:
+      a, k = rebuild(values)
+      with _hook.deferred_placement():
+        built = factory(*a, **k)
+      _constrain(built, rules_, mesh_, auto)
+      return built
+
+    try:
+      nnx.update(nodes, jax.tree.map(lambda x: _retype(x, auto), originals))
+      values = [
+        leaves[i] if _is_node(leaves[i]) else _retype(leaves[i], auto)
+        for i in dynamic
+      ]
+      with jax.set_mesh(auto):
+        built = create(values)
+      _place_result(built, rules_, mesh_)
+    finally:
+      nnx.update(
+        nodes,
+        jax.tree.map(
+          _restore, nnx.state(nodes, graph=True), original_shardings
+        ),
+      )
+    return built
+
+
+def _restore(x: Any, sharding: Any) -> Any:
+  if sharding is None or not isinstance(x, jax.Array):
+    return x
+  return jax.device_put(x, sharding)
+
+
+def _constrain(
+  built: Any,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  mesh: Mesh,
+  auto: Mesh,
+) -> None:
+  """Constrains each annotated variable to its spec (traced, on `auto`)."""
+  for path, variable in _variables.iter_variables(built):
+    where = _variables.path_str(path)
+    resolution = _variables.spec_of_variable(
+      variable, rules=rules, mesh=mesh, path=where
+    )
+    if resolution is None:
+      continue
+    own = _meshes.mesh_for(variable, mesh=mesh)
+    if not _same_devices(own, mesh):
+      raise _errors.MeshError(
+        f'`fdt.init` places every variable on one mesh, expected '
+        f'{_meshes.describe(mesh)}, but the variable at {where} names '
+        f'{_meshes.describe(own)} in its `mesh` metadata. Create it eagerly '
+        'under `jax.set_mesh`, or drop its `mesh=` metadata.'
+      )
+    value = _variables.value_of(variable)
+    variable.set_value(
+      jax.lax.with_sharding_constraint(
+        value, NamedSharding(auto, resolution.spec)
+      )
+    )
+
+
+def _place_result(
+  built: Any, rules: _rules.LogicalRules | _rules.FlaxRules, mesh: Mesh
+) -> None:
+  """Moves the built variables onto `mesh` (zero-copy), where planned."""
+  for path, variable in _variables.iter_variables(built):
+    value = _variables.value_of(variable)
+    if not isinstance(value, jax.Array):
+      continue
+    resolution = _variables.spec_of_variable(
+      variable, rules=rules, mesh=mesh, path=_variables.path_str(path)
+    )
+    if resolution is None:
+      variable.set_value(_retype(value, mesh))
+      continue
+    variable.set_value(
+      jax.device_put(value, NamedSharding(mesh, resolution.spec))
+    )

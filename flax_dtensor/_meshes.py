@@ -1,0 +1,95 @@
+"""Which mesh applies: to a value, to a variable, here and now.
+
+`mesh_for` is the one answer to "which mesh applies", used by resolution,
+placement, the Flax hook, `init`, `plan` and the DTensor export alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+MeshLike = Mesh | AbstractMesh
+
+
+def context_meshes() -> tuple[AbstractMesh | None, Mesh | None]:
+  """The (abstract, concrete) meshes of this thread's context, or None."""
+  abstract = jax.sharding.get_abstract_mesh()
+  try:
+    concrete = jax.sharding.get_mesh()
+  except ValueError:  # Inside jit only the abstract mesh is known.
+    concrete = None
+  return (
+    None if abstract.empty else abstract,
+    None if concrete is None or concrete.empty else concrete,
+  )
+
+
+def current_mesh() -> MeshLike | None:
+  """The mesh set by ``jax.set_mesh`` (abstract inside jit), or None.
+
+  The concrete mesh when it is the one in effect, else the abstract mesh
+  (inside ``jit``, or under ``jax.sharding.use_abstract_mesh``).
+  """
+  abstract, concrete = context_meshes()
+  if abstract is None:
+    return None
+  if concrete is not None and concrete.abstract_mesh == abstract:
+    return concrete
+  return abstract
+
+
+def own_mesh(value: Any) -> MeshLike | None:
+  """The mesh an array (or ShapeDtypeStruct) is laid out on, if named."""
+  sharding = getattr(value, 'sharding', None)
+  if isinstance(sharding, NamedSharding):
+    return sharding.mesh
+  return None
+
+
+def mesh_for(
+  variable: Any = None,
+  *,
+  mesh: MeshLike | None = None,
+  value: Any = None,
+) -> MeshLike | None:
+  """Returns the mesh that applies to a variable or value here, or None.
+
+  In order: the variable's own ``mesh`` metadata (as Flax uses it when it
+  creates the variable); `mesh`, when the caller names one; the mesh of the
+  context (``jax.set_mesh``, abstract inside ``jit``); the mesh the value is
+  already laid out on.
+
+  Args:
+    variable: An ``nnx.Variable``, or None.
+    mesh: A mesh the caller passed explicitly, or None.
+    value: The array; defaults to the variable's value.
+  """
+  if variable is not None:
+    own = variable.get_metadata('mesh', None)
+    if own is not None:
+      return own
+  if mesh is not None:
+    return mesh
+  context = current_mesh()
+  if context is not None:
+    return context
+  if value is None and variable is not None:
+    value = variable.get_raw_value()
+  return own_mesh(value)
+
+
+def axis_sizes(mesh: MeshLike) -> dict[str, int]:
+  """``{axis name: size}`` of a mesh."""
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def describe(mesh: MeshLike | None) -> str:
+  """'mesh(data=2, model=4; Explicit, Auto)' for error messages."""
+  if mesh is None:
+    return 'no mesh'
+  sizes = ', '.join(f'{n}={s}' for n, s in axis_sizes(mesh).items())
+  types = ', '.join(str(t).rsplit('.', 1)[-1] for t in mesh.axis_types)
+  return f'mesh({sizes}; {types})'

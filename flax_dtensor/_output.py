@@ -1,0 +1,78 @@
+"""Where flax_dtensor's own messages and progress bars go.
+
+`stream()` is ``sys.stderr`` unless a caller routes our output elsewhere
+with `routed_to` (the command line does, so that its stderr holds only our
+own messages while other libraries' output goes to a log). `progress` is
+the one progress bar of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+_lock = threading.Lock()
+_stream: TextIO | None = None
+
+
+def stream() -> TextIO:
+  """The stream our messages and progress bars are written to."""
+  return _stream if _stream is not None else sys.stderr
+
+
+def route(target: TextIO | None) -> TextIO | None:
+  """Sends our messages to `target` (None: sys.stderr); returns the old."""
+  global _stream
+  with _lock:
+    old, _stream = _stream, target
+  return old
+
+
+@contextlib.contextmanager
+def routed_to(target: TextIO) -> Iterator[None]:
+  """Sends our messages and progress bars to `target` within the block."""
+  old = route(target)
+  try:
+    yield
+  finally:
+    route(old)
+
+
+@contextlib.contextmanager
+def progress(
+  *, show: bool, total: int, description: str, unit: str = ''
+) -> Iterator[Callable[..., None]]:
+  """Yields ``advance(n=1)`` for a progress bar (a no-op when not shown).
+
+  Drawn with rich on `stream()`: live and removed when done on a
+  terminal, otherwise printed once, finished (e.g. into a log).
+  """
+  if not show:
+    yield lambda n=1: None
+    return
+  import rich.console
+  import rich.progress
+
+  console = rich.console.Console(file=stream())
+  columns = [
+    rich.progress.TextColumn('{task.description}'),
+    rich.progress.BarColumn(),
+    rich.progress.MofNCompleteColumn(),
+  ]
+  if unit:
+    columns.append(rich.progress.TextColumn(unit))
+  columns.append(rich.progress.TimeElapsedColumn())
+  with rich.progress.Progress(
+    *columns, console=console, transient=console.is_terminal
+  ) as bar:
+    task = bar.add_task(description, total=total)
+    yield lambda n=1: bar.advance(task, n)
+
+
+def announce(show: bool, message: str) -> None:
+  """Prints 'flax_dtensor: MESSAGE' on `stream()` when `show`."""
+  if show:
+    print(f'flax_dtensor: {message}', file=stream(), flush=True)

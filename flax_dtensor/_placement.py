@@ -1,0 +1,276 @@
+"""Placing arrays by the types of the mesh axes their spec uses.
+
+Explicit axes: ``jax.sharding.reshard``. Auto axes:
+``jax.lax.with_sharding_constraint``. A mixed mesh: both inside ``jit``
+(``reshard`` to the Explicit part, then a constraint for the Auto part), and
+one ``jax.device_put`` outside it. `shard_value`, `with_logical_constraint`
+and `shard_module` resolve logical axes first (`_variables`,
+`_resolution`), then place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from flax_dtensor import _errors, _meshes, _resolution, _rules, _variables
+
+NO_MESH_MSG = (
+  'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`. '
+  'To build a model without a mesh and shard it later, build it under '
+  '`nnx.use_eager_sharding(False)` and call `fdt.shard_module`.'
+)
+
+
+def _is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def require_mesh(
+  mesh: _meshes.MeshLike | None, what: str, path: str | None = None
+) -> _meshes.MeshLike:
+  """`mesh`, or the context's; raises `MeshError` if there is none."""
+  if mesh is None:
+    mesh = _meshes.current_mesh()
+  if mesh is None:
+    raise _errors.MeshError(
+      f'Expected a mesh to place {what}{_resolution.where(path)}, but no '
+      f'mesh is set. {NO_MESH_MSG}'
+    )
+  return mesh
+
+
+def apply_spec(
+  x: jax.Array,
+  spec: PartitionSpec,
+  mesh: _meshes.MeshLike,
+  *,
+  path: str | None = None,
+) -> jax.Array:
+  """Places `x` as `spec` on `mesh`, by the types of the mesh axes used.
+
+  Args:
+    x: An array or tracer.
+    spec: A PartitionSpec of mesh axes.
+    mesh: A concrete mesh (outside jit) or an abstract one (inside jit).
+    path: The variable path, for error messages.
+
+  Returns:
+    `x` placed as `spec`.
+
+  Raises:
+    MeshAxisTypeError: If `spec` uses a Manual axis, or, inside jit, shards
+      one dimension over a product of Explicit and Auto axes.
+    MeshError: If `x` is concrete but `mesh` is abstract.
+  """
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  used = [
+    m
+    for entry in spec
+    if entry is not PartitionSpec.UNCONSTRAINED
+    for m in _rules.target_axes(entry)
+  ]
+  manual = [m for m in used if types[m] == AxisType.Manual]
+  if manual:
+    raise _errors.MeshAxisTypeError(
+      f'Cannot place an array{_resolution.where(path)} as {spec}: mesh axes '
+      f'{manual} are Manual (inside `shard_map`), where each device holds '
+      f'its own block. Expected Explicit or Auto axes '
+      f'({_meshes.describe(mesh)}). Create sharded variables outside '
+      '`shard_map`, or constrain them with the Manual axes removed.'
+    )
+  if not _is_traced(x) and not isinstance(mesh, jax.sharding.Mesh):
+    raise _errors.MeshError(
+      f'Expected a concrete mesh to place a concrete array'
+      f'{_resolution.where(path)}; got the abstract {mesh} (from '
+      '`jax.sharding.use_abstract_mesh` or `jax.eval_shape`). Outside jit, '
+      'place arrays under `jax.set_mesh(mesh)` or pass `mesh=` a '
+      '`jax.sharding.Mesh`.'
+    )
+  explicit = {m for m in used if types[m] == AxisType.Explicit}
+  auto = {m for m in used if types[m] == AxisType.Auto}
+  if not explicit and not auto:  # Replicated.
+    if not _is_traced(x):
+      return jax.device_put(x, NamedSharding(mesh, spec))
+    if AxisType.Explicit in types.values():
+      return jax.sharding.reshard(x, _sharding_for(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, _sharding_for(mesh, spec))
+  if not auto:
+    return jax.sharding.reshard(x, _sharding_for(mesh, spec))
+  if not explicit:
+    return jax.lax.with_sharding_constraint(x, _sharding_for(mesh, spec))
+  # Mixed.
+  if not _is_traced(x):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  explicit_part, auto_part = [], []
+  for entry in spec:
+    axes = _rules.target_axes(entry)
+    kinds = {types[m] for m in axes}
+    if len(kinds) > 1:
+      raise _errors.MeshAxisTypeError(
+        f'Cannot shard one dimension{_resolution.where(path)} over {entry!r} '
+        f'inside jit: it mixes Explicit and Auto mesh axes '
+        f'({_meshes.describe(mesh)}), which JAX cannot express in a '
+        'traced computation. Use mesh axes of one type for that dimension '
+        '(change the rule or the mesh axis types).'
+      )
+    is_explicit = kinds == {AxisType.Explicit}
+    explicit_part.append(entry if is_explicit else None)
+    auto_part.append(None if is_explicit else entry)
+  x = jax.sharding.reshard(
+    x, _sharding_for(mesh, PartitionSpec(*explicit_part))
+  )
+  return jax.lax.with_sharding_constraint(
+    x, _sharding_for(mesh, PartitionSpec(*auto_part))
+  )
+
+
+def _sharding_for(
+  mesh: _meshes.MeshLike, spec: PartitionSpec
+) -> NamedSharding | PartitionSpec:
+  if isinstance(mesh, jax.sharding.Mesh):
+    return NamedSharding(mesh, spec)
+  # Inside jit only the abstract mesh of `jax.set_mesh` is known; a bare
+  # spec refers to it.
+  return spec
+
+
+def shard_value(
+  value: jax.typing.ArrayLike,
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
+  path: str | None = None,
+) -> jax.Array:
+  """Places a value by its logical axes, by the mesh's axis types.
+
+  Works eagerly and inside ``jax.jit`` / ``nnx.jit``. Explicit mesh axes are
+  placed with ``jax.sharding.reshard``, Auto axes with
+  ``jax.lax.with_sharding_constraint``, and a mixed mesh with both.
+
+  Args:
+    value: The array to place.
+    logical_axes: One logical name (or None) per dimension.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    rules: The rules. Defaults to the rules in effect (see
+      `get_logical_axis_rules`).
+    path: A variable path to name in error messages.
+
+  Returns:
+    The placed array.
+
+  Raises:
+    MeshError: If there is no mesh.
+    MeshAxisTypeError: If the mesh axis types forbid the placement.
+    UnknownLogicalAxisError: If a name is in no rule.
+    ShardingResolutionError: If the names cannot be resolved.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_dtensor as fdt
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> x = fdt.shard_value(jnp.zeros((8, 16)), ('batch', 'mlp'), mesh=mesh,
+    ...                     rules=[('batch', 'data'), ('mlp', 'model')])
+    >>> x.sharding.spec
+    P('data', 'model')
+  """
+  mesh = require_mesh(mesh, 'a value', path)
+  if not isinstance(value, jax.Array | jax.core.Tracer):
+    value = jax.numpy.asarray(value)
+  resolution = _resolution.resolve(
+    logical_axes,
+    value.shape,
+    mesh=mesh,
+    rules=_rules.rules_in_effect(rules),
+    path=path,
+  )
+  return apply_spec(value, resolution.spec, mesh, path=path)
+
+
+def with_logical_constraint(
+  x: jax.Array,
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
+) -> jax.Array:
+  """Constrains an activation's sharding by logical axes (inside jit).
+
+  Like Flax Linen's ``nn.with_logical_constraint``, this is a no-op when no
+  rules are set or no mesh is available, so model code runs unchanged on one
+  device. Otherwise it resolves the names against the mesh and ``x``'s shape
+  (with the semantics of the rules in effect, see `get_logical_axis_rules`)
+  and places ``x`` by the mesh axis types (see `shard_value`).
+
+  Args:
+    x: The array (usually a tracer).
+    logical_axes: One logical name (or None) per dimension.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    rules: The rules. Defaults to the rules in effect.
+
+  Returns:
+    `x`, constrained.
+
+  Raises:
+    MeshAxisTypeError: If the mesh axis types forbid the placement.
+    UnknownLogicalAxisError: If a name is in no rule.
+    ShardingResolutionError: If the names cannot be resolved.
+  """
+  rules_ = _rules.rules_in_effect(rules)
+  mesh = mesh if mesh is not None else _meshes.current_mesh()
+  if mesh is None or (
+    isinstance(rules_, _rules.FlaxRules) and not rules_.pairs
+  ):
+    return x
+  resolution = _resolution.resolve(
+    logical_axes, x.shape, mesh=mesh, rules=rules_
+  )
+  return apply_spec(x, resolution.spec, mesh)
+
+
+def shard_module(
+  module: nnx.Module,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
+) -> nnx.Module:
+  """Shards, in place, the annotated variables of an existing module.
+
+  For a module built without a mesh (or under other rules): every variable
+  with logical axes (``nnx.with_partitioning``) is placed by the rules;
+  variables without them are left where they are.
+
+  Args:
+    module: The module. Its variables are updated in place.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    rules: The rules. Defaults to the rules in effect (see
+      `get_logical_axis_rules`).
+
+  Returns:
+    `module`, for chaining.
+
+  Raises:
+    MeshError: If there is no mesh.
+    NotAModelError: If `module` is not an NNX module, graph node or state.
+    UnknownLogicalAxisError: If a variable names an axis in no rule; the
+      message names the variable path.
+    ShardingResolutionError: If a variable's axes cannot be resolved.
+  """
+  rules_ = _rules.rules_in_effect(rules)
+  mesh_ = require_mesh(mesh, 'the variables of a module')
+  for path, variable in _variables.iter_variables(module):
+    where = _variables.path_str(path)
+    resolution = _variables.spec_of_variable(
+      variable, rules=rules_, mesh=mesh_, path=where
+    )
+    if resolution is None:
+      continue
+    target_mesh = _meshes.mesh_for(variable, mesh=mesh_)
+    placed = apply_spec(
+      _variables.value_of(variable), resolution.spec, target_mesh, path=where
+    )
+    variable.set_value(placed)
+  return module

@@ -1,0 +1,425 @@
+"""Resolution: logical axes to a PartitionSpec, under the rules in effect.
+
+flax_dtensor's semantics (`resolve_dims`, for `LogicalRules`): rules are
+scanned in order, as in Flax Linen's ``logical_to_mesh_axes``; a rule claims
+its dimension when that dimension is still unassigned, none of its mesh axes
+shards another dimension, every mesh axis it names exists in the mesh, and
+their product divides the dimension. A rule failing a check is a *skipped
+candidate*, recorded with its reason; the next rule for the name is the
+fallback. Flax's semantics (`resolve_flax`, for rules set with Flax's own
+context): the rules are a dict, exactly as Flax NNX applies them. `resolve`
+picks one by `_rules.rules_in_effect`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from flax.core import spmd as core_spmd
+from jax.sharding import PartitionSpec
+
+from flax_dtensor import _errors, _meshes, _rules
+
+FLAX_SEMANTICS = 'flax'
+FDT_SEMANTICS = 'flax_dtensor'
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedCandidate:
+  """A rule that could not shard a dimension, and why."""
+
+  target: _rules.Target
+  reason: str
+
+  def __str__(self) -> str:
+    return f'{format_target(self.target)}: {self.reason}'
+
+
+@dataclasses.dataclass(frozen=True)
+class DimResolution:
+  """How one array dimension was resolved."""
+
+  logical_name: str | None
+  target: _rules.Target
+  skipped: tuple[SkippedCandidate, ...] = ()
+
+  @property
+  def fell_back(self) -> bool:
+    """Whether a preferred candidate was skipped for this dimension."""
+    return bool(self.skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+  """The resolved PartitionSpec of one array and the reasons behind it.
+
+  Attributes:
+    logical_axes: The logical axes resolved, one per dimension.
+    shape: The array's shape, if known.
+    dims: How each dimension was resolved.
+    semantics: Whose semantics applied: ``'flax_dtensor'`` or ``'flax'``.
+  """
+
+  logical_axes: tuple[Any, ...]
+  shape: tuple[int, ...] | None
+  dims: tuple[DimResolution, ...]
+  semantics: str = FDT_SEMANTICS
+
+  @property
+  def spec(self) -> PartitionSpec:
+    return PartitionSpec(*(d.target for d in self.dims))
+
+  @property
+  def skipped(self) -> tuple[tuple[int, SkippedCandidate], ...]:
+    """Every skipped candidate, with the index of its dimension."""
+    return tuple((i, s) for i, d in enumerate(self.dims) for s in d.skipped)
+
+
+def format_target(target: _rules.Target) -> str:
+  """'None', "'data'" or "('data', 'model')"."""
+  if target is None:
+    return 'None'
+  if isinstance(target, str):
+    return repr(target)
+  return '(' + ', '.join(map(repr, target)) + ')'
+
+
+def where(path: str | None) -> str:
+  """' at layers/0/kernel' for messages, or ''."""
+  return f' at {path}' if path else ''
+
+
+def _context_text(
+  logical_axes: Any,
+  shape: Sequence[int] | None,
+  rules: Any,
+  mesh: _meshes.MeshLike | None,
+) -> str:
+  shape_text = f', shape {tuple(shape)}' if shape is not None else ''
+  return (
+    f'(logical axes {tuple(logical_axes)!r}{shape_text}, rules '
+    f'{list(rules) if rules is not None else None!r}, '
+    f'{_meshes.describe(mesh)})'
+  )
+
+
+def _check_axes(
+  axes: tuple[Any, ...], shape: Sequence[int] | None, where_: str
+) -> None:
+  if shape is not None and len(axes) != len(shape):
+    raise _errors.ShardingResolutionError(
+      f'Expected one logical axis per dimension{where_}: the array has shape '
+      f'{tuple(shape)} (rank {len(shape)}) but got {len(axes)} logical axes '
+      f'{axes!r}. Fix the annotation, e.g. nnx.with_partitioning(init, '
+      f'{tuple(["..."] * len(shape))!r}).'
+    )
+
+
+def resolve_dims(
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  shape: Sequence[int] | None = None,
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  rules: _rules.LogicalRules,
+  path: str | None = None,
+) -> Resolution:
+  """Resolves logical axes with flax_dtensor's semantics (module docstring).
+
+  Args:
+    logical_axes: One entry per array dimension: a logical name, or None.
+    shape: The array's shape; enables the divisibility check.
+    mesh: The mesh; enables the existence check. None skips it.
+    rules: The rules.
+    path: The variable path, for error messages.
+
+  Returns:
+    The resolution, with every skipped candidate and its reason.
+
+  Raises:
+    ShardingResolutionError: If a logical name repeats, the number of logical
+      axes does not match the rank, an entry is not a str or None, or (in
+      strict mode) a dimension has no fitting candidate.
+    UnknownLogicalAxisError: If a logical name is in no rule and
+      ``rules.unknown == 'error'``.
+  """
+  axes = tuple(logical_axes)
+  where_ = where(path)
+  _check_axes(axes, shape, where_)
+  for a in axes:
+    if not (
+      a is None or isinstance(a, str) or a is PartitionSpec.UNCONSTRAINED
+    ):
+      raise _errors.ShardingResolutionError(
+        f'Expected each logical axis{where_} to be a str or None; got {a!r} '
+        f'in {axes!r}. Name one logical axis per dimension; map a logical '
+        f'name to several mesh axes in the rules instead, e.g. '
+        f"('embed', ('data', 'model'))."
+      )
+  counts = collections.Counter(a for a in axes if isinstance(a, str))
+  dups = sorted(a for a, c in counts.items() if c > 1)
+  if dups:
+    raise _errors.ShardingResolutionError(
+      f'Logical axis name(s) {dups} occur more than once{where_} '
+      f'{_context_text(axes, shape, rules, mesh)}. A mesh axis can shard '
+      'only one dimension of an array: give each dimension its own logical '
+      "name, e.g. ('embed', 'embed_out')."
+    )
+  known = set(rules.names)
+  unknown = [a for a in axes if isinstance(a, str) and a not in known]
+  if unknown and rules.unknown == 'error':
+    suggestions = ', '.join(f'({a!r}, None)' for a in unknown)
+    raise _errors.UnknownLogicalAxisError(
+      f'Logical axis name(s) {unknown} are not mentioned by any rule{where_} '
+      f'{_context_text(axes, shape, rules, mesh)}. Add a rule for each, e.g. '
+      f'{suggestions} to replicate, or pass `unknown="replicate"` to '
+      'LogicalRules to replicate every unmentioned name.'
+    )
+  sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
+
+  targets: list[_rules.Target] = [None] * len(axes)
+  assigned = [not isinstance(a, str) for a in axes]
+  skipped: list[list[SkippedCandidate]] = [[] for _ in axes]
+  for name, target in rules:
+    if name not in axes:
+      continue
+    pos = axes.index(name)
+    if assigned[pos]:
+      continue
+    wanted = _rules.target_axes(target)
+    used_by = {
+      m: i
+      for i, t in enumerate(targets)
+      if assigned[i] and i != pos
+      for m in _rules.target_axes(t)
+    }
+    clash = [m for m in wanted if m in used_by]
+    if clash:
+      i = used_by[clash[0]]
+      reason = f'mesh axis {clash[0]!r} already shards dim {i} ({axes[i]!r})'
+      skipped[pos].append(SkippedCandidate(target, reason))
+      continue
+    if sizes is not None:
+      missing = [m for m in wanted if m not in sizes]
+      if missing:
+        reason = f'the mesh has no axis {missing[0]!r} (axes: {list(sizes)})'
+        skipped[pos].append(SkippedCandidate(target, reason))
+        continue
+      if shape is not None:
+        product = math.prod(sizes[m] for m in wanted)
+        if shape[pos] % product:
+          reason = (
+            f'dim size {shape[pos]} is not divisible by {product} '
+            f'(mesh axes {list(wanted)})'
+          )
+          skipped[pos].append(SkippedCandidate(target, reason))
+          continue
+    targets[pos] = target
+    assigned[pos] = True
+
+  if rules.strict:
+    for pos, name in enumerate(axes):
+      if isinstance(name, str) and not assigned[pos] and skipped[pos]:
+        reasons = '; '.join(map(str, skipped[pos]))
+        raise _errors.ShardingResolutionError(
+          f'No rule fits dim {pos} ({name!r}){where_} '
+          f'{_context_text(axes, shape, rules, mesh)}: {reasons}. Add a '
+          f'fallback rule for {name!r} (a target that exists in the mesh and '
+          f'divides the dimension, or None to replicate), or drop '
+          '`strict=True` to leave it unsharded.'
+        )
+  dims = tuple(
+    DimResolution(
+      logical_name=name if isinstance(name, str) else None,
+      target=(name if name is PartitionSpec.UNCONSTRAINED else targets[pos]),
+      skipped=tuple(skipped[pos]),
+    )
+    for pos, name in enumerate(axes)
+  )
+  return Resolution(
+    logical_axes=axes,
+    shape=tuple(shape) if shape is not None else None,
+    dims=dims,
+  )
+
+
+FLAX_FIX_MSG = (
+  "These rules were set with Flax's own context (a plain tuple), so Flax's "
+  'semantics apply: the last rule for a name wins and a name no rule '
+  'mentions is used as a mesh axis. Add or fix the rule, or set the rules '
+  'with `fdt.logical_axis_rules(...)` for priority, fallbacks and checks.'
+)
+
+
+def resolve_flax(
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  shape: Sequence[int] | None = None,
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  rules: _rules.FlaxRules,
+  local_rules: Sequence[Any] | None = None,
+  path: str | None = None,
+) -> Resolution:
+  """Resolves logical axes exactly as Flax NNX does, then checks the result.
+
+  Flax composes the context rules with a variable's own ``sharding_rules``
+  and maps each name through them as a dict (names without a rule pass
+  through). Flax would fail, later and inside JAX, on a result naming a mesh
+  axis the mesh lacks, one that does not divide its dimension, or a mesh
+  axis used twice; these raise here, with the path.
+
+  Raises:
+    LogicalRulesError: If the context and the variable's rules disagree.
+    UnknownLogicalAxisError: If the result names a mesh axis the mesh lacks.
+    ShardingResolutionError: If the rank does not match, or a mesh axis does
+      not divide its dimension or is used twice.
+  """
+  axes = tuple(logical_axes)
+  where_ = where(path)
+  _check_axes(axes, shape, where_)
+  context = tuple(rules.pairs)
+  local = tuple(local_rules or ())
+  if context or local:
+    try:
+      composed = core_spmd.composite_rules(context, local)
+    except ValueError as e:
+      raise _errors.LogicalRulesError(
+        f'The variable{where_} has `sharding_rules` {list(local)!r} that '
+        f'contradict the context rules {list(context)!r}: {e}. Flax requires '
+        'them to agree; fix one of them.'
+      ) from e
+    mapped = core_spmd.from_sharding_rules(axes, composed)
+  else:
+    mapped = axes
+  targets = [tuple(t) if isinstance(t, list) else t for t in mapped]
+  resolution = Resolution(
+    logical_axes=axes,
+    shape=tuple(shape) if shape is not None else None,
+    dims=tuple(
+      DimResolution(a if isinstance(a, str) else None, t)
+      for a, t in zip(axes, targets, strict=True)
+    ),
+    semantics=FLAX_SEMANTICS,
+  )
+  if mesh is None:
+    return resolution
+  sizes = _meshes.axis_sizes(mesh)
+  seen: dict[str, int] = {}
+  for pos, target in enumerate(targets):
+    if target is PartitionSpec.UNCONSTRAINED:
+      continue
+    wanted = _rules.target_axes(target)
+    missing = [m for m in wanted if m not in sizes]
+    if missing:
+      raise _errors.UnknownLogicalAxisError(
+        f'Dim {pos} ({axes[pos]!r}){where_} maps to {missing[0]!r}, which is '
+        f'not an axis of the mesh {_context_text(axes, shape, context, mesh)}'
+        f'. {FLAX_FIX_MSG}'
+      )
+    for m in wanted:
+      if m in seen:
+        raise _errors.ShardingResolutionError(
+          f'Mesh axis {m!r} shards both dim {seen[m]} and dim {pos}{where_} '
+          f'{_context_text(axes, shape, context, mesh)}. {FLAX_FIX_MSG}'
+        )
+      seen[m] = pos
+    if shape is not None:
+      product = math.prod(sizes[m] for m in wanted)
+      if shape[pos] % product:
+        raise _errors.ShardingResolutionError(
+          f'Dim {pos} ({axes[pos]!r}){where_} has size {shape[pos]}, which '
+          f'{format_target(target)} (size {product}) does not divide '
+          f'{_context_text(axes, shape, context, mesh)}. {FLAX_FIX_MSG}'
+        )
+  return resolution
+
+
+def resolve(
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  shape: Sequence[int] | None = None,
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  local_rules: Sequence[Any] | None = None,
+  path: str | None = None,
+) -> Resolution:
+  """Resolves with the semantics `rules` call for (see `rules_in_effect`).
+
+  Args:
+    logical_axes: One entry per array dimension: a logical name, or None.
+    shape: The array's shape; enables the divisibility check.
+    mesh: The mesh; enables the existence check.
+    rules: The rules in effect.
+    local_rules: A variable's own ``sharding_rules`` metadata: ahead of
+      `rules` (flax_dtensor), or composed with them (Flax).
+    path: The variable path, for error messages.
+  """
+  if isinstance(rules, _rules.FlaxRules):
+    if isinstance(local_rules, _rules.LogicalRules) and not rules.pairs:
+      rules = local_rules
+      local_rules = None
+    else:
+      return resolve_flax(
+        logical_axes,
+        shape,
+        mesh=mesh,
+        rules=rules,
+        local_rules=local_rules,
+        path=path,
+      )
+  if local_rules:
+    rules = rules.prepend(tuple(local_rules))
+  return resolve_dims(logical_axes, shape, mesh=mesh, rules=rules, path=path)
+
+
+def logical_to_mesh_axes(
+  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  shape: Sequence[int] | None = None,
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  rules: _rules.RulesLike | None = None,
+) -> PartitionSpec:
+  """Resolves logical axis names to a `PartitionSpec` of mesh axes.
+
+  Rules are scanned in order; a rule claims its dimension when the dimension
+  is still unassigned and none of its mesh axes is used by another dimension
+  (Flax Linen's priority semantics). With a mesh, a rule naming a mesh axis
+  the mesh lacks is skipped; with a shape, a rule whose mesh-axis product does
+  not divide the dimension is skipped. The next rule for the same name is the
+  fallback. A dimension with no fitting rule stays unsharded (or raises, with
+  ``strict=True`` rules).
+
+  Args:
+    logical_axes: One entry per dimension: a logical name or None.
+    shape: The array's shape, for the divisibility check.
+    mesh: The mesh to resolve against. Defaults to the mesh set by
+      ``jax.set_mesh``, if any.
+    rules: The rules. Defaults to the rules in effect: those of
+      `logical_axis_rules`, or, when they were set with Flax's own context,
+      Flax's semantics (see the concepts page).
+
+  Returns:
+    The PartitionSpec, with None for unsharded dimensions.
+
+  Raises:
+    UnknownLogicalAxisError: If a name is in no rule (see `LogicalRules`).
+    ShardingResolutionError: If a name repeats, the rank does not match, or
+      in strict mode no rule fits a dimension.
+
+  Example:
+    >>> import jax, flax_dtensor as fdt
+    >>> rules = [('mlp', 'model'), ('mlp', 'data'), ('embed', None)]
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> fdt.logical_to_mesh_axes(('embed', 'mlp'), (512, 6), mesh=mesh,
+    ...                          rules=rules)
+    P(None, 'data')
+  """
+  if mesh is None:
+    mesh = _meshes.current_mesh()
+  resolution = resolve(
+    logical_axes, shape, mesh=mesh, rules=_rules.rules_in_effect(rules)
+  )
+  return resolution.spec

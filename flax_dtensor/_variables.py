@@ -1,0 +1,200 @@
+"""NNX variables: the one walker, the one path format, and each one's spec.
+
+`iter_variables` walks a module, graph node or ``nnx.State``; `path_str`
+joins a path with '/'; `spec_of_variable` answers "where does this variable
+go" for the plan, the Flax hook, placement, `init` and restore alike.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_dtensor import _errors, _meshes, _resolution, _rules
+
+Path = tuple[Any, ...]
+
+_NOT_A_NODE_MSG = (
+  'Expected an NNX module, another NNX graph node (e.g. nnx.Optimizer) or '
+  'an nnx.State; got {type} {value}.'
+)
+
+
+def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
+  """Returns ``(path, variable)`` for every variable, in path order.
+
+  Args:
+    node: An NNX module, graph node or ``nnx.State``. A variable shared by
+      several attributes appears once, at its first path.
+
+  Raises:
+    NotAModelError: If `node` is none of these.
+  """
+  if isinstance(node, nnx.State):
+    state = node
+  elif isinstance(node, nnx.Variable):
+    return [((), node)]
+  else:
+    message = _NOT_A_NODE_MSG.format(
+      type=type(node).__name__, value=_short(node)
+    )
+    if callable(node) and not nnx.graph.is_node(node):
+      message += (
+        ' It is callable: to use a factory, build the model first (e.g. '
+        '`nnx.eval_shape(factory)` for an abstract one), or pass the '
+        'factory to `fdt.plan`, which builds it abstractly.'
+      )
+    if not nnx.graph.is_node(node):
+      raise _errors.NotAModelError(message)
+    try:
+      state = nnx.state(node)
+    except Exception as e:
+      raise _errors.NotAModelError(message) from e
+  return [
+    (tuple(path), v)
+    for path, v in nnx.to_flat_state(state)
+    if isinstance(v, nnx.Variable)
+  ]
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 120 else text[:117] + '...'
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """'layers/0/kernel' for a path of keys."""
+  return '/'.join(str(k) for k in path)
+
+
+_NATURAL = re.compile(r'(\d+)')
+
+
+def natural_key(path: str) -> tuple[Any, ...]:
+  """A sort key putting 'layers/2' before 'layers/10'."""
+  return tuple(
+    (0, int(part), '') if part.isdigit() else (1, 0, part)
+    for part in _NATURAL.split(path)
+    if part
+  )
+
+
+def value_of(variable: nnx.Variable) -> Any:
+  """The variable's array (or ShapeDtypeStruct), without hooks."""
+  value = variable.get_raw_value()
+  if nnx.variablelib.is_array_ref(value):
+    value = value[...]
+  return value
+
+
+def logical_axes_of(variable: nnx.Variable) -> tuple[Any, ...] | None:
+  """The logical axes a variable is annotated with, or None.
+
+  None for a variable without ``out_sharding`` metadata, and for one whose
+  ``out_sharding`` is a concrete sharding (a ``NamedSharding`` or a
+  ``Format``) rather than names.
+  """
+  out_sharding = variable.get_metadata('out_sharding', None)
+  if not out_sharding or not isinstance(
+    out_sharding, tuple | list | PartitionSpec
+  ):
+    return None
+  return tuple(out_sharding)
+
+
+def concrete_sharding_of(variable: nnx.Variable) -> NamedSharding | None:
+  """The ``NamedSharding`` a variable's ``out_sharding`` names, if any."""
+  out_sharding = variable.get_metadata('out_sharding', None)
+  if isinstance(out_sharding, NamedSharding):
+    return out_sharding
+  inner = getattr(out_sharding, 'sharding', None)  # A jax Format.
+  return inner if isinstance(inner, NamedSharding) else None
+
+
+def spec_of_variable(
+  variable: nnx.Variable,
+  *,
+  rules: _rules.LogicalRules | _rules.FlaxRules | None = None,
+  mesh: _meshes.MeshLike | None = None,
+  path: str | None = None,
+) -> _resolution.Resolution | None:
+  """Where a variable goes under the rules in effect; None if unannotated.
+
+  The same answer for every API: the plan, ``nnx.get_partition_spec`` (via
+  the Flax hook), creation, `shard_module`, `init` and restore.
+
+  Args:
+    variable: The variable.
+    rules: The rules in effect; default `_rules.rules_in_effect()`.
+    mesh: A mesh the caller named; see `_meshes.mesh_for` for the order.
+    path: The variable's path, for error messages.
+  """
+  if rules is None:
+    rules = _rules.rules_in_effect()
+  value = value_of(variable)
+  shape = _shape_of(value)
+  concrete = concrete_sharding_of(variable)
+  if concrete is not None:
+    spec = concrete.spec
+    if isinstance(rules, _rules.FlaxRules):
+      spec = _flax_renamed(variable, spec)
+    return _resolution.Resolution(
+      logical_axes=tuple(spec),
+      shape=shape,
+      dims=tuple(
+        _resolution.DimResolution(None, t)
+        for t in (*spec, *([None] * (len(shape or ()) - len(spec))))
+      ),
+      semantics=_resolution.FLAX_SEMANTICS,
+    )
+  axes = logical_axes_of(variable)
+  if axes is None:
+    return None
+  return _resolution.resolve(
+    axes,
+    shape,
+    mesh=_meshes.mesh_for(variable, mesh=mesh, value=value),
+    rules=rules,
+    local_rules=variable.get_metadata('sharding_rules', None),
+    path=path,
+  )
+
+
+def _flax_renamed(variable: nnx.Variable, spec: PartitionSpec) -> PartitionSpec:
+  from flax.core import spmd as core_spmd
+
+  renamed = core_spmd.apply_rules(
+    spec, variable.get_metadata('sharding_rules', None)
+  )
+  return renamed if isinstance(renamed, PartitionSpec) else spec
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+  shape = getattr(value, 'shape', None)
+  if shape is None:
+    try:
+      shape = np.shape(value)
+    except Exception:
+      return None
+  return tuple(int(d) for d in shape)
+
+
+def dtype_of(value: Any) -> Any:
+  """The dtype of an array, ShapeDtypeStruct or Python scalar."""
+  dtype = getattr(value, 'dtype', None)
+  return dtype if dtype is not None else np.asarray(value).dtype
+
+
+def placed_spec(value: Any) -> PartitionSpec | None:
+  """Where a concrete array actually is, or None for abstract values."""
+  if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+    sharding = value.sharding
+    if isinstance(sharding, NamedSharding):
+      return sharding.spec
+  return None

@@ -1,0 +1,323 @@
+"""The Flax hook: it cannot silently stop working, and changes nothing else.
+
+Flax's own behaviour, with flax_dtensor imported but its rules not in use,
+is checked two ways: cases of Flax's ``tests/nnx/spmd_test.py`` (0.12.8)
+re-expressed here on 8 devices, and a differential run of the same
+scenarios in fresh processes with and without ``import flax_dtensor``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.core import spmd as core_spmd
+from flax.nnx import variablelib
+from jax.experimental.layout import Format, Layout
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+from flax_dtensor import _hook
+
+RULES = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
+
+
+def _mesh(types=(AxisType.Auto, AxisType.Auto), names=('data', 'model')):
+  return jax.make_mesh((2, 4), names, axis_types=types)
+
+
+# The hook cannot silently stop working
+# ------------------------------------------------------------------------------
+
+
+def test_routing_is_checked_at_import():
+  # `import flax_dtensor` ran the check; running it again proves the route.
+  _hook.check_routing()
+  assert getattr(core_spmd.shard_value, '__flax_dtensor_hook__', False)
+
+
+def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):
+  """A Flax whose Variable calls an unwrapped shard_value directly."""
+  original = core_spmd.shard_value.__wrapped__
+  bypassing = types.SimpleNamespace(shard_value=original)
+  monkeypatch.setattr(variablelib, 'core_spmd', bypassing)
+  with pytest.raises(
+    fdt.FlaxCompatibilityError,
+    match=r'the installed Flax 0\.12\.\d+ did not call \[\'shard_value\'\]',
+  ):
+    _hook.check_routing()
+
+
+def test_a_flax_whose_pspec_query_bypasses_the_hook_is_refused(monkeypatch):
+  from flax.nnx import spmd as nnx_spmd
+
+  monkeypatch.setattr(
+    nnx_spmd, 'get_var_pspec', nnx_spmd.get_var_pspec.__wrapped__
+  )
+  with pytest.raises(
+    fdt.FlaxCompatibilityError, match=r"did not call \['get_var_pspec'\]"
+  ):
+    _hook.check_routing()
+
+
+def test_new_flax_arguments_pass_through():
+  """A future Flax passing one more argument still reaches its function."""
+  calls = []
+
+  def future_flax_shard_value(
+    value, out_sharding, sharding_rules, mesh, *, layout=None
+  ):
+    calls.append(layout)
+    return value
+
+  x = jnp.ones((8, 4))
+  # No flax_dtensor rules: Flax's function gets every argument.
+  out = _hook._shard_value(
+    future_flax_shard_value, x, ('embed', None), None, None, layout='L'
+  )
+  assert out is x and calls == ['L']
+  # flax_dtensor rules: placed by them, whatever the extra argument.
+  mesh = _mesh()
+  with fdt.logical_axis_rules(RULES):
+    out = _hook._shard_value(
+      future_flax_shard_value, x, ('embed', None), None, mesh, layout='L'
+    )
+  assert out.sharding.spec == P('data', None)
+  np.testing.assert_array_equal(np.asarray(out), np.ones((8, 4)))
+  assert calls == ['L']
+  # A signature the hook cannot read at all is Flax's business alone.
+  assert _hook._shard_value(lambda *a, **k: 'flax', 1, 2, 3, 4, 5) == 'flax'
+
+
+# Flax's behaviour is unchanged (cases of Flax's tests/nnx/spmd_test.py)
+# ------------------------------------------------------------------------------
+
+
+class _Foo(nnx.Module):
+  def __init__(self):
+    init = nnx.with_partitioning(lambda: jnp.ones((8, 2)), ('model', 'data'))
+    self.w = nnx.Param(init())
+
+
+def test_flax_jit_creation_shards_by_annotation():
+  mesh = jax.make_mesh(
+    (4, 2), ('model', 'data'), axis_types=(AxisType.Auto,) * 2
+  )
+  with jax.set_mesh(mesh):
+    m = nnx.merge(*jax.jit(lambda: nnx.split(_Foo()))())
+  assert m.w.sharding.shard_shape(m.w.shape) == (2, 1)
+  np.testing.assert_array_equal(np.asarray(m.w[...]), np.ones((8, 2)))
+
+
+def test_flax_logical_rules_with_variable_rules_and_optimizer():
+  class Foo(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(
+        nnx.with_partitioning(
+          lambda: jnp.ones((8, 4)),
+          sharding=('row-alias', 'col-alias'),
+          sharding_rules=(('row-alias', 'data'),),
+        )()
+      )
+
+  mesh = _mesh()
+  with jax.set_mesh(mesh), nnx.logical_axis_rules((('col-alias', 'model'),)):
+    model = Foo()
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  expected = NamedSharding(mesh, P('data', 'model'))
+  assert model.w.sharding.is_equivalent_to(expected, 2)
+  assert opt.opt_state[0].mu['w'].sharding.is_equivalent_to(expected, 2)
+  assert opt.opt_state[0].nu['w'].sharding.is_equivalent_to(expected, 2)
+
+
+@pytest.mark.parametrize('eager', [True, False])
+def test_flax_eager_sharding_switch(eager):
+  rngs = nnx.Rngs(0)
+  with nnx.use_eager_sharding(eager), jax.set_mesh(_mesh()):
+    w = nnx.Param(rngs.lecun_normal()((4, 8)), out_sharding=(None, 'model'))
+  assert (w.sharding.spec == P(None, 'model')) == eager
+
+
+@pytest.mark.parametrize('kind', ['auto', 'explicit', 'mixed'])
+def test_flax_mesh_axis_types(kind):
+  axis_types = {
+    'auto': (AxisType.Auto,) * 2,
+    'explicit': (AxisType.Explicit,) * 2,
+    'mixed': (AxisType.Auto, AxisType.Explicit),
+  }[kind]
+  mesh = _mesh(axis_types)
+  if kind == 'mixed':  # Flax refuses mixed meshes; flax_dtensor leaves it so.
+    with pytest.raises(ValueError, match='Mesh must have all axes'):
+      nnx.Variable(jnp.ones((4, 4)), out_sharding=('data', 'model'), mesh=mesh)
+    return
+  v = nnx.Variable(jnp.ones((4, 4)), out_sharding=('data', 'model'), mesh=mesh)
+  assert v.sharding.mesh == mesh
+  assert v.sharding.spec == P('data', 'model')
+
+
+def test_flax_out_sharding_kinds():
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    v = nnx.Variable(jnp.ones((4, 4)), out_sharding=P('data', 'model'))
+  assert v.sharding.spec == P('data', 'model')
+  named = NamedSharding(mesh, P('data', None))
+  v = nnx.Variable(jnp.ones((4, 4)), out_sharding=named)
+  assert v.sharding.is_equivalent_to(named, 2)
+  v = nnx.Variable(
+    jnp.ones((4, 4)), out_sharding=Format(Layout(major_to_minor=(1, 0)), named)
+  )
+  assert v.sharding == named
+
+
+def test_flax_abstract_models_per_variable_mesh():
+  mesh1 = _mesh()
+  mesh2 = jax.make_mesh((1, 8), ('c', 'd'), axis_types=(AxisType.Auto,) * 2)
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.p1 = nnx.Linear(
+        8,
+        8,
+        rngs=nnx.Rngs(0),
+        kernel_metadata={'out_sharding': ('data', 'model'), 'mesh': mesh1},
+      )
+      self.p2 = nnx.Linear(
+        8,
+        8,
+        rngs=nnx.Rngs(0),
+        kernel_metadata={'out_sharding': ('c', 'd'), 'mesh': mesh2},
+      )
+
+  abstract = nnx.as_abstract(nnx.eval_shape(Model))
+  assert abstract.p1.kernel.sharding.spec == P('data', 'model')
+  assert abstract.p1.kernel.sharding.mesh == mesh1
+  assert abstract.p2.kernel.sharding.spec == P('c', 'd')
+  assert abstract.p2.kernel.sharding.mesh == mesh2
+  _, state = nnx.compat.get_abstract_model(
+    lambda: nnx.Linear(
+      8,
+      8,
+      use_bias=False,
+      rngs=nnx.Rngs(0),
+      kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, 'model')),
+    ),
+    mesh1,
+  )
+  (leaf,) = jax.tree.leaves(state)
+  assert leaf.sharding.is_equivalent_to(
+    NamedSharding(mesh1, P(None, 'model')), 2
+  )
+
+
+def test_flax_transform_metadata_adds_and_removes_the_layer_axis():
+  class MLP(nnx.Module):
+    @nnx.split_rngs(splits=4, graph=True, graph_updates=True)
+    @nnx.vmap(
+      in_axes=(0, 0),
+      transform_metadata={nnx.PARTITION_NAME: 'layers'},
+      graph=True,
+      graph_updates=True,
+    )
+    def __init__(self, rngs):
+      self.kernel = nnx.Param(
+        nnx.initializers.lecun_normal()(rngs.params(), (8, 8)),
+        out_sharding=('din', 'dout'),
+      )
+
+  mesh = jax.make_mesh(
+    (1, 2, 4), ('layers', 'din', 'dout'), axis_types=(AxisType.Auto,) * 3
+  )
+  with jax.set_mesh(mesh):
+    m = MLP(rngs=nnx.Rngs(0))
+  assert m.kernel.shape == (4, 8, 8)
+  assert m.kernel.out_sharding == ('layers', 'din', 'dout')
+  assert m.kernel.sharding.is_equivalent_to(
+    NamedSharding(mesh, P('layers', 'din', 'dout')), 3
+  )
+
+
+# Differential: the same scenarios with and without `import flax_dtensor`
+# ------------------------------------------------------------------------------
+
+_SCENARIOS = r"""
+import json, sys
+import jax
+jax.config.update('jax_num_cpu_devices', 8)
+if sys.argv[1] == 'with':
+  import flax_dtensor  # noqa: F401
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType
+
+out = {}
+def record(name, fn):
+  try:
+    out[name] = repr(fn())
+  except Exception as e:  # The error is part of the behaviour.
+    out[name] = f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'
+
+def mesh(kind):
+  t = {'auto': AxisType.Auto, 'explicit': AxisType.Explicit}
+  types = (t['explicit'], t['auto']) if kind == 'mixed' else (t[kind],) * 2
+  return jax.make_mesh((2, 4), ('data', 'model'), axis_types=types)
+
+init = lambda axes, **kw: nnx.with_partitioning(nnx.initializers.ones, axes, **kw)
+def linear(axes, **kw):
+  return nnx.Linear(8, 16, kernel_init=init(axes, **kw), rngs=nnx.Rngs(0))
+
+for kind in ('auto', 'explicit', 'mixed'):
+  for rules in ((), (('mlp', 'data'), ('mlp', 'model')),
+                (('embed', 'data'), ('mlp', 'model'))):
+    for axes in ((None, 'mlp'), ('embed', 'mlp'), ('data', 'model')):
+      name = f'{kind} {rules} {axes}'
+      def create():
+        with jax.set_mesh(mesh(kind)), nnx.logical_axis_rules(rules):
+          m = linear(axes)
+          return (m.kernel.sharding.spec,
+                  nnx.get_partition_spec(nnx.state(m))['kernel'].get_value())
+      record('create ' + name, create)
+      def query():
+        with nnx.logical_axis_rules(rules):
+          return nnx.get_partition_spec(nnx.state(nnx.eval_shape(
+              lambda: linear(axes))))['kernel'].get_value()
+      with nnx.use_eager_sharding(False):
+        record('query ' + name, query)
+  def local():
+    with jax.set_mesh(mesh(kind)):
+      m = linear(('a', 'b'), sharding_rules=(('a', 'data'), ('b', 'model')))
+      return m.kernel.sharding.spec
+  record('local ' + kind, local)
+print(json.dumps(out, sort_keys=True))
+"""
+
+
+def test_flax_behaviour_is_identical_with_and_without_flax_dtensor():
+  runs = {}
+  for mode in ('without', 'with'):
+    proc = subprocess.run(
+      [sys.executable, '-c', _SCENARIOS, mode],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
+      check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(runs['with']) == 3 * (3 * 3 * 2 + 1)
+  assert runs['with'] == runs['without']
+  # The scenarios exercise Flax's semantics: last write wins, mixed raises.
+  assert runs['with'][
+    "create auto (('mlp', 'data'), ('mlp', 'model')) (None, 'mlp')"
+  ] == ("(P(None, 'model'), P(None, 'model'))")
+  assert runs['with']["create mixed () ('data', 'model')"].startswith(
+    'ValueError'
+  )

@@ -87,7 +87,9 @@ nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
 nb_execution_excludepatterns = []
-# The notebooks print to stderr (TF and JAX logging); that is not an error.
+# Anything a notebook prints to stderr is removed from the page and warned
+# about, so the -W build fails on noise (flax_dtensor drops TF's start-up
+# lines itself, on every CPU).
 nb_output_stderr = 'remove-warn'
 
 # Doctests run without the module's globals: give every example the public

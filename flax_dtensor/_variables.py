@@ -56,11 +56,16 @@ def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
       state = nnx.state(node)
     except Exception as e:
       raise _errors.NotAModelError(message) from e
-  return [
-    (tuple(path), v)
-    for path, v in nnx.to_flat_state(state)
-    if isinstance(v, nnx.Variable)
-  ]
+  out = []
+  for path, leaf in nnx.to_flat_state(state):
+    if not isinstance(leaf, nnx.Variable):
+      raise _errors.NotAModelError(
+        f'Expected NNX variables as the leaves, got {type(leaf).__name__} at '
+        f'{path_str(path)}. Pass the module itself or `nnx.state(module)`, '
+        'not a pure dict of arrays.'
+      )
+    out.append((tuple(path), leaf))
+  return out
 
 
 def _short(value: Any) -> str:

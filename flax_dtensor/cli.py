@@ -1178,22 +1178,18 @@ def sharding_texts(record: Any) -> tuple[str, str]:
   return jax_text, dtensor_text
 
 
-def _read_metadata(path: pathlib.Path) -> dict[str, Any]:
-  """The `variables` of a flax_dtensor.json ({} if there is none)."""
-  if not path.exists():
-    return {}
+def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
+  """{variable path text: manifest record}, or {} without a manifest."""
+  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _manifest, _names  # pylint: disable=g-import-not-at-top
+
   try:
-    variables = json.loads(path.read_text())['variables']
-    if not isinstance(variables, dict) or not all(
-      isinstance(v, dict) for v in variables.values()
-    ):
-      raise TypeError(f'`variables` is not a dict of dicts: {variables!r:.100}')
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise BadInputError(
-      f'{str(path)!r} is not valid flax_dtensor metadata '
-      f'({type(e).__name__}: {e}). Re-export, or delete the file.'
-    ) from e
-  return variables
+    manifest = _manifest.read(str(path))
+  except _errors.ExportError as e:
+    raise BadInputError(str(e)) from e
+  if manifest is None or manifest.root != str(path.absolute()):
+    return {}
+  return {_names.path_text(r.path): r for r in manifest.records}
 
 
 _LAYOUT_CAPTION = (
@@ -1206,10 +1202,10 @@ _LAYOUT_CAPTION = (
 def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
   """A table of a DTensor checkpoint's variables, read with TensorFlow."""
   from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _export  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names, _tf  # pylint: disable=g-import-not-at-top
 
-  tf = dtensor._tf.tf()  # pylint: disable=protected-access
-  metadata = _read_metadata(path / _export.METADATA_FILE)
+  tf = _tf.tf()
+  metadata = _read_manifest(path)
   try:
     reader = tf.train.load_checkpoint(str(path))
   except Exception as e:
@@ -1227,12 +1223,13 @@ def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
     table.add_column(column)
   count = 0
   for key in sorted(shapes):
-    name = dtensor.nnx_path(key)
-    if name is None:
+    nnx_path = dtensor.nnx_path(key)
+    if nnx_path is None:
       continue
+    name = _names.path_text(nnx_path)
     shape = tuple(shapes[key])
     table.add_row(
-      name, *_variable_row(metadata.get(name, {}), shape, dtypes[key].name)
+      name, *_variable_row(metadata.get(name), shape, dtypes[key].name)
     )
     count += 1
   table.caption = f'{count} variables. {_LAYOUT_CAPTION}'
@@ -1250,21 +1247,24 @@ _VARIABLE_COLUMNS = (
 
 
 def _variable_row(
-  meta: dict[str, Any], shape: tuple[int, ...], stored: str
+  record: Any, shape: tuple[int, ...], stored: str
 ) -> tuple[str, ...]:
   """type, shape, dtype, JAX sharding and DTensor layout cells."""
-  dtype = meta.get('dtype', stored)
+  if record is None:
+    return ('-', str(shape), stored, '-', '-')
+  dtype = record.dtype
   if dtype != stored:
     dtype = f'{dtype} (stored as {stored})'
-  jax_text, dtensor_text = sharding_texts(meta.get('sharding'))
-  return (meta.get('type', '-'), str(shape), dtype, jax_text, dtensor_text)
+  jax_text, dtensor_text = sharding_texts(record.sharding)
+  return (record.type, str(shape), dtype, jax_text, dtensor_text)
 
 
 def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
   """Tables of a SavedModel's signatures and variables, read with TF."""
   from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names, _tf  # pylint: disable=g-import-not-at-top
 
-  tf = dtensor._tf.tf()  # pylint: disable=protected-access
+  tf = _tf.tf()
   try:
     loaded = tf.saved_model.load(str(path))
   except Exception as e:
@@ -1290,21 +1290,18 @@ def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
       describe(fn.structured_input_signature[1]),
       describe(fn.structured_outputs),
     )
-  from flax_dtensor.dtensor import _export  # pylint: disable=g-import-not-at-top
-
-  metadata = _read_metadata(
-    path / _export.SAVED_MODEL_ASSETS / _export.METADATA_FILE
-  )
+  metadata = _read_manifest(path)
   variables = rich.table.Table(
     title=f'SavedModel {path}: variables', title_justify='left'
   )
   for column in _VARIABLE_COLUMNS:
     variables.add_column(column)
   flat = dtensor.flat_variables(loaded)
-  for name, v in sorted(flat.items()):
+  for nnx_path, v in flat.items():
+    name = _names.path_text(nnx_path)
     shape = tuple(v.shape)
     variables.add_row(
-      name, *_variable_row(metadata.get(name, {}), shape, v.dtype.name)
+      name, *_variable_row(metadata.get(name), shape, v.dtype.name)
     )
   variables.caption = f'{len(flat)} variables. ' + (
     _LAYOUT_CAPTION.replace('flax_dtensor.json', 'assets/flax_dtensor.json')

@@ -132,7 +132,7 @@ def main():
   other = _mesh('transposed' if kind != 'transposed' else 'default')
   with jax.set_mesh(other):
     abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(1)))
-    restored = fdt_tf.restore_checkpoint(ckpt, abstract)
+    restored = fdt_tf.restore_checkpoint(ckpt, abstract, rng_seed=0)
   restored_values = _flat(restored)
   mismatched = []
   for name, v in restored_values.items():

@@ -177,7 +177,8 @@ import json, sys
 import numpy as np
 from flax_dtensor import dtensor
 directory, npz = sys.argv[1:3]
-saved = dtensor.read_checkpoint(directory)
+saved = {'/'.join(map(str, k)): v
+         for k, v in dtensor.read_checkpoint(directory).items()}
 expected = {k.replace('|', '/'): v for k, v in np.load(npz).items()
             if not k.startswith('__')}
 print(json.dumps({
@@ -185,8 +186,8 @@ print(json.dumps({
   'extra': sorted(set(saved) - set(expected)),
   'max_abs_diff': max(float(np.max(np.abs(saved[k] - v)))
                       for k, v in expected.items() if k in saved),
-  'layouts': {k: v.get('sharding') for k, v in json.load(
-      open(directory + '/flax_dtensor.json'))['variables'].items()},
+  'layouts': {'/'.join(map(str, v['path'])): v['sharding'] for v in json.load(
+      open(directory + '/flax_dtensor.json'))['variables']},
 }))
 """
 
@@ -881,8 +882,8 @@ def test_inspect_malformed_metadata(fused_export, tmp_path, text):
   bad_input(
     run_cli('inspect', tmp_path),
     'flax_dtensor.json',
-    'is not valid flax_dtensor metadata',
-    'Re-export, or delete the file',
+    'is not a valid flax_dtensor manifest',
+    'Re-export the checkpoint',
   )
 
 

@@ -1,4 +1,4 @@
-"""Tests of flax_dtensor.dtensor._export: NNX <-> DVariables, checkpoints."""
+"""Tests of NNX <-> DVariables, checkpoints (flax_dtensor.dtensor)."""
 
 import json
 import os
@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor.dtensor import _atomic, _export
+from flax_dtensor.dtensor import _atomic, _checkpoint, _convert, _dtypes
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -132,6 +133,18 @@ def _bits(x):
   return x.dtype.name, x.shape, x.tobytes()
 
 
+def _text(path):
+  """'layers/0/kernel' for a path tuple."""
+  return '/'.join(map(str, path))
+
+
+def _records(path):
+  """The manifest's variable records, by '/'-joined path."""
+  with open(os.path.join(path, 'flax_dtensor.json')) as f:
+    variables = json.load(f)['variables']
+  return {'/'.join(map(str, r['path'])): r for r in variables}
+
+
 def _listing(directory):
   return sorted(os.listdir(directory))
 
@@ -154,11 +167,10 @@ def test_to_tf_module_names_layouts_and_values(request, mesh_name):
   tf_module = fdt_tf.to_tf_module(model, include=nnx.Param)
   flat = fdt_tf.flat_variables(tf_module)
   expected = {
-    '/'.join(map(str, p)): v.get_value()
-    for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
   }
-  assert list(flat) == sorted(expected)
-  assert sorted(flat) == [
+  assert list(flat) == sorted(expected, key=_text)
+  assert sorted(map(_text, flat)) == [
     'layers/0/bias',
     'layers/0/kernel',
     'layers/1/bias',
@@ -170,7 +182,7 @@ def test_to_tf_module_names_layouts_and_values(request, mesh_name):
   assert tf_module.state['layers']['0']['kernel'] is flat['layers/0/kernel']
   for path, var in flat.items():
     arr = expected[path]
-    assert var.name == f'{path}:0'
+    assert var.name == f'{_text(path)}:0'
     assert var.trainable
     assert var.dtype == tf.float32
     assert tuple(var.shape) == arr.shape
@@ -178,7 +190,7 @@ def test_to_tf_module_names_layouts_and_values(request, mesh_name):
     want = [a or dtensor.UNSHARDED for a in _sharding_axes(arr)]
     assert list(layout.sharding_specs) == want, path
     np.testing.assert_array_equal(_gathered(var), np.asarray(arr), err_msg=path)
-  assert _sharding_axes(expected['layers/0/kernel']) == ('data', 'model')
+  assert _sharding_axes(expected[('layers', 0, 'kernel')]) == ('data', 'model')
 
 
 def test_to_tf_module_include_filters(auto_mesh):
@@ -186,7 +198,7 @@ def test_to_tf_module_include_filters(auto_mesh):
   both = fdt_tf.flat_variables(
     fdt_tf.to_tf_module(model, include=(nnx.Param, nnx.BatchStat))
   )
-  assert {'norm/mean', 'norm/var', 'layers/0/kernel'} <= set(both)
+  assert {'norm/mean', 'norm/var', 'layers/0/kernel'} <= set(map(_text, both))
   assert not both['norm/mean'].trainable
   np.testing.assert_array_equal(_gathered(both['norm/var']), np.ones(32))
   everything = fdt_tf.flat_variables(fdt_tf.to_tf_module(model, include=...))
@@ -197,7 +209,10 @@ def test_to_tf_module_include_filters(auto_mesh):
   with_rng = fdt_tf.flat_variables(
     fdt_tf.to_tf_module(model, include=..., exclude=nnx.Nothing)
   )
-  assert set(with_rng) - set(both) == {'drop/rngs/count', 'drop/rngs/key'}
+  assert set(map(_text, with_rng)) - set(map(_text, both)) == {
+    'drop/rngs/count',
+    'drop/rngs/key',
+  }
   key = model.drop.rngs.key.get_value()
   np.testing.assert_array_equal(
     _gathered(with_rng['drop/rngs/key']), jax.random.key_data(key)
@@ -209,8 +224,9 @@ def test_to_tf_module_include_filters(auto_mesh):
 def test_to_tf_module_keeps_dtypes(explicit_mesh, dtype):
   state = _dtype_state(explicit_mesh, dtype)
   flat = fdt_tf.flat_variables(fdt_tf.to_tf_module(state, include=...))
+  arrays = dict(nnx.to_flat_state(state))
   for path, var in flat.items():
-    arr = state[path].get_value()
+    arr = arrays[path].get_value()
     assert var.dtype == tf.as_dtype(np.dtype(dtype)), path
     # DTensor's all-gather adds zeros (so -0.0 comes back as 0.0): compare
     # values there, and bits through the bridge's zero-copy way back.
@@ -239,9 +255,9 @@ def test_to_tf_module_errors(auto_mesh):
   holder = nnx.Dict(tag=nnx.Variable('not an array'))
   with pytest.raises(fdt.ExportError, match=r"'tag'.*hold an array.*str"):
     fdt_tf.to_tf_module(holder, include=...)
-  with pytest.raises(fdt.ExportError, match=r'NNX module.*got int'):
+  with pytest.raises(fdt.NotAModelError, match=r'NNX module.*got int'):
     fdt_tf.to_tf_module(3)
-  with pytest.raises(fdt.ExportError, match=r"leaves.*NNX variables.*'w'"):
+  with pytest.raises(fdt.NotAModelError, match=r'NNX variables.*leaves.* w\.'):
     fdt_tf.to_tf_module(nnx.State({'w': jnp.ones(3)}), include=...)
   big = nnx.Dict(w=nnx.Variable(np.zeros(3, np.uint64)))
   with pytest.raises(fdt.ExportError, match=r"'w' has dtype uint64"):
@@ -259,8 +275,12 @@ def test_checkpoint_key_and_nnx_path():
   assert fdt_tf.checkpoint_key(('x/y', 'z')) == (
     'state/x.Sy/z/.ATTRIBUTES/VARIABLE_VALUE'
   )
-  for path in ['layers/0/kernel', 'a.b/c..d', 'w']:
+  for path in [('layers', 0, 'kernel'), ('a.b', 'c..d'), ('w',)]:
     assert fdt_tf.nnx_path(fdt_tf.checkpoint_key(path)) == path
+  # A '/'-joined str is split, its digit parts read as list indices.
+  assert fdt_tf.checkpoint_key('layers/0/kernel') == fdt_tf.checkpoint_key(
+    ('layers', 0, 'kernel')
+  )
   assert fdt_tf.nnx_path('_CHECKPOINTABLE_OBJECT_GRAPH') is None
   assert fdt_tf.nnx_path('other/w/.ATTRIBUTES/VARIABLE_VALUE') is None
 
@@ -311,9 +331,8 @@ def test_checkpoint_round_trip_is_bit_exact(explicit_mesh, tmp_path, dtype):
     path = fdt_tf.save_checkpoint(state, tmp_path / 'ckpt')
     assert path == str(tmp_path / 'ckpt')
     assert 'checkpoint' in _listing(path)
-    stored = _export.STORED_DTYPES.get(np.dtype(jnp.dtype(dtype)))
-    with open(os.path.join(path, 'flax_dtensor.json')) as f:
-      record = json.load(f)['variables']['sharded']
+    stored = _dtypes.STORED_DTYPES.get(np.dtype(jnp.dtype(dtype)))
+    record = _records(path)['sharded']
     assert record['dtype'] == dtype
     assert record['stored_dtype'] == (stored or np.dtype(dtype)).name
     # Plain TF reads it: widened dtypes convert back exactly.
@@ -325,7 +344,12 @@ def test_checkpoint_round_trip_is_bit_exact(explicit_mesh, tmp_path, dtype):
       assert got.shape == arr.shape
       assert _bits(got.astype(arr.dtype)) == _bits(arr), name
     read = fdt_tf.read_checkpoint(path)
-    assert list(read) == ['columns', 'replicated', 'scalar', 'sharded']
+    assert list(read) == [
+      ('columns',),
+      ('replicated',),
+      ('scalar',),
+      ('sharded',),
+    ]
     for (name,), var in nnx.to_flat_state(state):
       assert _bits(read[name]) == _bits(var.get_value()), name
     # Restore into other shardings: through DTensor, relaid out by slices.
@@ -405,8 +429,11 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
   with open(os.path.join(path, 'flax_dtensor.json')) as f:
     meta = json.load(f)
   assert meta['format'] == 'flax_dtensor.checkpoint'
-  assert meta['version'] == 2
-  assert meta['variables']['float16'] == {
+  assert meta['version'] == 3
+  record = _records(path)['float16']
+  shards = record.pop('shards')
+  assert record == {
+    'path': ['float16'],
     'key': 'state/float16/.ATTRIBUTES/VARIABLE_VALUE',
     'type': 'Variable',
     'dtype': 'float16',
@@ -423,6 +450,17 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
       },
     },
   }
+  # One CRC-32 per distinct (2 x 4) block, of the saved dtype's bytes.
+  value = np.asarray(state['float16'].get_value())
+  assert len(shards) == 8
+  for shard in shards:
+    (r0, r1), (c0, c1) = shard['index']
+    block = np.ascontiguousarray(value[r0:r1, c0:c1])
+    assert shard['crc32'] == zlib.crc32(block.tobytes())
+  # Every file of the checkpoint, with its size.
+  for name, record in meta['files'].items():
+    assert os.path.getsize(os.path.join(path, name)) == record['bytes']
+  assert {'checkpoint', 'ckpt.index'} <= set(meta['files'])
 
 
 def test_checkpoint_metadata_records_layouts_as_data(
@@ -430,8 +468,7 @@ def test_checkpoint_metadata_records_layouts_as_data(
 ):
   state = _mixed_state(auto_mesh, transposed_mesh)
   path = fdt_tf.save_checkpoint(state, tmp_path / 'c')
-  with open(os.path.join(path, 'flax_dtensor.json')) as f:
-    records = json.load(f)['variables']
+  records = _records(path)
   shardings = {name: r['sharding'] for name, r in records.items()}
   mesh = {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]}
   # A dimension over two JAX axes is on one fused DTensor axis.
@@ -543,8 +580,16 @@ def test_restore_into_abstract_module(request, tmp_path, mesh_name):
   )
   with jax.set_mesh(mesh):
     abstract = nnx.eval_shape(lambda: MLP(nnx.Rngs(7, dropout=8)))
+    # The RNG state is not in the checkpoint: an abstract target must not
+    # keep it abstract.
+    with pytest.raises(
+      fdt.ExportError, match=r'drop/rngs/count, drop/rngs/key.*`rng_seed=`'
+    ):
+      fdt_tf.restore_checkpoint(
+        path, abstract, include=(nnx.Param, nnx.BatchStat)
+      )
     restored = fdt_tf.restore_checkpoint(
-      path, abstract, include=(nnx.Param, nnx.BatchStat)
+      path, abstract, include=(nnx.Param, nnx.BatchStat), rng_seed=5
     )
   assert restored is abstract
   kernel = restored.layers[0].kernel.get_value()
@@ -558,8 +603,21 @@ def test_restore_into_abstract_module(request, tmp_path, mesh_name):
     assert p == q
     assert b.get_value().sharding.is_equivalent_to(a.get_value().sharding, 2)
     assert _bits(b.get_value()) == _bits(a.get_value()), p
-  # The RNG state was left alone (still abstract).
-  assert isinstance(restored.drop.rngs.key.get_value(), jax.ShapeDtypeStruct)
+  # The RNG state is seeded from `rng_seed`, deterministically.
+  key = restored.drop.rngs.key.get_value()
+  assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  assert int(restored.drop.rngs.count.get_value()) == 0
+  with jax.set_mesh(mesh):
+    again = fdt_tf.restore_checkpoint(
+      path,
+      nnx.eval_shape(lambda: MLP(nnx.Rngs(0))),
+      include=(nnx.Param, nnx.BatchStat),
+      rng_seed=5,
+    )
+  np.testing.assert_array_equal(
+    jax.random.key_data(again.drop.rngs.key.get_value()),
+    jax.random.key_data(key),
+  )
 
 
 def test_restore_into_abstract_state_with_mesh_argument(
@@ -592,7 +650,7 @@ def test_restore_unsharded_target_goes_to_one_device(auto_mesh, tmp_path):
   with nnx.use_eager_sharding(False):
     plain = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
   assert plain.layers[0].kernel.get_value().sharding is None
-  fdt_tf.restore_checkpoint(path, plain)
+  fdt_tf.restore_checkpoint(path, plain, rng_seed=0)
   kernel = plain.layers[0].kernel.get_value()
   assert kernel.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
   np.testing.assert_array_equal(kernel, model.layers[0].kernel.get_value())
@@ -691,7 +749,7 @@ def test_optimizer_state_round_trip(auto_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(
     optimizer, tmp_path / 'opt', include=nnx.OptState
   )
-  keys = set(fdt_tf.read_checkpoint(path))
+  keys = set(map(_text, fdt_tf.read_checkpoint(path)))
   assert {'step', 'opt_state/0/count', 'opt_state/0/mu/layers/0/kernel'} <= keys
   assert 'opt_state/0/nu/norm/scale' in keys
   reader = tf.train.load_checkpoint(path)
@@ -720,10 +778,9 @@ def test_rng_keys_round_trip_on_request(auto_mesh, tmp_path):
     model, tmp_path / 'rng', include=nnx.RngState, exclude=nnx.Nothing
   )
   read = fdt_tf.read_checkpoint(path)
-  assert set(read) == {'drop/rngs/count', 'drop/rngs/key'}
+  assert set(map(_text, read)) == {'drop/rngs/count', 'drop/rngs/key'}
   assert read['drop/rngs/count'].dtype == np.uint32
-  with open(os.path.join(path, 'flax_dtensor.json')) as f:
-    meta = json.load(f)['variables']['drop/rngs/key']
+  meta = _records(path)['drop/rngs/key']
   assert meta['key_impl'] == 'threefry2x32'
   assert meta['stored_dtype'] == 'int64'
   other = _make_mlp(auto_mesh, seed=10)
@@ -825,11 +882,17 @@ def test_restore_never_narrows_a_saved_dtype(tmp_path, target_dtype):
     fdt.ExportError,
     match=rf"Dtype mismatch for 'w': the target expects {target_dtype}, the "
     r"checkpoint '.*f32/ckpt' has float32 \(saved as float32, stored as "
-    r'float32\)\. A restore never converts.*build the target with dtype '
-    r'float32.*restore and then cast.*`include=`/`exclude=`',
+    r'float32\)\. A restore does not convert unless asked.*build the '
+    r'target with dtype float32.*`convert_dtypes=True`.*`include=`/`exclude=`',
   ):
     fdt_tf.restore_checkpoint(path, target)
   np.testing.assert_array_equal(target['w'].get_value(), 0)
+  # Asked for, the conversion is JAX's `astype`.
+  fdt_tf.restore_checkpoint(path, target, convert_dtypes=True)
+  np.testing.assert_array_equal(
+    np.asarray(target['w'].get_value()),
+    np.asarray(saved['w'].get_value().astype(target['w'].get_value().dtype)),
+  )
 
 
 def test_restore_compares_the_saved_dtype_not_the_stored_one(tmp_path):
@@ -864,10 +927,19 @@ def test_restore_plain_tf_checkpoint_needs_the_same_dtype(
   name = np.dtype(saved).name
   with pytest.raises(
     fdt.ExportError,
-    match=rf'expects {target_dtype}.*has {name} \(holds {name}, and no '
-    r'flax_dtensor.json says otherwise\)',
+    match=rf'expects {target_dtype}.*has {name} \(holds {name}, and it has '
+    r'no manifest saying otherwise\).*`convert_dtypes=True`',
   ):
     fdt_tf.restore_checkpoint(prefix, _narrow_target(target_dtype))
+  target = fdt_tf.restore_checkpoint(
+    prefix, _narrow_target(target_dtype), convert_dtypes=True
+  )
+  np.testing.assert_array_equal(
+    np.asarray(target['w'].get_value()),
+    np.asarray(
+      jnp.asarray(np.asarray([[1, 2, 3, 700]] * 2, saved)).astype(target_dtype)
+    ),
+  )
 
 
 def _rewrite_metadata(path, edit):
@@ -879,35 +951,37 @@ def _rewrite_metadata(path, edit):
     json.dump(meta, f)
 
 
+def _edit_record(meta, **changes):
+  (record,) = meta['variables']
+  record.update(changes)
+
+
 def test_restore_checks_the_metadata(tmp_path):
   saved = nnx.Dict(w=nnx.Param(jnp.ones((2, 4), jnp.float16)))
   path = fdt_tf.save_checkpoint(saved, tmp_path / 'c')
   meta_path = os.path.join(path, 'flax_dtensor.json')
-
-  def says_float32(meta):
-    meta['variables']['w']['dtype'] = 'bfloat16'
-
-  _rewrite_metadata(path, says_float32)
+  with open(meta_path) as f:
+    original = f.read()
+  # A dtype edited to another one stored alike: the index agrees, the
+  # shard CRCs (over the saved bytes) do not.
+  _rewrite_metadata(path, lambda m: _edit_record(m, dtype='bfloat16'))
   with pytest.raises(
     fdt.ExportError,
-    match=r"holds 'w' as float32, but its flax_dtensor.json says bfloat16, "
-    r'expected stored as bfloat16.*Delete the flax_dtensor.json',
+    match=r'is recorded as bfloat16 stored as float32, but bfloat16 is '
+    r'stored as bfloat16.*Nothing was read into TensorFlow',
   ):
-    fdt_tf.restore_checkpoint(path, _narrow_target('bfloat16'))
+    fdt_tf.read_checkpoint(path)
 
-  def unknown_dtype(meta):
-    meta['variables']['w']['dtype'] = 'float99'
-
-  _rewrite_metadata(path, unknown_dtype)
+  _rewrite_metadata(path, lambda m: _edit_record(m, dtype='float99'))
   for read in (
     lambda: fdt_tf.restore_checkpoint(path, _narrow_target('float16')),
     lambda: fdt_tf.read_checkpoint(path),
   ):
     with pytest.raises(
-      fdt.ExportError, match=r"dtype 'float99' for 'w'.*Upgrade jax"
+      fdt.ExportError, match=r"records the dtype 'float99'.*Upgrade jax"
     ):
       read()
-  for text in ('{not json', '{"variables": {"w": 3}}', '[]'):
+  for text in ('{not json', '{"format": "flax_dtensor.checkpoint"}', '[]'):
     with open(meta_path, 'w') as f:
       f.write(text)
     for read in (
@@ -916,10 +990,13 @@ def test_restore_checks_the_metadata(tmp_path):
     ):
       with pytest.raises(
         fdt.ExportError,
-        match=r'flax_dtensor.json\' is not valid flax_dtensor metadata.*'
-        r'Delete it',
+        match=r"flax_dtensor.json' is not a valid flax_dtensor manifest.*"
+        r'move the file away',
       ):
         read()
+  with open(meta_path, 'w') as f:
+    f.write(original)
+  assert fdt_tf.read_checkpoint(path)['w'].dtype == np.float16
   # Without it, the checkpoint holds float32: restored as float32 only.
   os.remove(meta_path)
   assert fdt_tf.read_checkpoint(path)['w'].dtype == np.float32
@@ -937,7 +1014,7 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
   from jax.sharding import NamedSharding, PartitionSpec as P
   import flax_dtensor as fdt
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _export
+  from flax_dtensor.dtensor import _checkpoint
 
   fdt_tf.initialize()
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
@@ -948,6 +1025,9 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
   root = sys.argv[2]
   if sys.argv[1] == 'read':
     path = fdt_tf.save_checkpoint(state, os.path.join(root, 'ckpt'))
+    # Without its manifest (as if plain TF had written it), TF itself meets
+    # the damage.
+    os.remove(os.path.join(path, 'flax_dtensor.json'))
     for name in os.listdir(path):
       if name.startswith('ckpt.data'):
         with open(os.path.join(path, name), 'r+b') as f:
@@ -955,7 +1035,7 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
     run = lambda: fdt_tf.restore_checkpoint(path, state)
   else:
     open(os.path.join(root, 'a_file'), 'w').close()
-    _export._SCRATCH_DIR = os.path.join(root, 'a_file', 'parts')
+    _checkpoint._SCRATCH = os.path.join(root, 'a_file', 'parts')
     run = lambda: fdt_tf.save_checkpoint(state, os.path.join(root, 'new'))
   try:
     run()
@@ -972,8 +1052,8 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
     (
       'read',
       r"TensorFlow failed to read the NNX variables 'v', 'w' \(one DTensor "
-      r"mesh\) from the checkpoint '.*/ckpt/ckpt': expected an intact "
-      r'checkpoint, got (OutOfRange|DataLoss)Error: .*Check that every data '
+      r"mesh\) from the checkpoint '.*/ckpt/ckpt': "
+      r'(OutOfRange|DataLoss)Error: .*Check that every data '
       r'file .*re-export it\. TF DTensor cancels every later TensorFlow '
       r'operation of this process.*restart the process',
       'ckpt',
@@ -981,9 +1061,9 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
     (
       'write',
       r"TensorFlow failed to write the NNX variables 'v', 'w' \(one DTensor "
-      r"mesh\) to '.*/a_file/parts/mesh0': expected a writable directory, "
-      r'got FailedPreconditionError: .*Not a directory.*Check the disk and '
-      r'the path.*restart the process',
+      r"mesh\) to '.*/a_file/parts/mesh0': FailedPreconditionError: .*Not a "
+      r'directory.*Check the disk space, the permissions and the path.*'
+      r'restart the process',
       'a_file',
     ),
   ],
@@ -1018,7 +1098,9 @@ def test_batch_norm_statistics_round_trip_by_default(auto_mesh, tmp_path):
   mean = model.norm.mean.get_value()
   assert not np.allclose(mean, 0)
   path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
-  assert {'norm/mean', 'norm/var'} <= set(fdt_tf.read_checkpoint(path))
+  assert {('norm', 'mean'), ('norm', 'var')} <= set(
+    fdt_tf.read_checkpoint(path)
+  )
   fresh = _make_mlp(auto_mesh, seed=3)
   np.testing.assert_array_equal(fresh.norm.mean.get_value(), 0)
   fdt_tf.restore_checkpoint(path, fresh)
@@ -1083,18 +1165,21 @@ def test_interrupted_save_leaves_nothing(
     fdt_tf.save_checkpoint(model, target, include=nnx.BatchStat)
   seen = []
 
-  def fail(metadata, directory):
+  def fail(directory, *args):
     seen.append(_listing(directory))
     raise RuntimeError('disk on fire')
 
-  monkeypatch.setattr(_export, '_write_metadata', fail)
+  monkeypatch.setattr(_checkpoint, 'write_manifest', fail)
   with pytest.raises(RuntimeError, match='disk on fire'):
     fdt_tf.save_checkpoint(model, target, overwrite=overwrite)
   # The checkpoint data had been written into the temporary directory.
   assert 'ckpt.index' in seen[0]
   if overwrite:
     assert _listing(tmp_path) == ['ckpt']
-    assert set(fdt_tf.read_checkpoint(target)) == {'norm/mean', 'norm/var'}
+    assert set(fdt_tf.read_checkpoint(target)) == {
+      ('norm', 'mean'),
+      ('norm', 'var'),
+    }
   else:
     assert _listing(tmp_path) == []
 
@@ -1103,6 +1188,18 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
   target = tmp_path / 'out'
   target.mkdir()
   (target / 'old.txt').write_text('old')
+  # Only an export of this package may be overwritten: it has a manifest.
+  (target / 'flax_dtensor.json').write_text(
+    json.dumps(
+      {
+        'format': 'flax_dtensor.checkpoint',
+        'version': 3,
+        'checkpoint_prefix': 'ckpt',
+        'files': {},
+        'variables': [],
+      }
+    )
+  )
   real_rename = os.rename
   calls = []
 
@@ -1121,6 +1218,7 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
   assert re.fullmatch(r'\.out\.tmp-[0-9a-f]{8}', calls[1][0])
   assert _listing(tmp_path) == ['out']
   assert (target / 'old.txt').read_text() == 'old'
+  assert sorted(os.listdir(target)) == ['flax_dtensor.json', 'old.txt']
 
 
 # ---------------------------------------------------------------------------
@@ -1139,7 +1237,7 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(
   # Not a terminal: rich prints the finished bar once.
   assert re.search(r'flax_dtensor: to DTensor .*━+ 8/8 var', err), err
   assert 'writing 8 variables' in err
-  monkeypatch.setattr(_export, 'PROGRESS_MIN_VARIABLES', 2)
+  monkeypatch.setattr(_convert, 'PROGRESS_MIN_VARIABLES', 2)
   monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)
   fdt_tf.save_checkpoint(model, tmp_path / 'tty')
   assert 'writing 8 variables' in capsys.readouterr().err

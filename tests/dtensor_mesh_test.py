@@ -1,4 +1,4 @@
-"""Tests of flax_dtensor.dtensor's JAX <-> TF DTensor bridge (`_mesh.py`).
+"""Tests of flax_dtensor.dtensor's JAX <-> TF DTensor bridge (topology, layouts, arrays).
 
 Real TensorFlow and real JAX on 8 virtual CPU devices, no mocks. Every
 conversion is checked by values: a DTensor relayout to replicated (a TF
@@ -27,7 +27,7 @@ tf = pytest.importorskip('tensorflow')
 
 import flax_dtensor as fdt  # noqa: E402
 from flax_dtensor import dtensor as fdt_dtensor  # noqa: E402
-from flax_dtensor.dtensor import _mesh  # noqa: E402
+from flax_dtensor.dtensor import _topology  # noqa: E402
 
 dtensor = tf.experimental.dtensor
 P = jax.sharding.PartitionSpec
@@ -1012,4 +1012,6 @@ def test_most_recent_of_meshes_sharing_a_dtensor_mesh_wins():
 def test_errors_are_value_errors():
   assert issubclass(fdt.DTensorError, ValueError)
   assert issubclass(fdt.DTensorInitializationError, ValueError)
-  assert _mesh.NOT_INITIALIZED_MSG.startswith('TF DTensor is not initialized')
+  assert _topology.NOT_INITIALIZED_MSG.startswith(
+    'TF DTensor is not initialized'
+  )

@@ -365,7 +365,8 @@ def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
   )
   loaded = tf.saved_model.load(sm)
   flat = fdt_tf.flat_variables(loaded)
-  assert sorted(flat) == [
+  names = ['/'.join(map(str, k)) for k in flat]
+  assert sorted(names) == [
     'down/bias',
     'down/kernel',
     'norm/bias',
@@ -376,7 +377,7 @@ def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
     'up/kernel',
   ]
   serving = loaded.signatures['serving_default']
-  assert {v.name for v in serving.variables} == {f'{k}:0' for k in flat}
+  assert {v.name for v in serving.variables} == {f'{k}:0' for k in names}
   reader = tf.train.load_checkpoint(os.path.join(sm, 'variables', 'variables'))
   np.testing.assert_array_equal(
     reader.get_tensor(fdt_tf.checkpoint_key('up/kernel')),
@@ -393,7 +394,8 @@ def test_saved_model_records_its_variables(auto_mesh, tmp_path):
     meta = json.load(f)
   assert meta['format'] == 'flax_dtensor.saved_model'
   assert meta['checkpoint_prefix'] == 'variables/variables'
-  kernel = meta['variables']['up/kernel']
+  records = {'/'.join(map(str, r['path'])): r for r in meta['variables']}
+  kernel = records['up/kernel']
   assert kernel['type'] == 'Param'
   assert (kernel['dtype'], kernel['stored_dtype']) == ('float16', 'float32')
   assert kernel['sharding']['spec'] == [['data'], ['model']]
@@ -401,7 +403,11 @@ def test_saved_model_records_its_variables(auto_mesh, tmp_path):
     'sharding_specs': ['data', 'model'],
     'mesh': {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]},
   }
-  assert meta['variables']['norm/mean']['type'] == 'BatchStat'
+  assert records['norm/mean']['type'] == 'BatchStat'
+  # Every file of the SavedModel is recorded, with its size.
+  for name, record in meta['files'].items():
+    assert os.path.getsize(os.path.join(sm, name)) == record['bytes']
+  assert {'saved_model.pb', 'variables/variables.index'} <= set(meta['files'])
   # The SavedModel's variables read back in their own dtypes, through it.
   prefix = os.path.join(sm, 'variables', 'variables')
   read = fdt_tf.read_checkpoint(prefix)
@@ -409,7 +415,7 @@ def test_saved_model_records_its_variables(auto_mesh, tmp_path):
   np.testing.assert_array_equal(read['up/kernel'], net16.up.kernel.get_value())
   with jax.set_mesh(auto_mesh):
     abstract = nnx.eval_shape(lambda: Net(nnx.Rngs(5), dtype=jnp.float16))
-    restored = fdt_tf.restore_checkpoint(prefix, abstract)
+    restored = fdt_tf.restore_checkpoint(prefix, abstract, rng_seed=0)
   for name in ('up', 'down'):
     a = getattr(net16, name).kernel.get_value()
     b = getattr(restored, name).kernel.get_value()
@@ -469,9 +475,9 @@ def test_saved_model_errors(auto_mesh, tmp_path):
 
 
 def test_polymorphic_shape_strings():
-  from flax_dtensor.dtensor import _export
+  from flax_dtensor.dtensor import _saved_model
 
-  shape = _export._polymorphic_shape
+  shape = _saved_model._polymorphic_shape
   assert shape(tf.TensorSpec([None, 16]), 0) == '(b, 16)'
   assert shape(tf.TensorSpec([None]), 1) == '(b,)'
   assert shape(tf.TensorSpec([None, None, 3]), 2) == '(b, d2_1, 3)'
@@ -497,20 +503,22 @@ def _xla_call_module_versions(path):
 def test_calling_convention_follows_what_tf_runs(
   auto_mesh, tmp_path, monkeypatch
 ):
-  from flax_dtensor.dtensor import _export
+  from flax_dtensor.dtensor import _saved_model
 
   net = _trained(auto_mesh)
   spec = [tf.TensorSpec([None, 64], tf.float32)]
   current = jax.config.jax_export_calling_convention_version
-  assert current <= _export._tf_max_calling_convention()
+  assert current <= _saved_model._tf_max_calling_convention()
   sm = fdt_tf.save_saved_model(net, tmp_path / 'now', input_signature=spec)
   assert _xla_call_module_versions(sm) == {current}
   # An older TF: export with the newest version both run, set for the
   # exporting thread only (other threads keep the global setting).
   oldest = jax.export.minimum_supported_calling_convention_version
-  monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest)
+  monkeypatch.setattr(
+    _saved_model, '_tf_max_calling_convention', lambda: oldest
+  )
   seen = {}
-  write = _export._write_saved_model
+  write = _saved_model._write_saved_model
 
   def spy(*args):
     seen['here'] = jax.config.jax_export_calling_convention_version
@@ -523,12 +531,14 @@ def test_calling_convention_follows_what_tf_runs(
     other.join()
     return write(*args)
 
-  monkeypatch.setattr(_export, '_write_saved_model', spy)
+  monkeypatch.setattr(_saved_model, '_write_saved_model', spy)
   sm = fdt_tf.save_saved_model(net, tmp_path / 'old', input_signature=spec)
   assert _xla_call_module_versions(sm) == {oldest}
   assert seen == {'here': oldest, 'other': current}
   assert jax.config.jax_export_calling_convention_version == current
-  monkeypatch.setattr(_export, '_tf_max_calling_convention', lambda: oldest - 1)
+  monkeypatch.setattr(
+    _saved_model, '_tf_max_calling_convention', lambda: oldest - 1
+  )
   with pytest.raises(
     fdt.ExportError, match=rf'up to {oldest - 1} only.*newer TensorFlow'
   ):

@@ -6,29 +6,25 @@ imported only when one of these functions runs, never by
 any other TensorFlow operation.
 """
 
-# Low-level bridge: topology, meshes, layouts, arrays (_mesh.py).
-from flax_dtensor.dtensor._mesh import array_to_dtensor as array_to_dtensor
-from flax_dtensor.dtensor._mesh import dtensor_to_array as dtensor_to_array
-from flax_dtensor.dtensor._mesh import initialize as initialize
-from flax_dtensor.dtensor._mesh import is_initialized as is_initialized
-from flax_dtensor.dtensor._mesh import layout_for as layout_for
-from flax_dtensor.dtensor._mesh import mesh_to_dtensor as mesh_to_dtensor
-from flax_dtensor.dtensor._mesh import shutdown as shutdown
-
-# --- NNX state export (flax_dtensor/dtensor/_export.py) ---------------------
-# isort: split
-from flax_dtensor.dtensor._export import checkpoint_key as checkpoint_key
-from flax_dtensor.dtensor._export import flat_variables as flat_variables
-from flax_dtensor.dtensor._export import nnx_path as nnx_path
-from flax_dtensor.dtensor._export import read_checkpoint as read_checkpoint
-from flax_dtensor.dtensor._export import (
+from flax_dtensor.dtensor._arrays import array_to_dtensor as array_to_dtensor
+from flax_dtensor.dtensor._arrays import dtensor_to_array as dtensor_to_array
+from flax_dtensor.dtensor._checkpoint import save_checkpoint as save_checkpoint
+from flax_dtensor.dtensor._convert import flat_variables as flat_variables
+from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
+from flax_dtensor.dtensor._layouts import layout_for as layout_for
+from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
+from flax_dtensor.dtensor._names import checkpoint_key as checkpoint_key
+from flax_dtensor.dtensor._names import nnx_path as nnx_path
+from flax_dtensor.dtensor._restore import read_checkpoint as read_checkpoint
+from flax_dtensor.dtensor._restore import (
   restore_checkpoint as restore_checkpoint,
 )
-from flax_dtensor.dtensor._export import save_checkpoint as save_checkpoint
-from flax_dtensor.dtensor._export import save_saved_model as save_saved_model
-from flax_dtensor.dtensor._export import to_tf_module as to_tf_module
-
-# --- end of NNX state export -------------------------------------------------
+from flax_dtensor.dtensor._saved_model import (
+  save_saved_model as save_saved_model,
+)
+from flax_dtensor.dtensor._topology import initialize as initialize
+from flax_dtensor.dtensor._topology import is_initialized as is_initialized
+from flax_dtensor.dtensor._topology import shutdown as shutdown
 
 __all__ = (
   'array_to_dtensor',

@@ -1,0 +1,316 @@
+"""Writing checkpoints: NNX variables as a TF checkpoint of DTensor variables.
+
+`save_checkpoint` writes, atomically (`_atomic`), one DTensor sharded save
+per DTensor mesh (every process writes its own shards, straight from the
+JAX buffers), merges them into ``ckpt.*`` with the object graph
+``tf.train.Checkpoint`` needs, and writes the manifest (`_manifest`) last,
+with a CRC-32 of every shard (hashed while TF writes) and of every file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+from flax import nnx
+from flax.nnx import filterlib
+
+from flax_dtensor import _errors, _output
+from flax_dtensor.dtensor import (
+  _atomic,
+  _convert,
+  _manifest,
+  _names,
+  _paths,
+  _selection,
+  _tf,
+  _tf_errors,
+)
+
+if TYPE_CHECKING:
+  import tensorflow as tf
+
+# The checkpoint prefix inside a `save_checkpoint` directory.
+PREFIX = 'ckpt'
+# Scratch directory for the per-mesh partial checkpoints (removed after use).
+_SCRATCH = '.parts'
+_PART = 'flax_dtensor.part-{}.json'
+TF_POISONED_MSG = (
+  'TF DTensor cancels every later TensorFlow operation of this process '
+  'after such an error: restart the process once the cause is fixed.'
+)
+WRITE_FIX = (
+  'Check the disk space, the permissions and the path (on several hosts: a '
+  'filesystem every process sees).'
+)
+
+
+def by_mesh(tensors: Sequence[tf.Tensor]) -> list[tuple[Any, list[int]]]:
+  """Groups DTensors by DTensor mesh: [(mesh, indices)], in first-seen order.
+
+  TF DTensor saves and restores the tensors of one mesh at a time (a save
+  op mixing meshes fails in DTensor's mesh propagation). A fused mesh axis
+  (`P(('data', 'model'))`) or a single-device array has a mesh of its own.
+  """
+  dtensor = _tf.dtensor()
+  groups: dict[str, tuple[Any, list[int]]] = {}
+  for i, t in enumerate(tensors):
+    mesh = dtensor.fetch_layout(t).mesh
+    groups.setdefault(mesh.to_string(), (mesh, []))[1].append(i)
+  return list(groups.values())
+
+
+def _write_object_graph(
+  entries: Sequence[_selection.Entry], directory: str
+) -> str:
+  """Writes the checkpoint's object graph; returns the prefix written.
+
+  `tf.train.Checkpoint` records how the variables hang off the root (the
+  `_CHECKPOINTABLE_OBJECT_GRAPH` key), which its `read` needs. The graph of a
+  module of placeholder scalars with the same structure and names is the
+  same, so it is taken from one.
+  """
+  tf = _tf.tf()
+  skeleton = _convert.make_module(
+    (e.path, tf.Variable(False, name=_names.variable_name(e.path)))
+    for e in entries
+  )
+  scratch = tf.train.Checkpoint(skeleton).write(
+    os.path.join(directory, 'skeleton')
+  )
+  graph = tf.train.load_checkpoint(scratch).get_tensor(_names.OBJECT_GRAPH_KEY)
+  prefix = os.path.join(directory, 'object_graph')
+  tf.raw_ops.SaveV2(
+    prefix=prefix,
+    tensor_names=[_names.OBJECT_GRAPH_KEY],
+    shape_and_slices=[''],
+    tensors=[tf.constant(graph)],
+  )
+  return prefix
+
+
+def _write_tf_checkpoint(
+  entries: Sequence[_selection.Entry],
+  tensors: Sequence[tf.Tensor],
+  directory: str,
+) -> None:
+  """Writes `directory/ckpt.*` (all processes, collectively)."""
+  tf = _tf.tf()
+  dtensor = _tf.dtensor()
+  scratch = os.path.join(directory, _SCRATCH)
+  prefixes = []
+  for i, (mesh, indices) in enumerate(by_mesh(tensors)):
+    prefix = os.path.join(scratch, f'mesh{i}')
+    try:
+      dtensor.sharded_save(
+        mesh,
+        prefix,
+        [entries[j].key for j in indices],
+        [''] * len(indices),
+        [tensors[j] for j in indices],
+      )
+    except tf.errors.OpError as e:
+      raise _errors.ExportError(
+        'TensorFlow failed to write the NNX variables '
+        f'{_selection.names(entries[j] for j in indices)} (one DTensor mesh) '
+        f'to {prefix!r}: {_tf_errors.describe(e)}. {WRITE_FIX} '
+        + TF_POISONED_MSG
+      ) from e
+    prefixes.append(prefix)
+  if jax.process_index() == 0:
+    prefixes.append(_write_object_graph(entries, scratch))
+    tf.raw_ops.MergeV2Checkpoints(
+      checkpoint_prefixes=prefixes,
+      destination_prefix=os.path.join(directory, PREFIX),
+      delete_old_dirs=True,
+    )
+    shutil.rmtree(scratch, ignore_errors=True)
+    # `tf.train.load_checkpoint(directory)` and `latest_checkpoint` need
+    # it; relative, since the directory is renamed after writing.
+    with open(os.path.join(directory, 'checkpoint'), 'w') as f:
+      f.write(
+        f'model_checkpoint_path: "{PREFIX}"\n'
+        f'all_model_checkpoint_paths: "{PREFIX}"\n'
+      )
+
+
+def records(
+  entries: Sequence[_selection.Entry],
+  values: Sequence[jax.Array],
+  tensors: Sequence[Any],
+  shards: Sequence[Sequence[tuple[Any, int]]],
+) -> tuple[_manifest.Record, ...]:
+  """The manifest's variable records."""
+  dtensor = _tf.dtensor()
+  return tuple(
+    _manifest.Record(
+      path=e.path,
+      key=e.key,
+      type=type(e.variable).__name__,
+      dtype=e.dtype.name,
+      stored_dtype=e.stored_dtype.name,
+      shape=e.shape,
+      key_impl=e.key_impl,
+      sharding=_manifest.sharding_record(
+        v.sharding, dtensor.fetch_layout(t), len(e.shape)
+      ),
+      shards=tuple(s),
+    )
+    for e, v, t, s in zip(entries, values, tensors, shards, strict=True)
+  )
+
+
+def gather_shards(
+  futures: Sequence[concurrent.futures.Future], directory: str
+) -> list[list[tuple[Any, int]]] | None:
+  """Every process's shard CRCs, on process 0 (None elsewhere).
+
+  Each process writes its own to a part file in the (shared) export
+  directory; process 0 reads them all after a barrier and merges them.
+  """
+  mine = [f.result() for f in futures]
+  if jax.process_count() == 1:
+    return mine
+  path = os.path.join(directory, _PART.format(jax.process_index()))
+  with open(path, 'w') as f:
+    json.dump([[[list(map(list, i)), c] for i, c in v] for v in mine], f)
+  _atomic.sync('manifest-parts')
+  if jax.process_index() != 0:
+    return None
+  merged: list[dict[Any, int]] = [{} for _ in mine]
+  for p in range(jax.process_count()):
+    part = os.path.join(directory, _PART.format(p))
+    with open(part) as f:
+      for i, shards in enumerate(json.load(f)):
+        for index, crc in shards:
+          merged[i][tuple(tuple(d) for d in index)] = crc
+    os.remove(part)
+  return [sorted(m.items()) for m in merged]
+
+
+def write_manifest(
+  root: str,
+  kind: str,
+  prefix: str,
+  recs: tuple[_manifest.Record, ...],
+  pool: concurrent.futures.Executor,
+) -> None:
+  """Hashes every file under `root` and writes the manifest (process 0)."""
+  names = [
+    n
+    for n in _manifest.files_under(root)
+    if os.path.basename(n) != _atomic.MARKER
+  ]
+  manifest = _manifest.Manifest(
+    kind=kind,
+    version=_manifest.VERSION,
+    root=root,
+    prefix=prefix,
+    files=_manifest.file_sums(root, names, pool),
+    records=recs,
+  )
+  _manifest.write(manifest)
+
+
+def save_checkpoint(
+  module_or_state: Any,
+  directory: str | os.PathLike[str],
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = nnx.RngState,
+  overwrite: bool = False,
+  progress: bool | None = None,
+) -> str:
+  """Writes NNX variables as a TF checkpoint of DTensor variables.
+
+  Each process writes only its own shards, straight from the JAX buffers
+  (nothing is gathered). The result is an ordinary `tf.train.Checkpoint`:
+  plain single-process TensorFlow reads it with
+  `tf.train.load_checkpoint(directory)`, without DTensor, under the keys of
+  `checkpoint_key` (float16, float8, uint16 and uint32 stored widened). Next
+  to it, `flax_dtensor.json` records every variable's exact path, dtype,
+  shape, layout and a CRC-32 of each shard, and a CRC-32 of every file, so
+  that `restore_checkpoint` and `read_checkpoint` can check what they read.
+  By default every variable but RNG state is saved.
+
+  The directory appears atomically, complete or not at all, even if the
+  process is killed: a later save or restore at the same path finishes or
+  undoes an interrupted overwrite and removes what a dead writer left.
+  `overwrite=True` replaces only an export of this package (or an empty
+  directory).
+
+  In a multi-process run every process must call this with the same
+  arguments (see the export guide for the recipe).
+
+  Args:
+    module_or_state: An NNX module, graph node (`nnx.Optimizer`) or
+      `nnx.State` holding concrete, sharded `jax.Array`s.
+    directory: The checkpoint directory to create: a local path (or a
+      locally mounted network filesystem); its parent must exist.
+    include: NNX filter of the variables to save (default: every variable;
+      e.g. `nnx.Param` for the parameters only, `nnx.OptState` for an
+      `nnx.Optimizer`'s state).
+    exclude: NNX filter of variables to leave out (default: RNG state).
+    overwrite: Replace `directory` if it is an export of this package.
+    progress: Show a progress bar; None shows one from 16 variables when
+      stderr is a terminal.
+
+  Returns:
+    The absolute path of the checkpoint directory.
+
+  Raises:
+    DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
+      not called.
+    NotAModelError: If `module_or_state` is not an NNX module or state.
+    ExportError: If `directory` is a URL, exists and `overwrite` is false,
+      is not an export of this package, its parent does not exist, no
+      variable is selected, a variable cannot be exported (e.g. uint64), or
+      writing fails (the message names the cause and the fix).
+
+  Example:
+    >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP
+    >>> tf.train.load_checkpoint(path).get_tensor(  # doctest: +SKIP
+    ...   checkpoint_key('linear/kernel'))
+  """
+  directory = _paths.local(directory, 'checkpoint directory')
+  entries = _selection.select(
+    module_or_state, include, exclude, what='module_or_state'
+  )
+  show = _convert.show_progress(progress, len(entries))
+  with _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX):
+    values, tensors = [], []
+    for e in _convert.progress(
+      entries, show=show, total=len(entries), desc='flax_dtensor: to DTensor'
+    ):
+      values.append(_selection.to_jax_array(e))
+      tensors.append(_convert.to_dtensor(e, widen=True, value=values[-1]))
+    with (
+      _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+      concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+    ):
+      nbytes = sum(e.nbytes for e in entries)
+      _output.announce(
+        show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
+      )
+      start = time.perf_counter()
+      hashing = _manifest.shard_checksums(values, pool)
+      _write_tf_checkpoint(entries, tensors, tmp)
+      shards = gather_shards(hashing, tmp)
+      if shards is not None:
+        write_manifest(
+          tmp,
+          _manifest.CHECKPOINT_FORMAT,
+          PREFIX,
+          records(entries, values, tensors, shards),
+          pool,
+        )
+      _output.announce(
+        show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
+      )
+  return directory

@@ -1,0 +1,214 @@
+"""TF DTensor's set-up, mirroring this process's JAX topology.
+
+`initialize` gives TF one logical CPU device per local JAX device and one
+DTensor client per JAX process; `shutdown` undoes it; `require_initialized`
+guards every conversion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from flax_dtensor import _errors
+from flax_dtensor.dtensor import _tf
+
+NOT_INITIALIZED_MSG = (
+  'TF DTensor is not initialized: expected flax_dtensor.dtensor.initialize() '
+  'to have been called. Call it once per process, before any other '
+  'TensorFlow operation (it sets up one TF logical CPU device per local JAX '
+  'device).'
+)
+_ENV_HELP = (
+  'In a multi-process job, call jax.distributed.initialize() before '
+  'flax_dtensor.dtensor.initialize(). Set, in every process and before '
+  'initialize(): DTENSOR_JOBS to a '
+  'comma-separated list of one free host:port per JAX process, in '
+  'jax.process_index() order (the same list everywhere); DTENSOR_CLIENT_ID to '
+  'jax.process_index(); and DTENSOR_JOB_NAME to one job name shared by all '
+  'processes (e.g. "worker"). For a single process leave DTENSOR_JOBS unset.'
+)
+
+_lock = threading.RLock()
+_topology_checked = False
+# Called by `shutdown`: caches of DTensor meshes built for the old context.
+_on_shutdown: list[Callable[[], None]] = []
+
+
+def initialize(*, reset_context: bool = False) -> None:
+  """Sets up TF DTensor to mirror the JAX topology of this process.
+
+  Configures one TF logical CPU device per local JAX device
+  (`jax.local_device_count()`), and one DTensor client per JAX process: in a
+  multi-process job, the environment variables `DTENSOR_JOBS`,
+  `DTENSOR_CLIENT_ID` and `DTENSOR_JOB_NAME` must describe the same processes
+  as `jax.distributed.initialize` (client id == `jax.process_index()`).
+
+  Call it once per process, before any other TensorFlow operation (TF fixes
+  its devices the first time it runs anything). Calling it again is a no-op.
+
+  Args:
+    reset_context: Escape hatch when TensorFlow already ran something: reset
+      TF's context first. Every TF object created before (tensors, variables)
+      becomes invalid. Prefer calling `initialize()` earlier.
+
+  Raises:
+    DTensorInitializationError: If TF was already initialized (and
+      `reset_context` is False), if the DTensor client environment does not
+      match the JAX processes, or if DTensor was set up elsewhere with a
+      different number of devices.
+    ImportError: If TensorFlow is not installed.
+  """
+  global _topology_checked
+  dt = _tf.dtensor()
+  with _lock:
+    if _tf.accelerator_util().is_initialized():
+      _check_topology()
+      return
+    _check_client_env()
+    try:
+      with warnings.catch_warnings():
+        # TF's reset path calls the deprecated `logging.warn`.
+        warnings.simplefilter('ignore', DeprecationWarning)
+        dt.initialize_accelerator_system(
+          device_type='CPU',
+          num_logical_cpu_devices=jax.local_device_count(),
+          experimental_reset_context=reset_context,
+        )
+    except ValueError as e:
+      if 'already been initialized' not in str(e):
+        raise
+      raise _errors.DTensorInitializationError(
+        'TensorFlow was already initialized: expected '
+        'flax_dtensor.dtensor.initialize() to run before any other '
+        'TensorFlow operation, but TF already ran something (got '
+        f'{str(e).splitlines()[0]!r}). Call '
+        'flax_dtensor.dtensor.initialize() first thing in the program, or '
+        'pass `reset_context=True` (invalidates every existing TF tensor '
+        'and variable).'
+      ) from e
+    _topology_checked = False
+    _check_topology()
+
+
+def shutdown() -> None:
+  """Shuts TF DTensor down and forgets every DTensor mesh built here.
+
+  Every TF object created under DTensor (tensors, variables) becomes invalid.
+  `initialize()` may be called again afterwards.
+
+  TensorFlow cannot shut DTensor down in multi-client mode (several
+  processes): there, keep it initialized until the processes exit.
+
+  Raises:
+    DTensorInitializationError: If DTensor is not initialized, or runs in
+      multi-client mode.
+  """
+  global _topology_checked
+  with _lock:
+    if not is_initialized():
+      raise _errors.DTensorInitializationError(
+        'flax_dtensor.dtensor.shutdown() was called but TF DTensor is not '
+        'initialized: expected a prior flax_dtensor.dtensor.initialize(). '
+        'Nothing to shut down.'
+      )
+    dt = _tf.dtensor()
+    if dt.num_clients() > 1:
+      raise _errors.DTensorInitializationError(
+        'TF DTensor cannot be shut down in multi-client mode: expected a '
+        f'single client, got {dt.num_clients()} clients '
+        f'(DTENSOR_JOBS={os.environ.get("DTENSOR_JOBS")!r}). TensorFlow does '
+        'not support it; keep DTensor initialized until the processes exit.'
+      )
+    dt.shutdown_accelerator_system()
+    # TF keeps its DTensor device, bound to the context just reset; a later
+    # initialize() would then fail every pack ('device:CUSTOM:0 unknown
+    # device'). Drop it so that the next use creates a new one.
+    api = importlib.import_module('tensorflow.dtensor.python.api')
+    reset = getattr(api, '_reset', None)
+    if reset is not None:
+      reset()
+    _topology_checked = False
+    for clear in _on_shutdown:
+      clear()
+
+
+def is_initialized() -> bool:
+  """Returns whether TF DTensor is initialized (never imports TensorFlow)."""
+  if not _tf.is_imported():
+    return False
+  return bool(_tf.accelerator_util().is_initialized())
+
+
+def _expected_clients() -> tuple[int, int, str | None, str | None]:
+  jobs = os.environ.get('DTENSOR_JOBS')
+  raw_id = os.environ.get('DTENSOR_CLIENT_ID')
+  num_clients = len(jobs.split(',')) if jobs else 1
+  try:
+    client_id = int(raw_id) if raw_id is not None else 0
+  except ValueError:
+    client_id = -1
+  return num_clients, client_id, jobs, raw_id
+
+
+def _check_client_env() -> None:
+  """Checks the DTENSOR_* environment against the JAX processes."""
+  num_clients, client_id, jobs, raw_id = _expected_clients()
+  if jobs is not None and not jobs.strip():
+    raise _errors.DTensorInitializationError(
+      'DTENSOR_JOBS is set but empty: expected it unset (one process) or a '
+      f'list of {jax.process_count()} host:port entries, got {jobs!r}. '
+      + _ENV_HELP
+    )
+  if num_clients != jax.process_count() or client_id != jax.process_index():
+    raise _errors.DTensorInitializationError(
+      'TF DTensor must have one client per JAX process: expected '
+      f'{jax.process_count()} DTensor client(s) and client id '
+      f'{jax.process_index()} (jax.process_count() and '
+      f'jax.process_index()), got {num_clients} client(s) from '
+      f'DTENSOR_JOBS={jobs!r} and client id {raw_id!r} from '
+      f'DTENSOR_CLIENT_ID (DTENSOR_JOB_NAME='
+      f'{os.environ.get("DTENSOR_JOB_NAME")!r}). ' + _ENV_HELP
+    )
+
+
+def _check_topology() -> None:
+  """Checks that initialized DTensor mirrors the JAX topology (cached)."""
+  global _topology_checked
+  if _topology_checked:
+    return
+  dt = _tf.dtensor()
+  num_tf = dt.num_local_devices('CPU')
+  if num_tf != jax.local_device_count():
+    raise _errors.DTensorInitializationError(
+      'TF DTensor must have one logical CPU device per local JAX device: '
+      f'expected {jax.local_device_count()} (jax.local_device_count()), got '
+      f'{num_tf}. DTensor was probably initialized by other code; call '
+      'flax_dtensor.dtensor.initialize() instead, before any other '
+      'TensorFlow operation.'
+    )
+  if dt.num_clients() != jax.process_count() or (
+    dt.client_id() != jax.process_index()
+  ):
+    raise _errors.DTensorInitializationError(
+      'TF DTensor must have one client per JAX process: expected '
+      f'{jax.process_count()} client(s) and client id '
+      f'{jax.process_index()}, got {dt.num_clients()} client(s) and client '
+      f'id {dt.client_id()}. ' + _ENV_HELP
+    )
+  _topology_checked = True
+
+
+def require_initialized() -> Any:
+  """Returns the dtensor module, or raises if DTensor is not set up."""
+  if not is_initialized():
+    raise _errors.DTensorInitializationError(NOT_INITIALIZED_MSG)
+  with _lock:
+    _check_topology()
+  return _tf.dtensor()

@@ -1,0 +1,608 @@
+"""Nothing lost, nothing left behind: manifests, names, overwrites, recovery.
+
+Each test is one row of what could go wrong with a model that took weeks to
+train: a checkpoint damaged on disk or edited by hand, a restore into the
+wrong model, an overwrite of a directory that is not ours, a save killed
+between its two renames, names that collide.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+tf = pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+from flax_dtensor.dtensor import _atomic, _names  # noqa: E402
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _dtensor_initialized():
+  fdt_tf.initialize()
+
+
+def _model(mesh, seed=0, width=16):
+  """Two sharded params and a replicated one, by seed."""
+  key = jax.random.key(seed)
+  return nnx.Dict(
+    w=nnx.Param(
+      jax.device_put(
+        jax.random.normal(key, (8, width)),
+        NamedSharding(mesh, P('data', 'model')),
+      )
+    ),
+    b=nnx.Param(
+      jax.device_put(
+        jnp.arange(width, dtype=jnp.float32) + seed, NamedSharding(mesh, P())
+      )
+    ),
+    n=nnx.BatchStat(
+      jax.device_put(
+        jnp.full((4,), seed, jnp.int32), NamedSharding(mesh, P('data'))
+      )
+    ),
+  )
+
+
+def _same(read, model):
+  for path, variable in nnx.to_flat_state(nnx.state(model)):
+    np.testing.assert_array_equal(read[path], np.asarray(variable.get_value()))
+
+
+def _listing(path):
+  return sorted(os.listdir(path))
+
+
+# The manifest is checked
+# ------------------------------------------------------------------------------
+
+
+def test_manifest_records_every_variable_and_file(explicit_mesh, tmp_path):
+  model = _model(explicit_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  with open(os.path.join(path, 'flax_dtensor.json')) as f:
+    meta = json.load(f)
+  records = {tuple(r['path']): r for r in meta['variables']}
+  assert set(records) == {('w',), ('b',), ('n',)}
+  assert records[('w',)]['shape'] == [8, 16]
+  assert len(records[('w',)]['shards']) == 8  # 2 x 4 distinct blocks.
+  assert len(records[('b',)]['shards']) == 1  # Replicated: one copy.
+  assert sorted(meta['files']) == sorted(
+    n for n in os.listdir(path) if n != 'flax_dtensor.json'
+  )
+
+
+def _corrupt(path, name, how):
+  target = os.path.join(path, name)
+  with open(target, 'r+b') as f:
+    data = bytearray(f.read())
+    if how == 'flip':
+      data[len(data) // 2] ^= 0xFF
+    elif how == 'zero':
+      data = bytearray(len(data))
+    elif how == 'truncate':
+      data = data[: len(data) // 2]
+    f.seek(0)
+    f.truncate()
+    f.write(bytes(data))
+
+
+@pytest.mark.parametrize(
+  'name, how, match',
+  [
+    ('ckpt.index', 'flip', r'ckpt\.index bytes 0\.\.\d+ changed'),
+    ('ckpt.index', 'zero', r'ckpt\.index bytes 0\.\.\d+ changed'),
+    ('ckpt.index', 'truncate', r'ckpt\.index has \d+ bytes, not \d+'),
+    ('data', 'flip', r'ckpt\.data-\d+-of-\d+ bytes 0\.\.\d+ changed'),
+    ('data', 'truncate', r'ckpt\.data-\d+-of-\d+ has \d+ bytes, not \d+'),
+    ('checkpoint', 'zero', r'checkpoint bytes 0\.\.\d+ changed'),
+  ],
+  ids=[
+    'index-flipped',
+    'index-zeroed',
+    'index-truncated',
+    'data-flipped',
+    'data-truncated',
+    'state-zeroed',
+  ],
+)
+def test_damaged_files_are_refused_before_tf_reads(
+  explicit_mesh, tmp_path, name, how, match
+):
+  model = _model(explicit_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  if name == 'data':  # The biggest data file: the variables' values.
+    name = max(
+      (n for n in os.listdir(path) if n.startswith('ckpt.data')),
+      key=lambda n: os.path.getsize(os.path.join(path, n)),
+    )
+  _corrupt(path, name, how)
+  for read in (
+    lambda: fdt_tf.read_checkpoint(path),
+    lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
+  ):
+    with pytest.raises(
+      fdt.ExportError,
+      match=rf'is damaged: {match}.*Nothing was read into TensorFlow',
+    ):
+      read()
+
+
+def test_missing_file_is_refused(explicit_mesh, tmp_path):
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  os.remove(os.path.join(path, 'ckpt.index'))
+  with pytest.raises(fdt.ExportError, match=r'damaged: ckpt\.index is missing'):
+    fdt_tf.read_checkpoint(path)
+
+
+# A damaged checkpoint must not break TF for the next one: in a fresh process,
+# a damaged restore fails in our words, then a good restore and a save work.
+_NOT_POISONED = textwrap.dedent(
+  """
+  import os, sys
+  import jax, jax.numpy as jnp, numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  def model(seed):
+    return nnx.Dict(w=nnx.Param(jax.device_put(
+        jnp.full((8, 16), seed, jnp.float32), NamedSharding(mesh, P('data')))))
+  root = sys.argv[1]
+  good = fdt_tf.save_checkpoint(model(1), os.path.join(root, 'good'))
+  bad = fdt_tf.save_checkpoint(model(2), os.path.join(root, 'bad'))
+  data = max((n for n in os.listdir(bad) if n.startswith('ckpt.data')),
+             key=lambda n: os.path.getsize(os.path.join(bad, n)))
+  with open(os.path.join(bad, data), 'r+b') as f:
+    f.seek(100)
+    f.write(b'garbage')
+  try:
+    fdt_tf.restore_checkpoint(bad, model(0))
+    print('NOT REFUSED')
+  except fdt.ExportError as e:
+    print('REFUSED', 'damaged' in str(e))
+  target = fdt_tf.restore_checkpoint(good, model(0))
+  print('GOOD', float(np.asarray(target['w'].get_value()).mean()))
+  fdt_tf.save_checkpoint(target, os.path.join(root, 'again'))
+  print('SAVED', sorted(fdt_tf.read_checkpoint(os.path.join(root, 'again'))))
+  """
+)
+
+
+def test_a_damaged_checkpoint_does_not_break_the_next_ones(tmp_path):
+  script = tmp_path / 'script.py'
+  script.write_text(_NOT_POISONED)
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  out = subprocess.run(
+    [sys.executable, str(script), str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.strip().splitlines()
+  assert lines == ['REFUSED True', 'GOOD 1.0', "SAVED [('w',)]"]
+
+
+def _edit_manifest(path, edit):
+  file = os.path.join(path, 'flax_dtensor.json')
+  with open(file) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(file, 'w') as f:
+    json.dump(meta, f)
+
+
+def _record_of(meta, name):
+  (record,) = [r for r in meta['variables'] if r['path'] == [name]]
+  return record
+
+
+@pytest.mark.parametrize(
+  'edit, match',
+  [
+    (
+      lambda m: _record_of(m, 'w').update(shape=[16, 8]),
+      r'w has shape \(8, 16\) in the data, \(16, 8\) in the manifest',
+    ),
+    (
+      lambda m: _record_of(m, 'n').update(
+        dtype='float32', stored_dtype='float32'
+      ),
+      r'n is stored as int32 in the data, as float32 in the manifest',
+    ),
+    (
+      lambda m: m['variables'].remove(_record_of(m, 'b')),
+      r'the data holds b, which the manifest does not list',
+    ),
+    (
+      lambda m: _record_of(m, 'w')['shards'][0].update(crc32=12345),
+      r'w\[0:4, 0:4\] read back with CRC-32 [0-9a-f]{8}, recorded 00003039',
+    ),
+  ],
+  ids=['shape', 'dtype', 'dropped-record', 'shard-crc'],
+)
+def test_an_edited_manifest_is_refused(explicit_mesh, tmp_path, edit, match):
+  model = _model(explicit_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  _edit_manifest(path, edit)
+  for read in (
+    lambda: fdt_tf.read_checkpoint(path),
+    lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
+  ):
+    with pytest.raises(fdt.ExportError, match=rf'is damaged: {match}'):
+      read()
+
+
+def test_read_checkpoint_never_casts(explicit_mesh, tmp_path):
+  # The dtype of a float32 variable edited to bfloat16: stored alike? No:
+  # bfloat16 is stored as itself, so the index disagrees at once. And to
+  # float16, stored as float32 like float32: the shard CRCs disagree.
+  model = nnx.Dict(w=nnx.Param(jnp.linspace(0, 1, 512, dtype=jnp.float32)))
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='float16'))
+  with pytest.raises(
+    fdt.ExportError, match=r'w\[0:512\] read back with CRC-32'
+  ):
+    fdt_tf.read_checkpoint(path)
+  _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='bfloat16'))
+  with pytest.raises(fdt.ExportError, match='bfloat16 is stored as bfloat16'):
+    fdt_tf.read_checkpoint(path)
+
+
+def test_restore_into_another_model_is_refused(explicit_mesh, tmp_path):
+  model = _model(explicit_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  smaller = nnx.Dict(w=nnx.Param(jnp.zeros((8, 16))))
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'holds 2 variable\(s\) the target does not have: b, n.*'
+    r'`allow_extra=True`',
+  ):
+    fdt_tf.restore_checkpoint(path, smaller)
+  np.testing.assert_array_equal(smaller['w'].get_value(), 0)
+  fdt_tf.restore_checkpoint(path, smaller, allow_extra=True)
+  np.testing.assert_array_equal(
+    smaller['w'].get_value(), np.asarray(model['w'].get_value())
+  )
+  # A restore with a narrower filter is not "another model".
+  target = _model(explicit_mesh, seed=1)
+  fdt_tf.restore_checkpoint(path, target, include=nnx.Param)
+  np.testing.assert_array_equal(target['n'].get_value(), 1)
+  np.testing.assert_array_equal(
+    target['b'].get_value(), np.asarray(model['b'].get_value())
+  )
+
+
+def test_os_errors_are_ours(explicit_mesh, tmp_path, monkeypatch):
+  model = _model(explicit_mesh)
+  # A real OS error, whoever runs the tests: a name too long.
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'File name too long.*Check the path and its permissions',
+  ):
+    fdt_tf.save_checkpoint(model, tmp_path / ('x' * 300))
+
+  # A read-only parent directory. Tests here run as root, who may write
+  # anywhere, so the OS's refusal is simulated where the save would meet it.
+  def refuse(path, *args, **kwargs):
+    raise PermissionError(13, 'Permission denied', path)
+
+  monkeypatch.setattr(_atomic.os, 'mkdir', refuse)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'Permission denied.*Check the path and its permissions',
+  ):
+    fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  assert _listing(tmp_path) == []
+
+
+def test_permission_errors_are_ours_even_for_root(explicit_mesh, tmp_path):
+  """A path through a file: the OS refuses whoever asks."""
+  (tmp_path / 'a_file').write_text('x')
+  with pytest.raises(fdt.ExportError, match=r'parent directory .* not exist'):
+    fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'a_file' / 'c')
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  os.remove(os.path.join(path, 'flax_dtensor.json'))
+  with open(os.path.join(path, 'ckpt.index'), 'wb') as f:
+    f.write(b'not an index')
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'Reading the index of the checkpoint .* failed in TensorFlow: '
+    r'.*The checkpoint is damaged or not a TF checkpoint: restore it from an '
+    r'intact copy',
+  ):
+    fdt_tf.read_checkpoint(path)
+
+
+# Names cannot collide
+# ------------------------------------------------------------------------------
+
+
+def test_paths_that_differ_by_a_slash_or_a_type_stay_apart(tmp_path):
+  model = nnx.Dict(
+    {
+      'x': nnx.Dict(
+        {
+          'a/b': nnx.Param(jnp.zeros((2,), jnp.float32)),
+          'a': nnx.Dict({'b': nnx.Param(jnp.ones((3,), jnp.int32))}),
+          'c.d e': nnx.Param(jnp.full((1,), 2.0)),
+          'ü': nnx.Param(jnp.full((1,), 3.0)),
+          '0': nnx.Param(jnp.full((1,), 4.0)),
+          '~1': nnx.Param(jnp.full((1,), 5.0)),
+        }
+      ),
+      'l': nnx.List([nnx.Param(jnp.full((1,), 6.0))]),
+    }
+  )
+  expected = {
+    p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))
+  }
+  assert len(expected) == 7
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  read = fdt_tf.read_checkpoint(path)
+  assert set(read) == set(expected)
+  for p, value in expected.items():
+    assert read[p].dtype == value.dtype, p
+    np.testing.assert_array_equal(read[p], value)
+  assert isinstance(next(k for k in read if k[0] == 'l')[1], int)
+  assert ('x', '0') in read and ('x', 0) not in read
+  flat = fdt_tf.flat_variables(fdt_tf.to_tf_module(model))
+  assert set(flat) == set(expected)
+  # The model just saved restores.
+  fresh = jax.tree.map(jnp.zeros_like, model)
+  fdt_tf.restore_checkpoint(path, fresh)
+  for p, variable in nnx.to_flat_state(nnx.state(fresh)):
+    np.testing.assert_array_equal(np.asarray(variable.get_value()), expected[p])
+
+
+_KEY = st.one_of(
+  st.integers(min_value=0, max_value=10**6),
+  st.text(
+    alphabet=st.characters(blacklist_categories=('Cs',)), min_size=0, max_size=6
+  ),
+  st.sampled_from(['', '0', '-1', '~', '~0', '.', '..', '/', 'a/b', 'a.S']),
+)
+
+
+@hypothesis.settings(max_examples=3000, deadline=None, derandomize=True)
+@hypothesis.given(
+  st.lists(st.lists(_KEY, min_size=1, max_size=4), min_size=2, max_size=2)
+)
+def test_checkpoint_keys_are_injective(paths):
+  a, b = map(tuple, paths)
+  for p in (a, b):
+    assert fdt_tf.nnx_path(fdt_tf.checkpoint_key(p)) == p
+  if a != b:
+    assert fdt_tf.checkpoint_key(a) != fdt_tf.checkpoint_key(b)
+
+
+def test_path_keys_that_are_neither_str_nor_int_are_refused():
+  with pytest.raises(fdt.ExportError, match=r'str or int, got float 1\.5'):
+    fdt_tf.checkpoint_key(('a', 1.5))
+
+
+# Never destroy what is not ours
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'where, why',
+  [
+    ('cwd', 'the current directory or one of its ancestors'),
+    ('dot', 'the current directory or one of its ancestors'),
+    ('ancestor', 'the current directory or one of its ancestors'),
+    ('home', 'the home directory'),
+    ('root', 'the filesystem root'),
+    ('user-dir', 'non-empty directory without a flax_dtensor.json'),
+    ('file', 'a file, not an export directory'),
+    ('symlink', 'a symbolic link'),
+  ],
+)
+def test_overwrite_refuses_what_is_not_ours(
+  explicit_mesh, tmp_path, monkeypatch, where, why
+):
+  work = tmp_path / 'project' / 'work'
+  work.mkdir(parents=True)
+  (work / 'notes.txt').write_text('precious')
+  monkeypatch.chdir(work)
+  home = tmp_path / 'home'
+  home.mkdir()
+  (home / '.bashrc').write_text('precious')
+  monkeypatch.setenv('HOME', str(home))
+  user_dir = tmp_path / 'user-dir'
+  user_dir.mkdir()
+  (user_dir / 'data.csv').write_text('precious')
+  (tmp_path / 'file').write_text('precious')
+  (tmp_path / 'symlink').symlink_to(user_dir)
+  target = {
+    'cwd': str(work),
+    'dot': '.',
+    'ancestor': str(tmp_path / 'project'),
+    'home': str(home),
+    'root': '/',
+    'user-dir': str(user_dir),
+    'file': str(tmp_path / 'file'),
+    'symlink': str(tmp_path / 'symlink'),
+  }[where]
+  before = sorted(os.walk(tmp_path))
+  with pytest.raises(
+    fdt.ExportError, match=rf'Refusing to overwrite .*{why}.*export written by'
+  ):
+    fdt_tf.save_checkpoint(_model(explicit_mesh), target, overwrite=True)
+  assert sorted(os.walk(tmp_path)) == before
+  assert (work / 'notes.txt').read_text() == 'precious'
+
+
+def test_an_empty_path_is_refused(explicit_mesh):
+  with pytest.raises(fdt.ExportError, match='got an empty path'):
+    fdt_tf.save_checkpoint(_model(explicit_mesh), '', overwrite=True)
+
+
+def test_overwrite_replaces_our_exports_and_empty_directories(
+  explicit_mesh, tmp_path
+):
+  (tmp_path / 'empty').mkdir()
+  path = fdt_tf.save_checkpoint(
+    _model(explicit_mesh, seed=1), tmp_path / 'empty', overwrite=True
+  )
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=1))
+  path = fdt_tf.save_checkpoint(
+    _model(explicit_mesh, seed=2), path, overwrite=True
+  )
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=2))
+  assert _listing(tmp_path) == ['empty']
+
+
+# Remote paths
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('url', ['gs://bucket/x', 's3://b/x', 'hdfs://h/x'])
+def test_remote_paths_are_refused_up_front(
+  explicit_mesh, tmp_path, monkeypatch, url
+):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'gs:').mkdir()  # A local look-alike must not be written.
+  for call in (
+    lambda: fdt_tf.save_checkpoint(_model(explicit_mesh), url),
+    lambda: fdt_tf.read_checkpoint(url),
+    lambda: fdt_tf.restore_checkpoint(url, _model(explicit_mesh)),
+  ):
+    with pytest.raises(
+      fdt.ExportError, match=r'got the URL .*Supported: a local filesystem path'
+    ):
+      call()
+  assert _listing(tmp_path) == ['gs:']
+  assert os.listdir(tmp_path / 'gs:') == []
+
+
+def test_file_urls_are_local_paths(explicit_mesh, tmp_path):
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), f'file://{tmp_path}/c')
+  assert path == str(tmp_path / 'c')
+  _same(fdt_tf.read_checkpoint(f'file://{tmp_path}/c'), _model(explicit_mesh))
+
+
+# Recovery after a kill
+# ------------------------------------------------------------------------------
+
+
+def _dead_pid():
+  proc = subprocess.Popen([sys.executable, '-c', 'pass'])
+  proc.wait(timeout=60)
+  return proc.pid
+
+
+def _mark(directory, state, pid=None, host=None):
+  with open(os.path.join(directory, _atomic.MARKER), 'w') as f:
+    json.dump(
+      {
+        'pid': pid if pid is not None else _dead_pid(),
+        'host': host or socket.gethostname(),
+        'started': None,
+        'state': state,
+      },
+      f,
+    )
+
+
+def _killed_between_renames(mesh, tmp_path, *, new_complete):
+  """The state a save leaves when killed after moving the old one aside."""
+  old = fdt_tf.save_checkpoint(_model(mesh, seed=1), tmp_path / 'old-src')
+  new = fdt_tf.save_checkpoint(_model(mesh, seed=2), tmp_path / 'new-src')
+  os.rename(old, tmp_path / '.c.old-0000aaaa')
+  _mark(tmp_path / '.c.old-0000aaaa', _atomic.REPLACED)
+  os.rename(new, tmp_path / '.c.tmp-0000bbbb')
+  _mark(
+    tmp_path / '.c.tmp-0000bbbb',
+    _atomic.COMPLETE if new_complete else _atomic.WRITING,
+  )
+  return str(tmp_path / 'c')
+
+
+@pytest.mark.parametrize('new_complete', [True, False], ids=['new', 'old'])
+def test_a_kill_between_the_renames_is_recovered_by_a_read(
+  explicit_mesh, tmp_path, new_complete
+):
+  path = _killed_between_renames(
+    explicit_mesh, tmp_path, new_complete=new_complete
+  )
+  assert not os.path.exists(path)
+  read = fdt_tf.read_checkpoint(path)
+  _same(read, _model(explicit_mesh, seed=2 if new_complete else 1))
+  assert _listing(tmp_path) == ['c']
+  assert _atomic.MARKER not in os.listdir(path)
+
+
+def test_a_kill_between_the_renames_is_recovered_by_a_save(
+  explicit_mesh, tmp_path
+):
+  path = _killed_between_renames(explicit_mesh, tmp_path, new_complete=True)
+  with pytest.raises(fdt.ExportError, match='already exists'):
+    fdt_tf.save_checkpoint(_model(explicit_mesh, seed=3), path)
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=2))
+  assert _listing(tmp_path) == ['c']
+
+
+def test_stale_temporaries_are_removed_live_ones_kept(explicit_mesh, tmp_path):
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  for name, kwargs in [
+    ('.c.tmp-00000001', {}),  # Dead writer.
+    ('.c.old-00000002', {}),  # Dead writer.
+    ('.c.tmp-00000003', {'host': 'another-host'}),  # Unknown: kept.
+  ]:
+    os.mkdir(tmp_path / name)
+    (tmp_path / name / 'ckpt.index').write_text('partial')
+    _mark(tmp_path / name, _atomic.WRITING, **kwargs)
+  os.mkdir(tmp_path / '.c.tmp-00000004')  # Killed before its marker: empty.
+  fdt_tf.save_checkpoint(_model(explicit_mesh, seed=1), path, overwrite=True)
+  assert _listing(tmp_path) == ['.c.tmp-00000003', 'c']
+  # A live writer (this very process) is never disturbed.
+  os.mkdir(tmp_path / '.c.tmp-00000005')
+  _mark(tmp_path / '.c.tmp-00000005', _atomic.WRITING, pid=os.getpid())
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf'Another save to .* is in progress \(pid {os.getpid()}',
+  ):
+    fdt_tf.save_checkpoint(_model(explicit_mesh), path, overwrite=True)
+  assert '.c.tmp-00000005' in _listing(tmp_path)
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=1))
+
+
+def test_the_parent_directory_is_synced_after_the_rename(
+  explicit_mesh, tmp_path, monkeypatch
+):
+  synced = []
+  real = _atomic._fsync_dir
+  monkeypatch.setattr(
+    _atomic,
+    '_fsync_dir',
+    lambda p: (synced.append(os.path.abspath(p)), real(p)),
+  )
+  fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  assert str(tmp_path) in synced
+  assert synced.index(str(tmp_path)) > synced.index(str(tmp_path / 'c'))
+
+
+def test_names_module_round_trips_str_paths():
+  assert _names.parse_path('layers/0/kernel') == ('layers', 0, 'kernel')
+  assert _names.parse_path(('a', '0')) == ('a', '0')

@@ -51,6 +51,7 @@ extensions = [
   'cli_help',
   'coverage_check',
   'docstring_fixes',
+  'troubleshooting',
 ]
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'myst-nb'}

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -118,6 +119,12 @@ class LogicalRules(tuple):
     strict: bool | None = None,
   ) -> LogicalRules:
     if isinstance(pairs, LogicalRules):
+      if (
+        cls is LogicalRules
+        and unknown in (None, pairs.unknown)
+        and (strict in (None, pairs.strict))
+      ):
+        return pairs  # Immutable: the same rules need no copy.
       unknown = pairs.unknown if unknown is None else unknown
       strict = pairs.strict if strict is None else strict
     if unknown is None:
@@ -418,11 +425,18 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
   Args:
     rules: A `LogicalRules`, or anything its constructor accepts.
 
+  Like Flax's, the context is per thread, not per asyncio task: blocks of
+  tasks that interleave in one thread (an ``await`` inside the block) would
+  see each other's rules. That is detected: on exit, the block checks that
+  the rules in effect are still its own, and raises otherwise.
+
   Yields:
     The rules as `LogicalRules`.
 
   Raises:
-    LogicalRulesError: If the rules are malformed.
+    LogicalRulesError: If the rules are malformed, or, on exit, the rules in
+      effect are not the block's own (another block was interleaved with it,
+      or rules were set inside it and not restored).
     RuleTargetTypeError: If a target is not a str, a sequence of str or None.
 
   Example:
@@ -432,8 +446,59 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
     P('data', 'model')
   """
   rules = LogicalRules(rules)
-  with core_spmd.logical_axis_rules(rules):
+  block = _Block(rules, core_spmd.get_logical_axis_rules())
+  _blocks.stack.append(block)
+  core_spmd.set_logical_axis_rules(rules)
+  try:
     yield rules
+  except BaseException:
+    _leave(block)
+    raise
+  interleaved = _leave(block)
+  if interleaved is not None:
+    raise _errors.LogicalRulesError(
+      'A `logical_axis_rules` block ended while other rules were in effect '
+      f'({interleaved!r}, expected its own {rules!r}): another block was '
+      'interleaved with it in this thread (e.g. asyncio tasks awaiting '
+      'inside their blocks), or rules were set inside it and not '
+      'restored. Enter the rules in code that does not await, give each '
+      'task its own thread (`fdt.propagate`), or restore what you set.'
+    )
+
+
+@dataclasses.dataclass
+class _Block:
+  rules: LogicalRules
+  outer: Any
+
+
+class _Blocks(threading.local):
+  """This thread's active `logical_axis_rules` blocks, innermost last."""
+
+  def __init__(self) -> None:
+    self.stack: list[_Block] = []
+
+
+_blocks = _Blocks()
+
+
+def _leave(block: _Block) -> Any:
+  """Ends `block`; returns the rules found in effect if not its own.
+
+  The innermost block restores the rules it found. A block ending while an
+  inner one is still active (interleaved) leaves the inner one's rules in
+  effect, and hands it its outer rules, so that every block restores what
+  was there before all of them.
+  """
+  stack = _blocks.stack
+  position = next(i for i, b in enumerate(stack) if b is block)
+  current = core_spmd.get_logical_axis_rules()
+  del stack[position]
+  if position < len(stack):  # Inner blocks are still active.
+    stack[position].outer = block.outer
+    return current
+  core_spmd.set_logical_axis_rules(block.outer)
+  return None if current is block.rules else current
 
 
 # Threads

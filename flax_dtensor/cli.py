@@ -1096,27 +1096,18 @@ def export(
     import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
 
     mesh_ = make_mesh(axes, mesh)
-    dtensor = _initialize_dtensor()  # Before any other TF operation.
+    _initialize_dtensor()  # Before any other TF operation.
     start = time.perf_counter()
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       abstract = build_abstract(factory, target)
       model = restore_orbax(source, abstract, mesh_)
     restored = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    dtensor.save_checkpoint(model, outputs['checkpoint'], overwrite=overwrite)
-    if saved_model:
-      tf = sys.modules['tensorflow']
-      signature = [
-        tf.TensorSpec(s.shape, tf.dtypes.as_dtype(s.dtype), name=s.name)
-        for s in specs
-      ]
-      dtensor.save_saved_model(
-        model,
-        outputs['saved_model'],
-        input_signature=signature,
-        method=method,
-        overwrite=overwrite,
-      )
+    _write_all_or_nothing(
+      out,
+      outputs,
+      lambda staged: _write_exports(model, staged, specs, method),
+      overwrite=overwrite,
+    )
     table = rich.table.Table(title='Exported', title_justify='left')
     table.add_column('what')
     table.add_column('path')
@@ -1129,6 +1120,52 @@ def export(
       highlight=False,
     )
     console.print(table)
+
+
+def _write_exports(
+  model: Any, staged: dict[str, str], specs: Sequence[InputSpec], method: str
+) -> None:
+  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
+
+  dtensor.save_checkpoint(model, staged['checkpoint'])
+  if 'saved_model' in staged:
+    tf = sys.modules['tensorflow']
+    signature = [
+      tf.TensorSpec(s.shape, tf.dtypes.as_dtype(s.dtype), name=s.name)
+      for s in specs
+    ]
+    dtensor.save_saved_model(
+      model, staged['saved_model'], input_signature=signature, method=method
+    )
+
+
+def _write_all_or_nothing(
+  out: pathlib.Path,
+  outputs: dict[str, pathlib.Path],
+  write: Callable[[dict[str, str]], None],
+  *,
+  overwrite: bool,
+) -> None:
+  """Writes every output into a scratch directory, then moves all in place.
+
+  If anything fails, nothing of this run is left: no output, no scratch
+  directory, and no `out` if this run created it.
+  """
+  from flax_dtensor.dtensor import _atomic  # pylint: disable=g-import-not-at-top
+
+  created = not out.exists()
+  out.mkdir(parents=True, exist_ok=True)
+  try:
+    with _atomic.staging_directory(str(out.absolute())) as staging:
+      staged = {name: os.path.join(staging, name) for name in outputs}
+      write(staged)
+      for name, path in outputs.items():
+        _atomic.commit(staged[name], str(path.absolute()), overwrite=overwrite)
+  except BaseException:
+    if created:
+      with contextlib.suppress(OSError):
+        out.rmdir()  # Only if empty: nothing else was there.
+    raise
 
 
 # inspect

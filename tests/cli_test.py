@@ -822,6 +822,34 @@ def test_export_and_inspect_user_factory(tmp_path):
   assert 'data,unsharded @ data=2,model=4' in line
 
 
+def test_export_is_all_or_nothing(tmp_path):
+  """A SavedModel that fails leaves no checkpoint behind, nor the --out."""
+  orbax, _ = make_checkpoint(USER_TARGET, tmp_path)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  out = tmp_path / 'out'
+  args = [
+    'export',
+    USER_TARGET,
+    '--checkpoint',
+    orbax,
+    '--rules',
+    rules,
+    '--out',
+    out,
+    '--saved-model',
+  ]
+  # A wrong feature size (8, the model takes 16): tracing the model fails,
+  # after the checkpoint was written.
+  failed = run_cli(*args, '--input-shape', 'x:1,8:float32')
+  assert failed.returncode != 0
+  assert not out.exists()
+  assert sorted(os.listdir(tmp_path)) == ['expected.npz', 'orbax', 'rules.yaml']
+  # The corrected command runs, as if the first had never happened.
+  ok(run_cli(*args, '--input-shape', 'x:1,16:float32'))
+  assert sorted(os.listdir(out)) == ['checkpoint', 'saved_model']
+
+
 # Writes a DTensor checkpoint with a fused axis, a single-device array and a
 # float16 array (stored widened), and a SavedModel.
 FUSED_CHECKPOINT = """

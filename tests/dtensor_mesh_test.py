@@ -661,27 +661,49 @@ def test_jit_output_and_explicit_mesh_types():
 
 
 @hypothesis.settings(
-  max_examples=20, deadline=None, derandomize=True, database=None
+  max_examples=150, deadline=None, derandomize=True, database=None
 )
 @hypothesis.given(
   perm=st.permutations(range(8)),
-  shape=st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2), (1, 8)]),
+  shape=st.sampled_from([(8,), (2, 4), (4, 2), (2, 2, 2), (1, 8), (8, 1)]),
+  rank=st.integers(1, 3),
+  dtype=st.sampled_from(['float32', 'bfloat16', 'int8', 'uint32', 'bool']),
   data=st.data(),
 )
-def test_random_device_orders(perm, shape, data):
+def test_random_meshes_device_orders_and_layouts(
+  perm, shape, rank, dtype, data
+):
+  """Round trips by values over random meshes, device orders and layouts.
+
+  Each array dimension takes a random group of mesh axes (possibly fused,
+  possibly none); the DTensor is checked against the JAX array by a TF
+  all-gather, and converted back bit-exact, also onto another device
+  order.
+  """
   names = ('a', 'b', 'c')[: len(shape)]
   mesh = jax.sharding.Mesh(_devices()[list(perm)].reshape(shape), names)
-  # A random spec: each axis used at most once, dims may fuse several axes.
   axes = data.draw(st.permutations(names))
-  cut = sorted(
-    data.draw(st.lists(st.integers(0, len(axes)), min_size=2, max_size=2))
+  cuts = sorted(
+    data.draw(st.lists(st.integers(0, len(axes)), min_size=rank, max_size=rank))
   )
-  dim0, dim1 = tuple(axes[: cut[0]]), tuple(axes[cut[0] : cut[1]])
-  spec = P(dim0 or None, dim1 or None)
-  x = _values((8, 16), np.float32, seed=int(''.join(map(str, perm))))
+  groups, start = [], 0
+  for cut in cuts:
+    groups.append(tuple(axes[start:cut]))
+    start = cut
+  spec = P(*(g or None for g in groups))
+  dims = tuple(8 * data.draw(st.integers(1, 2)) for _ in range(rank))
+  x = _values(dims, dtype, seed=data.draw(st.integers(0, 2**16)))
   arr = jax.device_put(x, NamedSharding(mesh, spec))
   t, _ = check_array_to_dtensor(arr)
   check_round_trip(arr, t)
+  # Onto another device order with the same partitioning: the components
+  # are matched to the new shards by slice.
+  shuffled = jax.sharding.Mesh(
+    _devices()[list(reversed(perm))].reshape(shape), names
+  )
+  back = fdt_dtensor.dtensor_to_array(t, sharding=NamedSharding(shuffled, spec))
+  assert back.sharding.mesh == shuffled
+  assert _bits(back) == _bits(x)
 
 
 def test_zero_copy_both_ways():

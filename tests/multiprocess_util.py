@@ -38,6 +38,10 @@ PROCESS_ID_ENV = 'FDT_MP_PROCESS_ID'
 DEVICES_ENV = 'FDT_MP_DEVICES_PER_PROCESS'
 
 
+# On failure, each worker's last lines of output are reported.
+REPORT_LINES = 80
+
+
 class WorkerError(RuntimeError):
   """A worker process failed or timed out; the message has all outputs."""
 
@@ -151,7 +155,8 @@ def run_workers(
     outputs = [log.read_text(errors='replace') for log in logs]
   if failure:
     report = '\n'.join(
-      f'--- process {i} (exit {p.returncode}) ---\n{out}'
+      f'--- process {i} (exit {p.returncode}), last {REPORT_LINES} lines ---\n'
+      + '\n'.join(out.splitlines()[-REPORT_LINES:])
       for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
     )
     raise WorkerError(f'{failure}\n{report}')

@@ -8,13 +8,13 @@ place, or everywhere at once, fails.
 """
 
 import contextlib
-import math
 
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+import reference_semantics
 from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import AxisType
@@ -48,54 +48,15 @@ FDT_WAYS = WAYS[:4]
 MESH_SOURCES = ('jax.set_mesh', 'mesh= metadata', 'the array')
 
 
-def _axes(target):
-  if target is None:
-    return ()
-  return (target,) if isinstance(target, str) else tuple(target)
-
-
-class Invalid(Exception):
-  """The reference says creation must fail."""
+Invalid = reference_semantics.Invalid
 
 
 def reference_fdt(axes, shape, rules):
-  """flax_dtensor's documented semantics, written plainly."""
-  for name in axes:
-    if name is not None and name not in {n for n, _ in rules}:
-      raise Invalid(f'unknown {name}')
-  targets = [None] * len(axes)
-  done = [a is None for a in axes]
-  for name, target in rules:
-    if name not in axes or done[axes.index(name)]:
-      continue
-    pos = axes.index(name)
-    taken = {m for i, t in enumerate(targets) if done[i] for m in _axes(t)}
-    wanted = _axes(target)
-    if any(m in taken for m in wanted):
-      continue
-    if any(m not in SIZES for m in wanted):
-      continue
-    if shape[pos] % math.prod(SIZES[m] for m in wanted):
-      continue
-    targets[pos], done[pos] = target, True
-  return tuple(targets)
+  return reference_semantics.flax_dtensor(axes, shape, rules, SIZES)
 
 
 def reference_flax(axes, shape, context, local):
-  """Flax NNX's semantics: a dict, last write wins, names pass through."""
-  table = dict(context)
-  for name, target in local:
-    if name in table and table[name] != target:
-      raise Invalid('inconsistent rules')
-    table[name] = target
-  targets = tuple(table.get(a, a) if a is not None else None for a in axes)
-  used = [m for t in targets for m in _axes(t)]
-  if len(used) != len(set(used)) or any(m not in SIZES for m in used):
-    raise Invalid('bad mesh axes')
-  for t, n in zip(targets, shape, strict=True):
-    if n % math.prod(SIZES[m] for m in _axes(t)):
-      raise Invalid('not divisible')
-  return targets
+  return reference_semantics.flax(axes, shape, context, local, SIZES)
 
 
 def _canonical(spec, ndim):

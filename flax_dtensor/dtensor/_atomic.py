@@ -417,6 +417,46 @@ def atomic_directory(
     raise
 
 
+_STAGING = '.flax_dtensor-staging-'
+
+
+@contextlib.contextmanager
+def staging_directory(parent: str) -> Iterator[str]:
+  """A marked scratch directory in `parent`, removed on exit (one process).
+
+  For commands that write several exports and move them into place only
+  when all are complete (`commit`). Scratch directories that dead writers
+  left in `parent` are removed first.
+  """
+  for path in glob.glob(os.path.join(glob.escape(parent), _STAGING + '*')):
+    marker = read_marker(path)
+    if marker is not None and marker.alive() is False:
+      _remove(path)
+  path = os.path.join(parent, _STAGING + secrets.token_hex(4))
+  os.mkdir(path)
+  try:
+    write_marker(path, WRITING)
+    yield path
+  finally:
+    with contextlib.suppress(OSError):
+      _remove(path)
+
+
+def commit(staged: str, directory: str, *, overwrite: bool) -> None:
+  """Moves a complete export into place, as `atomic_directory` does.
+
+  Raises:
+    ExportError: If `directory` exists and `overwrite` is false, or it is
+      not an export of this package.
+  """
+  recover(directory, writing=True)
+  if os.path.lexists(directory):
+    if not overwrite:
+      raise _errors.ExportError(_exists_message(directory))
+    check_replaceable(directory)
+  _move_into_place(staged, directory)
+
+
 def recover_for_reading(directory: str) -> None:
   """`recover` before a read, on process 0; the others wait for it."""
   error: Any = None

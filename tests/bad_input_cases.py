@@ -1,0 +1,858 @@
+"""The bad-input matrix: every public entry point, every kind of bad input.
+
+`CASES` lists, for each, the documented exception type, a pattern of its
+message, and the fix. `bad_input_test.py` runs every case; the docs'
+troubleshooting page is generated from this list
+(docs/ext/troubleshooting.py), which is why it imports nothing of pytest.
+Cases that need a process of their own (TensorFlow missing, DTensor not or
+wrongly initialized) run in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One bad input.
+
+  Attributes:
+    entry: The public entry point, as a user spells it.
+    bad: What the user did, in a few words.
+    error: The exception type raised.
+    match: A regular expression the message matches.
+    fix: What to do, one sentence (shown in the docs).
+    run: Does the bad thing, given a `Context`.
+    tf: Whether TensorFlow (and DTensor initialized here) is needed.
+  """
+
+  entry: str
+  bad: str
+  error: type[BaseException]
+  match: str
+  fix: str
+  run: Callable[[Context], Any]
+  tf: bool = False
+
+  @property
+  def id(self) -> str:
+    return f'{self.entry}: {self.bad}'
+
+
+class Context:
+  """What the cases need: meshes, a scratch directory, models, TF."""
+
+  def __init__(self, tmp_path):
+    self.tmp = tmp_path
+    types = (AxisType.Explicit, AxisType.Explicit)
+    self.mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=types)
+    self.mixed = jax.make_mesh(
+      (2, 4), ('data', 'model'), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    self.rules = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
+
+  @functools.cached_property
+  def tf(self):
+    import tensorflow as tf
+
+    return tf
+
+  @functools.cached_property
+  def dt(self):
+    from flax_dtensor import dtensor
+
+    dtensor.initialize()
+    return dtensor
+
+  def model(self, width=16):
+    init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+    with jax.set_mesh(self.mesh), fdt.logical_axis_rules(self.rules):
+      return nnx.Linear(8, width, kernel_init=init, rngs=nnx.Rngs(0))
+
+  @functools.cached_property
+  def checkpoint(self) -> str:
+    return self.dt.save_checkpoint(self.model(), self.tmp / 'ckpt')
+
+
+def _annotated(axes):
+  return nnx.with_partitioning(nnx.initializers.ones, axes)
+
+
+def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
+  """A case run by `script` in a fresh process; its error is re-raised."""
+
+  def run(ctx):
+    env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR')}
+    env.update({'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': os.getcwd()})
+    program = textwrap.dedent(
+      """
+      import json, sys
+      try:
+      {body}
+      except Exception as e:
+        print(json.dumps([type(e).__name__, str(e)]))
+      else:
+        print(json.dumps(None))
+      """
+    ).format(body=textwrap.indent(textwrap.dedent(script), '  '))
+    proc = subprocess.run(
+      [sys.executable, '-c', program],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=env,
+      check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised = json.loads(proc.stdout.strip().splitlines()[-1])
+    if raised is not None:
+      name, message = raised
+      error = getattr(fdt, name, None) or getattr(__builtins__, name, None)
+      if error is None and name in dir(__import__('builtins')):
+        error = getattr(__import__('builtins'), name)
+      raise (error or RuntimeError)(message)
+
+  return run
+
+
+def _jit_mixed_product(ctx):
+  with jax.set_mesh(ctx.mixed):
+    jax.jit(
+      lambda x: fdt.shard_value(
+        x, ('embed',), rules=[('embed', ('data', 'model'))]
+      )
+    )(jnp.ones(16))
+
+
+def _manual_axes(ctx):
+  def body(x):
+    return fdt.shard_value(x, ('embed',), rules=[('embed', 'data')])
+
+  x = jax.device_put(jnp.ones(16), NamedSharding(ctx.mesh, P('data')))
+  jax.shard_map(body, mesh=ctx.mesh, in_specs=P('data'), out_specs=P('data'))(x)
+
+
+def _interleaved_blocks(ctx):
+  import asyncio
+
+  async def task(axis):
+    with fdt.logical_axis_rules([('mlp', axis)]):
+      await asyncio.sleep(0)
+
+  async def main():
+    for result in await asyncio.gather(
+      task('data'), task('model'), return_exceptions=True
+    ):
+      if isinstance(result, Exception):
+        raise result
+
+  asyncio.run(main())
+
+
+def _edited_manifest(ctx):
+  path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'edited')
+  file = os.path.join(path, 'flax_dtensor.json')
+  with open(file) as f:
+    meta = json.load(f)
+  meta['variables'][0]['shape'] = [1, 2]
+  with open(file, 'w') as f:
+    json.dump(meta, f)
+  ctx.dt.read_checkpoint(path)
+
+
+def _damaged_data(ctx):
+  path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'damaged')
+  data = max(
+    (n for n in os.listdir(path) if n.startswith('ckpt.data')),
+    key=lambda n: os.path.getsize(os.path.join(path, n)),
+  )
+  with open(os.path.join(path, data), 'r+b') as f:
+    f.write(b'\xff' * 16)
+  ctx.dt.restore_checkpoint(path, ctx.model())
+
+
+def _abstract_leftovers(ctx):
+  class WithDropout(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(8, 16, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  with jax.set_mesh(ctx.mesh):
+    model = WithDropout(nnx.Rngs(0))
+    path = ctx.dt.save_checkpoint(model, ctx.tmp / 'leftovers')
+    ctx.dt.restore_checkpoint(
+      path, nnx.eval_shape(lambda: WithDropout(nnx.Rngs(0)))
+    )
+
+
+def _abstract_without_mesh(ctx):
+  with jax.set_mesh(ctx.mesh):
+    abstract = nnx.eval_shape(lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
+  # The abstract shardings name an abstract mesh; no concrete one is given.
+  state = nnx.state(abstract)
+  for _, v in nnx.to_flat_state(state):
+    value = v.get_value()
+    v.set_value(
+      jax.ShapeDtypeStruct(
+        value.shape,
+        value.dtype,
+        sharding=NamedSharding(ctx.mesh.abstract_mesh, P()),
+      )
+    )
+  ctx.dt.restore_checkpoint(ctx.checkpoint, state)
+
+
+CASES = [
+  # Rules
+  Case(
+    'fdt.LogicalRules',
+    'rules given as a str',
+    fdt.LogicalRulesError,
+    r'Expected a sequence of \(logical_name, target\) pairs or a dict; got str',
+    "Pass pairs, e.g. [('batch', 'data'), ('embed', None)], or a dict.",
+    lambda ctx: fdt.LogicalRules('batch=data'),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'a pair of three',
+    fdt.LogicalRulesError,
+    r'expected a \(logical_name, target\) pair',
+    'Give each rule as (logical_name, target).',
+    lambda ctx: fdt.LogicalRules([('batch', 'data', 'x')]),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'a target of the wrong type',
+    fdt.RuleTargetTypeError,
+    r'expected a mesh axis name, a sequence of mesh axis names, or None; got int',
+    'Name mesh axes with str, several as a tuple, or None to replicate.',
+    lambda ctx: fdt.LogicalRules([('batch', 3)]),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'a mesh axis twice in one target',
+    fdt.LogicalRulesError,
+    r'names a mesh axis more than once',
+    'Name each mesh axis once per target.',
+    lambda ctx: fdt.LogicalRules([('batch', ('data', 'data'))]),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'an unknown option',
+    fdt.LogicalRulesError,
+    r"`unknown` must be one of \('error', 'replicate'\)",
+    "Use unknown='error' or unknown='replicate'.",
+    lambda ctx: fdt.LogicalRules([], unknown='ignore'),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml',
+    'a rules file that does not exist',
+    fdt.LogicalRulesError,
+    r'Cannot read rules file',
+    'Pass the path of a YAML file in MaxText format.',
+    lambda ctx: fdt.LogicalRules.from_yaml(str(ctx.tmp / 'missing.yaml')),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml',
+    'YAML that is not valid',
+    fdt.LogicalRulesError,
+    r'is not valid YAML',
+    "Fix the file: logical_axis_rules: [['batch', 'data'], ...].",
+    lambda ctx: fdt.LogicalRules.from_yaml('logical_axis_rules: [[\n'),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml',
+    'a document without rules',
+    fdt.LogicalRulesError,
+    r'has no `logical_axis_rules` key',
+    'Put the pairs under logical_axis_rules:.',
+    lambda ctx: fdt.LogicalRules.from_yaml('other: 1\nmore: 2\n'),
+  ),
+  Case(
+    'fdt.logical_axis_rules',
+    'blocks interleaved by asyncio tasks',
+    fdt.LogicalRulesError,
+    r'interleaved with it in this thread',
+    'Enter rules in code that does not await, or give each task its own '
+    'thread with fdt.propagate.',
+    _interleaved_blocks,
+  ),
+  Case(
+    'fdt.logical_to_mesh_axes',
+    'a logical name no rule mentions',
+    fdt.UnknownLogicalAxisError,
+    r"\['hidden'\] are not mentioned by any rule.*Add a rule for each",
+    "Add a rule for the name, or LogicalRules(..., unknown='replicate').",
+    lambda ctx: fdt.logical_to_mesh_axes(('hidden',), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.logical_to_mesh_axes',
+    'one logical name on two dimensions',
+    fdt.ShardingResolutionError,
+    r"\['embed'\] occur more than once",
+    'Give each dimension its own logical name.',
+    lambda ctx: fdt.logical_to_mesh_axes(('embed', 'embed'), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.logical_to_mesh_axes',
+    'logical axes that do not match the rank',
+    fdt.ShardingResolutionError,
+    r'shape \(4, 4\) \(rank 2\) but got 1 logical axes',
+    'Annotate one logical name (or None) per dimension.',
+    lambda ctx: fdt.logical_to_mesh_axes(('embed',), (4, 4), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.logical_to_mesh_axes',
+    'strict rules with no fitting candidate',
+    fdt.ShardingResolutionError,
+    r"No rule fits dim 0 \('embed'\).*not divisible",
+    'Add a fallback rule (a target that divides the dimension, or None).',
+    lambda ctx: fdt.logical_to_mesh_axes(
+      ('embed',),
+      (3,),
+      mesh=ctx.mesh,
+      rules=fdt.LogicalRules([('embed', 'data')], strict=True),
+    ),
+  ),
+  Case(
+    'fdt.logical_to_mesh_axes',
+    "Flax's rules naming an axis the mesh lacks",
+    fdt.UnknownLogicalAxisError,
+    r"maps to 'fsdp', which is not an axis of the mesh.*Flax's",
+    'Add the rule, or set rules with fdt.logical_axis_rules for fallbacks.',
+    lambda ctx: _with_flax_rules(
+      (('embed', 'fsdp'),),
+      lambda: fdt.logical_to_mesh_axes(('embed',), (8,), mesh=ctx.mesh),
+    ),
+  ),
+  # Placement
+  Case(
+    'fdt.shard_value',
+    'no mesh',
+    fdt.MeshError,
+    r'Expected a mesh to place a value.*jax.set_mesh',
+    'Use jax.set_mesh(mesh) or pass mesh=.',
+    lambda ctx: fdt.shard_value(jnp.ones(8), ('embed',), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.shard_value',
+    'a concrete array and only an abstract mesh',
+    fdt.MeshError,
+    r'Expected a concrete mesh to place a concrete array',
+    'Place arrays under jax.set_mesh(mesh) with a real mesh.',
+    lambda ctx: fdt.shard_value(
+      jnp.ones(8), ('embed',), mesh=ctx.mesh.abstract_mesh, rules=ctx.rules
+    ),
+  ),
+  Case(
+    'fdt.shard_value',
+    'a dimension over Explicit and Auto axes inside jit',
+    fdt.MeshAxisTypeError,
+    r'mixes Explicit and Auto mesh axes',
+    'Shard each dimension over axes of one type.',
+    _jit_mixed_product,
+  ),
+  Case(
+    'fdt.shard_value',
+    'Manual axes (inside shard_map)',
+    fdt.MeshAxisTypeError,
+    r"mesh axes \['data'\] are Manual",
+    'Create sharded variables outside shard_map.',
+    _manual_axes,
+  ),
+  Case(
+    'fdt.shard_module',
+    'a factory where a module is expected',
+    fdt.NotAModelError,
+    r'got function .*It is callable',
+    'Build the model first, or pass the factory to fdt.plan or fdt.init.',
+    lambda ctx: fdt.shard_module(
+      lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), mesh=ctx.mesh, rules=ctx.rules
+    ),
+  ),
+  Case(
+    'fdt.shard_module',
+    'a variable naming an axis no rule mentions',
+    fdt.UnknownLogicalAxisError,
+    r'not mentioned by any rule at kernel',
+    'Add a rule for the name.',
+    lambda ctx: fdt.shard_module(
+      ctx.model(), mesh=ctx.mesh, rules=[('embed', 'data')]
+    ),
+  ),
+  Case(
+    'fdt.init',
+    'no mesh',
+    fdt.MeshError,
+    r'Expected a concrete mesh for `fdt\.init`, but no mesh is set',
+    'Use jax.set_mesh(mesh) or pass mesh=.',
+    lambda ctx: fdt.init(nnx.Linear, 2, 4, rngs=nnx.Rngs(0), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.init',
+    'a variable with another mesh in its metadata',
+    fdt.MeshError,
+    r'names mesh\(data=8; Explicit\) in its `mesh` metadata',
+    "Drop the variable's mesh= metadata, or create it eagerly.",
+    lambda ctx: fdt.init(
+      nnx.Linear,
+      8,
+      4,
+      kernel_init=nnx.with_partitioning(
+        nnx.initializers.ones,
+        ('embed', None),
+        mesh=jax.make_mesh((8,), ('data',)),
+      ),
+      rngs=nnx.Rngs(0),
+      mesh=ctx.mesh,
+      rules=ctx.rules,
+    ),
+  ),
+  Case(
+    'fdt.plan',
+    'a pure dict of arrays',
+    fdt.NotAModelError,
+    r'Expected NNX variables as the leaves, got ArrayImpl at w',
+    'Pass the module or nnx.state(module).',
+    lambda ctx: fdt.plan(nnx.State({'w': jnp.ones(2)}), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.plan',
+    'something that is no model',
+    fdt.NotAModelError,
+    r'Expected an NNX module, another NNX graph node .*got int 3',
+    'Pass an NNX module, graph node or nnx.State.',
+    lambda ctx: fdt.plan(3),
+  ),
+  # DTensor set-up
+  Case(
+    'flax_dtensor.dtensor (any function)',
+    'TensorFlow not installed',
+    ImportError,
+    r'needs TensorFlow.*pip install "flax-dtensor\[tf\]"',
+    'pip install "flax-dtensor[tf]".',
+    _in_a_process_of_its_own(
+      """
+      sys.modules['tensorflow'] = None
+      from flax_dtensor import dtensor
+      dtensor.initialize()
+      """
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.to_tf_module',
+    'DTensor not initialized',
+    fdt.DTensorInitializationError,
+    r'TF DTensor is not initialized.*initialize\(\)',
+    'Call flax_dtensor.dtensor.initialize() first thing.',
+    _in_a_process_of_its_own(
+      """
+      import jax
+      jax.config.update('jax_num_cpu_devices', 8)
+      from flax import nnx
+      from flax_dtensor import dtensor
+      dtensor.to_tf_module(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+      """
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'TensorFlow already ran something',
+    fdt.DTensorInitializationError,
+    r'TensorFlow was already initialized.*reset_context=True',
+    'Call initialize() before any other TensorFlow operation.',
+    _in_a_process_of_its_own(
+      """
+      import jax
+      jax.config.update('jax_num_cpu_devices', 8)
+      import tensorflow as tf
+      tf.constant(1.0) + 1
+      from flax_dtensor import dtensor
+      dtensor.initialize()
+      """
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'DTensor set up elsewhere with another device count',
+    fdt.DTensorInitializationError,
+    r'one logical CPU device per local JAX device: expected 8 .*got 4',
+    'Let flax_dtensor.dtensor.initialize() set DTensor up.',
+    _in_a_process_of_its_own(
+      """
+      import jax
+      jax.config.update('jax_num_cpu_devices', 8)
+      import tensorflow as tf
+      tf.experimental.dtensor.initialize_accelerator_system(
+          device_type='CPU', num_logical_cpu_devices=4)
+      from flax_dtensor import dtensor
+      dtensor.initialize()
+      """
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'DTENSOR_JOBS that do not match the JAX processes',
+    fdt.DTensorInitializationError,
+    r'one client per JAX process: expected 1 DTensor client.*got 2',
+    'Set DTENSOR_JOBS to one host:port per JAX process, or unset it.',
+    _in_a_process_of_its_own(
+      """
+      import os
+      os.environ['DTENSOR_JOBS'] = '127.0.0.1:1,127.0.0.1:2'
+      import jax
+      jax.config.update('jax_num_cpu_devices', 8)
+      from flax_dtensor import dtensor
+      dtensor.initialize()
+      """
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.shutdown',
+    'shut down before initializing',
+    fdt.DTensorInitializationError,
+    r'shutdown\(\) was called but TF DTensor is not initialized',
+    'Only shut down what initialize() set up.',
+    _in_a_process_of_its_own(
+      """
+      from flax_dtensor import dtensor
+      import tensorflow
+      dtensor.shutdown()
+      """
+    ),
+  ),
+  # DTensor conversions
+  Case(
+    'flax_dtensor.dtensor.mesh_to_dtensor',
+    'an abstract mesh',
+    fdt.DTensorError,
+    r'Expected a concrete `jax.sharding.Mesh`',
+    'Pass a mesh with devices (jax.make_mesh).',
+    lambda ctx: ctx.dt.mesh_to_dtensor(ctx.mesh.abstract_mesh),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.mesh_to_dtensor',
+    'a mesh axis name DTensor cannot parse',
+    fdt.DTensorError,
+    r"Expected mesh axis names DTensor can use.*'a,b'",
+    "Rename the mesh axis: letters, digits, '_', '-' and '.'.",
+    lambda ctx: ctx.dt.mesh_to_dtensor(jax.make_mesh((8,), ('a,b',))),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.layout_for',
+    'a negative rank',
+    fdt.DTensorError,
+    r'Expected `ndim` to be a non-negative int, got -1',
+    'Pass the rank of the arrays.',
+    lambda ctx: ctx.dt.layout_for(NamedSharding(ctx.mesh, P()), -1),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.array_to_dtensor',
+    'a NumPy array',
+    fdt.DTensorError,
+    r'Expected a jax.Array, got ndarray',
+    'jax.device_put it on a mesh first.',
+    lambda ctx: ctx.dt.array_to_dtensor(np.ones(4)),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.array_to_dtensor',
+    'a donated (deleted) array',
+    fdt.DTensorError,
+    r'Expected a live jax.Array, got a deleted one',
+    'Convert the array before donating it.',
+    lambda ctx: ctx.dt.array_to_dtensor(_deleted()),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.dtensor_to_array',
+    'a plain TF tensor',
+    fdt.DTensorError,
+    r'Expected a TF DTensor',
+    'Pass a DTensor (from array_to_dtensor or dtensor.pack).',
+    lambda ctx: ctx.dt.dtensor_to_array(ctx.tf.constant([1.0])),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.dtensor_to_array',
+    'both mesh= and sharding=',
+    fdt.DTensorError,
+    r'Expected at most one of `mesh` and `sharding`',
+    'Pass one of them.',
+    lambda ctx: ctx.dt.dtensor_to_array(
+      ctx.dt.array_to_dtensor(jnp.ones(8)),
+      mesh=ctx.mesh,
+      sharding=NamedSharding(ctx.mesh, P()),
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.to_tf_module',
+    'an abstract model',
+    fdt.ExportError,
+    r'Expected a concrete array .*got an abstract',
+    'Export real values, or fill them with restore_checkpoint first.',
+    lambda ctx: ctx.dt.to_tf_module(
+      nnx.eval_shape(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.to_tf_module',
+    'a uint64 variable',
+    fdt.ExportError,
+    r"'w' has dtype uint64, which TF cannot store",
+    'Cast it (e.g. to int64) or leave it out with exclude=.',
+    lambda ctx: ctx.dt.to_tf_module(
+      nnx.Dict(w=nnx.Variable(np.zeros(3, np.uint64))), include=...
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.to_tf_module',
+    'filters that select nothing',
+    fdt.ExportError,
+    r'No NNX variable of module_or_state matched',
+    'Check include= and exclude=.',
+    lambda ctx: ctx.dt.to_tf_module(ctx.model(), include=nnx.OptState),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.flat_variables',
+    'something that is not from to_tf_module',
+    fdt.ExportError,
+    r'Expected a tf.Module from to_tf_module',
+    'Pass what to_tf_module or tf.saved_model.load returned.',
+    lambda ctx: ctx.dt.flat_variables(object()),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.checkpoint_key',
+    'a path key that is neither str nor int',
+    fdt.ExportError,
+    r'Expected NNX path keys of type str or int, got float',
+    'Name attributes and dict entries with str.',
+    lambda ctx: __import__('flax_dtensor.dtensor').dtensor.checkpoint_key(
+      ('a', 1.5)
+    ),
+  ),
+  # Checkpoints
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a factory where a model is expected',
+    fdt.NotAModelError,
+    r'It is callable',
+    'Build the model first.',
+    lambda ctx: ctx.dt.save_checkpoint(
+      lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), ctx.tmp / 'x'
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a directory that exists',
+    fdt.ExportError,
+    r'already exists\. Pass `overwrite=True`',
+    'Pass overwrite=True, or choose another directory.',
+    lambda ctx: ctx.dt.save_checkpoint(ctx.model(), ctx.checkpoint),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'overwriting a directory that is not an export',
+    fdt.ExportError,
+    r'Refusing to overwrite .*without a flax_dtensor.json manifest',
+    'Choose a new directory; overwrite= only replaces exports.',
+    lambda ctx: ctx.dt.save_checkpoint(
+      ctx.model(), _user_directory(ctx), overwrite=True
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'overwriting the current directory',
+    fdt.ExportError,
+    r'Refusing to overwrite .*the current directory or one of its ancestors',
+    'Choose a new directory for the export.',
+    lambda ctx: ctx.dt.save_checkpoint(ctx.model(), '.', overwrite=True),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a parent directory that does not exist',
+    fdt.ExportError,
+    r'parent directory of export target .* does not exist',
+    'Create the parent directory first.',
+    lambda ctx: ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'no' / 'c'),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a remote URL (gs://, s3://)',
+    fdt.ExportError,
+    r"got the URL 'gs://b/c'.*Supported: a local filesystem path",
+    'Write locally (or to a mounted filesystem), then copy.',
+    lambda ctx: ctx.dt.save_checkpoint(ctx.model(), 'gs://b/c'),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    'a directory without a checkpoint',
+    fdt.ExportError,
+    r'holds no TF checkpoint',
+    'Pass the directory save_checkpoint returned.',
+    lambda ctx: ctx.dt.read_checkpoint(ctx.tmp),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    'a manifest edited by hand',
+    fdt.ExportError,
+    r'is damaged: bias has shape \(16,\) in the data, \(1, 2\) in the manifest',
+    'Restore an intact copy, or re-export.',
+    _edited_manifest,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a data file damaged on disk',
+    fdt.ExportError,
+    r'is damaged: ckpt\.data-\S+ bytes 0\.\.\d+ changed.*Nothing was read',
+    'Restore an intact copy, or re-export.',
+    _damaged_data,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a model without a variable the checkpoint has',
+    fdt.ExportError,
+    r'holds 1 variable\(s\) the target does not have: bias.*allow_extra',
+    'Restore into the model that was saved, or pass allow_extra=True.',
+    lambda ctx: ctx.dt.restore_checkpoint(
+      ctx.checkpoint, nnx.Dict(kernel=ctx.model().kernel)
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a model with a variable the checkpoint lacks',
+    fdt.ExportError,
+    r"has no variable 'extra'.*which the target needs",
+    'Restore with a narrower include=/exclude=, or the matching checkpoint.',
+    lambda ctx: ctx.dt.restore_checkpoint(
+      ctx.checkpoint,
+      nnx.Dict(
+        kernel=ctx.model().kernel,
+        bias=ctx.model().bias,
+        extra=nnx.Param(jnp.ones(2)),
+      ),
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a model of another shape',
+    fdt.ExportError,
+    r"Shape mismatch for 'bias': the target expects \(32,\)",
+    'Build the target with the saved configuration.',
+    lambda ctx: ctx.dt.restore_checkpoint(ctx.checkpoint, ctx.model(width=32)),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a model of another dtype',
+    fdt.ExportError,
+    r"Dtype mismatch for 'bias': the target expects bfloat16.*"
+    r'`convert_dtypes=True`',
+    'Build the target in the saved dtype, or pass convert_dtypes=True.',
+    lambda ctx: ctx.dt.restore_checkpoint(
+      ctx.checkpoint,
+      jax.tree.map(lambda x: x.astype(jnp.bfloat16), ctx.model()),
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'an abstract model whose RNG state is not restored',
+    fdt.ExportError,
+    r'The target is abstract, and 2 of its variables are not restored.*'
+    r'`rng_seed=`',
+    'Pass rng_seed=, restore those variables too, or a concrete target.',
+    _abstract_leftovers,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'an abstract target and no concrete mesh',
+    fdt.ExportError,
+    r'has a sharding on an abstract mesh.*jax.set_mesh\(mesh\), or pass `mesh=`',
+    'Call it under jax.set_mesh(mesh), or pass mesh=.',
+    _abstract_without_mesh,
+    tf=True,
+  ),
+  # SavedModels
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a method the module does not have',
+    fdt.ExportError,
+    r"Expected `method` to name a method of the module, got 'predict'",
+    'Name a method of the module.',
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(),
+      ctx.tmp / 'sm',
+      input_signature=[ctx.tf.TensorSpec([None, 8])],
+      method='predict',
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'an input signature of the wrong type',
+    fdt.ExportError,
+    r'Expected each entry of `input_signature` to be a tf.TensorSpec',
+    'Give tf.TensorSpec or jax.ShapeDtypeStruct entries.',
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(), ctx.tmp / 'sm', input_signature=[(None, 8)]
+    ),
+    tf=True,
+  ),
+]
+
+
+def _with_flax_rules(rules, fn):
+  with nnx.logical_axis_rules(rules):
+    return fn()
+
+
+def _deleted():
+  x = jax.device_put(jnp.ones(8))
+  x.delete()
+  return x
+
+
+def _user_directory(ctx):
+  directory = ctx.tmp / 'user-data'
+  directory.mkdir(exist_ok=True)
+  (directory / 'results.csv').write_text('precious')
+  return directory

@@ -1,0 +1,61 @@
+"""Bad input at every public entry point, answered in our own words.
+
+Runs every case of `bad_input_cases.CASES` (also the source of the docs'
+troubleshooting page), and checks that the matrix covers every error class
+and every public entry point.
+"""
+
+import pytest
+from bad_input_cases import CASES, Context
+
+import flax_dtensor as fdt
+
+
+@pytest.fixture(scope='module')
+def ctx(tmp_path_factory):
+  return Context(tmp_path_factory.mktemp('bad_input'))
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, ctx, monkeypatch):
+  if case.tf:
+    pytest.importorskip('tensorflow')
+  monkeypatch.chdir(ctx.tmp)
+  with pytest.raises(case.error, match=case.match):
+    case.run(ctx)
+
+
+def test_every_error_class_appears():
+  documented = {c.error for c in CASES}
+  errors = {
+    getattr(fdt, name)
+    for name in fdt.__all__
+    if isinstance(getattr(fdt, name), type)
+    and issubclass(getattr(fdt, name), fdt.FlaxDTensorError)
+    and getattr(fdt, name) is not fdt.FlaxDTensorError
+  }
+  # FlaxCompatibilityError is raised at import by a Flax that bypasses the
+  # hook; hook_test.py provokes it.
+  assert errors - documented == {fdt.FlaxCompatibilityError}
+
+
+def test_every_public_entry_point_appears():
+  import flax_dtensor.dtensor as fdt_tf
+
+  entries = {c.entry for c in CASES}
+  core = {
+    f'fdt.{n}'
+    for n in fdt.__all__
+    if callable(getattr(fdt, n)) and not isinstance(getattr(fdt, n), type)
+  }
+  bridge = {f'flax_dtensor.dtensor.{n}' for n in fdt_tf.__all__}
+  # Functions with nothing a user can get wrong beyond the cases above.
+  exempt = {
+    'fdt.get_logical_axis_rules',
+    'fdt.set_logical_axis_rules',
+    'fdt.propagate',
+    'fdt.with_logical_constraint',
+    'flax_dtensor.dtensor.is_initialized',
+    'flax_dtensor.dtensor.nnx_path',
+  }
+  assert core | bridge - exempt <= entries | exempt

@@ -1,0 +1,135 @@
+"""Resolution against a reference of the documented semantics, 5,000 cases.
+
+Random rule tables (repeated names, tuple targets, None, axes the mesh
+lacks), random meshes (size-1 axes, absent axes, no mesh), random shapes
+(or none), and the `unknown` and `strict` options: `resolve_dims` and the
+public `logical_to_mesh_axes` must give what `reference_semantics` gives,
+and raise exactly when it does.
+"""
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import reference_semantics
+from jax.sharding import AbstractMesh
+
+import flax_dtensor as fdt
+from flax_dtensor import _resolution
+
+NAMES = ('batch', 'embed', 'mlp', 'heads', 'vocab')
+AXES = ('data', 'fsdp', 'model', 'expert')
+
+target = st.one_of(
+  st.none(),
+  st.sampled_from(AXES),
+  st.lists(st.sampled_from(AXES), min_size=2, max_size=3, unique=True).map(
+    tuple
+  ),
+)
+
+
+@st.composite
+def cases(draw):
+  present = draw(
+    st.lists(st.sampled_from(AXES), min_size=1, max_size=4, unique=True)
+  )
+  sizes = {a: draw(st.sampled_from((1, 2, 3, 4))) for a in present}
+  with_mesh = draw(st.integers(0, 9)) > 0
+  rank = draw(st.integers(1, 4))
+  axes = tuple(
+    draw(
+      st.lists(st.sampled_from((*NAMES, None)), min_size=rank, max_size=rank)
+    )
+  )
+  shape = (
+    tuple(
+      draw(
+        st.lists(
+          st.sampled_from((1, 2, 3, 4, 6, 8, 12, 16)),
+          min_size=rank,
+          max_size=rank,
+        )
+      )
+    )
+    if draw(st.integers(0, 9)) > 0
+    else None
+  )
+  rules = draw(st.lists(st.tuples(st.sampled_from(NAMES), target), max_size=10))
+  return {
+    'axes': axes,
+    'shape': shape,
+    'rules': rules,
+    'sizes': sizes if with_mesh else None,
+    'unknown': draw(st.sampled_from(('error', 'replicate'))),
+    'strict': draw(st.booleans()),
+  }
+
+
+def _ours(case):
+  rules = fdt.LogicalRules(
+    case['rules'], unknown=case['unknown'], strict=case['strict']
+  )
+  mesh = (
+    AbstractMesh(tuple(case['sizes'].values()), tuple(case['sizes']))
+    if case['sizes'] is not None
+    else None
+  )
+  resolution = _resolution.resolve_dims(
+    case['axes'], case['shape'], mesh=mesh, rules=rules
+  )
+  public = fdt.logical_to_mesh_axes(
+    case['axes'], case['shape'], mesh=mesh, rules=rules
+  )
+  assert public == resolution.spec
+  return tuple(d.target for d in resolution.dims)
+
+
+@hypothesis.settings(
+  max_examples=5000,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=list(hypothesis.HealthCheck),
+)
+@hypothesis.given(cases())
+def test_resolution_matches_the_reference(case):
+  try:
+    expected = reference_semantics.flax_dtensor(
+      case['axes'],
+      case['shape'],
+      case['rules'],
+      case['sizes'],
+      unknown=case['unknown'],
+      strict=case['strict'],
+    )
+  except reference_semantics.Invalid:
+    with pytest.raises(fdt.FlaxDTensorError):
+      _ours(case)
+    return
+  assert _ours(case) == expected
+
+
+def test_the_generator_reaches_every_outcome():
+  """The cases are not all errors, nor all unsharded."""
+  seen = set()
+
+  @hypothesis.settings(max_examples=400, deadline=None, derandomize=True)
+  @hypothesis.given(cases())
+  def survey(case):
+    try:
+      out = reference_semantics.flax_dtensor(
+        case['axes'],
+        case['shape'],
+        case['rules'],
+        case['sizes'],
+        unknown=case['unknown'],
+        strict=case['strict'],
+      )
+    except reference_semantics.Invalid:
+      seen.add('error')
+      return
+    seen.add('sharded' if any(t is not None for t in out) else 'replicated')
+    if any(isinstance(t, tuple) for t in out):
+      seen.add('product')
+
+  survey()
+  assert seen == {'error', 'sharded', 'replicated', 'product'}

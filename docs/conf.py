@@ -52,6 +52,7 @@ extensions = [
   'coverage_check',
   'docstring_fixes',
   'troubleshooting',
+  'sphinxcontrib.mermaid',
 ]
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'myst-nb'}
@@ -88,6 +89,11 @@ nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
 nb_execution_excludepatterns = []
+# The architecture diagram is drawn by mermaid.js in the reader's browser.
+# DOCS_MERMAID_JS points to a local copy for offline builds (screenshots).
+if os.environ.get('DOCS_MERMAID_JS'):
+  mermaid_use_local = os.environ['DOCS_MERMAID_JS']
+
 # Anything a notebook prints to stderr is removed from the page and warned
 # about, so the -W build fails on noise (flax_dtensor drops TF's start-up
 # lines itself, on every CPU).

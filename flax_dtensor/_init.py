@@ -120,7 +120,7 @@ def init(
     P('data', 'model')
   """
   with scope(mesh, rules):
-    mesh_ = _meshes.current_mesh()
+    mesh_ = _meshes.mesh_for()
     if not isinstance(mesh_, Mesh):
       raise _errors.MeshError(
         'Expected a concrete mesh for `fdt.init`, but no mesh is set'
@@ -189,11 +189,9 @@ def _constrain(
   auto: Mesh,
 ) -> None:
   """Constrains each annotated variable to its spec (traced, on `auto`)."""
-  for path, variable in _variables.iter_variables(built):
-    where = _variables.path_str(path)
-    resolution = _variables.spec_of_variable(
-      variable, rules=rules, mesh=mesh, path=where
-    )
+  for where, variable, resolution in _variables.resolved(
+    built, rules=rules, mesh=mesh
+  ):
     if resolution is None:
       continue
     own = _meshes.mesh_for(variable, mesh=mesh)
@@ -216,13 +214,12 @@ def _place_result(
   built: Any, rules: _rules.LogicalRules | _rules.FlaxRules, mesh: Mesh
 ) -> None:
   """Moves the built variables onto `mesh` (zero-copy), where planned."""
-  for path, variable in _variables.iter_variables(built):
+  for _, variable, resolution in _variables.resolved(
+    built, rules=rules, mesh=mesh
+  ):
     value = _variables.value_of(variable)
     if not isinstance(value, jax.Array):
       continue
-    resolution = _variables.spec_of_variable(
-      variable, rules=rules, mesh=mesh, path=_variables.path_str(path)
-    )
     if resolution is None:
       variable.set_value(_retype(value, mesh))
       continue

@@ -16,7 +16,14 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors, _meshes, _resolution, _rules, _variables
+from flax_dtensor import (
+  _errors,
+  _meshes,
+  _resolution,
+  _rules,
+  _specs,
+  _variables,
+)
 
 NO_MESH_MSG = (
   'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`. '
@@ -33,8 +40,7 @@ def require_mesh(
   mesh: _meshes.MeshLike | None, what: str, path: str | None = None
 ) -> _meshes.MeshLike:
   """`mesh`, or the context's; raises `MeshError` if there is none."""
-  if mesh is None:
-    mesh = _meshes.current_mesh()
+  mesh = _meshes.mesh_for(mesh=mesh)
   if mesh is None:
     raise _errors.MeshError(
       f'Expected a mesh to place {what}{_resolution.where(path)}, but no '
@@ -71,7 +77,7 @@ def apply_spec(
     m
     for entry in spec
     if entry is not PartitionSpec.UNCONSTRAINED
-    for m in _rules.target_axes(entry)
+    for m in _specs.axes_of(entry)
   ]
   manual = [m for m in used if types[m] == AxisType.Manual]
   if manual:
@@ -107,7 +113,7 @@ def apply_spec(
     return jax.device_put(x, NamedSharding(mesh, spec))
   explicit_part, auto_part = [], []
   for entry in spec:
-    axes = _rules.target_axes(entry)
+    axes = _specs.axes_of(entry)
     kinds = {types[m] for m in axes}
     if len(kinds) > 1:
       raise _errors.MeshAxisTypeError(
@@ -220,7 +226,7 @@ def with_logical_constraint(
     ShardingResolutionError: If the names cannot be resolved.
   """
   rules_ = _rules.rules_in_effect(rules)
-  mesh = mesh if mesh is not None else _meshes.current_mesh()
+  mesh = _meshes.mesh_for(mesh=mesh)
   if mesh is None or (
     isinstance(rules_, _rules.FlaxRules) and not rules_.pairs
   ):
@@ -261,11 +267,9 @@ def shard_module(
   """
   rules_ = _rules.rules_in_effect(rules)
   mesh_ = require_mesh(mesh, 'the variables of a module')
-  for path, variable in _variables.iter_variables(module):
-    where = _variables.path_str(path)
-    resolution = _variables.spec_of_variable(
-      variable, rules=rules_, mesh=mesh_, path=where
-    )
+  for where, variable, resolution in _variables.resolved(
+    module, rules=rules_, mesh=mesh_
+  ):
     if resolution is None:
       continue
     target_mesh = _meshes.mesh_for(variable, mesh=mesh_)

@@ -14,7 +14,7 @@ import rich.console
 import rich.table
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _meshes, _rules, _variables
+from flax_dtensor import _meshes, _rules, _specs, _variables
 
 
 def _itemsize(dtype: Any) -> int:
@@ -23,16 +23,6 @@ def _itemsize(dtype: Any) -> int:
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
     return math.prod(data.shape) * data.dtype.itemsize
   return np.dtype(dtype).itemsize
-
-
-def _canonical(spec: PartitionSpec, ndim: int) -> tuple[Any, ...]:
-  """A spec as one tuple of mesh axes per dimension, for comparisons."""
-  entries = tuple(spec) + (None,) * (ndim - len(spec))
-  return tuple(_rules.target_axes(e) for e in entries)
-
-
-def _format_spec(spec: PartitionSpec) -> str:
-  return 'P(' + ', '.join(map(repr, spec)) + ')'
 
 
 def _shard_shape(
@@ -46,7 +36,7 @@ def _shard_shape(
     if entry is PartitionSpec.UNCONSTRAINED:
       out.append(dim)
       continue
-    n = math.prod(sizes[m] for m in _rules.target_axes(entry))
+    n = math.prod(sizes[m] for m in _specs.axes_of(entry))
     out.append(-(-dim // n))
   return tuple(out)
 
@@ -85,9 +75,9 @@ class PlanEntry:
   @property
   def misplaced(self) -> bool:
     """Whether the array is placed other than the rules say."""
-    return self.placed is not None and _canonical(
+    return self.placed is not None and _specs.canonical(
       self.placed, len(self.shape)
-    ) != _canonical(self.spec, len(self.shape))
+    ) != _specs.canonical(self.spec, len(self.shape))
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -197,8 +187,8 @@ class ShardingPlan:
         str(e.shape),
         e.dtype,
         str(e.logical_axes) if e.logical_axes is not None else '-',
-        _format_spec(e.spec)
-        + (f'\n(placed {_format_spec(e.placed)})' if e.misplaced else ''),
+        _specs.format_spec(e.spec)
+        + (f'\n(placed {_specs.format_spec(e.placed)})' if e.misplaced else ''),
         human_bytes(e.bytes_per_device),
         '\n'.join(e.fallbacks),
       )
@@ -273,7 +263,7 @@ def plan(
     ("dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16 (mesh axes ['model'])",)
   """
   rules_ = _rules.rules_in_effect(rules)
-  mesh_ = mesh if mesh is not None else _meshes.current_mesh()
+  mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   entries = []
   for path, variable in _variables.iter_variables(module_or_state):

@@ -1,14 +1,10 @@
 """Resolution: logical axes to a PartitionSpec, under the rules in effect.
 
-flax_dtensor's semantics (`resolve_dims`, for `LogicalRules`): rules are
-scanned in order, as in Flax Linen's ``logical_to_mesh_axes``; a rule claims
-its dimension when that dimension is still unassigned, none of its mesh axes
-shards another dimension, every mesh axis it names exists in the mesh, and
-their product divides the dimension. A rule failing a check is a *skipped
-candidate*, recorded with its reason; the next rule for the name is the
-fallback. Flax's semantics (`resolve_flax`, for rules set with Flax's own
-context): the rules are a dict, exactly as Flax NNX applies them. `resolve`
-picks one by `_rules.rules_in_effect`.
+`resolve_dims` is flax_dtensor's semantics (for `LogicalRules`): Linen's
+priority scan, skipping a rule whose mesh axes are taken, absent from the
+mesh or do not divide the dimension (recorded, with the reason), so the
+next rule for the name is the fallback. `resolve_flax` is Flax NNX's (for
+plain rules set with Flax's context): a dict. `resolve` picks one.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from typing import Any
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _errors, _meshes, _rules
+from flax_dtensor import _errors, _meshes, _rules, _specs
 
 FLAX_SEMANTICS = 'flax'
 FDT_SEMANTICS = 'flax_dtensor'
@@ -36,7 +32,7 @@ class SkippedCandidate:
   reason: str
 
   def __str__(self) -> str:
-    return f'{format_target(self.target)}: {self.reason}'
+    return f'{_specs.format_entry(self.target)}: {self.reason}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +73,6 @@ class Resolution:
   def skipped(self) -> tuple[tuple[int, SkippedCandidate], ...]:
     """Every skipped candidate, with the index of its dimension."""
     return tuple((i, s) for i, d in enumerate(self.dims) for s in d.skipped)
-
-
-def format_target(target: _rules.Target) -> str:
-  """'None', "'data'" or "('data', 'model')"."""
-  if target is None:
-    return 'None'
-  if isinstance(target, str):
-    return repr(target)
-  return '(' + ', '.join(map(repr, target)) + ')'
 
 
 def where(path: str | None) -> str:
@@ -189,12 +176,12 @@ def resolve_dims(
     pos = axes.index(name)
     if assigned[pos]:
       continue
-    wanted = _rules.target_axes(target)
+    wanted = _specs.axes_of(target)
     used_by = {
       m: i
       for i, t in enumerate(targets)
       if assigned[i] and i != pos
-      for m in _rules.target_axes(t)
+      for m in _specs.axes_of(t)
     }
     clash = [m for m in wanted if m in used_by]
     if clash:
@@ -311,7 +298,7 @@ def resolve_flax(
   for pos, target in enumerate(targets):
     if target is PartitionSpec.UNCONSTRAINED:
       continue
-    wanted = _rules.target_axes(target)
+    wanted = _specs.axes_of(target)
     missing = [m for m in wanted if m not in sizes]
     if missing:
       raise _errors.UnknownLogicalAxisError(
@@ -331,7 +318,7 @@ def resolve_flax(
       if shape[pos] % product:
         raise _errors.ShardingResolutionError(
           f'Dim {pos} ({axes[pos]!r}){where_} has size {shape[pos]}, which '
-          f'{format_target(target)} (size {product}) does not divide '
+          f'{_specs.format_entry(target)} (size {product}) does not divide '
           f'{_context_text(axes, shape, context, mesh)}. {FLAX_FIX_MSG}'
         )
   return resolution
@@ -417,8 +404,7 @@ def logical_to_mesh_axes(
     ...                          rules=rules)
     P(None, 'data')
   """
-  if mesh is None:
-    mesh = _meshes.current_mesh()
+  mesh = _meshes.mesh_for(mesh=mesh)
   resolution = resolve(
     logical_axes, shape, mesh=mesh, rules=_rules.rules_in_effect(rules)
   )

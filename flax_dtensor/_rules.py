@@ -67,15 +67,6 @@ def _normalize_target(target: Any, where: str) -> Target:
   )
 
 
-def target_axes(target: Target) -> tuple[str, ...]:
-  """Returns the mesh axes a normalized target names, in order."""
-  if target is None:
-    return ()
-  if isinstance(target, str):
-    return (target,)
-  return target
-
-
 class LogicalRules(tuple):
   """An immutable, ordered set of logical-to-mesh axis rules.
 
@@ -245,22 +236,23 @@ class LogicalRules(tuple):
   @classmethod
   def from_yaml(
     cls,
-    path_or_text: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     *,
     unknown: Unknown | None = None,
     strict: bool | None = None,
   ) -> LogicalRules:
-    """Reads rules in MaxText's format with YAML's safe loader.
+    """Reads a rules file in MaxText's format, with YAML's safe loader.
 
-    Accepts a document with a ``logical_axis_rules`` key (MaxText's
-    ``base.yml``) or a bare list of pairs::
+    The file holds a document with a ``logical_axis_rules`` key (MaxText's
+    ``base.yml`` loads as it is) or a bare list of pairs::
 
       logical_axis_rules: [['batch', ['data', 'fsdp']],
                            ['embed', 'fsdp'],
                            ['vocab', []]]
 
     Args:
-      path_or_text: A path to a YAML file, or the YAML text itself.
+      path: The path of the YAML file. (For YAML text, use
+        `from_yaml_text`.)
       unknown: See `LogicalRules`.
       strict: See `LogicalRules`.
 
@@ -268,29 +260,66 @@ class LogicalRules(tuple):
       The rules.
 
     Raises:
-      LogicalRulesError: If the file is not valid YAML or holds no rules.
+      LogicalRulesError: If the file cannot be read, is not valid YAML or
+        holds no rules.
     """
-    text = None
-    source = 'YAML text'
-    if isinstance(path_or_text, os.PathLike):
-      path = pathlib.Path(path_or_text)
-    elif '\n' not in path_or_text and (
-      path_or_text.endswith(('.yml', '.yaml'))
-      or pathlib.Path(path_or_text).is_file()
-    ):
-      path = pathlib.Path(path_or_text)
-    else:
-      path = None
-      text = path_or_text
-    if path is not None:
-      source = str(path)
-      try:
-        text = path.read_text()
-      except OSError as e:
-        raise _errors.LogicalRulesError(
-          f'Cannot read rules file {source!r}: {e.strerror}. Pass the path '
-          'of a YAML file or the YAML text itself.'
-        ) from e
+    source = os.fspath(path)
+    try:
+      text = pathlib.Path(source).read_text()
+    except OSError as e:
+      hint = (
+        ' It looks like YAML text: use `LogicalRules.from_yaml_text`.'
+        if '\n' in source or ':' in source
+        else ''
+      )
+      raise _errors.LogicalRulesError(
+        f'Cannot read rules file {source!r}: {e.strerror}. Expected the '
+        f'path of a YAML file.{hint}'
+      ) from e
+    return cls._from_document(text, repr(source), unknown, strict)
+
+  @classmethod
+  def from_yaml_text(
+    cls,
+    text: str,
+    *,
+    unknown: Unknown | None = None,
+    strict: bool | None = None,
+  ) -> LogicalRules:
+    """Parses rules in MaxText's format from YAML text (see `from_yaml`).
+
+    Args:
+      text: The YAML document.
+      unknown: See `LogicalRules`.
+      strict: See `LogicalRules`.
+
+    Returns:
+      The rules.
+
+    Raises:
+      LogicalRulesError: If the text is not valid YAML or holds no rules.
+
+    Example:
+      >>> import flax_dtensor as fdt
+      >>> fdt.LogicalRules.from_yaml_text(
+      ...     "logical_axis_rules: [['batch', 'data'], ['vocab', []]]")
+      LogicalRules([('batch', 'data'), ('vocab', None)])
+    """
+    if not isinstance(text, str):
+      raise _errors.LogicalRulesError(
+        f'Expected YAML text (a str), got {type(text).__name__}. For a file, '
+        'use `LogicalRules.from_yaml(path)`.'
+      )
+    return cls._from_document(text, 'The YAML text', unknown, strict)
+
+  @classmethod
+  def _from_document(
+    cls,
+    text: str,
+    source: str,
+    unknown: Unknown | None,
+    strict: bool | None,
+  ) -> LogicalRules:
     try:
       document = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -306,17 +335,10 @@ class LogicalRules(tuple):
           "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
         )
       document = document['logical_axis_rules']
-    if path is None and isinstance(document, str) and '\n' not in text:
-      raise _errors.LogicalRulesError(
-        f'No rules file {path_or_text!r}: expected the path of an existing '
-        'YAML file or YAML text holding a list of [logical_name, target] '
-        'pairs. Check the path (it was read as YAML text because no such '
-        'file exists).'
-      )
     if not isinstance(document, list):
       raise _errors.LogicalRulesError(
         f'{source}: expected a list of [logical_name, target] pairs; got '
-        f'{type(document).__name__} {document!r}. {RULES_FIX_MSG}'
+        f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
       )
     return cls(document, unknown=unknown, strict=strict)
 

@@ -171,6 +171,31 @@ def spec_of_variable(
   )
 
 
+def resolved(
+  node: Any,
+  *,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  mesh: _meshes.MeshLike | None,
+) -> list[tuple[str, nnx.Variable, _resolution.Resolution | None]]:
+  """``(path text, variable, spec_of_variable(...))`` for every variable."""
+  out = []
+  for path, variable in iter_variables(node):
+    where = path_str(path)
+    out.append(
+      (
+        where,
+        variable,
+        spec_of_variable(variable, rules=rules, mesh=mesh, path=where),
+      )
+    )
+  return out
+
+
+def listing(names: Sequence[str], limit: int = 8) -> str:
+  """'a, b, c, ...': the first `limit` names, for messages."""
+  return ', '.join(names[:limit]) + (', ...' if len(names) > limit else '')
+
+
 def _flax_renamed(variable: nnx.Variable, spec: PartitionSpec) -> PartitionSpec:
   from flax.core import spmd as core_spmd
 

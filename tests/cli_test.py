@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_dtensor import cli
+from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import inspect as inspect_command
+from flax_dtensor.demo import verify
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
@@ -148,9 +150,9 @@ import sys
 import jax, numpy as np, orbax.checkpoint as ocp
 from flax import nnx
 import flax_dtensor as fdt
-from flax_dtensor import cli
+from flax_dtensor.cli import _inputs
 target, path, npz = sys.argv[1:4]
-factory = cli.load_target(target)
+factory = _inputs.load_target(target)
 if target.endswith('make_model'):
   model = factory()
 else:
@@ -213,8 +215,8 @@ def check_checkpoint(directory: pathlib.Path, tmp: pathlib.Path) -> dict:
 
 
 def test_parse_mesh():
-  assert cli.parse_mesh('data=2,model=4') == (('data', 2), ('model', 4))
-  assert cli.parse_mesh(' x=8 ') == (('x', 8),)
+  assert _inputs.parse_mesh('data=2,model=4') == (('data', 2), ('model', 4))
+  assert _inputs.parse_mesh(' x=8 ') == (('x', 8),)
 
 
 @pytest.mark.parametrize(
@@ -229,16 +231,18 @@ def test_parse_mesh():
   ids=['no-equals', 'empty-item', 'zero', 'negative', 'repeat'],
 )
 def test_parse_mesh_errors(text, match):
-  with pytest.raises(cli.BadInputError, match=match):
-    cli.parse_mesh(text)
+  with pytest.raises(_command.BadInputError, match=match):
+    _inputs.parse_mesh(text)
 
 
 def test_parse_input_shape():
-  spec = cli.parse_input_shape('x:1,128:int32', static_batch=False)
-  assert spec == cli.InputSpec('x', (None, 128), 'int32')
-  spec = cli.parse_input_shape('x:1,128:int32', static_batch=True)
+  spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=False)
+  assert spec == _inputs.InputSpec('x', (None, 128), 'int32')
+  spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=True)
   assert spec.shape == (1, 128)
-  assert cli.parse_input_shape('y:b,?,3:float32', static_batch=True).shape == (
+  assert _inputs.parse_input_shape(
+    'y:b,?,3:float32', static_batch=True
+  ).shape == (
     None,
     None,
     3,
@@ -256,8 +260,8 @@ def test_parse_input_shape():
   ids=['no-dtype', 'bad-dtype', 'bad-dim', 'no-name'],
 )
 def test_parse_input_shape_errors(text, match):
-  with pytest.raises(cli.BadInputError, match=match):
-    cli.parse_input_shape(text, static_batch=False)
+  with pytest.raises(_command.BadInputError, match=match):
+    _inputs.parse_input_shape(text, static_batch=False)
 
 
 def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
@@ -334,7 +338,7 @@ _GRID = [('data', 2), ('model', 4)]
   ids=['2d', 'replicated', 'fused', 'scalar', 'one-device', 'v1', 'none'],
 )
 def test_sharding_texts(record, expected):
-  assert cli.sharding_texts(record) == expected
+  assert inspect_command.sharding_texts(record) == expected
 
 
 @pytest.mark.parametrize(
@@ -344,9 +348,9 @@ def test_sharding_texts(record, expected):
 )
 def test_sharding_texts_malformed(record):
   with pytest.raises(
-    cli.BadInputError, match=r'Malformed sharding record.*Re-export'
+    _command.BadInputError, match=r'Malformed sharding record.*Re-export'
   ):
-    cli.sharding_texts(record)
+    inspect_command.sharding_texts(record)
 
 
 # plan
@@ -739,7 +743,7 @@ def test_export_demo_checkpoint_values(demo_export):
 def test_export_demo_saved_model_logits(demo_export):
   _, out, expected, proc = demo_export
   ok(proc)
-  logits, report = cli.verify_saved_model(
+  logits, report = verify.verify_saved_model(
     out / 'saved_model', expected['__tokens__']
   )
   assert not report['jax_imported']

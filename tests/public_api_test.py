@@ -51,22 +51,59 @@ def test_errors_subclass_valueerror_or_typeerror():
         assert issubclass(obj, (ValueError, TypeError)), name
 
 
-def test_import_does_not_import_tensorflow():
-  code = (
-    'import sys, flax_dtensor, flax_dtensor.dtensor\n'
-    'import flax_dtensor.cli\n'
-    "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow')\n"
-    'assert not bad, bad\n'
-    "print('ok')\n"
-  )
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-  out = subprocess.run(
+def _run(code, **env):
+  proc = subprocess.run(
     [sys.executable, '-c', code],
     capture_output=True,
     text=True,
     timeout=120,
-    env=env,
+    env={**os.environ, 'JAX_PLATFORMS': 'cpu', **env},
     check=False,
   )
-  assert out.returncode == 0, out.stderr
-  assert out.stdout.strip() == 'ok'
+  return proc
+
+
+def test_import_pulls_in_only_what_the_core_needs():
+  """No TensorFlow, no command-line libraries, no JAX backend at import."""
+  code = (
+    'import sys, flax_dtensor, flax_dtensor.dtensor\n'
+    "banned = ('tensorflow', 'typer', 'orbax', 'matplotlib', 'keras')\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned)\n"
+    'assert not bad, bad\n'
+    "assert 'flax_dtensor.cli' not in sys.modules\n"
+    '# The backend has not started: the device count can still be set.\n'
+    'import jax\n'
+    "jax.config.update('jax_num_cpu_devices', 3)\n"
+    'assert jax.device_count() == 3, jax.devices()\n'
+    "print('ok')\n"
+  )
+  proc = _run(code)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == 'ok'
+
+
+def test_the_command_line_imports_no_tensorflow():
+  code = (
+    'import sys, flax_dtensor.cli._app\n'
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow')\n"
+    'assert not bad, bad\n'
+    "print('ok')\n"
+  )
+  proc = _run(code)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == 'ok'
+
+
+def test_the_command_line_without_its_extra_says_what_to_install():
+  code = (
+    'import sys\n'
+    "sys.modules['typer'] = None  # As if the cli extra were not installed.\n"
+    'from flax_dtensor import cli\n'
+    "cli.main(['--help'])\n"
+  )
+  proc = _run(code)
+  assert proc.returncode == 1
+  assert proc.stderr.startswith(
+    'error: the flax-dtensor command needs its extra: pip install '
+    '"flax-dtensor[cli]"'
+  )

@@ -151,20 +151,22 @@ def test_from_yaml_text_and_file(tmp_path):
     ('mlp', 'tensor'),
     ('vocab', None),
   ]
-  assert list(fdt.LogicalRules.from_yaml(MAXTEXT_YAML)) == expected
+  assert list(fdt.LogicalRules.from_yaml_text(MAXTEXT_YAML)) == expected
   path = tmp_path / 'rules.yml'
   path.write_text(MAXTEXT_YAML)
   assert list(fdt.LogicalRules.from_yaml(path)) == expected
   assert list(fdt.LogicalRules.from_yaml(str(path))) == expected
   bare = '- [batch, data]\n- [embed, null]\n'
-  rules = fdt.LogicalRules.from_yaml(bare, unknown='replicate')
+  rules = fdt.LogicalRules.from_yaml_text(bare, unknown='replicate')
   assert list(rules) == [('batch', 'data'), ('embed', None)]
   assert rules.unknown == 'replicate'
 
 
 def test_from_yaml_uses_the_safe_loader():
   with pytest.raises(fdt.LogicalRulesError, match='not valid YAML'):
-    fdt.LogicalRules.from_yaml('- !!python/object/apply:os.system ["true"]\n')
+    fdt.LogicalRules.from_yaml_text(
+      '- !!python/object/apply:os.system ["true"]\n'
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,7 +181,7 @@ def test_from_yaml_uses_the_safe_loader():
 )
 def test_from_yaml_errors(text, match):
   with pytest.raises(fdt.LogicalRulesError, match=match):
-    fdt.LogicalRules.from_yaml(text)
+    fdt.LogicalRules.from_yaml_text(text)
 
 
 def test_from_yaml_missing_file(tmp_path):
@@ -517,6 +519,17 @@ def test_rules_hash_like_the_equal_tuple():
 
 def test_from_yaml_path_that_does_not_exist_says_so():
   with pytest.raises(
-    fdt.LogicalRulesError, match=r"No rules file 'configs/rules'.*no such file"
+    fdt.LogicalRulesError,
+    match=r"Cannot read rules file 'configs/rules': No such file.*path of a "
+    r'YAML file\.$',
   ):
     fdt.LogicalRules.from_yaml('configs/rules')
+  # YAML text where a path is expected: never ambiguous, and hinted at.
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r'looks like YAML text: use .*from_yaml_text'
+  ):
+    fdt.LogicalRules.from_yaml("logical_axis_rules: [['a', 'b']]")
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r'Expected YAML text \(a str\)'
+  ):
+    fdt.LogicalRules.from_yaml_text(b'logical_axis_rules: []')

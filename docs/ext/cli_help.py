@@ -26,11 +26,11 @@ def command_help(args: list[str]) -> str:
   """Returns the help text of ``flax-dtensor ARGS --help``."""
   import typer.testing  # pylint: disable=g-import-not-at-top
 
-  from flax_dtensor import cli  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.cli import _app  # pylint: disable=g-import-not-at-top
 
   runner = typer.testing.CliRunner()
   result = runner.invoke(
-    cli.app,
+    _app.app,
     [*args, '--help'],
     prog_name='flax-dtensor',
     terminal_width=WIDTH,

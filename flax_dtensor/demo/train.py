@@ -31,7 +31,7 @@ def default_rules() -> fdt.LogicalRules:
     >>> train.default_rules().candidates('embed')
     ('fsdp', 'data', None)
   """
-  return fdt.LogicalRules.from_yaml(rules_text())
+  return fdt.LogicalRules.from_yaml_text(rules_text())
 
 
 def load_rules(path: str | os.PathLike[str] | None) -> fdt.LogicalRules:

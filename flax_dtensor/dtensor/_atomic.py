@@ -1,15 +1,10 @@
 """Atomic export directories: complete or absent, and nothing left behind.
 
-An export is written into a hidden sibling ``.NAME.tmp-HEX`` holding a
-marker file (`MARKER`) with the writer's pid, host and process start time,
-then renamed into place. Overwriting renames the old export aside to
-``.NAME.old-HEX`` first (marked too), then deletes it; the parent directory
-is fsynced after each rename. `recover`, run before every save and restore
-at a path, finishes what a killed writer left: it moves a complete new (or
-else the old) export into place, and removes temporaries whose writer is
-dead. `check_replaceable` refuses to overwrite anything this package did not
-write. In a multi-process run, process 0 does the filesystem work and the
-others follow at barriers.
+An export is written into a hidden, marked sibling (`MARKER`: the writer's
+pid, host and start time) and renamed into place; an old export is renamed
+aside first. `recover` finishes what a killed writer left; `check_replaceable`
+refuses to overwrite what this package did not write. In a multi-process
+run, process 0 does the filesystem work and the others wait at barriers.
 """
 
 from __future__ import annotations
@@ -455,6 +450,33 @@ def commit(staged: str, directory: str, *, overwrite: bool) -> None:
       raise _errors.ExportError(_exists_message(directory))
     check_replaceable(directory)
   _move_into_place(staged, directory)
+
+
+@contextlib.contextmanager
+def all_or_nothing(
+  parent: str, names: Iterator[str] | list[str], *, overwrite: bool
+) -> Iterator[dict[str, str]]:
+  """Yields scratch paths for several exports in `parent`; commits all.
+
+  Each export is written to its scratch path; when the block ends, each is
+  moved into place (`commit`). If anything fails, nothing of this run is
+  left: no export, no scratch directory, and no `parent` if this created
+  it. One process only.
+  """
+  parent = os.path.abspath(parent)
+  created = not os.path.exists(parent)
+  os.makedirs(parent, exist_ok=True)
+  try:
+    with staging_directory(parent) as staging:
+      staged = {name: os.path.join(staging, name) for name in names}
+      yield staged
+      for name, path in staged.items():
+        commit(path, os.path.join(parent, name), overwrite=overwrite)
+  except BaseException:
+    if created:
+      with contextlib.suppress(OSError):
+        os.rmdir(parent)  # Only if empty: nothing else was there.
+    raise
 
 
 def recover_for_reading(directory: str) -> None:

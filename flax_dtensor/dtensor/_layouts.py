@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from flax_dtensor import _errors, _rules
+from flax_dtensor import _errors, _specs
 from flax_dtensor.dtensor import _tf, _topology
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def _dim_axes(
         'P.UNCONSTRAINED, which only has a meaning inside jax.jit. Convert '
         'the array returned by the jitted function instead.'
       )
-    dim_axes.append(tuple(_rules.target_axes(entry)))
+    dim_axes.append(_specs.axes_of(entry))
   # NamedSharding itself rejects unknown and repeated mesh axes.
   used = [name for axes in dim_axes for name in axes]
   assert set(used) <= set(mesh.axis_names), (spec, mesh)

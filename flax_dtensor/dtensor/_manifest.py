@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_dtensor import _errors, _rules
+from flax_dtensor import _errors, _specs
 from flax_dtensor.dtensor import _dtypes, _names
 
 FILE = 'flax_dtensor.json'
@@ -117,7 +117,7 @@ def sharding_record(
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
     kind = 'named'
-    spec = [list(_rules.target_axes(entry)) for entry in entries]
+    spec = [list(_specs.axes_of(entry)) for entry in entries]
     mesh = _axes(sharding.mesh.axis_names, sharding.mesh.axis_sizes)
   else:
     kind = 'single_device'

@@ -189,7 +189,7 @@ def _own_sharding(
   value = _variables.value_of(entry.variable)
   sharding = getattr(value, 'sharding', None)
   if mesh is None:
-    current = _meshes.current_mesh()
+    current = _meshes.mesh_for()
     mesh = current if isinstance(current, jax.sharding.Mesh) else None
   if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
     sharding.mesh, jax.sharding.AbstractMesh
@@ -282,7 +282,7 @@ def _check_against(
       held = sorted(
         _names.path_text(p) for p in map(_names.nnx_path, shapes) if p
       )
-      shown = ', '.join(held[:8]) + (', ...' if len(held) > 8 else '')
+      shown = _variables.listing(held)
       raise _errors.ExportError(
         f'The checkpoint {prefix!r} has no variable {e.name!r} (key '
         f'{e.key!r}), which the target needs. It holds {len(held)} '
@@ -332,10 +332,9 @@ def _check_extra(
     if p is not None and p not in known
   )
   if extra:
-    shown = ', '.join(extra[:8]) + (', ...' if len(extra) > 8 else '')
     raise _errors.ExportError(
       f'The checkpoint {prefix!r} holds {len(extra)} variable(s) the target '
-      f'does not have: {shown}. Expected a checkpoint of this model: restore '
+      f'does not have: {_variables.listing(extra)}. Expected a checkpoint of this model: restore '
       'into the model that was saved, or pass `allow_extra=True` to restore '
       'the variables the target has and ignore the others.'
     )
@@ -413,10 +412,9 @@ def _fill_abstract(
     else:
       missing.append(_names.path_text(path))
   if missing:
-    shown = ', '.join(missing[:8]) + (', ...' if len(missing) > 8 else '')
     raise _errors.ExportError(
       f'The target is abstract, and {len(missing)} of its variables are not '
-      f'restored from the checkpoint: {shown}. Expected every variable of '
+      f'restored from the checkpoint: {_variables.listing(missing)}. Expected every variable of '
       'an abstract target to get a value: restore them too (`include=`, '
       '`exclude=`), pass `rng_seed=` to seed RNG state, or restore into a '
       'concrete model, whose other variables keep their values.'

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output, _rules
+from flax_dtensor import _errors, _output, _specs
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -64,7 +64,7 @@ def _spec_on(
   out = []
   for entry, size in zip(sharding.spec, shape, strict=False):
     pick = None
-    for name in _rules.target_axes(entry):
+    for name in _specs.axes_of(entry):
       if (
         name in mesh.shape and name not in used and size % mesh.shape[name] == 0
       ):
@@ -322,9 +322,8 @@ def save_saved_model(
 
 def _tf_max_calling_convention() -> int | None:
   """The newest jax2tf calling convention this TF's XlaCallModule runs."""
-  _tf.tf()
   try:
-    from tensorflow.compiler.tf2xla.python import xla
+    xla = _tf.internal('tensorflow.compiler.tf2xla.python.xla')
   except ImportError:  # pragma: no cover - TF moved it.
     return None
   return int(xla.call_module_maximum_supported_version())

@@ -108,20 +108,28 @@ def dtensor() -> types.ModuleType:
   return tf().experimental.dtensor
 
 
-def accelerator_util() -> types.ModuleType:
-  """Returns TF's DTensor `accelerator_util` module (initialization state).
+def internal(name: str) -> types.ModuleType:
+  """Returns one of TensorFlow's own modules, importing TF if needed.
 
-  `tf.experimental.dtensor` has no public `is_initialized`; this module holds
-  it.
+  For what TF offers only there: `tensorflow.dtensor.python.
+  accelerator_util` (whether DTensor is initialized), `tensorflow.dtensor.
+  python.api` (its reset), `tensorflow.python.eager.context` (the cause of
+  a cancelled op) and `tensorflow.compiler.tf2xla.python.xla` (the calling
+  conventions TF runs).
 
-  Returns:
-    The `tensorflow.dtensor.python.accelerator_util` module.
+  Args:
+    name: The module's full name, starting with 'tensorflow.'.
 
   Raises:
-    ImportError: If TensorFlow is not installed.
+    ImportError: If TensorFlow (or that module) is not installed.
   """
   tf()
-  return importlib.import_module('tensorflow.dtensor.python.accelerator_util')
+  return importlib.import_module(name)
+
+
+def accelerator_util() -> types.ModuleType:
+  """Returns TF's DTensor `accelerator_util` module (initialization state)."""
+  return internal('tensorflow.dtensor.python.accelerator_util')
 
 
 def is_imported() -> bool:

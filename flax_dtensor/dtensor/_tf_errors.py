@@ -28,9 +28,9 @@ def describe(e: BaseException) -> str:
   tf = sys.modules.get('tensorflow')
   if op_error is not None and isinstance(e, tf.errors.CancelledError):
     try:
-      from tensorflow.python.eager import context
+      from flax_dtensor.dtensor import _tf
 
-      context.context().sync_executors()
+      _tf.internal('tensorflow.python.eager.context').context().sync_executors()
     except op_error as cause:
       e = cause
     except Exception:  # pragma: no cover - TF moved it.

@@ -7,7 +7,6 @@ guards every conversion.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import warnings
@@ -130,7 +129,7 @@ def shutdown() -> None:
     # TF keeps its DTensor device, bound to the context just reset; a later
     # initialize() would then fail every pack ('device:CUSTOM:0 unknown
     # device'). Drop it so that the next use creates a new one.
-    api = importlib.import_module('tensorflow.dtensor.python.api')
+    api = _tf.internal('tensorflow.dtensor.python.api')
     reset = getattr(api, '_reset', None)
     if reset is not None:
       reset()

@@ -1,0 +1,52 @@
+"""PartitionSpecs: the mesh axes of an entry, a canonical form, and text.
+
+The one place specs are taken apart and printed: `axes_of` gives the mesh
+axes an entry names, `canonical` compares specs of different spellings
+(``P('data')`` and ``P('data', None)``), `format_entry` / `format_spec` print
+them as JAX does, and `from_axes` builds a spec from per-dimension axes (the
+form the manifest stores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+
+def axes_of(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one spec entry (or rule target) names, in order."""
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def canonical(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+  """One tuple of mesh axes per dimension: equal for equal placements."""
+  entries = tuple(spec) + (None,) * (ndim - len(spec))
+  return tuple(axes_of(e) for e in entries)
+
+
+def format_entry(entry: Any) -> str:
+  """ "None", "'data'" or "('data', 'model')"."""
+  axes = axes_of(entry)
+  if not axes:
+    return 'None'
+  if len(axes) == 1:
+    return repr(axes[0])
+  return '(' + ', '.join(map(repr, axes)) + ')'
+
+
+def format_spec(spec: PartitionSpec) -> str:
+  """ "P('data', None)", as JAX prints a PartitionSpec."""
+  return 'P(' + ', '.join(format_entry(e) for e in spec) + ')'
+
+
+def from_axes(dims: Sequence[Sequence[str]]) -> PartitionSpec:
+  """The spec of per-dimension mesh axes (``[['data'], []]``)."""
+  return PartitionSpec(
+    *(None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims)
+  )

@@ -1,0 +1,27 @@
+"""The ``flax-dtensor`` command line: ``demo``, ``plan``, ``export``, ``inspect``.
+
+Run ``flax-dtensor --help`` (or ``python -m flax_dtensor --help``). Each
+command is a module here that parses its flags and calls the library;
+`_command` holds what they share (console, errors, exit statuses) and
+`_inputs` the parsers of meshes, input shapes, rules files and targets.
+The command line needs the ``cli`` extra (typer, rich, orbax-checkpoint).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+INSTALL_HINT = (
+  'error: the flax-dtensor command needs its extra: '
+  'pip install "flax-dtensor[cli]"'
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """Runs the command line (the ``flax-dtensor`` entry point)."""
+  try:
+    from flax_dtensor.cli import _app
+  except ImportError as e:
+    sys.exit(f'{INSTALL_HINT} ({e})')
+  _app.main(argv)

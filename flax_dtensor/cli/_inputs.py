@@ -1,0 +1,341 @@
+"""What commands read: meshes, input shapes, rules files, model factories.
+
+Each parser raises `BadInputError` naming the flag, what arrived and how to
+write it. JAX, Flax and TensorFlow are imported inside the functions, so
+``--help`` stays fast and devices can be set up before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flax_dtensor.cli._command import BadInputError
+
+DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
+DEFAULT_MESH = 'data=2,model=4'
+_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+_MESH_ITEM = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)$')
+MESH_HELP = 'Mesh axes as NAME=SIZE pairs, e.g. data=2,model=4.'
+RULES_HELP = (
+  "A YAML rules file in MaxText's format (a logical_axis_rules list of "
+  '(name, target) pairs). Default: the demo rules.'
+)
+CPU_DEVICES_HELP = (
+  'Run on this many virtual CPU devices (sets XLA_FLAGS and '
+  'jax_num_cpu_devices before JAX starts).'
+)
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
+  """Parses ``'data=2,model=4'`` into ``(('data', 2), ('model', 4))``.
+
+  Args:
+    text: Comma-separated ``NAME=SIZE`` pairs.
+
+  Returns:
+    The axis names and sizes, in order.
+
+  Raises:
+    BadInputError: If the text is malformed, a size is not a positive
+      integer, or a name repeats.
+  """
+  fix = f'Pass --mesh as comma-separated NAME=SIZE pairs, e.g. {DEFAULT_MESH}.'
+  items = [item.strip() for item in text.split(',')]
+  axes = []
+  for item in items:
+    match = _MESH_ITEM.match(item)
+    if match is None:
+      raise BadInputError(
+        f'Malformed --mesh {text!r}: expected NAME=SIZE, got {item!r}. {fix}'
+      )
+    name, size = match.group(1), int(match.group(2))
+    if size < 1:
+      raise BadInputError(
+        f'Malformed --mesh {text!r}: axis {name!r} has size {size}; sizes '
+        f'must be positive. {fix}'
+      )
+    axes.append((name, size))
+  names = [n for n, _ in axes]
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise BadInputError(
+      f'Malformed --mesh {text!r}: axis name(s) {repeated} repeat. Give '
+      f'each mesh axis its own name. {fix}'
+    )
+  return tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+  """One ``--input-shape`` entry: ``NAME:DIMS:DTYPE``."""
+
+  name: str
+  shape: tuple[int | None, ...]
+  dtype: str
+
+  def tensor_spec(self) -> Any:
+    """The `tf.TensorSpec` of the input (imports TensorFlow)."""
+    from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
+
+    tf = _tf.tf()
+    return tf.TensorSpec(self.shape, tf.dtypes.as_dtype(self.dtype), self.name)
+
+
+_DTYPES = (
+  'bool',
+  'int8',
+  'int16',
+  'int32',
+  'int64',
+  'uint8',
+  'uint32',
+  'float16',
+  'bfloat16',
+  'float32',
+  'float64',
+)
+
+
+def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
+  """Parses ``'x:1,128:int32'``; the first dim is the batch dim.
+
+  Unless `static_batch`, the first dimension is exported polymorphic (its
+  size only serves as an example); ``b``, ``?`` or ``None`` also mark a
+  polymorphic dimension.
+
+  Raises:
+    BadInputError: If the text is malformed.
+  """
+  fix = (
+    'Pass --input-shape NAME:DIMS:DTYPE, e.g. x:1,128:int32 (one per '
+    'positional input of the method, in order).'
+  )
+  parts = text.split(':')
+  if len(parts) != 3 or not parts[0] or not parts[1]:
+    raise BadInputError(f'Malformed --input-shape {text!r}. {fix}')
+  name, dims_text, dtype = parts
+  if dtype not in _DTYPES:
+    raise BadInputError(
+      f'Malformed --input-shape {text!r}: unknown dtype {dtype!r}; expected '
+      f'one of {", ".join(_DTYPES)}. {fix}'
+    )
+  shape: list[int | None] = []
+  for d in dims_text.split(','):
+    d = d.strip()
+    if d in ('b', '?', 'None'):
+      shape.append(None)
+    elif d.isdigit() and int(d) > 0:
+      shape.append(int(d))
+    else:
+      raise BadInputError(
+        f'Malformed --input-shape {text!r}: dimension {d!r} is not a '
+        f'positive integer (or b for a polymorphic one). {fix}'
+      )
+  if not static_batch:
+    shape[0] = None
+  return InputSpec(name, tuple(shape), dtype)
+
+
+def load_rules(path: str | None) -> Any:
+  """Reads a rules file (the demo rules when `path` is None).
+
+  Raises:
+    BadInputError: If the file is missing or malformed.
+  """
+  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
+
+  if path is None:
+    return train.default_rules()
+  if not pathlib.Path(path).is_file():
+    raise BadInputError(
+      f'Rules file {path!r} does not exist. Pass --rules the path of a YAML '
+      "file in MaxText's format, e.g. one holding: logical_axis_rules: "
+      "[['batch', 'data'], ['embed', null]]."
+    )
+  try:
+    return train.load_rules(path)
+  except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
+    raise BadInputError(
+      f'Malformed rules file {path!r}: {e} Fix the file, e.g. '
+      "logical_axis_rules: [['batch', 'data'], ['embed', null]]."
+    ) from e
+
+
+def load_target(target: str) -> Callable[[], Any]:
+  """Imports ``package.module:factory`` (or ``path/to/file.py:factory``).
+
+  The current directory is put on ``sys.path`` first, so a module next to
+  where the command runs imports.
+
+  Raises:
+    BadInputError: If the target is malformed, does not import, or does not
+      name a callable.
+  """
+  example = f'e.g. {DEMO_TARGET} or path/to/models.py:make_model'
+  module_name, sep, attr = target.rpartition(':')
+  if not sep or not module_name or not attr:
+    raise BadInputError(
+      f'TARGET {target!r} is not of the form package.module:factory '
+      f'({example}).'
+    )
+  if module_name.endswith('.py') or os.sep in module_name:
+    path = pathlib.Path(module_name)
+    if not path.is_file():
+      raise BadInputError(
+        f'TARGET {target!r}: file {str(path)!r} does not exist. Check the '
+        f'path ({example}).'
+      )
+    unique = f'_flax_dtensor_target_{abs(hash(str(path.resolve())))}'
+    spec = importlib.util.spec_from_file_location(unique, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = module
+    try:
+      spec.loader.exec_module(module)
+    except Exception as e:
+      raise BadInputError(
+        f'TARGET {target!r}: running {str(path)!r} raised '
+        f'{type(e).__name__}: {e}. Fix the file (rerun with --debug for the '
+        'traceback).'
+      ) from e
+  else:
+    cwd = os.getcwd()
+    if cwd not in sys.path and '' not in sys.path:
+      sys.path.insert(0, cwd)
+    try:
+      module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+      if e.name and module_name.startswith(e.name):
+        raise BadInputError(
+          f'TARGET {target!r}: no module named {module_name!r}. Check the '
+          'spelling, install the package, or run from the directory that '
+          f'holds it (or add it to PYTHONPATH); {example}.'
+        ) from e
+      raise BadInputError(
+        f'TARGET {target!r}: importing {module_name!r} failed: {e}. Install '
+        'the missing package.'
+      ) from e
+    except Exception as e:
+      raise BadInputError(
+        f'TARGET {target!r}: importing {module_name!r} raised '
+        f'{type(e).__name__}: {e}. Fix the module (rerun with --debug for '
+        'the traceback).'
+      ) from e
+  factory: Any = module
+  for part in attr.split('.'):
+    if not hasattr(factory, part):
+      raise BadInputError(
+        f'TARGET {target!r}: module {module_name!r} has no attribute '
+        f'{attr!r}. Name a callable that returns an nnx.Module ({example}).'
+      )
+    factory = getattr(factory, part)
+  if not callable(factory):
+    raise BadInputError(
+      f'TARGET {target!r}: {attr!r} is a {type(factory).__name__}, not a '
+      'callable. Name a function or class that returns an nnx.Module.'
+    )
+  return factory
+
+
+# JAX and TF set-up
+# ------------------------------------------------------------------------------
+
+
+def configure_cpu_devices(count: int) -> None:
+  """Makes JAX run on `count` virtual CPU devices.
+
+  Must run before JAX starts its backend (the first time anything asks for
+  devices). Sets ``XLA_FLAGS`` too, so subprocesses inherit the setting.
+  """
+  flags = re.sub(
+    _DEVICE_COUNT_FLAG + r'=\S*', '', os.environ.get('XLA_FLAGS', '')
+  )
+  os.environ['XLA_FLAGS'] = f'{flags} {_DEVICE_COUNT_FLAG}={count}'.strip()
+  import jax  # pylint: disable=g-import-not-at-top
+
+  try:
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', count)
+  except RuntimeError:  # The backend already started; checked by make_mesh.
+    pass
+
+
+def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
+  """Builds a mesh of Auto axes over all devices, checking the count.
+
+  Raises:
+    BadInputError: If the mesh size differs from the device count.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  size = math.prod(s for _, s in axes)
+  count = jax.device_count()
+  if size != count:
+    raise BadInputError(
+      f'--mesh {mesh_text} needs {size} devices but JAX sees {count} '
+      f'({jax.default_backend()}). Pass a mesh of {count} devices, or on CPU '
+      f'run on {size} virtual devices with --cpu-devices {size}.'
+    )
+  return jax.make_mesh(
+    tuple(s for _, s in axes),
+    tuple(n for n, _ in axes),
+    axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+  )
+
+
+def abstract_mesh(axes: Sequence[tuple[str, int]]) -> Any:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.sharding.AbstractMesh(
+    tuple(s for _, s in axes),
+    tuple(n for n, _ in axes),
+    axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+  )
+
+
+def build_abstract(factory: Callable[[], Any], target: str) -> Any:
+  """``nnx.eval_shape(factory)``: the model's shapes, nothing allocated.
+
+  Call it under a mesh and rules: annotated variables then carry their
+  sharding.
+
+  Raises:
+    BadInputError: If the factory raises or does not return an nnx.Module.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+
+  try:
+    model = nnx.eval_shape(factory)
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:
+    raise BadInputError(
+      f'TARGET {target!r}: calling the factory raised {type(e).__name__}: '
+      f'{e}. It must build the model with no arguments (rerun with --debug '
+      'for the traceback).'
+    ) from e
+  if not isinstance(model, nnx.Module):
+    raise BadInputError(
+      f'TARGET {target!r} returned a {type(model).__name__}, expected an '
+      'nnx.Module. Name a callable that builds the model with no arguments.'
+    )
+  return model
+
+
+def initialize_dtensor() -> Any:
+  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
+
+  dtensor.initialize()
+  return dtensor

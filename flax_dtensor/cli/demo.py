@@ -1,0 +1,71 @@
+"""``flax-dtensor demo``: parses its flags and runs `flax_dtensor.demo.run`."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Annotated
+
+import typer
+
+from flax_dtensor.cli import _command, _inputs
+
+DEFAULT_OUT = 'flax_dtensor_out'
+
+
+def demo(
+  steps: Annotated[int, typer.Option(min=1, help='Training steps.')] = 300,
+  mesh: Annotated[
+    str, typer.Option(help=_inputs.MESH_HELP)
+  ] = _inputs.DEFAULT_MESH,
+  rules: Annotated[str | None, typer.Option(help=_inputs.RULES_HELP)] = None,
+  out: Annotated[
+    pathlib.Path,
+    typer.Option(help='Output directory (created; its outputs replaced).'),
+  ] = pathlib.Path(DEFAULT_OUT),
+  seed: Annotated[int, typer.Option(help='Seed of init and data.')] = 0,
+  batch_size: Annotated[
+    int, typer.Option(min=1, help='Sequences per step.')
+  ] = 16,
+  cpu_devices: Annotated[
+    int | None,
+    typer.Option(
+      min=1, help=_inputs.CPU_DEVICES_HELP + ' Default: the size of --mesh.'
+    ),
+  ] = None,
+  debug: Annotated[
+    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
+  ] = False,
+) -> None:
+  """Train a small Transformer LM on a sharded mesh and export it to TF.
+
+  On virtual CPU devices: builds the demo model with its params sharded by
+  the rules, trains it with optax on the shipped corpus, prints the plan,
+  writes an Orbax checkpoint, a DTensor checkpoint and a SavedModel, then
+  loads the SavedModel in a fresh TensorFlow-only process and compares its
+  logits on held-out text with JAX's.
+  """
+  with _command.handle_errors(debug):
+    axes = _inputs.parse_mesh(mesh)
+    rules_ = _inputs.load_rules(rules)
+    _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
+    if out.exists() and not out.is_dir():
+      raise _command.BadInputError(
+        f'--out {str(out)!r} exists and is not a directory. Pass a directory.'
+      )
+    mesh_ = _inputs.make_mesh(axes, mesh)
+    _inputs.initialize_dtensor()  # Before any other TF operation.
+    from flax_dtensor.demo import run, train  # pylint: disable=g-import-not-at-top
+
+    run.run(
+      mesh=mesh_,
+      rules=rules_,
+      rules_text=(
+        pathlib.Path(rules).read_text() if rules else train.rules_text()
+      ),
+      out=out,
+      steps=steps,
+      seed=seed,
+      batch_size=batch_size,
+      console=_command.console(),
+    )

@@ -1,0 +1,58 @@
+"""``flax-dtensor plan``: where every variable of a model would go."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from flax_dtensor.cli import _command, _inputs
+
+
+def plan(
+  target: Annotated[
+    str,
+    typer.Argument(
+      help=(
+        'package.module:factory (or path/to/file.py:factory), a callable '
+        f'returning an NNX module, e.g. {_inputs.DEMO_TARGET}.'
+      ),
+      show_default=False,
+    ),
+  ],
+  mesh: Annotated[
+    str, typer.Option(help=_inputs.MESH_HELP)
+  ] = _inputs.DEFAULT_MESH,
+  rules: Annotated[str | None, typer.Option(help=_inputs.RULES_HELP)] = None,
+  json_output: Annotated[
+    bool, typer.Option('--json', help='Print the plan as JSON.')
+  ] = False,
+  debug: Annotated[
+    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
+  ] = False,
+) -> None:
+  """Show where every variable of a model would go, without allocating it.
+
+  The model is built abstractly (nnx.eval_shape) on an abstract mesh: no
+  device and no parameter memory is needed. The table lists each variable's
+  shape, dtype, logical axes, PartitionSpec, bytes per device and the
+  fallbacks taken; the footer compares the total bytes per device with the
+  ideal (total / device count).
+  """
+  with _command.handle_errors(debug):
+    axes = _inputs.parse_mesh(mesh)
+    rules_ = _inputs.load_rules(rules)
+    factory = _inputs.load_target(target)
+    import jax  # pylint: disable=g-import-not-at-top
+
+    import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
+
+    mesh_ = _inputs.abstract_mesh(axes)
+    with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
+      model = _inputs.build_abstract(factory, target)
+      result = fdt.plan(model, mesh=mesh_, rules=rules_)
+    if json_output:
+      sys.stdout.write(result.to_json(indent=2) + '\n')
+    else:
+      _command.console().print(result)

@@ -1,0 +1,122 @@
+"""The architecture holds: imports run downwards, no cycles, one TF door.
+
+The layering the docs' architecture page describes, checked on the source:
+the core (``flax_dtensor/_*.py``) never imports the TensorFlow bridge, the
+command line or the demo; the bridge never imports the command line; only
+``dtensor/_tf.py`` imports TensorFlow; and the modules' imports of each
+other form no cycle.
+"""
+
+import ast
+import pathlib
+
+import flax_dtensor
+
+PACKAGE = pathlib.Path(flax_dtensor.__file__).parent
+
+
+def _module_name(path):
+  parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
+  return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+def _imports():
+  """{module: set of modules it imports (all of them, lazy ones too)}."""
+  graph = {}
+  for path in sorted(PACKAGE.rglob('*.py')):
+    name = _module_name(path)
+    package = name if path.name == '__init__.py' else name.rpartition('.')[0]
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      # Imports for type checking only (`if TYPE_CHECKING:`) are not run.
+      if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+        node.body = []
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        found.update(a.name for a in node.names)
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ''
+        if node.level:
+          base = '.'.join(
+            package.split('.')[: len(package.split('.')) - node.level + 1]
+            + ([base] if base else [])
+          )
+        found.add(base)
+        found.update(f'{base}.{a.name}' for a in node.names)
+    graph[name] = found
+  return graph
+
+
+GRAPH = _imports()
+MODULES = set(GRAPH)
+
+
+def _internal(imported):
+  return {m for m in imported if m in MODULES}
+
+
+def test_the_core_imports_neither_the_bridge_nor_the_cli():
+  for module, imported in GRAPH.items():
+    is_core = module == 'flax_dtensor' or (
+      module.startswith('flax_dtensor._') and module != 'flax_dtensor.__main__'
+    )
+    if not is_core:
+      continue
+    bad = {
+      m
+      for m in imported
+      if m.startswith(('flax_dtensor.dtensor', 'flax_dtensor.cli'))
+      or m.startswith('flax_dtensor.demo')
+    }
+    assert not bad, (module, bad)
+
+
+def test_the_bridge_does_not_import_the_cli_or_the_demo():
+  for module, imported in GRAPH.items():
+    if module.startswith('flax_dtensor.dtensor'):
+      bad = {
+        m
+        for m in imported
+        if m.startswith(('flax_dtensor.cli', 'flax_dtensor.demo'))
+      }
+      assert not bad, (module, bad)
+
+
+def test_only_one_module_imports_tensorflow():
+  importers = {
+    module
+    for module, imported in GRAPH.items()
+    if any(m == 'tensorflow' or m.startswith('tensorflow.') for m in imported)
+  }
+  # The bridge's one door, and the demo's verify script: a program run in a
+  # TF-only subprocess, held as text.
+  assert importers == {'flax_dtensor.dtensor._tf'}, importers
+
+
+def test_no_import_cycles():
+  edges = {
+    m: _internal(imported) - {m} - {'flax_dtensor'}
+    for m, imported in GRAPH.items()
+  }
+  # A package's __init__ importing its own modules is re-exporting, not a
+  # cycle: drop the edges from packages to their children.
+  for m in edges:
+    if (PACKAGE.parent / m.replace('.', '/') / '__init__.py').exists():
+      edges[m] = {c for c in edges[m] if not c.startswith(m + '.')}
+  done, active = set(), []
+
+  def visit(node):
+    if node in active:
+      cycle = [*active[active.index(node) :], node]
+      raise AssertionError(' -> '.join(cycle))
+    if node in done:
+      return
+    active.append(node)
+    for child in sorted(edges.get(node, ())):
+      visit(child)
+    active.pop()
+    done.add(node)
+
+  for node in sorted(edges):
+    visit(node)

@@ -1,13 +1,12 @@
 """The hook into Flax: variable creation and pspec queries follow our rules.
 
 Flax places an annotated variable at creation with
-``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec``,
-``nnx.get_named_sharding``, ``nnx.as_abstract`` and ``nnx.eval_shape`` with
-``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, at import. The
-wrappers take any arguments and defer to Flax unless `LogicalRules` are in
-effect; then both use `_variables.spec_of_variable`, so what Flax reports is
-where the variable is. `check_routing` proves at import that Flax still
-calls them.
+``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec`` (and
+``get_named_sharding``, ``as_abstract``, ``eval_shape``) with
+``flax.nnx.spmd.get_var_pspec``. `install` wraps both, and
+``Variable.set_value``, once, at import; the wrappers take any arguments and
+defer to Flax unless our rules are in effect or our build (`building`) runs.
+`check_routing` proves at import that Flax still calls them.
 """
 
 from __future__ import annotations
@@ -20,10 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
+import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.nnx import spmd as nnx_spmd
+from flax.nnx import variablelib
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import (
@@ -40,7 +41,7 @@ _MARK = '__flax_dtensor_hook__'
 class _State(threading.local):
   """Per-thread switches of the hook."""
 
-  deferred: bool = False  # Inside `init`'s builds: placement comes later.
+  building: bool = False  # Inside `init`'s and `plan`'s builds.
   probe: list[str] | None = None  # `check_routing` records calls here.
 
 
@@ -48,18 +49,52 @@ _state = _State()
 
 
 @contextlib.contextmanager
-def deferred_placement() -> Iterator[None]:
-  """Within the block, created variables stay where their value is.
+def building() -> Iterator[None]:
+  """Within the block, a model is built by flax_dtensor (`init`, `plan`).
 
-  Used by `init` and by abstract builds, which place (or plan) every
-  variable themselves, by the same `_variables.spec_of_variable`.
+  Created variables stay where their value is (the build places or plans
+  every variable itself, by `_variables.spec_of_variable`), and tracing
+  stays linear in the number of variables (see `_set_value`).
   """
-  old = _state.deferred
-  _state.deferred = True
+  old = _state.building
+  _state.building = True
   try:
     yield
   finally:
-    _state.deferred = old
+    _state.building = old
+
+
+def _set_value(flax_fn: Callable[..., Any], variable: Any, *args, **kwargs):
+  """``Variable.set_value``, without Flax's quadratic cost while tracing.
+
+  On ``var[...] = x`` (what every ``nnx.Rngs`` call does to its count),
+  Flax compares ``getattr(x, 'sharding', None)`` with the old value's. For
+  a traced value that attribute raises, and JAX first builds the error's
+  message by walking every equation traced so far: each RNG call costs
+  O(variables), a model's build O(variables²) (29 s for 1,000 variables,
+  170 s for 2,000). Between two traced values both sides are None, so Flax
+  assigns; this does the same without asking. Only inside `building`;
+  anything else is Flax's own.
+  """
+  if (
+    _state.building
+    and len(args) == 1
+    and kwargs.keys() == {'index'}
+    and kwargs['index'] is Ellipsis
+  ):
+    (value,) = args
+    raw = getattr(variable, '_raw_value', None)
+    if (
+      isinstance(raw, jax.core.Tracer)
+      and isinstance(value, jax.core.Tracer)
+      and not variablelib.is_array_ref(raw)
+      and 'on_set_value' not in variable.get_metadata()
+      and value.shape == raw.shape
+      and value.dtype == raw.dtype
+    ):
+      variable._raw_value = value  # What Flax does, as both shardings are None.
+      return None
+  return flax_fn(variable, *args, **kwargs)
 
 
 def _bind(fn: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any]:
@@ -81,7 +116,7 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return value
   if not out_sharding:
     return flax_fn(*args, **kwargs)
-  if _state.deferred:
+  if _state.building:
     return value
   rules = _rules.rules_in_effect()
   local = named.get('sharding_rules')
@@ -125,7 +160,7 @@ def _get_var_pspec(
 
 
 def install() -> None:
-  """Wraps Flax's two functions; idempotent. Called at import."""
+  """Wraps Flax's functions; idempotent. Called at import."""
   if getattr(core_spmd.shard_value, _MARK, False):
     return
   flax_shard_value = core_spmd.shard_value
@@ -139,10 +174,17 @@ def install() -> None:
   def get_var_pspec(*args: Any, **kwargs: Any) -> Any:
     return _get_var_pspec(flax_get_var_pspec, *args, **kwargs)
 
-  for hook in (shard_value, get_var_pspec):
+  flax_set_value = variablelib.Variable.set_value
+
+  @functools.wraps(flax_set_value)
+  def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
+    return _set_value(flax_set_value, variable, *args, **kwargs)
+
+  for hook in (shard_value, get_var_pspec, set_value):
     setattr(hook, _MARK, True)
   core_spmd.shard_value = shard_value
   nnx_spmd.get_var_pspec = get_var_pspec
+  variablelib.Variable.set_value = set_value
 
 
 def check_routing() -> None:

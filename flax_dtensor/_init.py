@@ -152,7 +152,7 @@ def init(
     @nnx.jit(graph=True, graph_updates=True)
     def create(values: list[Any]) -> Any:
       a, k = rebuild(values)
-      with _hook.deferred_placement():
+      with _hook.building():
         built = factory(*a, **k)
       _constrain(built, rules_, mesh_, auto)
       return built
@@ -174,6 +174,38 @@ def init(
         ),
       )
     return built
+
+
+def build_abstract(
+  factory: Callable[[], M],
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  rules: _rules.RulesLike | None = None,
+) -> M:
+  """``factory()`` built abstractly (nothing allocated), in linear time.
+
+  Under the mesh (concrete or abstract) and rules given, or the context's;
+  the variables hold ``jax.ShapeDtypeStruct``s carrying their shardings.
+
+  Raises:
+    NotAModelError: If the factory returns no NNX module or graph node.
+  """
+  with contextlib.ExitStack() as stack:
+    if isinstance(mesh, Mesh):
+      stack.enter_context(jax.set_mesh(mesh))
+    elif mesh is not None:
+      stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+    if rules is not None:
+      stack.enter_context(_rules.logical_axis_rules(rules))
+    stack.enter_context(_hook.building())
+    built = nnx.eval_shape(factory)
+  if not nnx.graph.is_node(built):
+    raise _errors.NotAModelError(
+      f'Expected the factory to return an NNX module or another graph node, '
+      f'got {type(built).__name__}: {built!r:.100}. Pass a callable that '
+      'builds the model with no arguments, e.g. lambda: Model(rngs=nnx.Rngs(0)).'
+    )
+  return built
 
 
 def _restore(x: Any, sharding: Any) -> Any:

@@ -12,9 +12,10 @@ import jax
 import numpy as np
 import rich.console
 import rich.table
+from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _meshes, _rules, _specs, _variables
+from flax_dtensor import _init, _meshes, _rules, _specs, _variables
 
 
 def _itemsize(dtype: Any) -> int:
@@ -212,15 +213,25 @@ def human_bytes(n: float) -> str:
   raise AssertionError('unreachable')
 
 
+def _is_factory(x: Any) -> bool:
+  return (
+    callable(x)
+    and not nnx.graph.is_node(x)
+    and not isinstance(x, nnx.State | nnx.Variable)
+  )
+
+
 def plan(
   module_or_state: Any,
   *,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   rules: _rules.RulesLike | None = None,
 ) -> ShardingPlan:
-  """Plans the sharding of every variable of a module or state.
+  """Plans the sharding of every variable of a module, state or factory.
 
-  Works on an abstract model (``nnx.eval_shape``) without allocating it. For
+  Works on an abstract model (``nnx.eval_shape``) without allocating it, and
+  on a factory (``lambda: Model(...)``), which it builds abstractly, in time
+  linear in the number of variables (10,000 take seconds). For
   every variable: shape, dtype, logical axes, the resolved PartitionSpec,
   bytes per device, and each fallback taken with its reason. For arrays
   that are already placed, bytes per device count the actual placement, and
@@ -229,7 +240,8 @@ def plan(
 
   Args:
     module_or_state: An NNX module, an ``nnx.Optimizer``, or an
-      ``nnx.State`` (concrete or abstract).
+      ``nnx.State`` (concrete or abstract); or a factory taking no arguments
+      that builds one.
     mesh: The mesh. Defaults to the one set by ``jax.set_mesh``, else each
       array's own mesh.
     rules: The rules. Defaults to the rules in effect (see
@@ -241,6 +253,8 @@ def plan(
     'layers/10').
 
   Raises:
+    NotAModelError: If `module_or_state` is none of these, or the factory
+      builds no NNX module.
     UnknownLogicalAxisError: If a variable names an axis in no rule; the
       message names the variable path.
     ShardingResolutionError: If a variable's axes cannot be resolved.
@@ -261,9 +275,20 @@ def plan(
     P('data', None)
     >>> p['kernel'].fallbacks
     ("dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16 (mesh axes ['model'])",)
+
+    Or from the factory, with the mesh and rules as arguments:
+
+    >>> fdt.plan(lambda: nnx.Linear(64, 24, kernel_init=init,
+    ...                             rngs=nnx.Rngs(0)),
+    ...          mesh=mesh, rules=rules)['kernel'].spec
+    P('data', None)
   """
   rules_ = _rules.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
+  if _is_factory(module_or_state):
+    module_or_state = _init.build_abstract(
+      module_or_state, mesh=mesh_, rules=rules_
+    )
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   entries = []
   for path, variable in _variables.iter_variables(module_or_state):

@@ -222,6 +222,72 @@ def test_plan_sorts_paths_naturally():
   assert paths == [f'layers/{i}/kernel' for i in range(12)]
 
 
-def test_plan_of_a_factory_is_an_error_not_an_empty_plan():
-  with pytest.raises(fdt.NotAModelError, match='It is callable'):
+def test_plan_of_a_factory_builds_it_abstractly():
+  def factory():
+    return Model(nnx.Rngs(0))
+
+  from_factory = fdt.plan(factory, mesh=MESH, rules=RULES)
+  from_model = fdt.plan(_abstract_model(), mesh=MESH, rules=RULES)
+  assert from_factory.to_dict() == from_model.to_dict()
+  assert from_factory['up/kernel'].spec == P('data', None)
+
+  # Nothing was allocated: a 40 GB model plans in a blink.
+  def huge():
+    return nnx.Linear(
+      100_000,
+      100_000,
+      kernel_init=nnx.with_partitioning(
+        nnx.initializers.zeros, ('embed', 'mlp')
+      ),
+      rngs=nnx.Rngs(0),
+    )
+
+  entry = fdt.plan(huge, mesh=MESH, rules=RULES)['kernel']
+  assert entry.bytes == 100_000 * 100_000 * 4
+  assert entry.bytes_per_device == entry.bytes // 8
+
+
+def test_plan_of_a_factory_that_builds_no_model_is_an_error():
+  with pytest.raises(
+    fdt.NotAModelError,
+    match=r'Expected the factory to return an NNX module.*int',
+  ):
     fdt.plan(lambda: 3, mesh=MESH, rules=RULES)
+
+
+def test_planning_a_factory_never_walks_the_trace(monkeypatch):
+  """The cost that makes Flax's eval_shape quadratic is never paid.
+
+  Each ``nnx.Rngs`` call makes Flax read ``.sharding`` of a traced value,
+  and JAX builds that error's message by walking every equation traced so
+  far. Counted, not timed: zero walks in fdt.plan, one per RNG call in
+  Flax's own nnx.eval_shape.
+  """
+  from jax._src.interpreters import partial_eval
+
+  walks = []
+  original = partial_eval.DynamicJaxprTracer._origin_msg
+
+  def counted(self):
+    walks.append(1)
+    return original(self)
+
+  monkeypatch.setattr(partial_eval.DynamicJaxprTracer, '_origin_msg', counted)
+  init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+
+  class Many(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List(
+        [nnx.Linear(4, 4, use_bias=False, kernel_init=init, rngs=rngs)] * 0
+        + [
+          nnx.Linear(4, 4, use_bias=False, kernel_init=init, rngs=rngs)
+          for _ in range(50)
+        ]
+      )
+
+  plan = fdt.plan(lambda: Many(nnx.Rngs(0)), mesh=MESH, rules=RULES)
+  assert len(plan.entries) == 50
+  assert walks == []
+  with nnx.use_eager_sharding(False):
+    nnx.eval_shape(lambda: Many(nnx.Rngs(0)))
+  assert len(walks) >= 50

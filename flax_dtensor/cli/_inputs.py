@@ -304,7 +304,7 @@ def abstract_mesh(axes: Sequence[tuple[str, int]]) -> Any:
 
 
 def build_abstract(factory: Callable[[], Any], target: str) -> Any:
-  """``nnx.eval_shape(factory)``: the model's shapes, nothing allocated.
+  """The model built abstractly (nothing allocated, linear in its size).
 
   Call it under a mesh and rules: annotated variables then carry their
   sharding.
@@ -314,10 +314,12 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors, _init  # pylint: disable=g-import-not-at-top
 
   try:
-    model = nnx.eval_shape(factory)
+    model = _init.build_abstract(factory)
+  except _errors.NotAModelError:
+    model = None
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:

@@ -53,7 +53,7 @@ def array_to_dtensor(arr: jax.Array) -> tf.Tensor:
       'before donating it.'
     )
   shape = tuple(arr.shape)
-  dmesh, specs, record = _layouts.plan(arr.sharding, arr.ndim)
+  dmesh, specs, record = _layouts.layout_parts(arr.sharding, arr.ndim)
   by_device = {shard.device: shard for shard in arr.addressable_shards}
   components = []
   expected = _layouts.component_indices(dmesh, specs, shape)

@@ -149,11 +149,11 @@ def layout_for(sharding: jax.sharding.Sharding, ndim: int) -> tf_dtensor.Layout:
     raise _errors.DTensorError(
       f'Expected `ndim` to be a non-negative int, got {ndim!r}.'
     )
-  dmesh, specs, _ = plan(sharding, ndim)
+  dmesh, specs, _ = layout_parts(sharding, ndim)
   return dt.Layout(specs, dmesh)
 
 
-def plan(
+def layout_parts(
   sharding: jax.sharding.Sharding, ndim: int
 ) -> tuple[Any, list[str], _MeshRecord]:
   """Returns (DTensor mesh, DTensor sharding specs, record) for a sharding."""

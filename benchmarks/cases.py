@@ -89,6 +89,12 @@ def init(method: str, layers: int, width: int) -> dict:
     if method == 'fdt_eager':
       with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
         return stack(nnx.Rngs(0))
+    if method == 'replicated':  # Every device holds every parameter.
+      with (
+        jax.set_mesh(mesh),
+        fdt.logical_axis_rules([('embed', None), ('mlp', None)]),
+      ):
+        return stack(nnx.Rngs(0))
     if method == 'fdt_init':
       return fdt.init(stack, nnx.Rngs(0), mesh=mesh, rules=rules)
     raise ValueError(method)

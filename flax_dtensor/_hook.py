@@ -3,9 +3,11 @@
 Flax places an annotated variable at creation with
 ``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec`` (and
 ``get_named_sharding``, ``as_abstract``, ``eval_shape``) with
-``flax.nnx.spmd.get_var_pspec``. `install` wraps both, and
-``Variable.set_value``, once, at import; the wrappers take any arguments and
-defer to Flax unless our rules are in effect or our build (`building`) runs.
+``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, at import, and
+two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
+annotated initializer computes only its shards (`_creation`), and
+``Variable.set_value``. The wrappers take any arguments and defer to Flax
+unless our rules are in effect or our build (`building`) runs.
 `check_routing` proves at import that Flax still calls them.
 """
 
@@ -25,9 +27,10 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.nnx import spmd as nnx_spmd
 from flax.nnx import variablelib
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from flax_dtensor import (
+  _creation,
   _errors,
   _placement,
   _resolution,
@@ -42,6 +45,11 @@ class _State(threading.local):
   """Per-thread switches of the hook."""
 
   building: bool = False  # Inside `init`'s and `plan`'s builds.
+  # Inside `init`'s abstract pass: the traced outputs of the initializers
+  # `_creation.create` would compute in their shards on `mesh`.
+  in_shards: list[Any] | None = None
+  mesh: Mesh | None = None
+  strict: bool = False  # Inside `init`'s eager build (see `in_shards`).
   probe: list[str] | None = None  # `check_routing` records calls here.
 
 
@@ -49,19 +57,37 @@ _state = _State()
 
 
 @contextlib.contextmanager
-def building() -> Iterator[None]:
+def building(
+  in_shards: list[Any] | None = None, mesh: Mesh | None = None
+) -> Iterator[None]:
   """Within the block, a model is built by flax_dtensor (`init`, `plan`).
 
   Created variables stay where their value is (the build places or plans
   every variable itself, by `_variables.spec_of_variable`), and tracing
-  stays linear in the number of variables (see `_set_value`).
+  stays linear in the number of variables (see `_set_value`). With
+  `in_shards`, the build is `init`'s abstract pass: the outputs of annotated
+  initializers that an eager build on `mesh` computes in their shards are
+  appended to it.
   """
-  old = _state.building
-  _state.building = True
+  old = _state.building, _state.in_shards, _state.mesh
+  _state.building, _state.in_shards, _state.mesh = True, in_shards, mesh
   try:
     yield
   finally:
-    _state.building = old
+    _state.building, _state.in_shards, _state.mesh = old
+
+
+@contextlib.contextmanager
+def strictly_in_shards() -> Iterator[None]:
+  """Within the block, an annotated initializer that would compute its
+  whole value raises `_creation.NotInShards` before it runs (`init`'s eager
+  build, which its abstract pass predicted to need none)."""
+  old = _state.strict
+  _state.strict = True
+  try:
+    yield
+  finally:
+    _state.strict = old
 
 
 def _set_value(flax_fn: Callable[..., Any], variable: Any, *args, **kwargs):
@@ -138,6 +164,43 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   return _placement.apply_spec(value, resolution.spec, mesh)
 
 
+def _with_metadata(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
+  """Flax's ``with_metadata``, its initializer routed through `_creation`."""
+  named = _bind(flax_fn, args, kwargs)
+  initializer = named.get('initializer')
+  if not callable(initializer):
+    return flax_fn(*args, **kwargs)
+  metadata = _remapped(dict(named.get('metadata', {})))
+
+  @functools.wraps(initializer)
+  def routed(*init_args: Any) -> Any:
+    if _state.probe is not None:
+      _state.probe.append('with_metadata')
+      return initializer(*init_args)
+    if _state.building:
+      out = initializer(*init_args)
+      if _state.in_shards is not None and _creation.would_create(
+        initializer, metadata, init_args, out, _state.mesh
+      ):
+        _state.in_shards.append(out)
+      return out
+    return _creation.create(
+      initializer, metadata, init_args, strict=_state.strict
+    )
+
+  setattr(routed, _MARK, True)
+  named['initializer'] = routed
+  return flax_fn(**named, **named.pop('metadata', {}))
+
+
+def _remapped(metadata: dict[str, Any]) -> dict[str, Any]:
+  """Flax's deprecated names for ``out_sharding``, as Flax maps them."""
+  for old in ('sharding', 'sharding_names'):
+    if old in metadata and 'out_sharding' not in metadata:
+      metadata = {**metadata, 'out_sharding': metadata[old]}
+  return metadata
+
+
 def _get_var_pspec(
   flax_fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> PartitionSpec | None:
@@ -174,16 +237,24 @@ def install() -> None:
   def get_var_pspec(*args: Any, **kwargs: Any) -> Any:
     return _get_var_pspec(flax_get_var_pspec, *args, **kwargs)
 
+  flax_with_metadata = variablelib.with_metadata
+
+  @functools.wraps(flax_with_metadata)
+  def with_metadata(*args: Any, **kwargs: Any) -> Any:
+    return _with_metadata(flax_with_metadata, *args, **kwargs)
+
   flax_set_value = variablelib.Variable.set_value
 
   @functools.wraps(flax_set_value)
   def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
     return _set_value(flax_set_value, variable, *args, **kwargs)
 
-  for hook in (shard_value, get_var_pspec, set_value):
+  for hook in (shard_value, get_var_pspec, with_metadata, set_value):
     setattr(hook, _MARK, True)
   core_spmd.shard_value = shard_value
   nnx_spmd.get_var_pspec = get_var_pspec
+  variablelib.with_metadata = with_metadata
+  nnx.with_metadata = with_metadata
   variablelib.Variable.set_value = set_value
 
 
@@ -206,6 +277,7 @@ def check_routing() -> None:
     for name, probe in (
       ('shard_value', _probe_creation),
       ('get_var_pspec', _probe_query),
+      ('with_metadata', _probe_initializer),
     ):
       try:
         probe()
@@ -213,7 +285,11 @@ def check_routing() -> None:
         problems.append(f'{name}: {type(e).__name__}: {e}')
   finally:
     _state.probe = old
-  missing = [n for n in ('shard_value', 'get_var_pspec') if n not in calls]
+  missing = [
+    n
+    for n in ('shard_value', 'get_var_pspec', 'with_metadata')
+    if n not in calls
+  ]
   if missing:
     details = f' (Probing raised {"; ".join(problems)})' if problems else ''
     raise _errors.FlaxCompatibilityError(
@@ -226,6 +302,10 @@ def _probe_creation() -> None:
     nnx.Param(np.zeros((2,), np.float32), out_sharding=('x',))
 
 
+def _probe_initializer() -> None:
+  nnx.with_partitioning(lambda: np.zeros((2,), np.float32), ('x',))()
+
+
 def _probe_query() -> None:
   variable = nnx.Param(
     np.zeros((2,), np.float32), out_sharding=('x',), eager_sharding=False
@@ -236,7 +316,8 @@ def _probe_query() -> None:
 _ROUTING_MSG = (
   'flax_dtensor needs Flax to create annotated variables through '
   '`flax.core.spmd.shard_value` and to answer `nnx.get_partition_spec` '
-  'through `flax.nnx.spmd.get_var_pspec`; the installed Flax {version} did '
+  'through `flax.nnx.spmd.get_var_pspec`, and to wrap initializers with '
+  '`flax.nnx.variablelib.with_metadata`; the installed Flax {version} did '
   'not call {missing}. Expected a Flax version flax_dtensor supports (see '
   "its pyproject.toml, e.g. pip install 'flax>=0.12.8,<0.13'); a newer Flax "
   'needs a newer flax_dtensor.'

@@ -10,15 +10,17 @@ types.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from flax_dtensor import (
+  _creation,
   _errors,
   _hook,
   _meshes,
@@ -28,6 +30,9 @@ from flax_dtensor import (
 )
 
 M = TypeVar('M')
+
+# How many builds took each path (for tests and benchmarks).
+builds: collections.Counter[str] = collections.Counter()
 
 
 @contextlib.contextmanager
@@ -41,33 +46,6 @@ def scope(mesh: Mesh | None, rules: _rules.RulesLike | None) -> Iterator[None]:
     yield
 
 
-def _auto_copy(mesh: Mesh) -> Mesh:
-  return Mesh(
-    mesh.devices,
-    mesh.axis_names,
-    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
-  )
-
-
-def _same_devices(a: _meshes.MeshLike, b: Mesh) -> bool:
-  return (
-    isinstance(a, Mesh)
-    and a.axis_names == b.axis_names
-    and a.devices.shape == b.devices.shape
-    and (a.devices == b.devices).all()
-  )
-
-
-def _retype(x: Any, mesh: Mesh) -> Any:
-  """`x` on `mesh`, zero-copy when it is laid out on the same devices."""
-  if not isinstance(x, jax.Array):
-    return x
-  sharding = x.sharding
-  if isinstance(sharding, NamedSharding) and _same_devices(sharding.mesh, mesh):
-    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
-  return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-
-
 def _is_node(x: Any) -> bool:
   return nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
 
@@ -79,16 +57,26 @@ def init(
   rules: _rules.RulesLike | None = None,
   **kwargs: Any,
 ) -> M:
-  """Builds a module under ``jax.jit`` so no parameter ever exists unsharded.
+  """Builds a module so that no parameter ever exists unsharded.
 
-  ``factory(*args, **kwargs)`` runs once, traced: every variable is
-  constrained to the spec the rules give it (the one `plan` reports), so
-  XLA computes each parameter directly in its shards. Arrays and NNX graph
-  nodes (``nnx.Rngs``) anywhere in the arguments are traced, and the
-  ``nnx.Rngs`` advance as in an eager call; other arguments (sizes,
-  dtypes, initializers) are static. The values equal an eager build's bit
-  for bit, and the result lives on the caller's mesh with its axis types
-  (Explicit, Auto or mixed), in graph and tree mode alike.
+  ``factory(*args, **kwargs)`` runs once, and every variable with logical
+  axes is computed directly in the shards the rules give it (the spec
+  `plan` reports). Where every such variable comes straight from a JAX or
+  Flax initializer (``nnx.with_partitioning(nnx.initializers.lecun_normal(),
+  ...)``, as in ``nnx.Linear``, ``nnx.Embed``, ``nnx.Conv``), the factory
+  runs eagerly and each initializer runs under a ``jit`` with its output
+  sharding, compiled once per distinct initializer; an abstract pass checks
+  this first. Otherwise (a user's initializer, or a value reshaped after
+  its initializer, as in ``nnx.LinearGeneral``) the whole factory is traced
+  under one ``nnx.jit`` and each variable is constrained to its spec; its
+  compile time grows with the model.
+
+  Arrays and NNX graph nodes (``nnx.Rngs``) anywhere in the arguments are
+  passed as they are, and the ``nnx.Rngs`` advance as in an eager call;
+  other arguments (sizes, dtypes, initializers) are static for the traced
+  build. The values equal an unsharded eager build's bit for bit, and the
+  result lives on the caller's mesh with its axis types (Explicit, Auto or
+  mixed), in graph and tree mode alike.
 
   Args:
     factory: A callable returning an NNX module (or another graph node),
@@ -128,7 +116,6 @@ def init(
         + f'. {_placement.NO_MESH_MSG}'
       )
     rules_ = _rules.rules_in_effect()
-    auto = _auto_copy(mesh_)
     leaves, treedef = jax.tree_util.tree_flatten(
       (args, kwargs), is_leaf=_is_node
     )
@@ -136,44 +123,110 @@ def init(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
-    # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
-    # zero-copy, keeping their own Variable objects and shardings.
-    originals = nnx.state(nodes, graph=True)
-    original_shardings = jax.tree.map(
-      lambda x: getattr(x, 'sharding', None), originals
+    if isinstance(rules_, _rules.LogicalRules) and _builds_in_shards(
+      factory, args, kwargs, mesh_
+    ):
+      saved = nnx.clone(nodes)
+      try:
+        with _hook.strictly_in_shards():
+          built = factory(*args, **kwargs)
+      except _creation.NotInShards:  # Not foreseen by the abstract pass.
+        nnx.update(nodes, nnx.state(saved))
+      else:
+        _place_result(built, rules_, mesh_)
+        builds['in_shards'] += 1
+        return built
+    builds['traced'] += 1
+    return _traced_build(factory, rules_, mesh_, leaves, treedef, dynamic)
+
+
+def _builds_in_shards(
+  factory: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  mesh: Mesh,
+) -> bool:
+  """Whether an eager build computes every annotated variable in its shards.
+
+  True when, in an abstract pass (nothing allocated, the caller's `nnx.Rngs`
+  untouched), every variable with logical axes holds exactly what an
+  annotated JAX or Flax initializer returned, which `_creation.create`
+  computes in its shards under a jit compiled once per distinct
+  initializer. Anything else (a user's initializer, an array computed
+  before it is annotated) is built by `_traced_build`, whose compile time
+  grows with the model.
+  """
+  found: list[Any] = []
+  verdict: list[bool] = []
+
+  def probe(*a: Any, **k: Any) -> None:
+    with _hook.building(in_shards=found, mesh=mesh):
+      built = factory(*a, **k)
+    ids = {id(x) for x in found}
+    verdict.append(
+      all(
+        id(_variables.value_of(v)) in ids
+        for _, v in _variables.iter_variables(built)
+        if _variables.logical_axes_of(v) is not None
+      )
     )
 
-    def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-      full = list(leaves)
-      for i, v in zip(dynamic, values, strict=True):
-        full[i] = v
-      return jax.tree_util.tree_unflatten(treedef, full)
+  try:
+    nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
+  except Exception:  # The traced build reports it, or builds it anyway.
+    return False
+  return verdict == [True]
 
-    @nnx.jit(graph=True, graph_updates=True)
-    def create(values: list[Any]) -> Any:
-      a, k = rebuild(values)
-      with _hook.building():
-        built = factory(*a, **k)
-      _constrain(built, rules_, mesh_, auto)
-      return built
 
-    try:
-      nnx.update(nodes, jax.tree.map(lambda x: _retype(x, auto), originals))
-      values = [
-        leaves[i] if _is_node(leaves[i]) else _retype(leaves[i], auto)
-        for i in dynamic
-      ]
-      with jax.set_mesh(auto):
-        built = create(values)
-      _place_result(built, rules_, mesh_)
-    finally:
-      nnx.update(
-        nodes,
-        jax.tree.map(
-          _restore, nnx.state(nodes, graph=True), original_shardings
-        ),
-      )
+def _traced_build(
+  factory: Callable[..., Any],
+  rules_: _rules.LogicalRules | _rules.FlaxRules,
+  mesh_: Mesh,
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+) -> Any:
+  """Builds under one ``nnx.jit``, each variable constrained to its spec."""
+  auto = _meshes.auto_copy(mesh_)
+  nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
+  # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
+  # zero-copy, keeping their own Variable objects and shardings.
+  originals = nnx.state(nodes, graph=True)
+  original_shardings = jax.tree.map(
+    lambda x: getattr(x, 'sharding', None), originals
+  )
+
+  def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    full = list(leaves)
+    for i, v in zip(dynamic, values, strict=True):
+      full[i] = v
+    return jax.tree_util.tree_unflatten(treedef, full)
+
+  @nnx.jit(graph=True, graph_updates=True)
+  def create(values: list[Any]) -> Any:
+    a, k = rebuild(values)
+    with _hook.building():
+      built = factory(*a, **k)
+    _constrain(built, rules_, mesh_, auto)
     return built
+
+  try:
+    nnx.update(
+      nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
+    )
+    values = [
+      leaves[i] if _is_node(leaves[i]) else _meshes.retype(leaves[i], auto)
+      for i in dynamic
+    ]
+    with jax.set_mesh(auto):
+      built = create(values)
+    _place_result(built, rules_, mesh_)
+  finally:
+    nnx.update(
+      nodes,
+      jax.tree.map(_restore, nnx.state(nodes, graph=True), original_shardings),
+    )
+  return built
 
 
 def build_abstract(
@@ -227,7 +280,7 @@ def _constrain(
     if resolution is None:
       continue
     own = _meshes.mesh_for(variable, mesh=mesh)
-    if not _same_devices(own, mesh):
+    if not _meshes.same_devices(own, mesh):
       raise _errors.MeshError(
         f'`fdt.init` places every variable on one mesh, expected '
         f'{_meshes.describe(mesh)}, but the variable at {where} names '
@@ -253,7 +306,7 @@ def _place_result(
     if not isinstance(value, jax.Array):
       continue
     if resolution is None:
-      variable.set_value(_retype(value, mesh))
+      variable.set_value(_meshes.retype(value, mesh))
       continue
     variable.set_value(
       jax.device_put(value, NamedSharding(mesh, resolution.spec))

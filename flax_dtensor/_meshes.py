@@ -6,10 +6,17 @@ placement, the Flax hook, `init`, `plan` and the DTensor export alike.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import (
+  AbstractMesh,
+  AxisType,
+  Mesh,
+  NamedSharding,
+  PartitionSpec,
+)
 
 MeshLike = Mesh | AbstractMesh
 
@@ -93,3 +100,33 @@ def describe(mesh: MeshLike | None) -> str:
   sizes = ', '.join(f'{n}={s}' for n, s in axis_sizes(mesh).items())
   types = ', '.join(str(t).rsplit('.', 1)[-1] for t in mesh.axis_types)
   return f'mesh({sizes}; {types})'
+
+
+@functools.lru_cache(maxsize=64)
+def auto_copy(mesh: Mesh) -> Mesh:
+  """`mesh` with every axis Auto: same devices, names and sizes."""
+  return Mesh(
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+  )
+
+
+def same_devices(a: MeshLike | None, b: Mesh) -> bool:
+  """Whether `a` is a concrete mesh of `b`'s devices, names and shape."""
+  return (
+    isinstance(a, Mesh)
+    and a.axis_names == b.axis_names
+    and a.devices.shape == b.devices.shape
+    and (a.devices == b.devices).all()
+  )
+
+
+def retype(x: Any, mesh: Mesh) -> Any:
+  """`x` on `mesh`, zero-copy when it is laid out on the same devices."""
+  if not isinstance(x, jax.Array):
+    return x
+  sharding = x.sharding
+  if isinstance(sharding, NamedSharding) and same_devices(sharding.mesh, mesh):
+    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+  return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -96,6 +97,8 @@ def apply_spec(
       'place arrays under `jax.set_mesh(mesh)` or pass `mesh=` a '
       '`jax.sharding.Mesh`.'
     )
+  if not _is_traced(x) and _is_placed(x, spec, mesh):
+    return x  # Already there (created in its shards, see `_creation`).
   explicit = {m for m in used if types[m] == AxisType.Explicit}
   auto = {m for m in used if types[m] == AxisType.Auto}
   if not explicit and not auto:  # Replicated.
@@ -131,6 +134,15 @@ def apply_spec(
   )
   return jax.lax.with_sharding_constraint(
     x, _sharding_for(mesh, PartitionSpec(*auto_part))
+  )
+
+
+def _is_placed(x: Any, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
+  sharding = getattr(x, 'sharding', None)
+  return (
+    isinstance(sharding, NamedSharding)
+    and sharding.mesh == mesh
+    and sharding.is_equivalent_to(NamedSharding(mesh, spec), np.ndim(x))
   )
 
 

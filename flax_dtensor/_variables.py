@@ -41,21 +41,12 @@ def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
   elif isinstance(node, nnx.Variable):
     return [((), node)]
   else:
-    message = _NOT_A_NODE_MSG.format(
-      type=type(node).__name__, value=_short(node)
-    )
-    if callable(node) and not nnx.graph.is_node(node):
-      message += (
-        ' It is callable: to use a factory, build the model first (e.g. '
-        '`nnx.eval_shape(factory)` for an abstract one), or pass the '
-        'factory to `fdt.plan`, which builds it abstractly.'
-      )
     if not nnx.graph.is_node(node):
-      raise _errors.NotAModelError(message)
+      raise _errors.NotAModelError(_not_a_node(node))
     try:
       state = nnx.state(node)
     except Exception as e:
-      raise _errors.NotAModelError(message) from e
+      raise _errors.NotAModelError(_not_a_node(node)) from e
   out = []
   for path, leaf in nnx.to_flat_state(state):
     if not isinstance(leaf, nnx.Variable):
@@ -66,6 +57,17 @@ def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
       )
     out.append((tuple(path), leaf))
   return out
+
+
+def _not_a_node(node: Any) -> str:
+  message = _NOT_A_NODE_MSG.format(type=type(node).__name__, value=_short(node))
+  if callable(node) and not nnx.graph.is_node(node):
+    message += (
+      ' It is callable: to use a factory, build the model first (e.g. '
+      '`nnx.eval_shape(factory)` for an abstract one), or pass the '
+      'factory to `fdt.plan`, which builds it abstractly.'
+    )
+  return message
 
 
 def _short(value: Any) -> str:

@@ -68,6 +68,17 @@ def test_a_flax_whose_pspec_query_bypasses_the_hook_is_refused(monkeypatch):
     _hook.check_routing()
 
 
+def test_a_flax_whose_initializers_bypass_the_hook_is_refused(monkeypatch):
+  """`nnx.with_partitioning` no longer wraps through `with_metadata`."""
+  monkeypatch.setattr(
+    variablelib, 'with_metadata', variablelib.with_metadata.__wrapped__
+  )
+  with pytest.raises(
+    fdt.FlaxCompatibilityError, match=r"did not call \['with_metadata'\]"
+  ):
+    _hook.check_routing()
+
+
 def test_new_flax_arguments_pass_through():
   """A future Flax passing one more argument still reaches its function."""
   calls = []

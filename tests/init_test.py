@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
+from flax_dtensor import _init
 
 RULES = fdt.LogicalRules(
   [
@@ -32,19 +33,42 @@ def _annotated(axes):
   return nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
 
 
-class Block(nnx.Module):
-  """Arrays, pytrees and Rngs among positional and keyword arguments."""
+def _user_init(key, shape, dtype=jnp.float32):
+  """A user's initializer: `init` cannot know it is pure, so it traces."""
+  return nnx.initializers.lecun_normal()(key, shape, dtype)
 
-  def __init__(self, table, *, rngs, extra, scale=2.0):
-    self.table = nnx.Param(table * scale)  # From a positional array.
-    self.offset = nnx.Param(extra['offset'] + 1.0)  # From a kwarg pytree.
-    self.up = nnx.Linear(
-      16, 32, kernel_init=_annotated(('embed', 'mlp')), rngs=rngs
-    )
-    self.emb = nnx.Param(
-      _annotated(('vocab', 'embed'))(rngs.params(), (10, 16))
-    )
-    self.dropout = nnx.Dropout(0.5, rngs=rngs)  # Keeps the caller's Rngs.
+
+def _block(initializers):
+  """A model class whose annotated initializers are of one kind.
+
+  'library': JAX's own (`fdt.init` builds eagerly, each in its shards);
+  'user': the user's (`fdt.init` builds under one jit).
+  """
+
+  def annotated(axes):
+    if initializers == 'library':
+      return _annotated(axes)
+    return nnx.with_partitioning(_user_init, axes)
+
+  class Block(nnx.Module):
+    """Arrays, pytrees and Rngs among positional and keyword arguments."""
+
+    def __init__(self, table, *, rngs, extra, scale=2.0):
+      self.table = nnx.Param(table * scale)  # From a positional array.
+      self.offset = nnx.Param(extra['offset'] + 1.0)  # From a kwarg pytree.
+      self.up = nnx.Linear(
+        16, 32, kernel_init=annotated(('embed', 'mlp')), rngs=rngs
+      )
+      self.emb = nnx.Param(
+        annotated(('vocab', 'embed'))(rngs.params(), (10, 16))
+      )
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)  # Keeps the caller's Rngs.
+
+  return Block
+
+
+Block = _block('library')
+BUILDS = {'library': 'in_shards', 'user': 'traced'}
 
 
 def _inputs():
@@ -101,13 +125,17 @@ def _check(model, rngs, mesh, plan_specs, flax_specs):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize('initializers', list(BUILDS))
 @pytest.mark.parametrize('mode', ['graph', 'tree'])
 @pytest.mark.parametrize('rngs_made', ['inside', 'outside'])
 @pytest.mark.parametrize('rules_via', ['context', 'argument'])
 @pytest.mark.parametrize('mesh_via', ['context', 'argument'])
 @pytest.mark.parametrize('types', list(TYPES))
-def test_init_spellings(types, mesh_via, rules_via, rngs_made, mode):
+def test_init_spellings(
+  types, mesh_via, rules_via, rngs_made, mode, initializers
+):
   mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=TYPES[types])
+  builds = dict(_init.builds)
   table, extra = _inputs()
   with contextlib.ExitStack() as stack:
     stack.enter_context(nnx.set_graph_mode(mode == 'graph'))
@@ -120,7 +148,7 @@ def test_init_spellings(types, mesh_via, rules_via, rngs_made, mode):
       rngs = nnx.Rngs(0)  # Made under the caller's mesh, if any.
     key_sharding = rngs.params.key[...].sharding
     model = fdt.init(
-      Block,
+      _block(initializers),
       table,
       rngs=rngs,
       extra=extra,
@@ -131,6 +159,8 @@ def test_init_spellings(types, mesh_via, rules_via, rngs_made, mode):
       plan = fdt.plan(model)
       flax_specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
   assert rngs.params.key[...].sharding == key_sharding  # Unchanged.
+  path = BUILDS[initializers]
+  assert _init.builds[path] == builds.get(path, 0) + 1
   plan_specs = {tuple(e.path.split('/')): e.spec for e in plan.entries}
   flat = {p: v.get_value() for p, v in nnx.to_flat_state(flax_specs)}
   _check(model, rngs, mesh, plan_specs, flat)

@@ -128,7 +128,7 @@ def main():
     with open(os.path.join(out_dir, 'expected_dtypes.json'), 'w') as f:
       json.dump({k: str(v.dtype) for k, v in expected.items()}, f)
 
-  # Restore onto the other mesh layout, through DTensor.
+  # Restore onto the other mesh layout: each process reads its own slices.
   other = _mesh('transposed' if kind != 'transposed' else 'default')
   with jax.set_mesh(other):
     abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(1)))

@@ -198,12 +198,12 @@ def dtensor_to_array(
       )
     i = next((c for c in candidates if home[c] == device), candidates[0])
     devices.append(device)
-    views.append(_component_numpy(components[i]))
+    views.append(tensor_numpy(components[i]))
   arrays = jax.device_put(views, devices)  # One batched call.
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def _component_numpy(component: Any) -> np.ndarray:
+def tensor_numpy(component: Any) -> np.ndarray:
   """Returns a NumPy view of a TF eager tensor (a copy if TF cannot share)."""
   view = getattr(component, '_numpy', None)
   return view() if view is not None else component.numpy()

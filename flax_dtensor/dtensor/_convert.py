@@ -103,7 +103,6 @@ def dvariables(
   values: Sequence[jax.Array | None] | None = None,
 ) -> list[Any]:
   """One DVariable per entry, laid out like its JAX array."""
-  dtensor = _tf.dtensor()
   if values is None:
     values = [None] * len(entries)
   out = []
@@ -111,13 +110,31 @@ def dvariables(
     zip(entries, values, strict=True), show=show, total=len(entries), desc=desc
   ):
     out.append(
-      dtensor.DVariable(
+      _dvariable(
         to_dtensor(entry, widen=widen, value=value),
         name=_names.variable_name(entry.path),
         trainable=isinstance(entry.variable, nnx.Param),
       )
     )
   return out
+
+
+def _dvariable(value: tf.Tensor, *, name: str, trainable: bool) -> Any:
+  """A DVariable named `name`, created at the cost of an unnamed one.
+
+  TF's DTensor device compiles an op once per distinct set of attributes,
+  and a variable's name is an attribute of its ``VarHandleOp``
+  (``debug_name``): created with their names, 32 variables took 0.31 s, one
+  compile each; created unnamed, 0.04 s. The name TF reports (``.name``, and
+  a SavedModel's variable names, which TF takes from it) is the handle
+  name, set here after creation.
+  """
+  dtensor = _tf.dtensor()
+  variable = dtensor.DVariable(value, trainable=trainable)
+  if isinstance(getattr(variable, '_handle_name', None), str):
+    variable._handle_name = f'{name}:0'
+    return variable
+  return dtensor.DVariable(value, name=name, trainable=trainable)
 
 
 def to_tf_module(

@@ -518,24 +518,39 @@ def verify_shards(
     pieces = [(tuple((0, n) for n in np.shape(value)), value)]
   for index, crc in record.shards:
     for held, data in pieces:
-      if all(
-        h0 <= i0 and i1 <= h1
-        for (i0, i1), (h0, h1) in zip(index, held, strict=True)
-      ):
-        local = tuple(
-          slice(i0 - h0, i1 - h0)
-          for (i0, i1), (h0, _) in zip(index, held, strict=True)
-        )
-        got = _crc(np.asarray(data)[local])
-        if got != crc:
-          raise _damaged(
-            manifest,
-            [
-              f'{_names.path_text(record.path)}[{_slices(index)}] read back '
-              f'with CRC-32 {got:08x}, recorded {crc:08x}'
-            ],
-          )
+      if _contains(held, index):
+        _check_shard(manifest, record, index, crc, data, held)
         break
+
+
+def _contains(held: Index, index: Index) -> bool:
+  return all(
+    h0 <= i0 and i1 <= h1
+    for (i0, i1), (h0, h1) in zip(index, held, strict=True)
+  )
+
+
+def _check_shard(
+  manifest: Manifest,
+  record: Record,
+  index: Index,
+  crc: int,
+  data: Any,
+  held: Index,
+) -> None:
+  local = tuple(
+    slice(i0 - h0, i1 - h0)
+    for (i0, i1), (h0, _) in zip(index, held, strict=True)
+  )
+  got = _crc(np.asarray(data)[local])
+  if got != crc:
+    raise _damaged(
+      manifest,
+      [
+        f'{_names.path_text(record.path)}[{_slices(index)}] read back '
+        f'with CRC-32 {got:08x}, recorded {crc:08x}'
+      ],
+    )
 
 
 def _slices(index: Index) -> str:

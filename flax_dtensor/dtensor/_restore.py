@@ -10,7 +10,6 @@ TF) is read as it is, with no dtype conversion unless asked for.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import os
@@ -350,50 +349,90 @@ def _astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
   )
 
 
-def _read_group(
-  mesh: Any,
+def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
+  """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-'."""
+  dims = [
+    '-' if (a, b) == (0, n) else f'{a},{b - a}'
+    for (a, b), n in zip(index, shape, strict=True)
+  ]
+  return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
+
+
+def _host_pieces(
   prefix: str,
-  entries: Sequence[_selection.Entry],
-  layouts: Sequence[Any],
-  dtypes: Sequence[tuple[np.dtype, np.dtype]],
-  shardings: Sequence[jax.sharding.Sharding],
-) -> list[jax.Array]:
-  """Reads the entries laid out on one DTensor mesh, in their saved dtype."""
+  entry: _selection.Entry,
+  sharding: jax.sharding.Sharding,
+  stored: np.dtype,
+) -> dict[_manifest.Index, np.ndarray]:
+  """The slices this process's devices hold, read by TF into host memory.
+
+  Reads the whole variable when this process holds all of it (a single
+  process, or a replicated variable): TF reads an entry whole in one pass
+  and checks its own CRC-32C. Otherwise only this process's slices, so no
+  host reads the full model. Thread-safe: each call is one TF op.
+  """
+  shape = tuple(entry.shape)
+  indices = {
+    _layouts.normalize_index(index, shape)
+    for index in sharding.addressable_devices_indices_map(shape).values()
+  }
+  whole = sharding.is_fully_addressable or indices == {
+    tuple((0, n) for n in shape)
+  }
+  ordered = [()] if whole else sorted(indices)
   tf = _tf.tf()
-  dtensor = _tf.dtensor()
   try:
-    # Placeholders give DTensor the shape, dtype and layout to read into.
-    placeholders = collections.OrderedDict(
-      (
-        e.key,
-        dtensor.call_with_layout(tf.zeros, layout, shape=e.shape, dtype=stored),
+    with tf.device('/CPU:0'):
+      read = tf.raw_ops.RestoreV2(
+        prefix=prefix,
+        tensor_names=[entry.key] * len(ordered),
+        shape_and_slices=[
+          '' if whole else _slice_spec(shape, i) for i in ordered
+        ],
+        dtypes=[tf.as_dtype(stored)] * len(ordered),
       )
-      for e, layout, (stored, _) in zip(entries, layouts, dtypes, strict=True)
-    )
-    # Each process reads only the slices its devices hold.
-    restored = dtensor.name_based_restore(mesh, prefix, placeholders)
   except tf.errors.OpError as e:
     raise _errors.ExportError(
-      f'TensorFlow failed to read the NNX variables '
-      f'{_selection.names(entries)} (one DTensor mesh) from the checkpoint '
-      f'{prefix!r}: {_tf_errors.describe(e)}. Check that every data file of '
-      'the checkpoint is complete and readable, or re-export it. '
-      + _checkpoint.TF_POISONED_MSG
+      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
+      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
+      'data file of the checkpoint is complete and readable, or re-export it.'
     ) from e
-  del placeholders
-  out = []
-  for e, (stored, saved), sharding in zip(
-    entries, dtypes, shardings, strict=True
-  ):
-    t = restored.pop(e.key)
-    narrow_in_jax = stored != saved and _dtypes.widened_in_jax(saved)
-    if stored != saved and not narrow_in_jax:
-      t = tf.cast(t, saved)
-    array = _arrays.dtensor_to_array(t, sharding=sharding)
-    if narrow_in_jax:
-      array = _astype(array, saved)
-    out.append(array)
-  return out
+  if whole:
+    value = _arrays.tensor_numpy(read[0])
+    return {
+      index: value[tuple(slice(a, b) for a, b in index)] for index in indices
+    }
+  return {
+    index: _arrays.tensor_numpy(t)
+    for index, t in zip(ordered, read, strict=True)
+  }
+
+
+def _host_read(
+  prefix: str,
+  entry: _selection.Entry,
+  kind: tuple[np.dtype, np.dtype],
+  sharding: jax.sharding.Sharding,
+) -> dict[_manifest.Index, np.ndarray]:
+  """`_host_pieces` in the saved dtype (widened on save; exact both ways)."""
+  stored, saved = kind
+  pieces = _host_pieces(prefix, entry, sharding, stored)
+  if stored != saved:
+    pieces = {i: p.astype(saved) for i, p in pieces.items()}
+  return pieces
+
+
+def _place(
+  pieces: dict[_manifest.Index, np.ndarray],
+  shape: tuple[int, ...],
+  sharding: jax.sharding.Sharding,
+) -> jax.Array:
+  """The array made of host slices, placed as `sharding` says (JAX copies)."""
+  targets = sharding.addressable_devices_indices_map(shape)
+  devices = list(targets)
+  views = [pieces[_layouts.normalize_index(targets[d], shape)] for d in devices]
+  arrays = jax.device_put(views, devices)  # One batched call.
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _fill_abstract(
@@ -460,13 +499,17 @@ def restore_checkpoint(
 ) -> A:
   """Restores NNX variables from a checkpoint, sharded as the target says.
 
-  Reads through DTensor: each variable is restored into a DTensor variable
-  laid out like the target's sharding, so every process reads only the
-  slices its devices hold (no host gathers the full model, the saved layout
-  does not matter), then handed to JAX. Before TensorFlow reads anything,
-  the files are checked against the manifest; after, every saved shard
-  found whole. Values are bit-exact to what was saved and never converted,
-  unless `convert_dtypes` is set.
+  Each process reads with TensorFlow's own checkpoint reader (plain TF ops
+  on the host; DTensor need not be initialized) the slices of each
+  variable its devices hold under the target's sharding, whatever the saved
+  layout: a whole variable in one pass when this process holds all of it,
+  else only its slices, so no host gathers a model sharded over processes.
+  JAX places one variable while TF reads the next. Before TensorFlow reads
+  anything, the files are checked against the manifest; after, every saved
+  shard found whole in a device's buffer. Values are bit-exact to what was
+  saved and never converted, unless `convert_dtypes` is set. (To export
+  from the same process afterwards, call `initialize()` before this: TF
+  DTensor starts only before TF's first operation.)
 
   The target's shardings: a variable annotated with logical axes is
   resolved by the rules in effect (`rules`, or the context's) on the mesh
@@ -509,8 +552,6 @@ def restore_checkpoint(
     `target` itself (a module, filled in), or a new `nnx.State`.
 
   Raises:
-    DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
-      not called.
     NotAModelError: If `target` is not an NNX module or state.
     ExportError: If `directory` holds no checkpoint or a damaged one, the
       checkpoint lacks a selected variable, holds one the target lacks,
@@ -538,21 +579,12 @@ def restore_checkpoint(
     entries, shapes, dtypes, manifest, prefix, convert_dtypes
   )
   show = _convert.show_progress(progress, len(entries))
-  shardings, layouts = [], []
+  shardings = []
   for e in entries:
     sharding = target_sharding(e, mesh, rules_)
     if jax.process_count() > 1:
       _selection.check_spans_processes(e.name, sharding)
-    try:
-      layouts.append(_layouts.layout_for(sharding, len(e.shape)))
-    except _errors.DTensorError as err:
-      raise _errors.ExportError(
-        f'Cannot restore {e.name!r} with the sharding {sharding}: {err}'
-      ) from err
     shardings.append(sharding)
-  groups: dict[str, tuple[Any, list[int]]] = {}
-  for i, layout in enumerate(layouts):
-    groups.setdefault(layout.mesh.to_string(), (layout.mesh, []))[1].append(i)
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   arrays: list[Any] = [None] * len(entries)
   records = manifest.by_key if manifest is not None else {}
@@ -565,25 +597,40 @@ def restore_checkpoint(
       unit='var',
     ) as advance,
   ):
-    for group_mesh, indices in groups.values():
-      read = _read_group(
-        group_mesh,
-        prefix,
-        [entries[i] for i in indices],
-        [layouts[i] for i in indices],
-        [kinds[i] for i in indices],
-        [shardings[i] for i in indices],
-      )
-      for i, array in zip(indices, read, strict=True):
-        e = entries[i]
+    # TF reads the next variables in worker threads while JAX places this
+    # one here (JAX's configuration, such as 64-bit types, is this thread's)
+    # and the workers check the CRCs of those already placed. Both release
+    # the GIL; at most `ahead` host copies exist at once.
+    ahead = 2
+    with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
+      reads = {
+        i: pool.submit(_host_read, prefix, entries[i], kinds[i], shardings[i])
+        for i in range(min(ahead, len(entries)))
+      }
+      checks = []
+      for i, e in enumerate(entries):
+        pieces = reads.pop(i).result()
+        if i + ahead < len(entries):
+          j = i + ahead
+          reads[j] = pool.submit(
+            _host_read, prefix, entries[j], kinds[j], shardings[j]
+          )
+        array = _place(pieces, tuple(e.shape), shardings[i])
+        del pieces
         if e.key in records:
-          _manifest.verify_shards(manifest, records[e.key], array)
+          checks.append(
+            pool.submit(
+              _manifest.verify_shards, manifest, records[e.key], array
+            )
+          )
         if kinds[i][1] != e.dtype:  # convert_dtypes: as asked.
           array = _astype(array, e.dtype)
         if e.key_impl is not None:
           array = jax.random.wrap_key_data(array, impl=e.key_impl)
         arrays[i] = array
-      advance(len(indices))
+        advance(1)
+      for check in checks:
+        check.result()
   flat = [
     (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
   ]

@@ -97,6 +97,9 @@ def init(method: str, layers: int, width: int) -> dict:
         return stack(nnx.Rngs(0))
     if method == 'fdt_init':
       return fdt.init(stack, nnx.Rngs(0), mesh=mesh, rules=rules)
+    if method == 'flax_jit':  # Flax's eager sharding inside nnx.jit.
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(tuple(rules)):
+        return nnx.jit(lambda: stack(nnx.Rngs(0)))()
     raise ValueError(method)
 
   before = _rss_mib()
@@ -179,17 +182,24 @@ def plan(method: str, variables: int) -> dict:
 # Export to TensorFlow
 # ------------------------------------------------------------------------------
 
-_LAYOUTS = (
-  ('data', 'model'),
-  ('model', 'data'),
-  (None, 'model'),
-  ('data', None),
-  (None, None),
-)
+_LAYOUTS = {
+  'mixed': (
+    ('data', 'model'),
+    ('model', 'data'),
+    (None, 'model'),
+    ('data', None),
+    (None, None),
+  ),
+  # One dimension over both mesh axes: DTensor has no such layout on the
+  # (2, 4) mesh; flax_dtensor fuses the axes, orbax-export reshards.
+  'product': ((('data', 'model'), None),),
+  # Every array split over all 8 devices (FSDP and tensor parallelism).
+  'sharded': (('data', 'model'), ('model', 'data'), (('data', 'model'), None)),
+}
 
 
-def _arrays(jax, count: int, mib: float):
-  """`count` float32 arrays of `mib` MiB each, in mixed layouts."""
+def _arrays(jax, count: int, mib: float, layouts: str = 'mixed', fill=0):
+  """`count` float32 arrays of `mib` MiB each, in the given layouts."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -199,60 +209,85 @@ def _arrays(jax, count: int, mib: float):
   rows = 256
   cols = int(mib * 2**20 / 4 / rows)
   cols -= cols % 8
+  specs = _LAYOUTS[layouts]
   out = []
   for i in range(count):
-    spec = P(*_LAYOUTS[i % len(_LAYOUTS)])
-    value = np.full((rows, cols), i, np.float32)
+    spec = P(*specs[i % len(specs)])
+    value = np.full((rows, cols), i + fill, np.float32)
     out.append((jax.device_put(value, NamedSharding(mesh, spec)), spec))
   jax.block_until_ready([a for a, _ in out])
   return mesh, out
 
 
-def to_tf(method: str, arrays: int, mib: float) -> dict:
+def to_tf(
+  method: str,
+  arrays: int,
+  mib: float,
+  layouts: str = 'mixed',
+  warm: bool = False,
+) -> dict:
+  """JAX arrays to DTensor variables.
+
+  `warm`: convert other arrays of the same layouts first, so TF's one-time
+  costs (compiling its variable ops for each layout) are paid outside the
+  measurement.
+  """
   jax = _jax()
   from flax import nnx
 
   from flax_dtensor import dtensor as fdt_tf
 
   fdt_tf.initialize()
-  mesh, values = _arrays(jax, arrays, mib)
   tf = sys.modules['tensorflow']
   dt = tf.experimental.dtensor
-  state = nnx.State({f'v{i}': nnx.Param(a) for i, (a, _) in enumerate(values)})
-  prepare = None
-  if method == 'orbax':
-    from orbax.export import dtensor_utils
+  mesh, values = _arrays(jax, arrays, mib, layouts)
 
-    dmesh = dtensor_utils.jax_mesh_to_dtensor_mesh(mesh)  # Not timed.
+  def method_for(values):
+    state = nnx.State(
+      {f'v{i}': nnx.Param(a) for i, (a, _) in enumerate(values)}
+    )
+    if method == 'orbax':
+      from orbax.export import dtensor_utils
 
-    def run():
-      return [
+      dmesh = dtensor_utils.jax_mesh_to_dtensor_mesh(mesh)  # Not timed.
+      return lambda: [
         dt.DVariable(
-          dtensor_utils.jax_array_to_dtensor(a, spec, dmesh, jax_mesh=mesh)
+          dtensor_utils.jax_array_to_dtensor(
+            a,
+            spec,
+            dmesh,
+            jax_mesh=mesh,
+            allow_multi_axis_sharding_consolidation=True,
+          )
         )
         for a, spec in values
       ]
-  elif method == 'fdt':
+    if method == 'fdt':
+      return lambda: fdt_tf.to_tf_module(state)
+    if method in ('pack', 'dvariable'):
+      # The floor: the same shards packed into DTensors (layouts and shard
+      # order given), and for 'dvariable' then held by DVariables.
+      from flax_dtensor.dtensor import _layouts
 
-    def run():
-      return fdt_tf.to_tf_module(state)
-  elif method == 'pack':
-    # The floor: pack the same shards into DTensors, layouts given.
-    from flax_dtensor.dtensor import _layouts
-
-    layouts = [_layouts.layout_for(a.sharding, a.ndim) for a, _ in values]
-    prepare = [
-      [np.asarray(s.data) for s in _sorted_shards(a, layout)]
-      for (a, _), layout in zip(values, layouts, strict=True)
-    ]
-
-    def run():
-      return [
-        dt.pack(shards, layout)
-        for shards, layout in zip(prepare, layouts, strict=True)
+      layouts_ = [_layouts.layout_for(a.sharding, a.ndim) for a, _ in values]
+      shards = [
+        [np.asarray(s.data) for s in _sorted_shards(a)] for a, _ in values
       ]
-  else:
+      if method == 'pack':
+        return lambda: [
+          dt.pack(x, layout) for x, layout in zip(shards, layouts_, strict=True)
+        ]
+      return lambda: [
+        dt.DVariable(dt.pack(x, layout))
+        for x, layout in zip(shards, layouts_, strict=True)
+      ]
     raise ValueError(method)
+
+  if warm:
+    _, others = _arrays(jax, arrays, mib, layouts, fill=arrays)
+    method_for(others)()
+    del others
+  run = method_for(values)
   before = _rss_mib()
   start = time.perf_counter()
   out = run()
@@ -266,7 +301,7 @@ def to_tf(method: str, arrays: int, mib: float) -> dict:
   }
 
 
-def _sorted_shards(arr, layout):
+def _sorted_shards(arr):
   """The array's shards in the order of the layout's local device ids."""
   from flax_dtensor.dtensor import _layouts
 
@@ -281,34 +316,56 @@ def _sorted_shards(arr, layout):
 # ------------------------------------------------------------------------------
 
 
-def checkpoint(method: str, arrays: int, mib: float) -> dict:
+def checkpoint(
+  method: str,
+  arrays: int,
+  mib: float,
+  cache: str = 'hot',
+  layouts: str = 'mixed',
+) -> dict:
+  """Writing and reading a checkpoint, and the raw bytes the same way.
+
+  The limits write each distinct shard to its own file with NumPy (and
+  fsync), read them back with NumPy, and for `raw_read_place` also place
+  them on the devices as the restore does. `cache='cold'` evicts the files
+  from the page cache (``posix_fadvise``) before a read.
+  """
   jax = _jax()
   from flax import nnx
 
   from flax_dtensor import dtensor as fdt_tf
 
   fdt_tf.initialize()
-  _, values = _arrays(jax, arrays, mib)
+  _, values = _arrays(jax, arrays, mib, layouts)
   state = nnx.State({f'v{i}': nnx.Param(a) for i, (a, _) in enumerate(values)})
   nbytes = sum(a.nbytes for a, _ in values)
   root = tempfile.mkdtemp(prefix='fdt_bench_', dir=os.environ.get('BENCH_DIR'))
   path = os.path.join(root, 'ckpt')
+  # Each distinct shard once: [(array index, shard index, host bytes)].
   shards = [
-    np.asarray(s.data)
-    for a, _ in values
-    for s in {str(s.index): s for s in a.addressable_shards}.values()
+    (i, index, np.asarray(s.data))
+    for i, (a, _) in enumerate(values)
+    for index, s in {str(s.index): s for s in a.addressable_shards}.items()
   ]
-  if method in ('restore', 'raw_read'):
+  reads = method in ('restore', 'raw_read', 'raw_read_place')
+  if reads:
     fdt_tf.save_checkpoint(state, path)
-    for i, shard in enumerate(shards):
-      _write(os.path.join(root, f'raw{i}'), shard)
+    for k, (_, _, shard) in enumerate(shards):
+      _write(os.path.join(root, f'raw{k}'), shard)
+    abstract = jax.tree.map(
+      lambda v: v, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    shapes = [(a.shape, a.sharding) for a, _ in values]
+    del state, values  # Only what the restore creates stays.
+    if cache == 'cold':
+      _evict(root)
   before = _rss_mib()
   start = time.perf_counter()
   if method == 'save':
     fdt_tf.save_checkpoint(state, path)
   elif method == 'raw_write':
-    for i, shard in enumerate(shards):
-      _write(os.path.join(root, f'raw{i}'), shard)
+    for k, (_, _, shard) in enumerate(shards):
+      _write(os.path.join(root, f'raw{k}'), shard)
     fd = os.open(root, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
@@ -316,13 +373,25 @@ def checkpoint(method: str, arrays: int, mib: float) -> dict:
     tf = sys.modules['tensorflow']
     tf.train.Checkpoint(fdt_tf.to_tf_module(state)).write(path)
   elif method == 'restore':
-    abstract = jax.tree.map(
-      lambda v: v, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    fdt_tf.restore_checkpoint(path, abstract)
-  elif method == 'raw_read':
-    for i, shard in enumerate(shards):
-      np.fromfile(os.path.join(root, f'raw{i}'), dtype=shard.dtype)
+    out = fdt_tf.restore_checkpoint(path, abstract)
+    jax.block_until_ready(jax.tree.leaves(out))
+  elif method in ('raw_read', 'raw_read_place'):
+    host = {}
+    for k, (i, index, shard) in enumerate(shards):
+      host[i, index] = np.fromfile(
+        os.path.join(root, f'raw{k}'), dtype=shard.dtype
+      ).reshape(shard.shape)
+    if method == 'raw_read_place':
+      placed = []
+      for i, (shape, sharding) in enumerate(shapes):
+        devices = sharding.addressable_devices_indices_map(shape)
+        bufs = jax.device_put(
+          [host[i, str(index)] for index in devices.values()], list(devices)
+        )
+        placed.append(
+          jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+        )
+      jax.block_until_ready(placed)
   else:
     raise ValueError(method)
   seconds = time.perf_counter() - start
@@ -335,6 +404,18 @@ def checkpoint(method: str, arrays: int, mib: float) -> dict:
     'rss_peak_mib': _rss_mib(),
     'bytes': nbytes,
   }
+
+
+def _evict(root: str) -> None:
+  """Drops the files under `root` from the page cache."""
+  for directory, _, names in os.walk(root):
+    for name in names:
+      fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
 
 
 def _write(path: str, array) -> None:

@@ -2,19 +2,20 @@
 
 Usage::
 
-  python benchmarks/run.py                      # all, 3 repeats
+  python benchmarks/run.py                      # everything (~1 hour)
   python benchmarks/run.py --only init,plan --repeat 5
   python benchmarks/run.py --quick              # small sizes, 1 repeat
-  python benchmarks/run.py --repo /other/checkout --label before
+  python benchmarks/run.py --repo /old/checkout --label before --roles ours
 
 Each case measures flax_dtensor, its peer and the machine's limit in the
-same run, on the same state, and reports min / median / max of the repeats
-and the ratios of the medians (flax_dtensor / peer, flax_dtensor / limit).
-Memory is the OS's peak RSS (``resource.getrusage``) above the process's
-baseline before the measured step. Results go to ``--out`` as JSON (the docs'
-benchmarks page reads ``benchmarks/results.json``) and to the terminal.
-``--repo`` measures another checkout of flax_dtensor (its package on
-``PYTHONPATH``), to record a before/after.
+same run, on the same state (`cases.py`), and reports min / median / max
+of the repeats and the ratios of the medians (flax_dtensor's time divided
+by the other's: below 1 is faster). Memory is the OS's peak RSS
+(``resource.getrusage``) above the process's baseline before the measured
+step. Results go to ``--out`` as JSON, under ``--label`` (the docs'
+benchmarks page reads ``benchmarks/results.json``: ``current``, and
+``before`` if present), and to the terminal. ``--repo`` measures another
+checkout of flax_dtensor (its package first on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import itertools
 import json
 import os
 import pathlib
@@ -33,93 +35,150 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# (case, params, {role: method}); roles: ours, peer, limit, other.
-FULL = {
-  'init': [
-    (
-      'init',
-      {'layers': 24, 'width': 1024},
-      {
-        'ours': 'fdt_init',
-        'peer': 'flax_eager',
-        'limit': 'unsharded',
-        'ours_eager': 'fdt_eager',
-      },
-    ),
-  ],
-  'init_scaling': [
-    ('init', {'layers': layers, 'width': 1024}, {'ours': 'fdt_init'})
-    for layers in (6, 12, 24, 48)
-  ]
-  + [
-    ('init', {'layers': layers, 'width': 1024}, {'ours_eager': 'fdt_eager'})
-    for layers in (6, 12, 24)
-  ],
-  'plan': [
-    ('plan', {'variables': n}, {'ours': 'fdt_plan_factory'})
-    for n in (1000, 2500, 5000, 10000)
-  ]
-  + [
-    ('plan', {'variables': n}, {'peer': 'flax_eval_shape'})
-    for n in (250, 500, 1000)
-  ],
-  'to_tf': [
-    (
-      'to_tf',
-      {'arrays': 32, 'mib': 16},
-      {'ours': 'fdt', 'peer': 'orbax', 'limit': 'pack'},
-    ),
-  ],
-  'checkpoint': [
-    (
-      'checkpoint',
-      {'arrays': 32, 'mib': 16},
-      {'ours': 'save', 'limit': 'raw_write', 'peer': 'tf_write'},
-    ),
-    (
-      'checkpoint',
-      {'arrays': 32, 'mib': 16},
-      {'ours': 'restore', 'limit': 'raw_read'},
-    ),
-  ],
+
+def _case(case, params, methods, ratios=(), repeat=None, note=''):
+  return {
+    'case': case,
+    'params': params,
+    'methods': methods,
+    'ratios': list(ratios),
+    'repeat': repeat,
+    'note': note,
+  }
+
+
+_INIT = {
+  'ours': 'fdt_init',
+  'ours_eager': 'fdt_eager',
+  'peer': 'flax_eager',
+  'limit': 'unsharded',
 }
-QUICK = {
-  'init': [
-    (
-      'init',
-      {'layers': 2, 'width': 256},
-      {
-        'ours': 'fdt_init',
-        'peer': 'flax_eager',
-        'limit': 'unsharded',
-        'ours_eager': 'fdt_eager',
-      },
-    )
-  ],
-  'plan': [
-    ('plan', {'variables': 200}, {'ours': 'fdt_plan_factory'}),
-    ('plan', {'variables': 100}, {'peer': 'flax_eval_shape'}),
-  ],
-  'to_tf': [
-    (
-      'to_tf',
-      {'arrays': 8, 'mib': 1},
-      {'ours': 'fdt', 'peer': 'orbax', 'limit': 'pack'},
-    )
-  ],
-  'checkpoint': [
-    (
-      'checkpoint',
-      {'arrays': 8, 'mib': 1},
-      {'ours': 'save', 'limit': 'raw_write', 'peer': 'tf_write'},
-    ),
-    (
-      'checkpoint',
-      {'arrays': 8, 'mib': 1},
-      {'ours': 'restore', 'limit': 'raw_read'},
-    ),
-  ],
+_INIT_RATIOS = [
+  ('ours', 'limit'),
+  ('ours_eager', 'limit'),
+  ('ours_eager', 'peer'),
+]
+_TO_TF = {
+  'ours': 'fdt',
+  'peer': 'orbax',
+  'limit': 'dvariable',
+  'floor': 'pack',
 }
+_TO_TF_RATIOS = [('ours', 'peer'), ('ours', 'limit'), ('peer', 'limit')]
+_SAVE = {'ours': 'save', 'limit': 'raw_write', 'peer': 'tf_write'}
+_RESTORE = {
+  'ours': 'restore',
+  'limit': 'raw_read',
+  'limit_place': 'raw_read_place',
+}
+
+
+def _full():
+  return {
+    'init': [
+      _case(
+        'init',
+        {'layers': 24, 'width': 1024},
+        _INIT,
+        _INIT_RATIOS,
+        note='201M params (768 MiB); (2, 4) Explicit mesh',
+      ),
+      _case(
+        'init',
+        {'layers': 6, 'width': 1024},
+        {'ours': 'fdt_init', 'peer': 'flax_jit', 'limit': 'unsharded'},
+        [('ours', 'peer'), ('ours', 'limit')],
+        note="Flax's eager sharding inside nnx.jit, at 1/4 the size",
+      ),
+    ],
+    'init_scaling': [
+      _case(
+        'init',
+        {'layers': layers, 'width': 1024},
+        {k: _INIT[k] for k in ('ours', 'ours_eager', 'limit')},
+        _INIT_RATIOS[:2],
+      )
+      for layers in (6, 12, 24, 48, 96)
+    ],
+    'plan': [
+      _case('plan', {'variables': n}, {'ours': 'fdt_plan_factory'})
+      for n in (1000, 2500, 5000, 10000)
+    ]
+    + [
+      _case('plan', {'variables': n}, {'peer': 'flax_eval_shape'})
+      for n in (250, 500, 1000)
+    ],
+    'to_tf': [
+      _case(
+        'to_tf',
+        {'arrays': 32, 'mib': 16, 'layouts': layouts, 'warm': warm},
+        _TO_TF,
+        _TO_TF_RATIOS,
+      )
+      for layouts in ('mixed', 'product')
+      for warm in (False, True)
+    ],
+    'checkpoint': [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': layouts},
+        _SAVE,
+        [('ours', 'limit'), ('ours', 'peer')],
+        repeat=5,
+      )
+      for layouts in ('sharded', 'mixed')
+    ]
+    + [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': layouts, 'cache': cache},
+        _RESTORE,
+        [('ours', 'limit'), ('ours', 'limit_place')],
+        repeat=5,
+      )
+      for layouts in ('sharded', 'mixed')
+      for cache in ('hot', 'cold')
+    ],
+    'checkpoint_scaling': [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': mib, 'layouts': 'sharded'},
+        {'ours': 'save', 'limit': 'raw_write'},
+        [('ours', 'limit')],
+      )
+      for mib in (4, 8, 16, 32, 64)
+    ]
+    + [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': mib, 'layouts': 'sharded'},
+        {'ours': 'restore', 'limit': 'raw_read'},
+        [('ours', 'limit')],
+      )
+      for mib in (4, 8, 16, 32, 64)
+    ],
+  }
+
+
+def _quick():
+  return {
+    'init': [
+      _case('init', {'layers': 2, 'width': 256}, _INIT, _INIT_RATIOS),
+    ],
+    'plan': [
+      _case('plan', {'variables': 200}, {'ours': 'fdt_plan_factory'}),
+      _case('plan', {'variables': 100}, {'peer': 'flax_eval_shape'}),
+    ],
+    'to_tf': [
+      _case('to_tf', {'arrays': 8, 'mib': 1}, _TO_TF, _TO_TF_RATIOS),
+    ],
+    'checkpoint': [
+      _case('checkpoint', {'arrays': 8, 'mib': 1}, _SAVE, [('ours', 'limit')]),
+      _case(
+        'checkpoint', {'arrays': 8, 'mib': 1}, _RESTORE, [('ours', 'limit')]
+      ),
+    ],
+  }
 
 
 def _measure(case, method, params, repo, timeout):
@@ -127,44 +186,62 @@ def _measure(case, method, params, repo, timeout):
   env['PYTHONPATH'] = os.pathsep.join(
     [str(repo)] + [p for p in [env.get('PYTHONPATH')] if p]
   )
-  proc = subprocess.run(
-    [sys.executable, str(HERE / 'cases.py'), case, method, json.dumps(params)],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    env=env,
-    check=False,
-  )
+  try:
+    proc = subprocess.run(
+      [
+        sys.executable,
+        str(HERE / 'cases.py'),
+        case,
+        method,
+        json.dumps(params),
+      ],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env=env,
+      check=False,
+    )
+  except subprocess.TimeoutExpired:
+    return {'error': f'timed out after {timeout:.0f} s'}
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
     return {'error': f'exit {proc.returncode}: {tail[:300]}'}
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _spread(values):
+  values = sorted(values)
+  return {
+    'min': values[0],
+    'median': statistics.median(values),
+    'max': values[-1],
+  }
+
+
 def _summary(runs):
   ok = [r for r in runs if 'error' not in r]
   if not ok:
     return {'error': runs[-1]['error']}
-  seconds = [r['seconds'] for r in ok]
-  extra = sorted(
-    r['rss_peak_mib'] - r['rss_before_mib'] for r in ok if 'rss_peak_mib' in r
-  )
   out = {
-    'seconds': {
-      'min': min(seconds),
-      'median': statistics.median(seconds),
-      'max': max(seconds),
-    },
-    'rss_above_baseline_mib': {
-      'min': extra[0],
-      'median': statistics.median(extra),
-      'max': extra[-1],
-    },
+    'seconds': _spread([r['seconds'] for r in ok]),
+    'rss_above_baseline_mib': _spread(
+      [r['rss_peak_mib'] - r['rss_before_mib'] for r in ok]
+    ),
     'runs': len(ok),
   }
   for key in ('param_bytes', 'bytes', 'variables', 'shard_shape'):
     if key in ok[0]:
       out[key] = ok[0][key]
+  return out
+
+
+def _ratios(entry):
+  out = {}
+  for a, b in entry['ratios']:
+    mine = entry['methods'].get(a, {}).get('seconds', {}).get('median')
+    theirs = entry['methods'].get(b, {}).get('seconds', {}).get('median')
+    if mine and theirs:
+      out[f'{a}/{b}'] = mine / theirs
   return out
 
 
@@ -176,13 +253,30 @@ def _machine():
   except OSError:
     pass
   versions = {}
-  for name in ('jax', 'flax', 'tensorflow-cpu', 'orbax-export', 'numpy'):
+  for name in (
+    'jax',
+    'jaxlib',
+    'flax',
+    'tensorflow-cpu',
+    'orbax-export',
+    'numpy',
+  ):
     try:
       versions[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       versions[name] = None
+  cpu = platform.processor()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next(
+        (line.split(':', 1)[1].strip() for line in f if 'model name' in line),
+        cpu,
+      )
+  except OSError:
+    pass
   return {
     'cpus': os.cpu_count(),
+    'cpu': cpu,
     'memory_mib': mem,
     'platform': platform.platform(),
     'python': platform.python_version(),
@@ -191,42 +285,88 @@ def _machine():
   }
 
 
-def run(groups, repeat, repo, timeout, label):
+def _growth(results):
+  """For each scaling group: cost of doubling, per role (time, memory)."""
+  out = {}
+  for group in ('init_scaling', 'checkpoint_scaling', 'plan'):
+    rows = [r for r in results if r['group'] == group]
+    by_role = {}
+    for r in rows:
+      size = r['params'].get('layers') or r['params'].get('variables')
+      size = size or r['params']['arrays'] * r['params']['mib']
+      for role, m in r['methods'].items():
+        if 'seconds' in m:
+          key = f'{role}:{m["method"]}'
+          by_role.setdefault(key, []).append(
+            (
+              size,
+              m['seconds']['median'],
+              m['rss_above_baseline_mib']['median'],
+            )
+          )
+    for key, points in by_role.items():
+      points.sort()
+      steps = [
+        {
+          'from': a[0],
+          'to': b[0],
+          'time_x': b[1] / a[1] if a[1] else None,
+          'memory_x': b[2] / a[2] if a[2] > 0 else None,
+          'size_x': b[0] / a[0],
+        }
+        for a, b in itertools.pairwise(points)
+      ]
+      if steps:
+        out[f'{group}/{key}'] = steps
+  return out
+
+
+def run(groups, repeat, repo, timeout, label, roles):
   results = []
   for group, cases in groups.items():
-    for case, params, methods in cases:
-      entry = {'group': group, 'case': case, 'params': params, 'methods': {}}
-      for role, method in methods.items():
+    for spec in cases:
+      entry = {
+        'group': group,
+        'case': spec['case'],
+        'params': spec['params'],
+        'note': spec['note'],
+        'ratios': spec['ratios'],
+        'methods': {},
+      }
+      n = max(repeat, spec['repeat'] or 0) if repeat > 1 else repeat
+      for role, method in spec['methods'].items():
+        if roles and role not in roles:
+          continue
         runs = [
-          _measure(case, method, params, repo, timeout) for _ in range(repeat)
+          _measure(spec['case'], method, spec['params'], repo, timeout)
+          for _ in range(n)
         ]
         entry['methods'][role] = {'method': method} | _summary(runs)
-        _print_line(group, params, role, entry['methods'][role])
-      ours = entry['methods'].get('ours', {}).get('seconds', {}).get('median')
-      for role in ('peer', 'limit'):
-        theirs = entry['methods'].get(role, {}).get('seconds', {}).get('median')
-        if ours and theirs:
-          entry[f'time_vs_{role}'] = ours / theirs
+        _print_line(group, spec['params'], role, entry['methods'][role])
+      entry['ratio'] = _ratios(entry)
+      for name, value in entry['ratio'].items():
+        print(f'{"":<13} {"":<48} {name:<22} {value:8.2f}x', flush=True)
       results.append(entry)
   return {
     'label': label,
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     'repeat': repeat,
+    'command': ' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]]),
     'machine': _machine(),
     'results': results,
+    'growth': _growth(results),
   }
 
 
 def _print_line(group, params, role, summary):
+  text = json.dumps(params)
   if 'error' in summary:
-    print(
-      f'{group:<13} {json.dumps(params):<34} {role:<11} ERROR {summary["error"]}'
-    )
+    print(f'{group:<13} {text:<48} {role:<11} ERROR {summary["error"]}')
     return
   s = summary['seconds']
   mem = summary['rss_above_baseline_mib']['median']
   print(
-    f'{group:<13} {json.dumps(params):<34} {role:<11} {summary["method"]:<20} '
+    f'{group:<13} {text:<48} {role:<11} {summary["method"]:<16} '
     f'{s["min"]:8.2f} {s["median"]:8.2f} {s["max"]:8.2f} s  '
     f'+{mem:7.0f} MiB',
     flush=True,
@@ -240,20 +380,35 @@ def main() -> None:
   parser.add_argument('--quick', action='store_true')
   parser.add_argument('--repo', default=str(REPO))
   parser.add_argument('--label', default='current')
+  parser.add_argument(
+    '--roles', help='Comma-separated roles to measure (default: all).'
+  )
   parser.add_argument('--timeout', type=float, default=3600)
   parser.add_argument('--out', default=str(HERE / 'results.json'))
   args = parser.parse_args()
-  groups = QUICK if args.quick else FULL
+  groups = _quick() if args.quick else _full()
   if args.only:
-    groups = {k: v for k, v in groups.items() if k in args.only.split(',')}
+    wanted = args.only.split(',')
+    unknown = sorted(set(wanted) - set(groups))
+    if unknown:
+      parser.error(f'unknown groups {unknown}; expected some of {list(groups)}')
+    groups = {k: v for k, v in groups.items() if k in wanted}
   repeat = 1 if args.quick else args.repeat
+  roles = set(args.roles.split(',')) if args.roles else None
   print(
-    f'{"group":<13} {"params":<34} {"role":<11} {"method":<20} '
+    f'{"group":<13} {"params":<48} {"role":<11} {"method":<16} '
     f'{"min":>8} {"median":>8} {"max":>8}     peak RSS above baseline'
   )
-  report = run(groups, repeat, args.repo, args.timeout, args.label)
+  report = run(groups, repeat, args.repo, args.timeout, args.label, roles)
   out = pathlib.Path(args.out)
   previous = json.loads(out.read_text()) if out.exists() else {}
+  if args.only and args.label in previous:
+    # Keep the other groups of an earlier run under the same label.
+    kept = [
+      r for r in previous[args.label]['results'] if r['group'] not in groups
+    ]
+    report['results'] = kept + report['results']
+    report['growth'] = _growth(report['results'])
   previous[args.label] = report
   out.write_text(json.dumps(previous, indent=1) + '\n')
   print(f'wrote {out} ({args.label})')

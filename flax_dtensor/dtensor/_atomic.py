@@ -108,8 +108,8 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
-def _fsync_tree(path: str) -> None:
-  """Flushes every file under `path`, then the directories, to disk."""
+def flush_files(path: str) -> None:
+  """Flushes every file under `path` to disk (not the directories)."""
   for root, _, files in os.walk(path):
     for name in files:
       fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -117,6 +117,12 @@ def _fsync_tree(path: str) -> None:
         os.fsync(fd)
       finally:
         os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+  """Flushes every file under `path`, then the directories, to disk."""
+  flush_files(path)
+  for root, _, _ in os.walk(path):
     _fsync_dir(root)
 
 

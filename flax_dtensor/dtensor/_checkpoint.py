@@ -301,15 +301,20 @@ def save_checkpoint(
       start = time.perf_counter()
       hashing = _manifest.shard_checksums(values, pool)
       _write_tf_checkpoint(entries, tensors, tmp)
-      shards = gather_shards(hashing, tmp)
-      if shards is not None:
-        write_manifest(
-          tmp,
-          _manifest.CHECKPOINT_FORMAT,
-          PREFIX,
-          records(entries, values, tensors, shards),
-          pool,
-        )
+      # The disk flushes what TF wrote while the CRCs read it back from the
+      # page cache; the directory's final flush then finds little to do.
+      with concurrent.futures.ThreadPoolExecutor(1) as flusher:
+        flushed = flusher.submit(_atomic.flush_files, tmp)
+        shards = gather_shards(hashing, tmp)
+        if shards is not None:
+          write_manifest(
+            tmp,
+            _manifest.CHECKPOINT_FORMAT,
+            PREFIX,
+            records(entries, values, tensors, shards),
+            pool,
+          )
+        flushed.result()
       _output.announce(
         show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
       )

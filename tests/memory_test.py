@@ -1,9 +1,9 @@
 """Memory: a sharded build never holds a whole unsharded model.
 
 Each build runs in a fresh process (`benchmarks/cases.py`, the benchmarks'
-own measurement), which reports the OS's peak RSS before and after the
-build. With 8 virtual devices on one host, sharded parameters take their
-bytes once; a build that made any kernel whole on every device (8 copies)
+own measurement), which resets the OS's peak-RSS mark before the build and
+reads it after. With 8 virtual devices on one host, sharded parameters take
+their bytes once; a build that made any kernel whole on every device (8 copies)
 or kept every initializer's temporaries alive at once would exceed 1.5x.
 """
 
@@ -50,4 +50,7 @@ def test_replicated_creation_is_what_the_bound_rules_out():
   """The bound has teeth: the same model replicated peaks far above it."""
   result = _measure('replicated', layers=2)
   above = (result['rss_peak_mib'] - result['rss_before_mib']) * 2**20
-  assert above > 1.5 * result['param_bytes']
+  assert above > 1.5 * result['param_bytes'], (
+    f'replicated: peak {above / 2**20:.0f} MiB above the baseline for '
+    f'{result["param_bytes"] / 2**20:.0f} MiB of parameters ({result})'
+  )

@@ -109,10 +109,17 @@ def _fsync_dir(path: str) -> None:
 
 
 def flush_files(path: str) -> None:
-  """Flushes every file under `path` to disk (not the directories)."""
+  """Flushes every file under `path` to disk (not the directories).
+
+  A file removed after the listing (another process's part of a manifest,
+  merged and deleted by process 0) has nothing left to flush.
+  """
   for root, _, files in os.walk(path):
     for name in files:
-      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      except FileNotFoundError:
+        continue
       try:
         os.fsync(fd)
       finally:

@@ -24,12 +24,11 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _meshes, _output, _rules, _variables
 from flax_dtensor.dtensor import (
-  _arrays,
   _atomic,
   _checkpoint,
   _convert,
   _dtypes,
-  _layouts,
+  _host_read,
   _manifest,
   _names,
   _paths,
@@ -339,102 +338,6 @@ def _check_extra(
     )
 
 
-def _astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
-  """`array.astype(dtype)`, keeping exactly `array.sharding`."""
-  out = array.astype(dtype)
-  if out.sharding == array.sharding:
-    return out
-  return jax.make_array_from_single_device_arrays(
-    out.shape, array.sharding, [s.data for s in out.addressable_shards]
-  )
-
-
-def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
-  """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-'."""
-  dims = [
-    '-' if (a, b) == (0, n) else f'{a},{b - a}'
-    for (a, b), n in zip(index, shape, strict=True)
-  ]
-  return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
-
-
-def _host_pieces(
-  prefix: str,
-  entry: _selection.Entry,
-  sharding: jax.sharding.Sharding,
-  stored: np.dtype,
-) -> dict[_manifest.Index, np.ndarray]:
-  """The slices this process's devices hold, read by TF into host memory.
-
-  Reads the whole variable when this process holds all of it (a single
-  process, or a replicated variable): TF reads an entry whole in one pass
-  and checks its own CRC-32C. Otherwise only this process's slices, so no
-  host reads the full model. Thread-safe: each call is one TF op.
-  """
-  shape = tuple(entry.shape)
-  indices = {
-    _layouts.normalize_index(index, shape)
-    for index in sharding.addressable_devices_indices_map(shape).values()
-  }
-  whole = sharding.is_fully_addressable or indices == {
-    tuple((0, n) for n in shape)
-  }
-  ordered = [()] if whole else sorted(indices)
-  tf = _tf.tf()
-  try:
-    with tf.device('/CPU:0'):
-      read = tf.raw_ops.RestoreV2(
-        prefix=prefix,
-        tensor_names=[entry.key] * len(ordered),
-        shape_and_slices=[
-          '' if whole else _slice_spec(shape, i) for i in ordered
-        ],
-        dtypes=[tf.as_dtype(stored)] * len(ordered),
-      )
-  except tf.errors.OpError as e:
-    raise _errors.ExportError(
-      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
-      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
-      'data file of the checkpoint is complete and readable, or re-export it.'
-    ) from e
-  if whole:
-    value = _arrays.tensor_numpy(read[0])
-    return {
-      index: value[tuple(slice(a, b) for a, b in index)] for index in indices
-    }
-  return {
-    index: _arrays.tensor_numpy(t)
-    for index, t in zip(ordered, read, strict=True)
-  }
-
-
-def _host_read(
-  prefix: str,
-  entry: _selection.Entry,
-  kind: tuple[np.dtype, np.dtype],
-  sharding: jax.sharding.Sharding,
-) -> dict[_manifest.Index, np.ndarray]:
-  """`_host_pieces` in the saved dtype (widened on save; exact both ways)."""
-  stored, saved = kind
-  pieces = _host_pieces(prefix, entry, sharding, stored)
-  if stored != saved:
-    pieces = {i: p.astype(saved) for i, p in pieces.items()}
-  return pieces
-
-
-def _place(
-  pieces: dict[_manifest.Index, np.ndarray],
-  shape: tuple[int, ...],
-  sharding: jax.sharding.Sharding,
-) -> jax.Array:
-  """The array made of host slices, placed as `sharding` says (JAX copies)."""
-  targets = sharding.addressable_devices_indices_map(shape)
-  devices = list(targets)
-  views = [pieces[_layouts.normalize_index(targets[d], shape)] for d in devices]
-  arrays = jax.device_put(views, devices)  # One batched call.
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
 def _fill_abstract(
   target: Any, restored: set[tuple[Any, ...]], rng_seed: int | None
 ) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
@@ -586,8 +489,6 @@ def restore_checkpoint(
       _selection.check_spans_processes(e.name, sharding)
     shardings.append(sharding)
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
-  arrays: list[Any] = [None] * len(entries)
-  records = manifest.by_key if manifest is not None else {}
   with (
     _translated(prefix),
     _output.progress(
@@ -597,40 +498,9 @@ def restore_checkpoint(
       unit='var',
     ) as advance,
   ):
-    # TF reads the next variables in worker threads while JAX places this
-    # one here (JAX's configuration, such as 64-bit types, is this thread's)
-    # and the workers check the CRCs of those already placed. Both release
-    # the GIL; at most `ahead` host copies exist at once.
-    ahead = 2
-    with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
-      reads = {
-        i: pool.submit(_host_read, prefix, entries[i], kinds[i], shardings[i])
-        for i in range(min(ahead, len(entries)))
-      }
-      checks = []
-      for i, e in enumerate(entries):
-        pieces = reads.pop(i).result()
-        if i + ahead < len(entries):
-          j = i + ahead
-          reads[j] = pool.submit(
-            _host_read, prefix, entries[j], kinds[j], shardings[j]
-          )
-        array = _place(pieces, tuple(e.shape), shardings[i])
-        del pieces
-        if e.key in records:
-          checks.append(
-            pool.submit(
-              _manifest.verify_shards, manifest, records[e.key], array
-            )
-          )
-        if kinds[i][1] != e.dtype:  # convert_dtypes: as asked.
-          array = _astype(array, e.dtype)
-        if e.key_impl is not None:
-          array = jax.random.wrap_key_data(array, impl=e.key_impl)
-        arrays[i] = array
-        advance(1)
-      for check in checks:
-        check.result()
+    arrays = _host_read.read_placed(
+      prefix, entries, kinds, shardings, manifest, advance
+    )
   flat = [
     (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
   ]

@@ -1,0 +1,178 @@
+"""Reading checkpoint slices on the host and placing them onto devices.
+
+Each process asks TF's checkpoint reader (RestoreV2 on the host CPU) for the
+slices its own devices hold, and JAX places them. TF reads ahead in worker
+threads while JAX places in the calling thread, and the workers check each
+placed shard's CRC against the manifest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from flax_dtensor import _errors
+from flax_dtensor.dtensor import (
+  _arrays,
+  _layouts,
+  _manifest,
+  _selection,
+  _tf,
+  _tf_errors,
+)
+
+AHEAD = 2
+"""Variables TF reads ahead of the one JAX is placing (host copies alive)."""
+
+
+def _astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
+  """`array.astype(dtype)`, keeping exactly `array.sharding`."""
+  out = array.astype(dtype)
+  if out.sharding == array.sharding:
+    return out
+  return jax.make_array_from_single_device_arrays(
+    out.shape, array.sharding, [s.data for s in out.addressable_shards]
+  )
+
+
+def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
+  """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-'."""
+  dims = [
+    '-' if (a, b) == (0, n) else f'{a},{b - a}'
+    for (a, b), n in zip(index, shape, strict=True)
+  ]
+  return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
+
+
+def _pieces(
+  prefix: str,
+  entry: _selection.Entry,
+  sharding: jax.sharding.Sharding,
+  stored: np.dtype,
+) -> dict[_manifest.Index, np.ndarray]:
+  """The slices this process's devices hold, read by TF into host memory.
+
+  Reads the whole variable when this process holds all of it (a single
+  process, or a replicated variable): TF reads an entry whole in one pass
+  and checks its own CRC-32C. Otherwise only this process's slices, so no
+  host reads the full model. Thread-safe: each call is one TF op.
+  """
+  shape = tuple(entry.shape)
+  indices = {
+    _layouts.normalize_index(index, shape)
+    for index in sharding.addressable_devices_indices_map(shape).values()
+  }
+  whole = sharding.is_fully_addressable or indices == {
+    tuple((0, n) for n in shape)
+  }
+  ordered = [()] if whole else sorted(indices)
+  tf = _tf.tf()
+  try:
+    with tf.device('/CPU:0'):
+      read = tf.raw_ops.RestoreV2(
+        prefix=prefix,
+        tensor_names=[entry.key] * len(ordered),
+        shape_and_slices=[
+          '' if whole else _slice_spec(shape, i) for i in ordered
+        ],
+        dtypes=[tf.as_dtype(stored)] * len(ordered),
+      )
+  except tf.errors.OpError as e:
+    raise _errors.ExportError(
+      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
+      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
+      'data file of the checkpoint is complete and readable, or re-export it.'
+    ) from e
+  if whole:
+    value = _arrays.tensor_numpy(read[0])
+    return {
+      index: value[tuple(slice(a, b) for a, b in index)] for index in indices
+    }
+  return {
+    index: _arrays.tensor_numpy(t)
+    for index, t in zip(ordered, read, strict=True)
+  }
+
+
+def _read(
+  prefix: str,
+  entry: _selection.Entry,
+  kind: tuple[np.dtype, np.dtype],
+  sharding: jax.sharding.Sharding,
+) -> dict[_manifest.Index, np.ndarray]:
+  """`_pieces` in the saved dtype (widened on save; exact both ways)."""
+  stored, saved = kind
+  pieces = _pieces(prefix, entry, sharding, stored)
+  if stored != saved:
+    pieces = {i: p.astype(saved) for i, p in pieces.items()}
+  return pieces
+
+
+def _place(
+  pieces: dict[_manifest.Index, np.ndarray],
+  shape: tuple[int, ...],
+  sharding: jax.sharding.Sharding,
+) -> jax.Array:
+  """The array made of host slices, placed as `sharding` says (JAX copies)."""
+  targets = sharding.addressable_devices_indices_map(shape)
+  devices = list(targets)
+  views = [pieces[_layouts.normalize_index(targets[d], shape)] for d in devices]
+  arrays = jax.device_put(views, devices)  # One batched call.
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def read_placed(
+  prefix: str,
+  entries: Sequence[_selection.Entry],
+  kinds: Sequence[tuple[np.dtype, np.dtype]],
+  shardings: Sequence[jax.sharding.Sharding],
+  manifest: _manifest.Manifest | None,
+  advance: Callable[[int], Any],
+) -> list[jax.Array]:
+  """Every entry read from `prefix` and placed as its sharding says.
+
+  Args:
+    prefix: The TF checkpoint prefix.
+    entries: The variables to read, with their checkpoint keys.
+    kinds: Per entry, (dtype stored in the checkpoint, dtype saved from).
+    shardings: Per entry, where the array goes.
+    manifest: The checked manifest, whose shard CRCs are verified; None for
+      a plain TF checkpoint.
+    advance: Called with 1 after each variable is placed (progress).
+  """
+  records = manifest.by_key if manifest is not None else {}
+  arrays: list[jax.Array] = []
+  # TF reads the next variables in worker threads while JAX places this
+  # one here (JAX's configuration, such as 64-bit types, is this thread's)
+  # and the workers check the CRCs of those already placed. Both release
+  # the GIL; at most AHEAD host copies exist at once.
+  with concurrent.futures.ThreadPoolExecutor(AHEAD) as pool:
+
+    def submit(i: int) -> concurrent.futures.Future:
+      return pool.submit(_read, prefix, entries[i], kinds[i], shardings[i])
+
+    reads = {i: submit(i) for i in range(min(AHEAD, len(entries)))}
+    checks = []
+    for i, e in enumerate(entries):
+      pieces = reads.pop(i).result()
+      if i + AHEAD < len(entries):
+        reads[i + AHEAD] = submit(i + AHEAD)
+      array = _place(pieces, tuple(e.shape), shardings[i])
+      del pieces
+      if e.key in records:
+        checks.append(
+          pool.submit(_manifest.verify_shards, manifest, records[e.key], array)
+        )
+      if kinds[i][1] != e.dtype:  # convert_dtypes: as asked.
+        array = _astype(array, e.dtype)
+      if e.key_impl is not None:
+        array = jax.random.wrap_key_data(array, impl=e.key_impl)
+      arrays.append(array)
+      advance(1)
+    for check in checks:
+      check.result()
+  return arrays

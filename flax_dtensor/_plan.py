@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-import io
+import html
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 import rich.console
-import rich.table
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _init, _meshes, _rules, _specs, _variables
+from flax_dtensor import (
+  _init,
+  _meshes,
+  _plan_view,
+  _rules,
+  _specs,
+  _variables,
+)
+
+human_bytes = _plan_view.human_bytes
 
 
 def _itemsize(dtype: Any) -> int:
@@ -103,11 +112,13 @@ class PlanEntry:
     }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class ShardingPlan:
   """Where every variable of a model goes, and why.
 
-  Print it for a table, or use `to_dict` / `to_json` for data.
+  Print it (a table at the terminal's width, paths never cut), show it in a
+  notebook (HTML), or use `to_dict` / `to_json` for data; `summary()` for
+  the compact view, `show(path)` for where one variable's blocks are.
 
   Attributes:
     entries: One `PlanEntry` per variable, in path order.
@@ -131,16 +142,8 @@ class ShardingPlan:
 
   @property
   def ideal_bytes_per_device(self) -> float:
-    """Total bytes divided by the device count: perfect sharding."""
+    """The total bytes divided by the device count (perfect sharding)."""
     return self.total_bytes / self.num_devices
-
-  def __getitem__(self, path: str) -> PlanEntry:
-    for e in self.entries:
-      if e.path == path:
-        return e
-    raise KeyError(
-      f'No variable at {path!r}; paths: {[e.path for e in self.entries]}'
-    )
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -155,62 +158,111 @@ class ShardingPlan:
   def to_json(self, **kwargs: Any) -> str:
     return json.dumps(self.to_dict(), **kwargs)
 
-  def __rich__(self) -> rich.table.Table:
-    mesh = (
-      ', '.join(f'{k}={v}' for k, v in self.mesh_axes.items())
-      if self.mesh_axes
-      else 'no mesh'
-    )
-    table = rich.table.Table(
-      title=f'Sharding plan ({mesh}; {self.num_devices} devices)',
-      show_footer=True,
-    )
-    ratio = self.bytes_per_device / max(self.ideal_bytes_per_device, 1e-9)
-    table.add_column('path', footer=f'total {human_bytes(self.total_bytes)}')
-    table.add_column('type')
-    table.add_column('shape')
-    table.add_column('dtype')
-    table.add_column('logical axes')
-    table.add_column('spec')
-    table.add_column(
-      'bytes/device',
-      justify='right',
-      footer=(
-        f'{human_bytes(self.bytes_per_device)} (ideal '
-        f'{human_bytes(self.ideal_bytes_per_device)}, {ratio:.2f}x)'
-      ),
-    )
-    table.add_column('fallbacks')
+  def __getitem__(self, path: str) -> PlanEntry:
     for e in self.entries:
-      table.add_row(
-        e.path,
-        e.kind,
-        str(e.shape),
-        e.dtype,
-        str(e.logical_axes) if e.logical_axes is not None else '-',
-        _specs.format_spec(e.spec)
-        + (f'\n(placed {_specs.format_spec(e.placed)})' if e.misplaced else ''),
-        human_bytes(e.bytes_per_device),
-        '\n'.join(e.fallbacks),
-      )
-    return table
+      if e.path == path:
+        return e
+    raise KeyError(
+      f'No variable at {path!r}; paths: {[e.path for e in self.entries]}'
+    )
+
+  def render(self, width: int | None = None, *, summary: bool = False) -> str:
+    """The plan as plain text, `width` columns wide.
+
+    Args:
+      width: Columns; defaults to the terminal's width, or ``COLUMNS``, or
+        80 when piped. Paths are never cut: below the width a table needs,
+        each variable takes two lines.
+      summary: Only the totals, the largest replicated variables and the
+        fallbacks grouped by reason (see `summary`).
+    """
+    return _plan_view.render_text(self, width, summary=summary)
+
+  def summary(self) -> PlanView:
+    """The compact view: totals per device against the ideal, the largest
+    replicated variables, and each fallback reason with its variable count.
+
+    Print it, or show it in a notebook.
+    """
+    return PlanView(self, summary=True)
+
+  def show(self, path: str) -> BlockMap:
+    """Which device holds which block of the variable at `path`.
+
+    Works for any number of dimensions. Devices are their positions in the
+    mesh (``mesh.devices.flat``). Print it, or show it in a notebook.
+
+    Raises:
+      KeyError: If no variable has this path; the message lists the paths.
+    """
+    return BlockMap(self[path], self.mesh_axes)
+
+  def __rich_console__(
+    self, console: rich.console.Console, options: rich.console.ConsoleOptions
+  ) -> Iterator[Any]:
+    yield from _plan_view.renderables(self, options.max_width)
 
   def __str__(self) -> str:
-    buffer = io.StringIO()
-    console = rich.console.Console(
-      file=buffer, width=160, color_system=None, soft_wrap=False
+    return self.render()
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    return _plan_view.render_html(self)
+
+
+class PlanView:
+  """A view of a plan (the summary) for terminals, text and notebooks."""
+
+  def __init__(self, plan_: ShardingPlan, *, summary: bool) -> None:
+    self.plan = plan_
+    self.is_summary = summary
+
+  def render(self, width: int | None = None) -> str:
+    return _plan_view.render_text(self.plan, width, summary=self.is_summary)
+
+  def __rich_console__(
+    self, console: rich.console.Console, options: rich.console.ConsoleOptions
+  ) -> Iterator[Any]:
+    yield from _plan_view.renderables(
+      self.plan, options.max_width, summary=self.is_summary
     )
-    console.print(self)
-    return buffer.getvalue()
+
+  def __str__(self) -> str:
+    return self.render()
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    return _plan_view.render_html(self.plan, summary=self.is_summary)
 
 
-def human_bytes(n: float) -> str:
-  """'1.5 MiB' for 1572864."""
-  for unit in ('B', 'KiB', 'MiB', 'GiB'):
-    if abs(n) < 1024 or unit == 'GiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-  raise AssertionError('unreachable')
+class BlockMap:
+  """Which mesh position holds which block of one variable (`plan.show`).
+
+  Attributes:
+    entry: The variable's `PlanEntry`.
+    blocks: {block, as (start, stop) per dimension: the mesh positions
+      holding it}.
+  """
+
+  def __init__(
+    self, entry: PlanEntry, mesh_axes: dict[str, int] | None
+  ) -> None:
+    self.entry = entry
+    self.mesh_axes = mesh_axes
+    self.blocks = _plan_view.device_blocks(entry.shape, entry.spec, mesh_axes)
+
+  def render(self, width: int | None = None) -> str:
+    return _plan_view.blocks_text(self.entry, self.mesh_axes, width)
+
+  def __str__(self) -> str:
+    return self.render()
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    return f'<pre>{html.escape(self.render(100))}</pre>'
 
 
 def _is_factory(x: Any) -> bool:

@@ -359,12 +359,62 @@ def test_sharding_texts_malformed(record):
 
 def test_plan_demo_table():
   out = ok(run_cli('plan', DEMO_TARGET, '--mesh', 'data=2,model=4'))
-  assert 'Sharding plan (data=2, model=4; 8 devices)' in out
-  assert 'head/kernel' in out
-  assert "P('data', 'model')" in out
-  # The footer: total bytes per device against the ideal.
-  assert '260.0 KiB (ideal 232.9 KiB, 1.12x)' in out
-  assert "'fsdp': the mesh has no" in out
+  assert 'Sharding plan: mesh data=2, model=4 (8 devices)' in out
+  # The totals: bytes per device against the ideal.
+  assert 'ideal 232.9 KiB (1.12x)' in out
+  assert '260.0 KiB per device' in out
+  lines = out.splitlines()
+  starts = [line.split()[:1] for line in lines]
+  assert starts.count(['head/kernel']) == 1
+  # Piped without COLUMNS: 80 columns, the path on its own line.
+  after = lines[starts.index(['head/kernel']) + 1]
+  assert "('embed', 'vocab') -> P('data', 'model')" in after
+  # One line for the reason, however many variables it affects.
+  assert out.count("'embed' -> 'fsdp': the mesh has no axis 'fsdp'") == 1
+
+
+@pytest.mark.parametrize('columns', ['80', '120', '200'])
+def test_plan_respects_columns_and_keeps_paths_whole(columns):
+  env = dict(os.environ, COLUMNS=columns)
+  out = ok(run_cli('plan', DEMO_TARGET, env=env))
+  lines = out.splitlines()
+  assert max(len(line.rstrip()) for line in lines) <= int(columns)
+  starts = {line.split()[0] for line in lines if line.strip()}
+  paths = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json', env=env)))
+  for variable in paths['variables']:
+    assert variable['path'] in starts
+
+
+def test_plan_summary():
+  out = ok(run_cli('plan', DEMO_TARGET, '--summary'))
+  assert 'Largest replicated (5 of 5)' in out
+  assert 'final_norm/scale  float32[128]  512 B' in out
+  assert 'layers/0/attn/key/kernel' not in out
+
+
+def test_plan_show_draws_the_blocks():
+  out = ok(
+    run_cli(
+      'plan',
+      DEMO_TARGET,
+      '--mesh',
+      'data=2,model=4',
+      '--show',
+      'layers/0/attn/query/kernel',
+    )
+  )
+  assert '8 blocks of 8 mesh positions' in out
+  assert '[0:64, 0:1, :] -> 0' in out
+  assert '[64:128, 3:4, :] -> 7' in out
+
+
+def test_plan_show_unknown_path():
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--show', 'layers/0/nope'),
+    '--show expected the path of a variable',
+    "got 'layers/0/nope'",
+    'head/kernel',
+  )
 
 
 def test_plan_demo_json():
@@ -883,7 +933,8 @@ def fused_export(tmp_path_factory):
 
 
 def test_inspect_shows_fused_dtensor_axes(fused_export):
-  stdout = ok(run_cli('inspect', fused_export))
+  wide = dict(os.environ, COLUMNS='200')  # One line per row, to parse.
+  stdout = ok(run_cli('inspect', fused_export, env=wide))
   rows = {}
   for line in stdout.splitlines():
     cells = [c.strip() for c in line.split('│')[1:-1]]
@@ -901,6 +952,27 @@ def test_inspect_shows_fused_dtensor_axes(fused_export):
   assert rows['half'][2] == 'float16 (stored as float32)'
   assert rows['half'][4] == 'data,model @ data=2,model=4'
   assert '3 variables' in stdout
+
+
+def test_inspect_at_80_columns_wraps_and_cuts_nothing(fused_export):
+  narrow = dict(os.environ, COLUMNS='80')
+  stdout = ok(run_cli('inspect', fused_export, env=narrow))
+  assert '…' not in stdout
+  assert max(len(line.rstrip()) for line in stdout.splitlines()) <= 80
+  # Cells wrapped over several lines join back into the whole value.
+  rows, current = {}, None
+  for line in stdout.splitlines():
+    cells = [c.strip() for c in line.split('│')[1:-1]]
+    if not cells:
+      continue
+    if cells[0]:
+      current = cells[0]
+      rows.setdefault(current, [''] * len(cells))
+    for i, c in enumerate(cells):
+      rows[current][i] += c
+  fused = [c.replace(' ', '') for c in rows['fused']]
+  assert fused[4] == "P(('data','model'),None)@data=2,model=4"
+  assert fused[5] == 'data+model,unsharded@data+model=8'
 
 
 @pytest.mark.parametrize(

@@ -104,3 +104,19 @@ def test_train_step_lowers_the_loss():
   assert losses[0] > 5.0
   assert losses[-1] < losses[0] - 1.5
   assert final < losses[0] - 1.5
+
+
+def test_training_bar_says_compiling_until_the_first_step_ends():
+  import io
+
+  import rich.console
+
+  from flax_dtensor.demo import run
+
+  console = rich.console.Console(file=io.StringIO(), width=120)
+  with run._training_bar(console) as progress:
+    task = progress.add_task('train', total=3, status='compiling…')
+    first = progress.columns[3].render(progress.tasks[task]).plain
+  assert first == 'compiling…'
+  assert run._status(2.3456, 0, 0.0) == 'loss 2.346  measuring speed…'
+  assert run._status(2.0, 5, 12345.6) == 'loss 2.000  12,346 tokens/s'

@@ -97,9 +97,10 @@ def test_plan_totals_against_ideal():
   assert plan.num_devices == 8
   assert plan.ideal_bytes_per_device == total / 8
   assert plan.bytes_per_device == 4 + 10 * 8 * 4 + 6 * 2 + 8 * 6 * 2
-  text = str(plan)
-  assert 'Sharding plan (data=2, model=4; 8 devices)' in text
-  assert 'ideal' in text and 'up/kernel' in text
+  text = plan.render(100)
+  assert 'Sharding plan: mesh data=2, model=4 (8 devices)' in text
+  assert '432 B per device of 848 B in 4 variables; ideal 106 B (4.08x)' in text
+  assert 'up/kernel' in text
 
 
 def test_plan_to_json_round_trips():
@@ -205,7 +206,7 @@ def test_plan_reports_actual_placement_of_concrete_arrays(explicit_mesh):
   assert embedding.misplaced
   assert embedding.bytes_per_device == 10 * 16 * 4  # Replicated, in fact.
   assert plan['up/bias'].misplaced is False
-  assert '(placed P(' in str(plan)
+  assert "P(None, 'data') (placed P(" in plan.render(200)
   assert plan.to_dict()['variables'][1]['placed'] is not None
 
 

@@ -38,7 +38,7 @@ def test_readme_quickstart_runs(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "P(None, 'model')" in out.stdout  # up/kernel: 'fsdp' fell back.
-  assert "dim 0 ('embed'): 'fsdp'" in out.stdout
+  assert "'embed' -> 'fsdp': the mesh has no axis 'fsdp'" in out.stdout
   assert (
     "KEYS ['state/down/kernel/.ATTRIBUTES/VARIABLE_VALUE', "
     "'state/up/kernel/.ATTRIBUTES/VARIABLE_VALUE']" in out.stdout

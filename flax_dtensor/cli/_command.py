@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import traceback
@@ -35,8 +36,10 @@ def console(*, stderr: bool = False) -> rich.console.Console:
   file = _output.stream() if stderr else sys.stdout
   console = rich.console.Console(file=file)
   if not console.is_terminal:
-    # Piped or captured: wide enough that the tables do not wrap.
-    console = rich.console.Console(file=file, width=200)
+    # Piped or captured: COLUMNS if set, else 80 (never a guess).
+    console = rich.console.Console(
+      file=file, width=shutil.get_terminal_size((80, 24)).columns
+    )
   return console
 
 
@@ -136,9 +139,9 @@ def _remove(path: str) -> None:
 
 
 def human_bytes(n: float) -> str:
-  from flax_dtensor import _plan  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
 
-  return _plan.human_bytes(n)
+  return _plan_view.human_bytes(n)
 
 
 def disk_usage(path: pathlib.Path) -> int:

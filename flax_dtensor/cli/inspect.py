@@ -111,7 +111,8 @@ def _variables_table(
 
   table = rich.table.Table(title=title, title_justify='left')
   for column in _VARIABLE_COLUMNS:
-    table.add_column(column)
+    # Narrow terminals wrap a cell; nothing is ever cut to an ellipsis.
+    table.add_column(column, overflow='fold')
   for nnx_path, shape, stored in rows:
     name = _names.path_text(nnx_path)
     table.add_row(name, *_variable_row(metadata.get(name), shape, stored))
@@ -160,7 +161,7 @@ def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
     title=f'SavedModel {path}: signatures', title_justify='left'
   )
   for column in ('signature', 'inputs', 'outputs'):
-    signatures.add_column(column)
+    signatures.add_column(column, overflow='fold')
 
   def describe(specs: Any) -> str:
     return '\n'.join(

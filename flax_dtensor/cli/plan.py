@@ -28,6 +28,28 @@ def plan(
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
+  summary: Annotated[
+    bool,
+    typer.Option(
+      '--summary',
+      help=(
+        'Only the totals per device against the ideal, the largest '
+        'replicated variables and the fallbacks, one line per reason.'
+      ),
+    ),
+  ] = False,
+  show: Annotated[
+    str | None,
+    typer.Option(
+      '--show',
+      metavar='PATH',
+      help=(
+        'Draw which device holds which block of the variable at PATH '
+        '(e.g. layers/0/mlp/up/kernel), for any number of dimensions.'
+      ),
+      show_default=False,
+    ),
+  ] = None,
   debug: Annotated[
     bool, typer.Option('--debug', help=_command.DEBUG_HELP)
   ] = False,
@@ -35,10 +57,11 @@ def plan(
   """Show where every variable of a model would go, without allocating it.
 
   The model is built abstractly (nnx.eval_shape) on an abstract mesh: no
-  device and no parameter memory is needed. The table lists each variable's
-  shape, dtype, logical axes, PartitionSpec, bytes per device and the
-  fallbacks taken; the footer compares the total bytes per device with the
-  ideal (total / device count).
+  device and no parameter memory is needed. The header compares the bytes
+  per device with the ideal (total / device count); the table lists each
+  variable's shape, dtype, logical axes, PartitionSpec and bytes per device,
+  and the fallbacks taken follow, grouped by reason. Paths are never cut:
+  in a narrow terminal (or COLUMNS when piped) each variable takes two lines.
   """
   with _command.handle_errors(debug):
     axes = _inputs.parse_mesh(mesh)
@@ -54,5 +77,15 @@ def plan(
       result = fdt.plan(model, mesh=mesh_, rules=rules_)
     if json_output:
       sys.stdout.write(result.to_json(indent=2) + '\n')
+    elif show is not None:
+      if show not in {e.path for e in result.entries}:
+        raise _command.BadInputError(
+          f'--show expected the path of a variable of {target}; got '
+          f'{show!r}. Paths: {", ".join(e.path for e in result.entries)}.'
+        )
+      console = _command.console()
+      console.print(result.show(show).render(console.width), highlight=False)
     else:
-      _command.console().print(result)
+      _command.console().print(
+        result.summary() if summary else result, highlight=False
+      )

@@ -19,7 +19,7 @@ import rich.console
 import rich.progress
 import rich.table
 
-from flax_dtensor import _plan
+from flax_dtensor import _plan_view
 
 
 def _disk_usage(path: pathlib.Path) -> int:
@@ -48,12 +48,18 @@ def _training_bar(console: rich.console.Console) -> rich.progress.Progress:
     rich.progress.TextColumn('[bold]train'),
     rich.progress.BarColumn(),
     rich.progress.MofNCompleteColumn(),
-    rich.progress.TextColumn('loss {task.fields[loss]:.3f}'),
-    rich.progress.TextColumn('{task.fields[tokens_per_second]:,.0f} tokens/s'),
+    rich.progress.TextColumn('{task.fields[status]}'),
     rich.progress.TimeElapsedColumn(),
     rich.progress.TimeRemainingColumn(),
     console=console,
   )
+
+
+def _status(loss: float, step: int, rate: float) -> str:
+  """'loss 2.345  12,345 tokens/s' (no rate yet after the compiling step)."""
+  if step == 0:
+    return f'loss {loss:.3f}  measuring speed…'
+  return f'loss {loss:.3f}  {rate:,.0f} tokens/s'
 
 
 def run(
@@ -127,9 +133,8 @@ def run(
     tokens_per_step = batch_size * length
     with timer('train (incl. compile)'):
       with _training_bar(console) as progress:
-        task = progress.add_task(
-          'train', total=steps, loss=float('nan'), tokens_per_second=0.0
-        )
+        # Until the first step ends there is neither a loss nor a rate.
+        task = progress.add_task('train', total=steps, status='compiling…')
         last = time.perf_counter()
         rate = 0.0
         for step in range(steps):
@@ -139,9 +144,7 @@ def run(
           current = tokens_per_step / max(now - last, 1e-9)
           # Smoothed; the first step (compilation) does not count.
           rate = current if step == 1 else 0.9 * rate + 0.1 * current
-          progress.update(
-            task, advance=1, loss=loss, tokens_per_second=rate if step else 0
-          )
+          progress.update(task, advance=1, status=_status(loss, step, rate))
           last = now
     with timer('held-out logits (JAX)'):
       forward = nnx.jit(lambda m, x: m(x))
@@ -226,7 +229,9 @@ def _print_summary(
   }
   for key, label in labels.items():
     files.add_row(
-      label, summary['files'][key], _plan.human_bytes(summary['bytes'][key])
+      label,
+      summary['files'][key],
+      _plan_view.human_bytes(summary['bytes'][key]),
     )
   files.add_row('summary', str(out / 'summary.json'), '')
   timings = rich.table.Table(title='Timings', title_justify='left')

@@ -1,0 +1,458 @@
+"""How a ShardingPlan looks: in a terminal of any width, piped, in Jupyter.
+
+Paths are never cut. A table is used when every path fits whole beside the
+other columns; below that width each variable takes two lines, its path on
+the first. Fallbacks are grouped by reason under the table, with the
+variables each one affects. `blocks` draws which mesh position holds which
+block of one variable, for any number of dimensions.
+"""
+
+from __future__ import annotations
+
+import collections
+import html
+import io
+import math
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import rich.box
+import rich.console
+import rich.markup
+import rich.padding
+import rich.table
+import rich.text
+
+from flax_dtensor import _specs
+
+if TYPE_CHECKING:
+  from flax_dtensor._plan import PlanEntry, ShardingPlan
+
+LARGEST = 5
+"""How many of the largest replicated variables the summary names."""
+
+_FALLBACK = re.compile(r'^dim \d+ \((?P<name>.*?)\): (?P<why>.*)$')
+
+
+def human_bytes(n: float) -> str:
+  """'1.5 MiB' for 1572864 (IEC units, everywhere in this package)."""
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if abs(n) < 1024 or unit == 'TiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+  raise AssertionError('unreachable')
+
+
+def _count(n: int, noun: str) -> str:
+  return f'{n} {noun}' + ('' if n == 1 else 's')
+
+
+def terminal_width(default: int = 80) -> int:
+  """The terminal's width, or ``COLUMNS``, or `default` when piped."""
+  return shutil.get_terminal_size((default, 24)).columns
+
+
+# What the views show
+# ------------------------------------------------------------------------------
+
+
+def mesh_text(plan: ShardingPlan) -> str:
+  if not plan.mesh_axes:
+    return 'no mesh (1 device)'
+  axes = ', '.join(f'{k}={v}' for k, v in plan.mesh_axes.items())
+  return f'mesh {axes} ({plan.num_devices} devices)'
+
+
+def totals_text(plan: ShardingPlan) -> str:
+  ideal = plan.ideal_bytes_per_device
+  ratio = plan.bytes_per_device / ideal if ideal else 1.0
+  return (
+    f'{human_bytes(plan.bytes_per_device)} per device of '
+    f'{human_bytes(plan.total_bytes)} in {len(plan.entries)} variables; '
+    f'ideal {human_bytes(ideal)} ({ratio:.2f}x)'
+  )
+
+
+def shape_text(entry: PlanEntry) -> str:
+  """'float32[64,128]'."""
+  return f'{entry.dtype}[{",".join(map(str, entry.shape))}]'
+
+
+def axes_text(entry: PlanEntry) -> str:
+  if entry.logical_axes is None:
+    return '-'
+  return repr(tuple(entry.logical_axes))
+
+
+def spec_text(entry: PlanEntry) -> str:
+  text = _specs.format_spec(entry.spec)
+  if entry.misplaced:
+    text += f' (placed {_specs.format_spec(entry.placed)})'
+  return text
+
+
+def fallback_groups(
+  entries: Iterable[PlanEntry],
+) -> list[tuple[str, list[str]]]:
+  """[(reason, paths it affects)], most variables first.
+
+  A reason is the logical name, the skipped target and why, whichever
+  dimension it was taken on: "'fsdp' -> 'fsdp': the mesh has no axis".
+  """
+  groups: dict[str, list[str]] = collections.defaultdict(list)
+  for e in entries:
+    for line in e.fallbacks:
+      m = _FALLBACK.match(line)
+      reason = f'{m["name"]} -> {m["why"]}' if m else line
+      if e.path not in groups[reason]:
+        groups[reason].append(e.path)
+  return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+
+def largest_replicated(plan: ShardingPlan, n: int = LARGEST) -> list[PlanEntry]:
+  """The `n` largest variables every device holds whole (if any devices)."""
+  if plan.num_devices <= 1:
+    return []
+  whole = [
+    e for e in plan.entries if e.bytes_per_device == e.bytes and e.bytes > 0
+  ]
+  return sorted(whole, key=lambda e: (-e.bytes, e.path))[:n]
+
+
+# Terminal (rich)
+# ------------------------------------------------------------------------------
+
+_COLUMNS = ('path', 'type', 'shape', 'logical axes', 'spec', 'per device')
+
+
+def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
+  """The table's columns: 'type' only when the variables' types differ."""
+  if len({e.kind for e in entries}) > 1:
+    return _COLUMNS
+  return tuple(c for c in _COLUMNS if c != 'type')
+
+
+def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
+  values = {
+    'path': e.path,
+    'type': e.kind,
+    'shape': shape_text(e),
+    'logical axes': axes_text(e),
+    'spec': spec_text(e),
+    'per device': human_bytes(e.bytes_per_device),
+  }
+  return [values[c] for c in columns]
+
+
+def _console(file: io.StringIO, width: int) -> rich.console.Console:
+  """A console writing plain text to `file` (never to Jupyter's display)."""
+  return rich.console.Console(
+    file=file,
+    width=width,
+    color_system=None,
+    force_terminal=False,
+    force_jupyter=False,
+    legacy_windows=False,
+  )
+
+
+def _measure(renderable: Any) -> int:
+  """The columns `renderable` needs to print without wrapping."""
+  return _console(io.StringIO(), 100_000).measure(renderable).maximum
+
+
+def _table(entries: Sequence[PlanEntry]) -> rich.table.Table:
+  columns = _columns(entries)
+  table = rich.table.Table(
+    box=rich.box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 1)
+  )
+  for name in columns:
+    table.add_column(
+      name,
+      no_wrap=True,
+      justify='right' if name == 'per device' else 'left',
+    )
+  for e in entries:
+    table.add_row(*(rich.markup.escape(c) for c in _cells(e, columns)))
+  return table
+
+
+def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
+  """Two lines per variable: the whole path, then what it becomes."""
+  kinds = len({e.kind for e in entries}) > 1
+  items: list[Any] = []
+  for e in entries:
+    items.append(rich.text.Text(e.path, style='bold', overflow='fold'))
+    detail = (
+      f'{human_bytes(e.bytes_per_device):>9}  '
+      + (f'{e.kind} ' if kinds else '')
+      + f'{shape_text(e)}  {axes_text(e)} -> {spec_text(e)}'
+    )
+    items.append(rich.padding.Padding(rich.text.Text(detail), (0, 0, 0, 2)))
+  return rich.console.Group(*items)
+
+
+def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+  groups = fallback_groups(entries)
+  if not groups:
+    return []
+  count = len({p for _, paths in groups for p in paths})
+  out: list[Any] = [
+    rich.text.Text(
+      f'Fallbacks: {_count(len(groups), "reason")}, '
+      f'{_count(count, "variable")}',
+      style='bold',
+    )
+  ]
+  for reason, paths in groups:
+    n = _count(len(paths), 'variable')
+    out.append(
+      rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
+    )
+    if list_paths:
+      out.append(
+        rich.padding.Padding(
+          rich.text.Text(', '.join(paths), style='dim'), (0, 0, 0, 6)
+        )
+      )
+  return out
+
+
+def renderables(
+  plan: ShardingPlan, width: int, *, summary: bool = False
+) -> list[Any]:
+  """What the plan prints at `width` columns: the full view or the summary."""
+  out: list[Any] = [
+    rich.text.Text(f'Sharding plan: {mesh_text(plan)}', style='bold'),
+    rich.text.Text(totals_text(plan)),
+  ]
+  if summary:
+    largest = largest_replicated(plan)
+    if largest:
+      out.append(
+        rich.text.Text(
+          f'Largest replicated ({len(largest)} of '
+          f'{len(largest_replicated(plan, len(plan.entries)))}):',
+          style='bold',
+        )
+      )
+      for e in largest:
+        out.append(
+          rich.padding.Padding(
+            rich.text.Text(
+              f'{e.path}  {shape_text(e)}  {human_bytes(e.bytes)}',
+              overflow='fold',
+            ),
+            (0, 0, 0, 2),
+          )
+        )
+    out.extend(_fallbacks(plan.entries, list_paths=False))
+    return out
+  if plan.entries:
+    table = _table(plan.entries)
+    fits = _measure(table) <= width
+    out.append(table if fits else _stacked(plan.entries))
+  out.extend(_fallbacks(plan.entries, list_paths=True))
+  return out
+
+
+def render_text(
+  plan: ShardingPlan, width: int | None = None, *, summary: bool = False
+) -> str:
+  """The plan as plain text at `width` columns (default: the terminal's)."""
+  width = terminal_width() if width is None else width
+  buffer = io.StringIO()
+  console = _console(buffer, width)
+  for item in renderables(plan, width, summary=summary):
+    console.print(item)
+  return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+# Jupyter (HTML)
+# ------------------------------------------------------------------------------
+
+_CSS = (
+  'border-collapse:collapse;font-family:monospace;font-size:12px;'
+  'table-layout:auto;max-width:100%'
+)
+
+
+def _path_html(path: str) -> str:
+  """The path, breakable only after its slashes."""
+  return '/<wbr>'.join(html.escape(p) for p in path.split('/'))
+
+
+def render_html(plan: ShardingPlan, *, summary: bool = False) -> str:
+  """The plan as an HTML fragment that wraps to the notebook's width."""
+  parts = [
+    f'<div style="max-width:100%"><b>Sharding plan: '
+    f'{html.escape(mesh_text(plan))}</b><br>{html.escape(totals_text(plan))}'
+  ]
+  if not summary and plan.entries:
+    columns = _columns(plan.entries)
+    head = ''.join(
+      f'<th style="text-align:left;padding:2px 6px">{h}</th>' for h in columns
+    )
+    rows = []
+    for e in plan.entries:
+      cells = [_path_html(e.path)] + [
+        html.escape(c) for c in _cells(e, columns)[1:]
+      ]
+      rows.append(
+        '<tr>'
+        + ''.join(
+          f'<td style="text-align:{"right" if n == "per device" else "left"};'
+          f'padding:2px 6px;vertical-align:top">{c}</td>'
+          for n, c in zip(columns, cells, strict=True)
+        )
+        + '</tr>'
+      )
+    parts.append(
+      f'<table style="{_CSS}"><thead><tr>{head}</tr></thead>'
+      f'<tbody>{"".join(rows)}</tbody></table>'
+    )
+  if summary:
+    largest = largest_replicated(plan)
+    if largest:
+      items = ''.join(
+        f'<li><code>{_path_html(e.path)}</code> {html.escape(shape_text(e))} '
+        f'{human_bytes(e.bytes)}</li>'
+        for e in largest
+      )
+      parts.append(f'<b>Largest replicated</b><ul>{items}</ul>')
+  groups = fallback_groups(plan.entries)
+  if groups:
+    items = ''.join(
+      f'<li>{html.escape(reason)} ({len(paths)})'
+      + (
+        ''
+        if summary
+        else '<br><small>'
+        + ', '.join(f'<code>{_path_html(p)}</code>' for p in paths)
+        + '</small>'
+      )
+      + '</li>'
+      for reason, paths in groups
+    )
+    parts.append(f'<b>Fallbacks</b><ul>{items}</ul>')
+  return ''.join(parts) + '</div>'
+
+
+# Which device holds which block
+# ------------------------------------------------------------------------------
+
+
+def device_blocks(
+  shape: Sequence[int],
+  spec: Any,
+  mesh_axes: dict[str, int] | None,
+) -> dict[tuple[tuple[int, int], ...], list[int]]:
+  """{block (start, stop) per dimension: mesh positions holding it}.
+
+  A mesh position is a device's index in the mesh's devices, read in row
+  order (``mesh.devices.flat``). A dimension split over several mesh axes
+  is split major to minor in the order the spec names them, as in JAX.
+  """
+  axes = dict(mesh_axes or {})
+  names = list(axes)
+  size = math.prod(axes.values()) if axes else 1
+  entries = _specs.canonical(spec, len(shape))
+  blocks: dict[tuple[tuple[int, int], ...], list[int]] = {}
+  for position in range(size):
+    coords: dict[str, int] = {}
+    rest = position
+    for name in reversed(names):
+      coords[name] = rest % axes[name]
+      rest //= axes[name]
+    block = []
+    for dim, dim_axes in zip(shape, entries, strict=True):
+      n, k = 1, 0
+      for name in dim_axes:
+        k = k * axes[name] + coords[name]
+        n *= axes[name]
+      step = -(-dim // n) if n else dim
+      block.append((min(k * step, dim), min((k + 1) * step, dim)))
+    blocks.setdefault(tuple(block), []).append(position)
+  return blocks
+
+
+def _range_text(block: Sequence[tuple[int, int]], shape: Sequence[int]) -> str:
+  return (
+    '['
+    + ', '.join(
+      ':' if (a, b) == (0, n) else f'{a}:{b}'
+      for (a, b), n in zip(block, shape, strict=True)
+    )
+    + ']'
+  )
+
+
+def _devices_text(positions: Sequence[int]) -> str:
+  return ','.join(map(str, positions))
+
+
+def blocks_text(
+  entry: PlanEntry, mesh_axes: dict[str, int] | None, width: int | None = None
+) -> str:
+  """Which mesh position holds which block of `entry`, as text.
+
+  A grid when at most two dimensions are split (rows: the first split
+  dimension's blocks; columns: the second's), then one line per block.
+  """
+  width = terminal_width() if width is None else width
+  blocks = device_blocks(entry.shape, entry.spec, mesh_axes)
+  split = [
+    d for d in range(len(entry.shape)) if len({b[d] for b in blocks}) > 1
+  ]
+  buffer = io.StringIO()
+  console = _console(buffer, width)
+  console.print(
+    rich.text.Text(
+      f'{entry.path}  {shape_text(entry)}  {spec_text(entry)}', overflow='fold'
+    )
+  )
+  console.print(
+    f'{len(blocks)} blocks of {sum(map(len, blocks.values()))} mesh positions '
+    f'({mesh_text_axes(mesh_axes)}); each block held by the positions listed'
+  )
+  if 1 <= len(split) <= 2:
+    rows_dim = split[0]
+    cols_dim = split[1] if len(split) == 2 else None
+    row_keys = sorted({b[rows_dim] for b in blocks})
+    col_keys = (
+      sorted({b[cols_dim] for b in blocks}) if cols_dim is not None else [None]
+    )
+    grid = rich.table.Table(
+      box=rich.box.SQUARE, show_header=cols_dim is not None
+    )
+    grid.add_column(f'dim {rows_dim}', no_wrap=True)
+    for c in col_keys:
+      grid.add_column(
+        f'dim {cols_dim} {c[0]}:{c[1]}' if c is not None else 'devices',
+        justify='center',
+      )
+    for r in row_keys:
+      cells = []
+      for c in col_keys:
+        held = sorted(
+          p
+          for b, ps in blocks.items()
+          for p in ps
+          if b[rows_dim] == r and (cols_dim is None or b[cols_dim] == c)
+        )
+        cells.append(_devices_text(held))
+      grid.add_row(f'{r[0]}:{r[1]}', *cells)
+    console.print(grid)
+  for block, positions in sorted(blocks.items()):
+    console.print(
+      f'  {_range_text(block, entry.shape)} -> {_devices_text(positions)}'
+    )
+  return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+def mesh_text_axes(mesh_axes: dict[str, int] | None) -> str:
+  if not mesh_axes:
+    return 'no mesh'
+  return ', '.join(f'{k}={v}' for k, v in mesh_axes.items())

@@ -52,6 +52,7 @@ extensions = [
   'coverage_check',
   'docstring_fixes',
   'troubleshooting',
+  'benchmarks',
   'sphinxcontrib.mermaid',
 ]
 
@@ -62,6 +63,7 @@ exclude_patterns = [
   '.DS_Store',
   'ext',
   'jupyter_execute',
+  '_generated',
 ]
 root_doc = 'index'
 default_role = 'py:obj'
@@ -75,6 +77,7 @@ autodoc_default_options = {'show-inheritance': False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True  # Dataclass fields once, as a field list.
 napoleon_attr_annotations = True
 # Type annotations name many third-party types (jax.Array, nnx.Module, TF
 # types) that have no local target; intersphinx would need the network.
@@ -111,7 +114,8 @@ from flax_dtensor.dtensor import *
 html_theme = 'sphinx_book_theme'
 html_title = 'flax_dtensor'
 html_theme_options = {'show_toc_level': 2}
-html_static_path = []
+html_static_path = ['_static']
+html_css_files = ['custom.css']
 
 suppress_warnings = ['mystnb.unknown_mime_type']
 

@@ -19,7 +19,8 @@ from docutils.parsers.rst import Directive
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 
-WIDTH = 100
+WIDTH = 80
+"""Columns of the help text: what fits the theme's text column unclipped."""
 
 
 def command_help(args: list[str]) -> str:

@@ -51,11 +51,11 @@ def _check(app: Sphinx, env: Any) -> None:
   if app.config.coverage_check_raise:
     raise ExtensionError(
       'Undocumented public names: ' + '; '.join(problems) + '. Add them to '
-      'docs/api.rst.'
+      'docs/api/.'
     )
   for problem in problems:
     logger.warning(
-      'coverage_check: %s; add it to docs/api.rst.',
+      'coverage_check: %s; add it to docs/api/.',
       problem,
       type='coverage_check',
     )

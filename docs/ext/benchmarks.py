@@ -1,0 +1,490 @@
+"""The ``benchmarks`` directive: ``benchmarks/results.json`` as a page.
+
+``python benchmarks/run.py`` writes the JSON; this renders, at build time,
+the machine, the targets (each flax_dtensor measurement as a ratio to its
+peer or limit, measured in the same run, before and after), every
+measurement, how costs grow when the model doubles, and a plot. So the page
+always shows the committed results, and cannot drift from them.
+
+Usage in a MyST page::
+
+  ```{benchmarks}
+  ```
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+from docutils import nodes
+from docutils.parsers.rst import Directive
+from docutils.statemachine import StringList
+from sphinx.application import Sphinx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / 'benchmarks' / 'results.json'
+PLOT = '_generated/benchmarks.png'
+
+Entry = dict[str, Any]
+
+
+def _load() -> dict[str, Any]:
+  return json.loads(RESULTS.read_text())
+
+
+def _find(report: dict[str, Any] | None, group: str, **params: Any) -> Entry:
+  if report is None:
+    return {}
+  for entry in report['results']:
+    if entry['group'] == group and all(
+      entry['params'].get(k) == v for k, v in params.items()
+    ):
+      return entry
+  return {}
+
+
+def _median(entry: Entry, role: str, what: str = 'seconds') -> float | None:
+  method = entry.get('methods', {}).get(role, {})
+  return method.get(what, {}).get('median')
+
+
+def _ratio(entry: Entry, a: str, b: str) -> float | None:
+  x, y = _median(entry, a), _median(entry, b)
+  return x / y if x and y else None
+
+
+def _fmt(x: float | None, suffix: str = 'x') -> str:
+  return '—' if x is None else f'{x:.2f}{suffix}'
+
+
+def _init_time(r):
+  return _ratio(_find(r, 'init', layers=24), 'ours', 'limit')
+
+
+def _init_memory(r):
+  e = _find(r, 'init', layers=24)
+  mib = _median(e, 'ours', 'rss_above_baseline_mib')
+  m = e.get('methods', {}).get('ours', {})
+  return mib * 2**20 / m['param_bytes'] if mib and m.get('param_bytes') else None
+
+
+def _double_model(r):
+  e = _find(r, 'init_scaling', layers=48)
+  mib = _median(e, 'ours', 'rss_above_baseline_mib')
+  m = e.get('methods', {}).get('ours', {})
+  if not mib or not m.get('param_bytes'):
+    return None
+  return mib * 2**20 / m['param_bytes']
+
+
+def _eager_time(r):
+  return _ratio(_find(r, 'init', layers=24), 'ours_eager', 'limit')
+
+
+def _plan_10k(r):
+  return _median(_find(r, 'plan', variables=10000), 'ours')
+
+
+def _plan_variables(r):
+  e = _find(r, 'plan', variables=10000)
+  return e.get('methods', {}).get('ours', {}).get('variables')
+
+
+def _flax_1k(r):
+  return _median(_find(r, 'plan', variables=1000), 'peer')
+
+
+def _plan_growth(r):
+  if r is None:
+    return None
+  steps = r.get('growth', {}).get('plan/ours:fdt_plan_factory', [])
+  ratios = [s['time_x'] / s['size_x'] for s in steps if s['time_x']]
+  return max(ratios) if ratios else None
+
+
+def _to_tf(r, layouts='mixed', warm=False, b='peer'):
+  return _ratio(
+    _find(r, 'to_tf', layouts=layouts, warm=warm, arrays=32), 'ours', b
+  )
+
+
+def _throughput(r, method_params, limit='limit'):
+  e = _find(r, 'checkpoint', **method_params)
+  x = _ratio(e, 'ours', limit)
+  return 1 / x if x else None
+
+
+def _save(r):
+  return _throughput(r, {'layouts': 'sharded', 'arrays': 32, 'mib': 16})
+
+
+def _save_worst(r):
+  e = _find(r, 'checkpoint', layouts='sharded', arrays=32, mib=16)
+  ours = e.get('methods', {}).get('ours', {}).get('seconds', {}).get('max')
+  raw = _median(e, 'limit')
+  return raw / ours if ours and raw else None
+
+
+def _restore(r, layouts='sharded', cache='hot', limit='limit'):
+  return _throughput(
+    r, {'layouts': layouts, 'cache': cache, 'arrays': 32, 'mib': 16}, limit
+  )
+
+
+# One row per target: (what, its value from a report, its format, the
+# target as text, whether a value meets it; None for context rows).
+TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
+  (
+    '`fdt.init`, 201M-param MLP stack: time ÷ unsharded creation',
+    _init_time,
+    'x',
+    '≤ 1.0x',
+    lambda v: v <= 1.0,
+  ),
+  (
+    'same: peak RSS above the baseline ÷ parameter bytes',
+    _init_memory,
+    'x',
+    '≤ 1.5x',
+    lambda v: v <= 1.5,
+  ),
+  (
+    'same at twice the size (403M params, 1.5 GiB): peak RSS ÷ parameter bytes',
+    _double_model,
+    'x',
+    'succeeds, ≤ 1.5x',
+    lambda v: v <= 1.5,
+  ),
+  (
+    'eager creation under `fdt.logical_axis_rules` + `jax.set_mesh`: '
+    'time ÷ unsharded creation',
+    _eager_time,
+    'x',
+    '≤ 1.5x',
+    lambda v: v <= 1.5,
+  ),
+  (
+    '`fdt.plan(factory)`, 10,000 variables: seconds',
+    _plan_10k,
+    ' s',
+    "≤ Flax's `nnx.eval_shape` of 1,000",
+    None,
+  ),
+  (
+    '`fdt.plan(factory)`: variables planned (10,000 built)',
+    _plan_variables,
+    '',
+    '10,000 (not an empty plan)',
+    lambda v: v == 10000,
+  ),
+  (
+    "Flax's `nnx.eval_shape` alone, 1,000 variables: seconds",
+    _flax_1k,
+    ' s',
+    '(the peer)',
+    None,
+  ),
+  (
+    '`fdt.plan(factory)`: worst time growth ÷ size growth between sizes',
+    _plan_growth,
+    'x',
+    '≈ 1 (linear)',
+    lambda v: v <= 1.3,
+  ),
+  (
+    '`to_tf_module`, 512 MiB in 32 arrays, mixed layouts: time ÷ '
+    'orbax-export',
+    _to_tf,
+    'x',
+    '≤ 0.5x, or TF\'s floor shown',
+    lambda v: v <= 0.5,
+  ),
+  (
+    "same: time ÷ TF's floor (`dtensor.pack` + `DVariable` of the same "
+    'shards)',
+    lambda r: _to_tf(r, b='limit'),
+    'x',
+    '(the floor)',
+    None,
+  ),
+  (
+    "orbax-export: time ÷ TF's floor",
+    lambda r: _ratio(
+      _find(r, 'to_tf', layouts='mixed', warm=False, arrays=32),
+      'peer',
+      'limit',
+    ),
+    'x',
+    '(the peer)',
+    None,
+  ),
+  (
+    'same, product sharding (one dimension over both mesh axes): time ÷ '
+    'orbax-export',
+    lambda r: _to_tf(r, layouts='product'),
+    'x',
+    '≤ 0.5x',
+    lambda v: v <= 0.5,
+  ),
+  (
+    '`save_checkpoint` throughput ÷ raw NumPy write + fsync (median of 5)',
+    _save,
+    'x',
+    '≥ 0.8x',
+    lambda v: v >= 0.8,
+  ),
+  (
+    'same, the slowest of 5 repeats',
+    _save_worst,
+    'x',
+    '≥ 0.8x (stable)',
+    lambda v: v >= 0.8,
+  ),
+  (
+    '`restore_checkpoint` throughput ÷ raw NumPy read (page cache hot)',
+    _restore,
+    'x',
+    '≥ 0.8x, or the limit shown',
+    lambda v: v >= 0.8,
+  ),
+  (
+    'same, files evicted from the page cache first',
+    lambda r: _restore(r, cache='cold'),
+    'x',
+    '≥ 0.8x, or the limit shown',
+    lambda v: v >= 0.8,
+  ),
+  (
+    '`restore_checkpoint` throughput ÷ raw NumPy read placed on the devices '
+    '(`jax.device_put`)',
+    lambda r: _restore(r, limit='limit_place'),
+    'x',
+    '(the limit for JAX arrays)',
+    None,
+  ),
+]
+
+
+def _value(fn, report, fmt):
+  try:
+    v = fn(report)
+  except (KeyError, TypeError, ZeroDivisionError):
+    v = None
+  if v is None:
+    return None, '—'
+  if fmt == '':
+    return v, f'{v:,}'
+  return v, (f'{v:.2f}{fmt}' if fmt != ' s' else f'{v:.1f} s')
+
+
+def _list_table(header: list[str], rows: list[list[str]], widths=None) -> list[str]:
+  lines = ['.. list-table::', '   :header-rows: 1']
+  if widths:
+    lines.append('   :widths: ' + ' '.join(map(str, widths)))
+  lines.append('')
+  for row in [header, *rows]:
+    lines.append('   * - ' + (row[0] or ' '))
+    lines += [f'     - {c or " "}' for c in row[1:]]
+  lines.append('')
+  return lines
+
+
+def _targets_table(data: dict[str, Any]) -> list[str]:
+  now, before = data.get('current'), data.get('before')
+  rows = []
+  for what, fn, fmt, target, ok in TARGETS:
+    v, text = _value(fn, now, fmt)
+    _, was = _value(fn, before, fmt) if before else (None, '—')
+    status = ''
+    if ok is not None and v is not None:
+      status = 'met' if ok(v) else 'not met: see below'
+    rows.append([what, was, text, target, status])
+  return _list_table(
+    ['What', 'Before', 'Now', 'Target', ''], rows, widths=[46, 10, 10, 20, 14]
+  )
+
+
+def _machine(report: dict[str, Any]) -> list[str]:
+  m = report['machine']
+  versions = ', '.join(f'{k} {v}' for k, v in m['versions'].items() if v)
+  return [
+    f'Measured {report["date"][:10]} with ``{report["command"]}`` on '
+    f'{m["cpus"]} cores ({m["cpu"]}), {m["memory_mib"] / 1024:.0f} GiB of '
+    f'memory, {m["devices"]}, Python {m["python"]}; {versions}. Each '
+    f'number is the median of {report["repeat"]} fresh processes (5 for '
+    'checkpoints) unless the table says otherwise; min and max are in the '
+    'JSON.',
+    '',
+  ]
+
+
+def _all_rows(report: dict[str, Any]) -> list[str]:
+  rows = []
+  for e in report['results']:
+    params = ', '.join(f'{k}={v}' for k, v in e['params'].items())
+    for role, m in e['methods'].items():
+      if 'error' in m:
+        rows.append([e['group'], params, role, m['method'], m['error'], '', ''])
+        continue
+      s = m['seconds']
+      rows.append(
+        [
+          e['group'],
+          params,
+          role,
+          f'``{m["method"]}``',
+          f'{s["median"]:.3f}',
+          f'{s["min"]:.3f} – {s["max"]:.3f}',
+          f'{m["rss_above_baseline_mib"]["median"]:.0f}',
+        ]
+      )
+  return _list_table(
+    [
+      'Group',
+      'Parameters',
+      'Role',
+      'Method',
+      'Median s',
+      'Min – max s',
+      'Peak RSS above baseline, MiB',
+    ],
+    rows,
+  )
+
+
+def _growth_rows(report: dict[str, Any]) -> list[str]:
+  rows = []
+  for key, steps in report.get('growth', {}).items():
+    for s in steps:
+      rows.append(
+        [
+          f'``{key}``',
+          f'{s["from"]:g} → {s["to"]:g} ({s["size_x"]:.1f}x)',
+          _fmt(s['time_x']),
+          _fmt(s['memory_x']),
+        ]
+      )
+  return _list_table(
+    ['What', 'Size', 'Time grows', 'Memory grows'], rows, widths=[40, 24, 18, 18]
+  )
+
+
+def _plot(data: dict[str, Any], path: pathlib.Path) -> None:
+  import matplotlib
+
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt
+
+  report = data['current']
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+
+  def series(group, role, key):
+    points = []
+    for e in report['results']:
+      m = e['methods'].get(role, {})
+      if e['group'] == group and 'seconds' in m:
+        points.append((key(e['params']), m['seconds']['median']))
+    return sorted(points)
+
+  def draw(ax, group, roles, key, xlabel, title):
+    for role, label in roles:
+      points = series(group, role, key)
+      if points:
+        ax.plot(*zip(*points, strict=True), marker='o', label=label)
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel('seconds (median)')
+    ax.set_title(title)
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend()
+
+  layers = lambda p: p['layers'] * 8.4  # noqa: E731 - M params per layer.
+  draw(
+    axes[0],
+    'init_scaling',
+    [
+      ('ours', '`fdt.init`'),
+      ('ours_eager', 'eager, flax_dtensor rules'),
+      ('limit', 'unsharded (limit)'),
+    ],
+    layers,
+    'million parameters',
+    'Sharded creation',
+  )
+  draw(
+    axes[1],
+    'plan',
+    [('ours', '`fdt.plan(factory)`'), ('peer', "Flax's `nnx.eval_shape`")],
+    lambda p: p['variables'],
+    'variables',
+    'Planning from a factory',
+  )
+  mib = lambda p: p['arrays'] * p['mib']  # noqa: E731
+  for role, method, label in (
+    ('ours', 'save', '`save_checkpoint`'),
+    ('limit', 'raw_write', 'NumPy write + fsync'),
+    ('ours', 'restore', '`restore_checkpoint`'),
+    ('limit', 'raw_read', 'NumPy read'),
+  ):
+    points = sorted(
+      (mib(e['params']), e['methods'][role]['seconds']['median'])
+      for e in report['results']
+      if e['group'] == 'checkpoint_scaling'
+      and e['methods'].get(role, {}).get('method') == method
+      and 'seconds' in e['methods'][role]
+    )
+    if points:
+      axes[2].plot(*zip(*points, strict=True), marker='o', label=label)
+  axes[2].set_xscale('log', base=2)
+  axes[2].set_yscale('log')
+  axes[2].set_xlabel('MiB (32 arrays, sharded 8 ways)')
+  axes[2].set_ylabel('seconds (median)')
+  axes[2].set_title('Checkpoints')
+  axes[2].grid(True, which='both', alpha=0.3)
+  axes[2].legend()
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+class Benchmarks(Directive):
+  has_content = False
+
+  def run(self) -> list[nodes.Node]:
+    env = self.state.document.settings.env
+    env.note_dependency(str(RESULTS))
+    data = _load()
+    report = data['current']
+    lines = [*_machine(report), '.. rubric:: Targets', '']
+    lines += _targets_table(data)
+    if 'before' in data:
+      lines += [
+        '"Before" is the same command on the code before this work '
+        f'({data["before"]["date"][:10]}, flax_dtensor\'s own measurements '
+        'only).',
+        '',
+      ]
+    lines += ['.. rubric:: Scaling', '']
+    lines += [f'.. image:: /{PLOT}', '   :width: 100%', '']
+    lines += _growth_rows(report)
+    lines += ['.. rubric:: Every measurement', '']
+    lines += _all_rows(report)
+    out = nodes.container()
+    self.state.nested_parse(StringList(lines), self.content_offset, out)
+    return out.children
+
+
+def _make_plot(app: Sphinx) -> None:
+  if RESULTS.exists():
+    _plot(_load(), pathlib.Path(app.srcdir) / PLOT)
+
+
+def setup(app: Sphinx) -> dict[str, bool]:
+  app.add_directive('benchmarks', Benchmarks)
+  app.connect('builder-inited', _make_plot)
+  return {'parallel_read_safe': True, 'parallel_write_safe': True}

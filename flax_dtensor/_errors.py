@@ -21,7 +21,18 @@ class RuleTargetTypeError(FlaxDTensorError, TypeError):
 
 
 class UnknownLogicalAxisError(FlaxDTensorError, ValueError):
-  """A logical axis name is not mentioned by any rule."""
+  """A logical axis name is not mentioned by any rule.
+
+  Attributes:
+    names: The unmentioned logical names.
+    problem: The message without its fix (for front ends, such as the
+      command line, that suggest their own).
+  """
+
+  def __init__(self, message: str, *, names=(), problem: str = '') -> None:
+    super().__init__(message)
+    self.names = tuple(names)
+    self.problem = problem or message
 
 
 class ShardingResolutionError(FlaxDTensorError, ValueError):

@@ -159,11 +159,16 @@ def resolve_dims(
   unknown = [a for a in axes if isinstance(a, str) and a not in known]
   if unknown and rules.unknown == 'error':
     suggestions = ', '.join(f'({a!r}, None)' for a in unknown)
-    raise _errors.UnknownLogicalAxisError(
+    problem = (
       f'Logical axis name(s) {unknown} are not mentioned by any rule{where_} '
-      f'{_context_text(axes, shape, rules, mesh)}. Add a rule for each, e.g. '
-      f'{suggestions} to replicate, or pass `unknown="replicate"` to '
-      'LogicalRules to replicate every unmentioned name.'
+      f'{_context_text(axes, shape, rules, mesh)}.'
+    )
+    raise _errors.UnknownLogicalAxisError(
+      f'{problem} Add a rule for each, e.g. {suggestions} to replicate, or '
+      'pass `unknown="replicate"` to LogicalRules to replicate every '
+      'unmentioned name.',
+      names=unknown,
+      problem=problem,
     )
   sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
 

@@ -581,11 +581,13 @@ def test_plan_missing_rules_file(tmp_path):
 def test_plan_rules_missing_a_name(tmp_path):
   rules = tmp_path / 'rules.yaml'
   rules.write_text("logical_axis_rules: [['batch', 'data']]")
-  bad_input(
+  message = bad_input(
     run_cli('plan', DEMO_TARGET, '--rules', rules),
     'UnknownLogicalAxisError',
-    'not mentioned by any rule',
+    'not mentioned by any rule at ',  # The variable's path follows.
+    'to the rules file (--rules)',
   )
+  assert 'unknown="replicate"' not in message  # Python's fix, not ours.
 
 
 def test_debug_shows_traceback():
@@ -801,6 +803,37 @@ def test_export_demo_saved_model_logits(demo_export):
   np.testing.assert_allclose(
     logits, expected['__logits__'], rtol=1e-4, atol=1e-4
   )
+
+
+@pytest.mark.parametrize(
+  'args, fragments',
+  [
+    (
+      ['--input-shape', 'tokens:128:int32'],  # The batch dim forgotten.
+      ['--input-shape tokens:b:int32', 'does not fit TransformerLM.__call__'],
+    ),
+    (
+      ['--input-shape', 'tokens:1,128:int32', '--method', 'nope'],
+      ["--method 'nope'", 'has no such method'],
+    ),
+  ],
+  ids=['no-batch-dim', 'no-method'],
+)
+def test_export_bad_served_inputs_write_nothing(demo_export, args, fragments):
+  tmp, _, _, _ = demo_export
+  out = tmp / 'bad_inputs'
+  proc = run_cli(
+    'export',
+    DEMO_TARGET,
+    '--checkpoint',
+    tmp / 'orbax',
+    '--out',
+    out,
+    '--saved-model',
+    *args,
+  )
+  bad_input(proc, *fragments)
+  assert not out.exists()
 
 
 def test_export_refuses_to_overwrite(demo_export):

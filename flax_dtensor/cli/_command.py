@@ -113,6 +113,15 @@ def handle_errors(debug: bool) -> Iterator[None]:
 
       if isinstance(e, BadInputError):
         message, status = str(e), EXIT_BAD_INPUT
+      elif isinstance(e, _errors.UnknownLogicalAxisError):
+        # The command line's fix, not the Python one.
+        rules = ', '.join(f'[{n!r}, null]' for n in e.names)
+        message = (
+          f'{type(e).__name__}: {e.problem} Add a rule for each to the rules '
+          f'file (--rules), e.g. {rules} to replicate, or a mesh axis to '
+          'shard over.'
+        )
+        status = EXIT_BAD_INPUT
       elif isinstance(e, _errors.FlaxDTensorError):
         message, status = f'{type(e).__name__}: {e}', EXIT_BAD_INPUT
       else:

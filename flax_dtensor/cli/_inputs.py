@@ -314,10 +314,27 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from flax_dtensor import _errors, _init  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
+    _errors,
+    _init,
+    _rules,
+  )
 
+  # Built with unmentioned names replicated, so that a name the rules lack
+  # is reported by the plan the caller makes next, with the variable's path
+  # (creation does not know it yet).
+  rules = _rules.get_logical_axis_rules()
+  lenient = (
+    rules.replace(unknown='replicate')
+    if isinstance(rules, _rules.LogicalRules)
+    else None
+  )
   try:
-    model = _init.build_abstract(factory)
+    if lenient is not None:
+      with _rules.logical_axis_rules(lenient):
+        model = _init.build_abstract(factory)
+    else:
+      model = _init.build_abstract(factory)
   except _errors.NotAModelError:
     model = None
   except _errors.FlaxDTensorError:
@@ -341,3 +358,45 @@ def initialize_dtensor() -> Any:
 
   dtensor.initialize()
   return dtensor
+
+
+def check_served_inputs(
+  abstract: Any, method: str, specs: Sequence[InputSpec]
+) -> None:
+  """Traces `method` of the abstract model on the inputs, before any write.
+
+  A polymorphic dimension is tried at size 2. Nothing is computed.
+
+  Raises:
+    BadInputError: If the model has no such method, or it fails on inputs of
+      these shapes and dtypes (e.g. a forgotten batch dimension); the
+      message shows the shapes given and the error.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if not callable(getattr(abstract, method, None)):
+    raise BadInputError(
+      f'--method {method!r}: the model ({type(abstract).__name__}) has no '
+      'such method. Pass --method NAME of a method that takes the inputs.'
+    )
+  examples = [
+    jax.ShapeDtypeStruct(tuple(2 if d is None else d for d in s.shape), s.dtype)
+    for s in specs
+  ]
+  given = ', '.join(
+    f'{s.name}:{",".join("b" if d is None else str(d) for d in s.shape)}:'
+    f'{s.dtype}'
+    for s in specs
+  )
+  try:
+    nnx.eval_shape(lambda m, *xs: getattr(m, method)(*xs), abstract, *examples)
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise BadInputError(
+      f'--input-shape {given} does not fit {type(abstract).__name__}.{method}'
+      f': calling it on inputs of these shapes fails with '
+      f'{type(e).__name__}: {first[:300]}. Pass one --input-shape per '
+      'positional input, in order, with the batch dimension first (e.g. '
+      'x:1,128:int32).'
+    ) from e

@@ -124,6 +124,10 @@ def export(
     start = time.perf_counter()
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       abstract = _inputs.build_abstract(factory, target)
+      # Every variable resolves under the rules (else an error naming it).
+      fdt.plan(abstract, mesh=mesh_, rules=rules_)
+      if saved_model:
+        _inputs.check_served_inputs(abstract, method, specs)
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
     with _atomic.all_or_nothing(

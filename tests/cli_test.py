@@ -1043,3 +1043,26 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   for text in ('Sharding plan', 'Files written', 'Timings', 'Results'):
     assert text in stdout
   assert (out / 'rules.yaml').read_text().startswith('# Default')
+
+
+@pytest.mark.parametrize(
+  'args, fragments',
+  [
+    (['plan'], ["Missing argument 'target'", "'flax-dtensor plan --help'"]),
+    (['plan', DEMO_TARGET, '--bogus'], ['No such option: --bogus']),
+    (['nope'], ["No such command 'nope'", "'flax-dtensor --help'"]),
+  ],
+  ids=['missing-argument', 'unknown-option', 'unknown-command'],
+)
+def test_usage_errors_in_the_same_style(args, fragments):
+  """Click's usage errors: one `error:` line and exit 2, no boxes."""
+  proc = run_cli(*args)
+  bad_input(proc, *fragments)
+  assert '╭' not in proc.stderr and '│' not in proc.stderr
+
+
+def test_no_arguments_shows_the_help():
+  out = ok(run_cli())
+  assert 'Usage: flax-dtensor' in out
+  for command in ('demo', 'plan', 'export', 'inspect'):
+    assert command in out

@@ -9,6 +9,7 @@ from flax_dtensor._errors import (
   FlaxCompatibilityError as FlaxCompatibilityError,
 )
 from flax_dtensor._errors import FlaxDTensorError as FlaxDTensorError
+from flax_dtensor._errors import LayoutFileError as LayoutFileError
 from flax_dtensor._errors import LogicalRulesError as LogicalRulesError
 from flax_dtensor._errors import MeshAxisTypeError as MeshAxisTypeError
 from flax_dtensor._errors import MeshError as MeshError
@@ -26,6 +27,7 @@ from flax_dtensor._placement import shard_value as shard_value
 from flax_dtensor._placement import (
   with_logical_constraint as with_logical_constraint,
 )
+from flax_dtensor._plan import PlanDiff as PlanDiff
 from flax_dtensor._plan import PlanEntry as PlanEntry
 from flax_dtensor._plan import ShardingPlan as ShardingPlan
 from flax_dtensor._plan import plan as plan
@@ -52,11 +54,13 @@ __all__ = (
   'ExportError',
   'FlaxCompatibilityError',
   'FlaxDTensorError',
+  'LayoutFileError',
   'LogicalRules',
   'LogicalRulesError',
   'MeshAxisTypeError',
   'MeshError',
   'NotAModelError',
+  'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
   'ShardingPlan',

@@ -35,6 +35,10 @@ class UnknownLogicalAxisError(FlaxDTensorError, ValueError):
     self.problem = problem or message
 
 
+class LayoutFileError(FlaxDTensorError, ValueError):
+  """A golden layout (a plan's JSON) cannot be read."""
+
+
 class ShardingResolutionError(FlaxDTensorError, ValueError):
   """Logical axes cannot be resolved to a PartitionSpec.
 

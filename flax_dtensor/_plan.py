@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from flax_dtensor import (
   _init,
   _meshes,
+  _plan_diff,
   _plan_view,
   _rules,
   _specs,
@@ -25,6 +26,7 @@ from flax_dtensor import (
 )
 
 human_bytes = _plan_view.human_bytes
+PlanDiff = _plan_diff.PlanDiff
 
 
 def _itemsize(dtype: Any) -> int:
@@ -156,7 +158,47 @@ class ShardingPlan:
     }
 
   def to_json(self, **kwargs: Any) -> str:
+    """The plan as JSON (`from_json` reads it back): a golden layout."""
     return json.dumps(self.to_dict(), **kwargs)
+
+  @classmethod
+  def from_json(cls, text: str) -> ShardingPlan:
+    """The plan `to_json` wrote (``flax-dtensor plan --json``).
+
+    Raises:
+      LayoutFileError: If `text` is not JSON, or not a plan.
+    """
+    return _plan_diff.plan_from_json(text)
+
+  def diff(self, golden: ShardingPlan) -> PlanDiff:
+    """What changed from `golden` to this plan, variable by variable.
+
+    What moved (a different spec), what changed size per device (shape,
+    dtype or sharding), which fallbacks changed, and which variables were
+    added or removed. The result is false when nothing changed.
+
+    Example:
+      >>> import jax, flax_dtensor as fdt
+      >>> from flax import nnx
+      >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+      >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+      >>> make = lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))
+      >>> golden = fdt.plan(make, mesh=mesh,
+      ...                   rules=[('embed', 'data'), ('mlp', 'model')])
+      >>> now = fdt.plan(make, mesh=mesh,
+      ...                rules=[('embed', None), ('mlp', 'model')])
+      >>> d = now.diff(golden)
+      >>> d.moved
+      ('kernel',)
+      >>> print(d)
+      1 changed, 0 added, 0 removed; per device 128 B -> 192 B
+      kernel
+        spec P('data', 'model') -> P(None, 'model')
+        per device 64 B -> 128 B
+      >>> bool(now.diff(now))
+      False
+    """
+    return _plan_diff.diff(self, golden)
 
   def __getitem__(self, path: str) -> PlanEntry:
     for e in self.entries:

@@ -221,6 +221,15 @@ def _abstract_without_mesh(ctx):
 
 
 CASES = [
+  # Golden layouts
+  Case(
+    'fdt.ShardingPlan.from_json',
+    'a golden layout that is not a plan',
+    fdt.LayoutFileError,
+    r'is not a plan: expected a JSON object with a "variables" list',
+    'Write the layout with `flax-dtensor plan TARGET --json > FILE`.',
+    lambda ctx: fdt.ShardingPlan.from_json('[1, 2]'),
+  ),
   # Rules
   Case(
     'fdt.LogicalRules',

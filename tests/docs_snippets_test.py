@@ -75,6 +75,12 @@ CHECKS = {
     "assert model.up.kernel[...].sharding.spec == jax.P(None, 'model')\n"
     'print("CHECKED")\n'
   ),
+  'golden_layouts.md': (
+    "assert changes.moved == ('embed/embedding', 'head/kernel'), changes\n"
+    'assert changes.added == changes.removed == ()\n'
+    'test_layout_is_golden()\n'
+    'print("CHECKED")\n'
+  ),
   'cli.md': (
     'import json\n'
     "meta = json.load(open('state/_CHECKPOINT_METADATA'))\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import sys
 from typing import Annotated
 
@@ -38,6 +39,19 @@ def plan(
       ),
     ),
   ] = False,
+  diff: Annotated[
+    pathlib.Path | None,
+    typer.Option(
+      '--diff',
+      metavar='LAYOUT.json',
+      help=(
+        'Compare with a golden layout written by --json: print what moved, '
+        'what changed size per device and which fallbacks changed. Exit 0 '
+        'when nothing changed, 1 when something did (a CI check).'
+      ),
+      show_default=False,
+    ),
+  ] = None,
   show: Annotated[
     str | None,
     typer.Option(
@@ -64,6 +78,16 @@ def plan(
   in a narrow terminal (or COLUMNS when piped) each variable takes two lines.
   """
   with _command.handle_errors(debug):
+    golden_text = None
+    if diff is not None:
+      try:
+        golden_text = diff.read_text()
+      except OSError as e:
+        raise _command.BadInputError(
+          f'--diff {str(diff)!r}: cannot read the golden layout '
+          f'({e.strerror or e}). Write one with `flax-dtensor plan TARGET '
+          '--json > LAYOUT.json`.'
+        ) from e
     axes = _inputs.parse_mesh(mesh)
     rules_ = _inputs.load_rules(rules)
     factory = _inputs.load_target(target)
@@ -75,7 +99,15 @@ def plan(
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
       model = _inputs.build_abstract(factory, target)
       result = fdt.plan(model, mesh=mesh_, rules=rules_)
-    if json_output:
+    if golden_text is not None:
+      from flax_dtensor import _plan_diff  # pylint: disable=g-import-not-at-top
+
+      golden = _plan_diff.plan_from_json(golden_text, f'--diff {str(diff)!r}')
+      changes = result.diff(golden)
+      _command.console().print(str(changes), highlight=False)
+      if changes:
+        raise typer.Exit(_command.EXIT_FAILURE)
+    elif json_output:
       sys.stdout.write(result.to_json(indent=2) + '\n')
     elif show is not None:
       if show not in {e.path for e in result.entries}:

@@ -1,0 +1,266 @@
+"""Golden layouts: a plan read back from JSON, and what changed between two.
+
+`ShardingPlan.to_json` writes a plan; `plan_from_json` reads it back; and
+`diff` says, variable by variable, what moved (its spec), what changed size
+per device, which fallbacks changed, and what appeared or disappeared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+from jax.sharding import PartitionSpec
+
+from flax_dtensor import _errors, _plan_view, _specs
+
+if TYPE_CHECKING:
+  from flax_dtensor._plan import PlanEntry, ShardingPlan
+
+
+_FIX = (
+  'Write it with `flax-dtensor plan TARGET --json > FILE` or '
+  '`fdt.plan(...).to_json()`.'
+)
+
+
+def _spec(entries: Any, where: str) -> PartitionSpec:
+  if not isinstance(entries, list):
+    raise _errors.LayoutFileError(
+      f'{where}: expected a spec as a list (one entry per dimension: null, '
+      f'a mesh axis name or a list of them); got {entries!r}. {_FIX}'
+    )
+  return PartitionSpec(
+    *(tuple(e) if isinstance(e, list) else e for e in entries)
+  )
+
+
+def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
+  """The plan `ShardingPlan.to_dict` wrote.
+
+  Raises:
+    LayoutFileError: If `data` is not such a dict; the message names the
+      first bad field.
+  """
+  from flax_dtensor._plan import (  # pylint: disable=g-import-not-at-top
+    PlanEntry,
+    ShardingPlan,
+  )
+
+  fix = _FIX
+  if not isinstance(data, dict) or not isinstance(data.get('variables'), list):
+    raise _errors.LayoutFileError(
+      f'{source} is not a plan: expected a JSON object with a "variables" '
+      f'list; got {type(data).__name__}. {fix}'
+    )
+  entries = []
+  for i, v in enumerate(data['variables']):
+    where = f'{source}, variable {i}'
+    try:
+      entries.append(
+        PlanEntry(
+          path=str(v['path']),
+          kind=str(v['kind']),
+          shape=tuple(int(d) for d in v['shape']),
+          dtype=str(v['dtype']),
+          logical_axes=(
+            None if v['logical_axes'] is None else tuple(v['logical_axes'])
+          ),
+          spec=_spec(v['spec'], f'{where} ({v["path"]!r})'),
+          bytes=int(v['bytes']),
+          bytes_per_device=int(v['bytes_per_device']),
+          fallbacks=tuple(v['fallbacks']),
+          placed=(
+            None if v.get('placed') is None else _spec(v['placed'], where)
+          ),
+        )
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      if isinstance(e, _errors.LayoutFileError):
+        raise
+      raise _errors.LayoutFileError(
+        f'{where} is malformed ({type(e).__name__}: {e}). {fix}'
+      ) from e
+  mesh = data.get('mesh')
+  return ShardingPlan(
+    entries=tuple(entries),
+    mesh_axes=dict(mesh) if mesh else None,
+    num_devices=int(data.get('num_devices', 1)),
+  )
+
+
+def plan_from_json(text: str, source: str = 'the layout') -> ShardingPlan:
+  """The plan `ShardingPlan.to_json` wrote.
+
+  Raises:
+    LayoutFileError: If `text` is not JSON, or not a plan.
+  """
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise _errors.LayoutFileError(f'{source} is not JSON ({e}). {_FIX}') from e
+  return plan_from_dict(data, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+  """One variable in both plans, placed or sized differently.
+
+  Attributes:
+    path: The variable's path.
+    before: Its entry in the other (golden) plan.
+    after: Its entry in this plan.
+  """
+
+  path: str
+  before: PlanEntry
+  after: PlanEntry
+
+  @property
+  def moved(self) -> bool:
+    """Whether its spec changed."""
+    n = len(self.after.shape)
+    return (
+      _specs.canonical(self.before.spec, n)
+      != _specs.canonical(self.after.spec, n)
+      or len(self.before.shape) != n
+    )
+
+  @property
+  def resized(self) -> bool:
+    """Whether its bytes per device changed (shape, dtype or sharding)."""
+    return self.before.bytes_per_device != self.after.bytes_per_device
+
+  @property
+  def fallbacks_changed(self) -> bool:
+    return set(self.before.fallbacks) != set(self.after.fallbacks)
+
+  def lines(self) -> list[str]:
+    b, a = self.before, self.after
+    out = []
+    if self.moved:
+      out.append(
+        f'  spec {_specs.format_spec(b.spec)} -> {_specs.format_spec(a.spec)}'
+      )
+    if (b.shape, b.dtype) != (a.shape, a.dtype):
+      out.append(f'  {_plan_view.shape_text(b)} -> {_plan_view.shape_text(a)}')
+    if self.resized:
+      out.append(
+        f'  per device {_plan_view.human_bytes(b.bytes_per_device)} -> '
+        f'{_plan_view.human_bytes(a.bytes_per_device)}'
+      )
+    for f in sorted(set(b.fallbacks) - set(a.fallbacks)):
+      out.append(f'  - fallback {f}')
+    for f in sorted(set(a.fallbacks) - set(b.fallbacks)):
+      out.append(f'  + fallback {f}')
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDiff:
+  """What changed from one plan (the golden one) to another.
+
+  False when nothing did: ``if plan.diff(golden): ...``.
+
+  Attributes:
+    added: Paths only in the new plan.
+    removed: Paths only in the golden plan.
+    changed: The variables in both whose spec, size per device, shape,
+      dtype or fallbacks differ.
+    mesh: (golden mesh axes, new mesh axes) when they differ, else None.
+    bytes_per_device: (golden, new) bytes one device holds.
+  """
+
+  added: tuple[str, ...]
+  removed: tuple[str, ...]
+  changed: tuple[Change, ...]
+  mesh: tuple[Any, Any] | None
+  bytes_per_device: tuple[int, int]
+
+  def __bool__(self) -> bool:
+    return bool(self.added or self.removed or self.changed or self.mesh)
+
+  @property
+  def moved(self) -> tuple[str, ...]:
+    """Paths whose spec changed."""
+    return tuple(c.path for c in self.changed if c.moved)
+
+  @property
+  def resized(self) -> tuple[str, ...]:
+    """Paths whose bytes per device changed."""
+    return tuple(c.path for c in self.changed if c.resized)
+
+  @property
+  def fallbacks_changed(self) -> tuple[str, ...]:
+    """Paths whose fallbacks changed."""
+    return tuple(c.path for c in self.changed if c.fallbacks_changed)
+
+  def __str__(self) -> str:
+    if not self:
+      return 'No change: every variable is placed as in the golden layout.'
+    before, after = self.bytes_per_device
+    lines = [
+      f'{len(self.changed)} changed, {len(self.added)} added, '
+      f'{len(self.removed)} removed; per device '
+      f'{_plan_view.human_bytes(before)} -> {_plan_view.human_bytes(after)}'
+    ]
+    if self.mesh is not None:
+      lines.append(f'mesh {self.mesh[0]} -> {self.mesh[1]}')
+    for c in self.changed:
+      lines.append(c.path)
+      lines.extend(c.lines())
+    lines.extend(f'+ {p}' for p in self.added)
+    lines.extend(f'- {p}' for p in self.removed)
+    return '\n'.join(lines)
+
+  __repr__ = __str__
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+      'changed': [
+        {
+          'path': c.path,
+          'before': c.before.to_dict(),
+          'after': c.after.to_dict(),
+          'moved': c.moved,
+          'resized': c.resized,
+          'fallbacks_changed': c.fallbacks_changed,
+        }
+        for c in self.changed
+      ],
+      'added': list(self.added),
+      'removed': list(self.removed),
+      'mesh': list(self.mesh) if self.mesh is not None else None,
+      'bytes_per_device': list(self.bytes_per_device),
+    }
+
+
+def diff(new: ShardingPlan, golden: ShardingPlan) -> PlanDiff:
+  """What changed from `golden` to `new`, variable by variable."""
+  old = {e.path: e for e in golden.entries}
+  now = {e.path: e for e in new.entries}
+  changed = []
+  for e in new.entries:
+    if e.path not in old:
+      continue
+    c = Change(e.path, old[e.path], e)
+    if (
+      c.moved
+      or c.resized
+      or c.fallbacks_changed
+      or (c.before.shape, c.before.dtype) != (e.shape, e.dtype)
+    ):
+      changed.append(c)
+  mesh = (
+    (golden.mesh_axes, new.mesh_axes)
+    if (golden.mesh_axes or None) != (new.mesh_axes or None)
+    else None
+  )
+  return PlanDiff(
+    added=tuple(p for p in now if p not in old),
+    removed=tuple(p for p in old if p not in now),
+    changed=tuple(changed),
+    mesh=mesh,
+    bytes_per_device=(golden.bytes_per_device, new.bytes_per_device),
+  )

@@ -1,5 +1,8 @@
 """flax_dtensor: logical-axis sharding and DTensor export for Flax NNX."""
 
+from flax_dtensor._check import CheckReport as CheckReport
+from flax_dtensor._check import Finding as Finding
+from flax_dtensor._check import check as check
 from flax_dtensor._errors import DTensorError as DTensorError
 from flax_dtensor._errors import (
   DTensorInitializationError as DTensorInitializationError,
@@ -49,9 +52,11 @@ _hook.check_routing()
 __version__ = '0.1.0'
 
 __all__ = (
+  'CheckReport',
   'DTensorError',
   'DTensorInitializationError',
   'ExportError',
+  'Finding',
   'FlaxCompatibilityError',
   'FlaxDTensorError',
   'LayoutFileError',
@@ -66,6 +71,7 @@ __all__ = (
   'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
+  'check',
   'get_logical_axis_rules',
   'init',
   'logical_axis_rules',

@@ -230,6 +230,17 @@ CASES = [
     'Write the layout with `flax-dtensor plan TARGET --json > FILE`.',
     lambda ctx: fdt.ShardingPlan.from_json('[1, 2]'),
   ),
+  # Linting
+  Case(
+    'fdt.check',
+    'an unknown finding code to allow',
+    fdt.LogicalRulesError,
+    r"allow= names unknown finding codes \['unused-rules'\]; expected some",
+    'Allow codes the linting page lists (unused-rule, ...).',
+    lambda ctx: fdt.check(
+      ctx.model(), [('embed', 'data')], ctx.mesh, allow=['unused-rules']
+    ),
+  ),
   # Rules
   Case(
     'fdt.LogicalRules',

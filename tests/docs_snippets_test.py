@@ -81,6 +81,11 @@ CHECKS = {
     'test_layout_is_golden()\n'
     'print("CHECKED")\n'
   ),
+  'linting.md': (
+    "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
+    "assert \"Did you mean 'model'?\" in str(report)\n"
+    'print("CHECKED")\n'
+  ),
   'cli.md': (
     'import json\n'
     "meta = json.load(open('state/_CHECKPOINT_METADATA'))\n"

@@ -7,10 +7,12 @@ import sys
 import flax_dtensor as fdt
 
 EXPECTED = (
+  'CheckReport',
   'DTensorError',
   'DTensorInitializationError',
   'ExportError',
   'FlaxCompatibilityError',
+  'Finding',
   'FlaxDTensorError',
   'LayoutFileError',
   'LogicalRules',
@@ -24,6 +26,7 @@ EXPECTED = (
   'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
+  'check',
   'get_logical_axis_rules',
   'init',
   'logical_axis_rules',

@@ -400,3 +400,22 @@ def check_served_inputs(
       'positional input, in order, with the batch dimension first (e.g. '
       'x:1,128:int32).'
     ) from e
+
+
+_UNITS = {'': 1, 'B': 1, 'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+  """Bytes from '16GiB', '512 MiB' or '1000' (IEC units).
+
+  Raises:
+    BadInputError: If the text is not a size.
+  """
+  m = re.fullmatch(r'\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*', text)
+  unit = m.group(2).upper() if m else None
+  if m is None or unit not in _UNITS:
+    raise BadInputError(
+      f'Malformed {flag} {text!r}: expected a size in bytes, or with an IEC '
+      'unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
+    )
+  return int(float(m.group(1)) * _UNITS[unit])

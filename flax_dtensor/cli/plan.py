@@ -52,6 +52,43 @@ def plan(
       show_default=False,
     ),
   ] = None,
+  check: Annotated[
+    bool,
+    typer.Option(
+      '--check',
+      help=(
+        'Lint the rules against the model and the mesh: unused and shadowed '
+        'rules, unknown mesh axes, large replicated variables, a budget. '
+        'Exit 1 on findings (with --json, the findings as JSON).'
+      ),
+    ),
+  ] = False,
+  allow: Annotated[
+    list[str] | None,
+    typer.Option(
+      '--allow',
+      metavar='CODE',
+      help='With --check: a finding code not to report (repeatable).',
+      show_default=False,
+    ),
+  ] = None,
+  budget: Annotated[
+    str | None,
+    typer.Option(
+      '--budget',
+      metavar='SIZE',
+      help='With --check: bytes per device not to exceed, e.g. 16GiB.',
+      show_default=False,
+    ),
+  ] = None,
+  min_bytes: Annotated[
+    str,
+    typer.Option(
+      '--min-bytes',
+      metavar='SIZE',
+      help='With --check: report replicated variables from this size on.',
+    ),
+  ] = '1MiB',
   show: Annotated[
     str | None,
     typer.Option(
@@ -99,12 +136,29 @@ def plan(
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
       model = _inputs.build_abstract(factory, target)
       result = fdt.plan(model, mesh=mesh_, rules=rules_)
-    if golden_text is not None:
+    if check:
+      report = fdt.check(
+        model,
+        rules_,
+        mesh_,
+        min_bytes=_inputs.parse_size(min_bytes, '--min-bytes'),
+        budget=None
+        if budget is None
+        else _inputs.parse_size(budget, '--budget'),
+        allow=allow or (),
+      )
+      if json_output:
+        sys.stdout.write(report.to_json(indent=2) + '\n')
+      else:
+        _command.console().print(str(report), highlight=False, markup=False)
+      if report:
+        raise typer.Exit(_command.EXIT_FAILURE)
+    elif golden_text is not None:
       from flax_dtensor import _plan_diff  # pylint: disable=g-import-not-at-top
 
       golden = _plan_diff.plan_from_json(golden_text, f'--diff {str(diff)!r}')
       changes = result.diff(golden)
-      _command.console().print(str(changes), highlight=False)
+      _command.console().print(str(changes), highlight=False, markup=False)
       if changes:
         raise typer.Exit(_command.EXIT_FAILURE)
     elif json_output:
@@ -116,7 +170,9 @@ def plan(
           f'{show!r}. Paths: {", ".join(e.path for e in result.entries)}.'
         )
       console = _command.console()
-      console.print(result.show(show).render(console.width), highlight=False)
+      console.print(
+        result.show(show).render(console.width), highlight=False, markup=False
+      )
     else:
       _command.console().print(
         result.summary() if summary else result, highlight=False

@@ -1,0 +1,203 @@
+"""Rule linting: each finding by its code and its values; the CLI's exit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+import flax_dtensor as fdt
+from flax_dtensor import _check
+
+MESH = AbstractMesh((2, 4), ('data', 'model'))
+
+
+class Model(nnx.Module):
+  def __init__(self, rngs, *, wide=1024):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(
+      16,
+      64,
+      kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
+      rngs=rngs,
+    )
+    # 1024 x 512 float32 = 2 MiB, annotated with a name the rules replicate.
+    self.table = nnx.Embed(
+      wide,
+      512,
+      embedding_init=nnx.with_partitioning(init, ('vocab', 'embed_out')),
+      rngs=rngs,
+    )
+
+
+def _factory(**kwargs):
+  return lambda: Model(nnx.Rngs(0), **kwargs)
+
+
+GOOD = [
+  ('embed', 'data'),
+  ('mlp', 'model'),
+  ('vocab', 'model'),
+  ('embed_out', 'data'),
+]
+
+
+def test_clean_rules_have_no_findings():
+  report = fdt.check(_factory(), GOOD, MESH)
+  assert not report
+  assert report.findings == ()
+  assert str(report) == 'No findings.'
+
+
+def test_unused_rule():
+  report = fdt.check(_factory(), [*GOOD, ('batch', 'data')], MESH)
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('unused-rule', "'batch'")
+  ]
+  assert 'with_logical_constraint' in report.findings[0].message
+
+
+@pytest.mark.parametrize(
+  'extra, earlier, why',
+  [
+    ([('mlp', None), ('mlp', 'data')], "('mlp', None)", 'replicates'),
+    ([('mlp', 'model')], "('mlp', 'model')", 'is the same rule'),
+  ],
+  ids=['after-none', 'duplicate'],
+)
+def test_shadowed_rule(extra, earlier, why):
+  rules = [('embed', 'data'), *extra, ('mlp', 'model')]
+  rules += [('vocab', 'model'), ('embed_out', 'data')]
+  report = fdt.check(_factory(), rules, MESH)
+  shadowed = [f for f in report.findings if f.code == 'shadowed-rule']
+  assert shadowed, report
+  assert all(earlier in f.message and why in f.message for f in shadowed)
+
+
+def test_unknown_mesh_axis_with_did_you_mean():
+  rules = [('embed', 'data'), ('mlp', 'modle'), ('mlp', 'fsdp')]
+  rules += [('vocab', 'model'), ('embed_out', 'data')]
+  report = fdt.check(_factory(), rules, MESH)
+  found = {f.subject: f.message for f in report.findings}
+  assert report.codes() == ('unknown-mesh-axis',)
+  assert "Did you mean 'model'?" in found["('mlp', 'modle')"]
+  assert 'Did you mean' not in found["('mlp', 'fsdp')"]
+  assert "(axes: ['data', 'model'])" in found["('mlp', 'fsdp')"]
+
+
+def test_large_replicated_variable_names_what_could_shard_it():
+  rules = [('embed', 'data'), ('mlp', 'model'), ('vocab', None)]
+  rules += [('embed_out', None)]
+  report = fdt.check(_factory(), rules, MESH)
+  (finding,) = [f for f in report.findings if f.code == 'replicated-large']
+  assert finding.subject == 'table/embedding'
+  assert 'float32[1024,512] (2.0 MiB) is whole on each of the 8' in (
+    finding.message
+  )
+  assert "dim 0 (1024) by 'data', 'model'; dim 1 (512) by 'data', 'model'" in (
+    finding.message
+  )
+  # Below the threshold: not reported.
+  small = fdt.check(_factory(wide=8), rules, MESH)
+  assert 'replicated-large' not in small.codes()
+  lower = fdt.check(_factory(wide=8), rules, MESH, min_bytes=1024)
+  assert 'replicated-large' in lower.codes()
+
+
+def test_budget():
+  plan = fdt.plan(_factory(), mesh=MESH, rules=GOOD)
+  at = fdt.check(_factory(), GOOD, MESH, budget=plan.bytes_per_device)
+  assert not at
+  over = fdt.check(_factory(), GOOD, MESH, budget=plan.bytes_per_device - 1)
+  (finding,) = over.findings
+  assert finding.code == 'over-budget'
+  n = plan.bytes_per_device
+  assert finding.message.startswith(
+    f'{n / 1024:.1f} KiB ({n:,} bytes) per device is above the budget of '
+  )
+  assert f'({n - 1:,} bytes; ideal' in finding.message
+
+
+def test_allow_and_json():
+  rules = [*GOOD, ('batch', 'data'), ('mlp', 'modle')]
+  report = fdt.check(_factory(), rules, MESH, allow=['unused-rule'])
+  assert report.codes() == ('unknown-mesh-axis',)
+  data = json.loads(report.to_json())
+  assert data['allowed'] == ['unused-rule']
+  assert data['findings'] == [
+    {
+      'code': 'unknown-mesh-axis',
+      'subject': "('mlp', 'modle')",
+      'message': report.findings[0].message,
+    }
+  ]
+  assert set(report.codes()) <= set(_check.CODES)
+
+
+def test_rules_from_the_context_and_errors():
+  with fdt.logical_axis_rules([*GOOD, ('batch', 'data')]):
+    assert fdt.check(_factory(), mesh=MESH).codes() == ('unused-rule',)
+  with pytest.raises(fdt.LogicalRulesError, match=r'check\(\) needs rules'):
+    fdt.check(_factory(), mesh=MESH)
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r"unknown finding codes \['nope'\]"
+  ):
+    fdt.check(_factory(), GOOD, MESH, allow=['nope'])
+
+
+def _cli(*args):
+  return subprocess.run(
+    [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, COLUMNS='200'),
+    stdin=subprocess.DEVNULL,
+    check=False,
+  )
+
+
+def test_cli_check_exit_status_and_json(tmp_path):
+  target = 'flax_dtensor.demo.model:make_model'
+  found = _cli('plan', target, '--check')
+  assert found.returncode == 1, found.stderr
+  assert "[unknown-mesh-axis] ('embed', 'fsdp'): the mesh has no axis" in (
+    found.stdout
+  )
+  clean = _cli(
+    'plan',
+    target,
+    '--mesh',
+    'data=2,fsdp=2,model=2',
+    '--check',
+    '--allow',
+    'unused-rule',
+  )
+  assert clean.returncode == 0, clean.stdout + clean.stderr
+  assert 'No findings.' in clean.stdout
+  data = json.loads(_cli('plan', target, '--check', '--json').stdout)
+  assert {f['code'] for f in data['findings']} == {
+    'unused-rule',
+    'unknown-mesh-axis',
+  }
+  over = _cli(
+    'plan',
+    target,
+    '--check',
+    '--allow',
+    'unused-rule',
+    '--allow',
+    'unknown-mesh-axis',
+    '--budget',
+    '100KiB',
+  )
+  assert over.returncode == 1
+  assert '[over-budget] per device: 260.0 KiB (266,240 bytes) per device' in (
+    over.stdout
+  )
+  bad = _cli('plan', target, '--check', '--budget', '12XB')
+  assert bad.returncode == 2
+  assert "Malformed --budget '12XB'" in bad.stderr

@@ -25,6 +25,8 @@ from flax_dtensor._errors import (
   UnknownLogicalAxisError as UnknownLogicalAxisError,
 )
 from flax_dtensor._init import init as init
+from flax_dtensor._memory import MemoryReport as MemoryReport
+from flax_dtensor._memory import memory_report as memory_report
 from flax_dtensor._placement import shard_module as shard_module
 from flax_dtensor._placement import shard_value as shard_value
 from flax_dtensor._placement import (
@@ -62,6 +64,7 @@ __all__ = (
   'LayoutFileError',
   'LogicalRules',
   'LogicalRulesError',
+  'MemoryReport',
   'MeshAxisTypeError',
   'MeshError',
   'NotAModelError',
@@ -76,6 +79,7 @@ __all__ = (
   'init',
   'logical_axis_rules',
   'logical_to_mesh_axes',
+  'memory_report',
   'plan',
   'propagate',
   'set_logical_axis_rules',

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import json
@@ -16,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import (
+  _errors,
   _init,
   _meshes,
   _plan_diff,
@@ -71,6 +73,9 @@ class PlanEntry:
     placed: Where the array actually is (its NamedSharding's spec), for
       arrays that carry a sharding; None otherwise. It differs from `spec`
       when the model was placed under other rules, or not at all.
+    category: ``'params'`` (``nnx.Param``), ``'optimizer'``
+      (``nnx.OptState``: mu, nu, the step count) or ``'other'`` (batch
+      statistics, RNG state, ...).
   """
 
   path: str
@@ -83,6 +88,7 @@ class PlanEntry:
   bytes_per_device: int
   fallbacks: tuple[str, ...]
   placed: PartitionSpec | None = None
+  category: str = 'other'
 
   @property
   def misplaced(self) -> bool:
@@ -111,6 +117,7 @@ class PlanEntry:
         if self.placed is None
         else [list(e) if isinstance(e, tuple) else e for e in self.placed]
       ),
+      'category': self.category,
     }
 
 
@@ -142,6 +149,18 @@ class ShardingPlan:
     """The bytes one device holds (replicated variables count fully)."""
     return sum(e.bytes_per_device for e in self.entries)
 
+  def bytes_per_device_by_category(self) -> dict[str, int]:
+    """{'params': ..., 'optimizer': ..., 'other': ...}: what one device holds.
+
+    Plan the model with its optimizer (``plan(model, optimizer=...)``) to
+    count the optimizer state; with the batch, this is what a compiled
+    training step takes as arguments (see `memory_report`).
+    """
+    out = dict.fromkeys(('params', 'optimizer', 'other'), 0)
+    for e in self.entries:
+      out[e.category] = out.get(e.category, 0) + e.bytes_per_device
+    return out
+
   @property
   def ideal_bytes_per_device(self) -> float:
     """The total bytes divided by the device count (perfect sharding)."""
@@ -168,7 +187,7 @@ class ShardingPlan:
     Raises:
       LayoutFileError: If `text` is not JSON, or not a plan.
     """
-    return _plan_diff.plan_from_json(text)
+    return plan_from_json(text)
 
   def diff(self, golden: ShardingPlan) -> PlanDiff:
     """What changed from `golden` to this plan, variable by variable.
@@ -307,6 +326,122 @@ class BlockMap:
     return f'<pre>{html.escape(self.render(100))}</pre>'
 
 
+# Reading a plan back (golden layouts)
+# ------------------------------------------------------------------------------
+
+_FIX = (
+  'Write it with `flax-dtensor plan TARGET --json > FILE` or '
+  '`fdt.plan(...).to_json()`.'
+)
+
+
+def _spec(entries: Any, where: str) -> PartitionSpec:
+  if not isinstance(entries, list):
+    raise _errors.LayoutFileError(
+      f'{where}: expected a spec as a list (one entry per dimension: null, '
+      f'a mesh axis name or a list of them); got {entries!r}. {_FIX}'
+    )
+  return PartitionSpec(
+    *(tuple(e) if isinstance(e, list) else e for e in entries)
+  )
+
+
+def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
+  """The plan `ShardingPlan.to_dict` wrote.
+
+  Raises:
+    LayoutFileError: If `data` is not such a dict; the message names the
+      first bad field.
+  """
+  fix = _FIX
+  if not isinstance(data, dict) or not isinstance(data.get('variables'), list):
+    raise _errors.LayoutFileError(
+      f'{source} is not a plan: expected a JSON object with a "variables" '
+      f'list; got {type(data).__name__}. {fix}'
+    )
+  entries = []
+  for i, v in enumerate(data['variables']):
+    where = f'{source}, variable {i}'
+    try:
+      entries.append(
+        PlanEntry(
+          path=str(v['path']),
+          kind=str(v['kind']),
+          shape=tuple(int(d) for d in v['shape']),
+          dtype=str(v['dtype']),
+          logical_axes=(
+            None if v['logical_axes'] is None else tuple(v['logical_axes'])
+          ),
+          spec=_spec(v['spec'], f'{where} ({v["path"]!r})'),
+          bytes=int(v['bytes']),
+          bytes_per_device=int(v['bytes_per_device']),
+          fallbacks=tuple(v['fallbacks']),
+          placed=(
+            None if v.get('placed') is None else _spec(v['placed'], where)
+          ),
+          category=str(v.get('category', 'other')),
+        )
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      if isinstance(e, _errors.LayoutFileError):
+        raise
+      raise _errors.LayoutFileError(
+        f'{where} is malformed ({type(e).__name__}: {e}). {fix}'
+      ) from e
+  mesh = data.get('mesh')
+  return ShardingPlan(
+    entries=tuple(entries),
+    mesh_axes=dict(mesh) if mesh else None,
+    num_devices=int(data.get('num_devices', 1)),
+  )
+
+
+def plan_from_json(text: str, source: str = 'the layout') -> ShardingPlan:
+  """The plan `ShardingPlan.to_json` wrote.
+
+  Raises:
+    LayoutFileError: If `text` is not JSON, or not a plan.
+  """
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise _errors.LayoutFileError(f'{source} is not JSON ({e}). {_FIX}') from e
+  return plan_from_dict(data, source)
+
+
+def _optimizer_of(model: Any, optimizer: Any, mesh: Any, rules: Any) -> Any:
+  """`optimizer` if an nnx.Optimizer; else one built abstractly over `model`."""
+  if isinstance(optimizer, nnx.Optimizer):
+    return optimizer
+  if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
+    raise _errors.NotAModelError(
+      f'optimizer= expected an nnx.Optimizer or an optax transformation; '
+      f'got {type(optimizer).__name__}. Pass e.g. optax.adamw(1e-3).'
+    )
+  if not isinstance(model, nnx.Module):
+    raise _errors.NotAModelError(
+      'optimizer= as an optax transformation needs a module (or factory) to '
+      f'optimize; got {type(model).__name__}. Pass the model.'
+    )
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      abstract = getattr(mesh, 'abstract_mesh', mesh)
+      stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
+    if isinstance(rules, _rules.LogicalRules):
+      stack.enter_context(_rules.logical_axis_rules(rules))
+    return nnx.eval_shape(
+      lambda m: nnx.Optimizer(m, optimizer, wrt=nnx.Param), model
+    )
+
+
+def _category(variable: Any) -> str:
+  if isinstance(variable, nnx.Param):
+    return 'params'
+  if isinstance(variable, nnx.OptState):
+    return 'optimizer'
+  return 'other'
+
+
 def _is_factory(x: Any) -> bool:
   return (
     callable(x)
@@ -320,6 +455,7 @@ def plan(
   *,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   rules: _rules.RulesLike | None = None,
+  optimizer: Any = None,
 ) -> ShardingPlan:
   """Plans the sharding of every variable of a module, state or factory.
 
@@ -341,6 +477,11 @@ def plan(
     rules: The rules. Defaults to the rules in effect (see
       `get_logical_axis_rules`): the plan says what creation, `init`,
       `shard_module` and ``nnx.get_partition_spec`` do under them.
+    optimizer: Also plan an optimizer's state, under ``optimizer/``: an
+      ``nnx.Optimizer`` of the model, or an optax transformation, for which
+      ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)`` is built
+      abstractly (its mu and nu placed like their params). See
+      `ShardingPlan.bytes_per_device_by_category`.
 
   Returns:
     The plan, its variables in natural path order ('layers/2' before
@@ -384,8 +525,16 @@ def plan(
       module_or_state, mesh=mesh_, rules=rules_
     )
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
+  variables = list(_variables.iter_variables(module_or_state))
+  if optimizer is not None:
+    variables += [
+      (('optimizer', *path), v)
+      for path, v in _variables.iter_variables(
+        _optimizer_of(module_or_state, optimizer, mesh_, rules_)
+      )
+    ]
   entries = []
-  for path, variable in _variables.iter_variables(module_or_state):
+  for path, variable in variables:
     where = _variables.path_str(path)
     value = _variables.value_of(variable)
     shape = tuple(getattr(value, 'shape', np.shape(value)))
@@ -424,6 +573,7 @@ def plan(
         bytes_per_device=per_device,
         fallbacks=fallbacks,
         placed=placed,
+        category=_category(variable),
       )
     )
   entries.sort(key=lambda e: _variables.natural_key(e.path))

@@ -1,106 +1,19 @@
-"""Golden layouts: a plan read back from JSON, and what changed between two.
+"""Golden layouts: what changed between two plans.
 
-`ShardingPlan.to_json` writes a plan; `plan_from_json` reads it back; and
 `diff` says, variable by variable, what moved (its spec), what changed size
-per device, which fallbacks changed, and what appeared or disappeared.
+per device, which fallbacks changed, and what appeared or disappeared. (A
+plan is written and read back by `ShardingPlan.to_json` / `from_json`.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import TYPE_CHECKING, Any
 
-from jax.sharding import PartitionSpec
-
-from flax_dtensor import _errors, _plan_view, _specs
+from flax_dtensor import _plan_view, _specs
 
 if TYPE_CHECKING:
   from flax_dtensor._plan import PlanEntry, ShardingPlan
-
-
-_FIX = (
-  'Write it with `flax-dtensor plan TARGET --json > FILE` or '
-  '`fdt.plan(...).to_json()`.'
-)
-
-
-def _spec(entries: Any, where: str) -> PartitionSpec:
-  if not isinstance(entries, list):
-    raise _errors.LayoutFileError(
-      f'{where}: expected a spec as a list (one entry per dimension: null, '
-      f'a mesh axis name or a list of them); got {entries!r}. {_FIX}'
-    )
-  return PartitionSpec(
-    *(tuple(e) if isinstance(e, list) else e for e in entries)
-  )
-
-
-def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
-  """The plan `ShardingPlan.to_dict` wrote.
-
-  Raises:
-    LayoutFileError: If `data` is not such a dict; the message names the
-      first bad field.
-  """
-  from flax_dtensor._plan import (  # pylint: disable=g-import-not-at-top
-    PlanEntry,
-    ShardingPlan,
-  )
-
-  fix = _FIX
-  if not isinstance(data, dict) or not isinstance(data.get('variables'), list):
-    raise _errors.LayoutFileError(
-      f'{source} is not a plan: expected a JSON object with a "variables" '
-      f'list; got {type(data).__name__}. {fix}'
-    )
-  entries = []
-  for i, v in enumerate(data['variables']):
-    where = f'{source}, variable {i}'
-    try:
-      entries.append(
-        PlanEntry(
-          path=str(v['path']),
-          kind=str(v['kind']),
-          shape=tuple(int(d) for d in v['shape']),
-          dtype=str(v['dtype']),
-          logical_axes=(
-            None if v['logical_axes'] is None else tuple(v['logical_axes'])
-          ),
-          spec=_spec(v['spec'], f'{where} ({v["path"]!r})'),
-          bytes=int(v['bytes']),
-          bytes_per_device=int(v['bytes_per_device']),
-          fallbacks=tuple(v['fallbacks']),
-          placed=(
-            None if v.get('placed') is None else _spec(v['placed'], where)
-          ),
-        )
-      )
-    except (KeyError, TypeError, ValueError) as e:
-      if isinstance(e, _errors.LayoutFileError):
-        raise
-      raise _errors.LayoutFileError(
-        f'{where} is malformed ({type(e).__name__}: {e}). {fix}'
-      ) from e
-  mesh = data.get('mesh')
-  return ShardingPlan(
-    entries=tuple(entries),
-    mesh_axes=dict(mesh) if mesh else None,
-    num_devices=int(data.get('num_devices', 1)),
-  )
-
-
-def plan_from_json(text: str, source: str = 'the layout') -> ShardingPlan:
-  """The plan `ShardingPlan.to_json` wrote.
-
-  Raises:
-    LayoutFileError: If `text` is not JSON, or not a plan.
-  """
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise _errors.LayoutFileError(f'{source} is not JSON ({e}). {_FIX}') from e
-  return plan_from_dict(data, source)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,11 +68,17 @@ def mesh_text(plan: ShardingPlan) -> str:
 def totals_text(plan: ShardingPlan) -> str:
   ideal = plan.ideal_bytes_per_device
   ratio = plan.bytes_per_device / ideal if ideal else 1.0
-  return (
+  text = (
     f'{human_bytes(plan.bytes_per_device)} per device of '
     f'{human_bytes(plan.total_bytes)} in {len(plan.entries)} variables; '
     f'ideal {human_bytes(ideal)} ({ratio:.2f}x)'
   )
+  parts = {k: v for k, v in plan.bytes_per_device_by_category().items() if v}
+  if len(parts) > 1:
+    text += ' = ' + ' + '.join(
+      f'{human_bytes(v)} {k}' for k, v in parts.items()
+    )
+  return text
 
 
 def shape_text(entry: PlanEntry) -> str:

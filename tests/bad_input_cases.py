@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -240,6 +241,25 @@ CASES = [
     lambda ctx: fdt.check(
       ctx.model(), [('embed', 'data')], ctx.mesh, allow=['unused-rules']
     ),
+  ),
+  # Memory
+  Case(
+    'fdt.memory_report',
+    'an optax transformation where the nnx.Optimizer goes',
+    fdt.NotAModelError,
+    r'memory_report\(\) expected an nnx.Optimizer; got GradientTransformation',
+    'Pass nnx.Optimizer(model, tx, wrt=nnx.Param).',
+    lambda ctx: fdt.memory_report(
+      lambda m, o, b: 0.0, ctx.model(), optax.sgd(0.1), jnp.ones(8)
+    ),
+  ),
+  Case(
+    'fdt.plan',
+    'optimizer= that is neither an nnx.Optimizer nor optax',
+    fdt.NotAModelError,
+    r'optimizer= expected an nnx.Optimizer or an optax transformation; got str',
+    'Pass the nnx.Optimizer, or e.g. optax.adamw(1e-3).',
+    lambda ctx: fdt.plan(ctx.model(), optimizer='adam'),
   ),
   # Rules
   Case(

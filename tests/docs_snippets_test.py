@@ -83,7 +83,13 @@ CHECKS = {
   ),
   'linting.md': (
     "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
-    "assert \"Did you mean 'model'?\" in str(report)\n"
+    'assert "Did you mean \'model\'?" in str(report)\n'
+    'print("CHECKED")\n'
+  ),
+  'memory.md': (
+    'assert report.estimated_arguments == report.xla["arguments"], report\n'
+    "by = plan.bytes_per_device_by_category()\n"
+    "assert by['optimizer'] >= 2 * by['params'] > 0, by\n"
     'print("CHECKED")\n'
   ),
   'cli.md': (

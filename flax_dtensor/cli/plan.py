@@ -154,9 +154,9 @@ def plan(
       if report:
         raise typer.Exit(_command.EXIT_FAILURE)
     elif golden_text is not None:
-      from flax_dtensor import _plan_diff  # pylint: disable=g-import-not-at-top
+      from flax_dtensor import _plan  # pylint: disable=g-import-not-at-top
 
-      golden = _plan_diff.plan_from_json(golden_text, f'--diff {str(diff)!r}')
+      golden = _plan.plan_from_json(golden_text, f'--diff {str(diff)!r}')
       changes = result.diff(golden)
       _command.console().print(str(changes), highlight=False, markup=False)
       if changes:

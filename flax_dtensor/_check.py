@@ -202,9 +202,10 @@ def check(
     >>> report = fdt.check(
     ...     lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
     ...     rules, mesh, allow=['unused-rule'])
-    >>> print(report)
-    1 findings:
-      [unknown-mesh-axis] ('mlp', 'modle'): the mesh has no axis 'modle' (axes: ['data', 'model']), so this rule is always skipped. Did you mean 'model'? Fix the name, or remove the rule if the fallback is meant.
+    >>> [(f.code, f.subject) for f in report.findings]
+    [('unknown-mesh-axis', "('mlp', 'modle')")]
+    >>> "Did you mean 'model'?" in report.findings[0].message
+    True
   """
   allow = tuple(allow)
   unknown = sorted(set(allow) - set(CODES))

@@ -508,8 +508,9 @@ def plan(
     ...   p = fdt.plan(model)
     >>> p['kernel'].spec
     P('data', None)
-    >>> p['kernel'].fallbacks
-    ("dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16 (mesh axes ['model'])",)
+    >>> print(*p['kernel'].fallbacks)
+    dim 1 ('mlp'): 'model': dim size 24 is not divisible by 16
+    (mesh axes ['model'])
 
     Or from the factory, with the mesh and rules as arguments:
 

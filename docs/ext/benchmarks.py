@@ -21,7 +21,8 @@ from typing import Any
 
 from docutils import nodes
 from docutils.parsers.rst import Directive
-from docutils.statemachine import StringList
+from docutils.parsers.rst import Parser as RstParser
+from docutils.utils import new_document
 from sphinx.application import Sphinx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,12 +36,20 @@ def _load() -> dict[str, Any]:
   return json.loads(RESULTS.read_text())
 
 
-def _find(report: dict[str, Any] | None, group: str, **params: Any) -> Entry:
+def _find(
+  report: dict[str, Any] | None,
+  group: str,
+  role: str | None = None,
+  **params: Any,
+) -> Entry:
+  """The first entry of `group` with these params (and `role` measured)."""
   if report is None:
     return {}
   for entry in report['results']:
-    if entry['group'] == group and all(
-      entry['params'].get(k) == v for k, v in params.items()
+    if (
+      entry['group'] == group
+      and all(entry['params'].get(k) == v for k, v in params.items())
+      and (role is None or role in entry.get('methods', {}))
     ):
       return entry
   return {}
@@ -68,7 +77,9 @@ def _init_memory(r):
   e = _find(r, 'init', layers=24)
   mib = _median(e, 'ours', 'rss_above_baseline_mib')
   m = e.get('methods', {}).get('ours', {})
-  return mib * 2**20 / m['param_bytes'] if mib and m.get('param_bytes') else None
+  return (
+    mib * 2**20 / m['param_bytes'] if mib and m.get('param_bytes') else None
+  )
 
 
 def _double_model(r):
@@ -94,7 +105,12 @@ def _plan_variables(r):
 
 
 def _flax_1k(r):
-  return _median(_find(r, 'plan', variables=1000), 'peer')
+  return _median(_find(r, 'plan', 'peer', variables=1000), 'peer')
+
+
+def _plan_10k_over_flax_1k(r):
+  ours, flax = _plan_10k(r), _flax_1k(r)
+  return ours / flax if ours and flax else None
 
 
 def _plan_growth(r):
@@ -170,8 +186,15 @@ TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
     '`fdt.plan(factory)`, 10,000 variables: seconds',
     _plan_10k,
     ' s',
-    "≤ Flax's `nnx.eval_shape` of 1,000",
+    '',
     None,
+  ),
+  (
+    "same ÷ Flax's `nnx.eval_shape` of 1,000 variables",
+    _plan_10k_over_flax_1k,
+    'x',
+    '≤ 1.0x',
+    lambda v: v <= 1.0,
   ),
   (
     '`fdt.plan(factory)`: variables planned (10,000 built)',
@@ -195,16 +218,14 @@ TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
     lambda v: v <= 1.3,
   ),
   (
-    '`to_tf_module`, 512 MiB in 32 arrays, mixed layouts: time ÷ '
-    'orbax-export',
+    '`to_tf_module`, 512 MiB in 32 arrays, mixed layouts: time ÷ orbax-export',
     _to_tf,
     'x',
-    '≤ 0.5x, or TF\'s floor shown',
+    "≤ 0.5x, or TF's floor shown",
     lambda v: v <= 0.5,
   ),
   (
-    "same: time ÷ TF's floor (`dtensor.pack` + `DVariable` of the same "
-    'shards)',
+    "same: time ÷ TF's floor (`dtensor.pack` + `DVariable` of the same shards)",
     lambda r: _to_tf(r, b='limit'),
     'x',
     '(the floor)',
@@ -280,7 +301,9 @@ def _value(fn, report, fmt):
   return v, (f'{v:.2f}{fmt}' if fmt != ' s' else f'{v:.1f} s')
 
 
-def _list_table(header: list[str], rows: list[list[str]], widths=None) -> list[str]:
+def _list_table(
+  header: list[str], rows: list[list[str]], widths=None
+) -> list[str]:
   lines = ['.. list-table::', '   :header-rows: 1']
   if widths:
     lines.append('   :widths: ' + ' '.join(map(str, widths)))
@@ -368,7 +391,9 @@ def _growth_rows(report: dict[str, Any]) -> list[str]:
         ]
       )
   return _list_table(
-    ['What', 'Size', 'Time grows', 'Memory grows'], rows, widths=[40, 24, 18, 18]
+    ['What', 'Size', 'Time grows', 'Memory grows'],
+    rows,
+    widths=[40, 24, 18, 18],
   )
 
 
@@ -465,7 +490,7 @@ class Benchmarks(Directive):
     if 'before' in data:
       lines += [
         '"Before" is the same command on the code before this work '
-        f'({data["before"]["date"][:10]}, flax_dtensor\'s own measurements '
+        f"({data['before']['date'][:10]}, flax_dtensor's own measurements "
         'only).',
         '',
       ]
@@ -474,9 +499,11 @@ class Benchmarks(Directive):
     lines += _growth_rows(report)
     lines += ['.. rubric:: Every measurement', '']
     lines += _all_rows(report)
-    out = nodes.container()
-    self.state.nested_parse(StringList(lines), self.content_offset, out)
-    return out.children
+    # The lines are reStructuredText (list tables, rubrics, an image):
+    # parsed as such, whatever the page's own markup (MyST here).
+    document = new_document('<benchmarks>', self.state.document.settings)
+    RstParser().parse('\n'.join(lines), document)
+    return document.children
 
 
 def _make_plot(app: Sphinx) -> None:

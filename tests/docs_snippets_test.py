@@ -88,7 +88,7 @@ CHECKS = {
   ),
   'memory.md': (
     'assert report.estimated_arguments == report.xla["arguments"], report\n'
-    "by = plan.bytes_per_device_by_category()\n"
+    'by = plan.bytes_per_device_by_category()\n'
     "assert by['optimizer'] >= 2 * by['params'] > 0, by\n"
     'print("CHECKED")\n'
   ),

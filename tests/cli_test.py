@@ -90,7 +90,12 @@ def not_a_module() -> int:
 
 
 def run_cli(*args: str, timeout: float = TIMEOUT, **kwargs):
-  """Runs `python -m flax_dtensor ARGS`; returns the CompletedProcess."""
+  """Runs `python -m flax_dtensor ARGS`; returns the CompletedProcess.
+
+  Piped, the CLI prints at COLUMNS (80 when unset); unless a test gives its
+  own environment, 200 columns keep one table row per line to parse.
+  """
+  kwargs.setdefault('env', dict(os.environ, COLUMNS='200'))
   return subprocess.run(
     [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
     capture_output=True,
@@ -358,7 +363,8 @@ def test_sharding_texts_malformed(record):
 
 
 def test_plan_demo_table():
-  out = ok(run_cli('plan', DEMO_TARGET, '--mesh', 'data=2,model=4'))
+  piped = {k: v for k, v in os.environ.items() if k != 'COLUMNS'}
+  out = ok(run_cli('plan', DEMO_TARGET, '--mesh', 'data=2,model=4', env=piped))
   assert 'Sharding plan: mesh data=2, model=4 (8 devices)' in out
   # The totals: bytes per device against the ideal.
   assert 'ideal 232.9 KiB (1.12x)' in out

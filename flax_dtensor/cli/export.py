@@ -142,8 +142,8 @@ def export(
           method=method,
         )
     table = rich.table.Table(title='Exported', title_justify='left')
-    table.add_column('what')
-    table.add_column('path')
+    table.add_column('what', overflow='fold')
+    table.add_column('path', overflow='fold')
     table.add_column('size', justify='right')
     for name, path in outputs.items():
       table.add_row(

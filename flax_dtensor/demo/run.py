@@ -219,8 +219,8 @@ def _print_summary(
   console: rich.console.Console, summary: dict[str, Any], out: pathlib.Path
 ) -> None:
   files = rich.table.Table(title='Files written', title_justify='left')
-  files.add_column('what')
-  files.add_column('path')
+  files.add_column('what', overflow='fold')
+  files.add_column('path', overflow='fold')
   files.add_column('size', justify='right')
   labels = {
     'orbax': 'Orbax checkpoint (JAX)',
@@ -235,14 +235,14 @@ def _print_summary(
     )
   files.add_row('summary', str(out / 'summary.json'), '')
   timings = rich.table.Table(title='Timings', title_justify='left')
-  timings.add_column('phase')
+  timings.add_column('phase', overflow='fold')
   timings.add_column('seconds', justify='right')
   for phase, seconds in summary['seconds'].items():
     timings.add_row(phase, f'{seconds:.1f}')
   timings.add_row('[bold]total', f'[bold]{summary["total_seconds"]:.1f}')
   results = rich.table.Table(title='Results', title_justify='left')
-  results.add_column('measure')
-  results.add_column('value', justify='right')
+  results.add_column('measure', overflow='fold')
+  results.add_column('value', justify='right', overflow='fold')
   losses = summary['losses']
   results.add_row(
     'train loss, first -> last (nats/byte)',

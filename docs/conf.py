@@ -12,6 +12,7 @@ in ``flax_dtensor.__all__`` or ``flax_dtensor.dtensor.__all__`` is not
 documented.
 """
 
+import doctest
 import os
 import pathlib
 import shutil
@@ -143,3 +144,12 @@ def _execute_notebooks_for_html_only(app) -> None:
 def setup(app) -> None:
   # Before myst-nb reads its configuration (also on builder-inited).
   app.connect('builder-inited', _execute_notebooks_for_html_only, priority=1)
+
+# The docstring examples run under the same flags as tests/doctest_test.py
+# (wrapped expected output compares equal to one long line).
+doctest_default_flags = (
+  doctest.ELLIPSIS
+  | doctest.IGNORE_EXCEPTION_DETAIL
+  | doctest.DONT_ACCEPT_TRUE_FOR_1
+  | doctest.NORMALIZE_WHITESPACE
+)

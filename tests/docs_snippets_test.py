@@ -9,13 +9,11 @@ rules. The README's blocks are run by readme_test.py, the notebooks by the
 docs build.
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+import script_util
 
 import flax_dtensor as fdt
 
@@ -132,21 +130,7 @@ def test_page_runs_as_written(tmp_path, page):
   parts.append(CHECKS[page])
   script = tmp_path / 'page.py'
   script.write_text('\n'.join(parts))
-  env = {
-    **os.environ,
-    'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
-    'JAX_PLATFORMS': 'cpu',
-  }
-  run = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=tmp_path,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=env,
-    stdin=subprocess.DEVNULL,
-    check=False,
-  )
+  run = script_util.run_script(script, tmp_path, timeout=600)
   assert run.returncode == 0, f'{page}:\n{run.stderr[-4000:]}'
   assert run.stdout.rstrip().endswith('CHECKED')
 

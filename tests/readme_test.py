@@ -1,10 +1,9 @@
 """The README's quickstart runs as written, in a fresh process."""
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
+
+import script_util
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,20 +21,7 @@ def test_readme_quickstart_runs(tmp_path):
     + 'names = sorted(reader.get_variable_to_shape_map())\n'
     + "print('KEYS', [n for n in names if 'kernel' in n])\n"
   )
-  env = {
-    **os.environ,
-    'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
-    'JAX_PLATFORMS': 'cpu',
-  }
-  out = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=tmp_path,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    check=False,
-  )
+  out = script_util.run_script(script, tmp_path, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "P(None, 'model')" in out.stdout  # up/kernel: 'fsdp' fell back.
   assert "'embed' -> 'fsdp': the mesh has no axis 'fsdp'" in out.stdout

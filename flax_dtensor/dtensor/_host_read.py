@@ -21,22 +21,13 @@ from flax_dtensor.dtensor import (
   _layouts,
   _manifest,
   _selection,
+  _target,
   _tf,
   _tf_errors,
 )
 
 AHEAD = 2
 """Variables TF reads ahead of the one JAX is placing (host copies alive)."""
-
-
-def _astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
-  """`array.astype(dtype)`, keeping exactly `array.sharding`."""
-  out = array.astype(dtype)
-  if out.sharding == array.sharding:
-    return out
-  return jax.make_array_from_single_device_arrays(
-    out.shape, array.sharding, [s.data for s in out.addressable_shards]
-  )
 
 
 def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
@@ -167,11 +158,7 @@ def read_placed(
         checks.append(
           pool.submit(_manifest.verify_shards, manifest, records[e.key], array)
         )
-      if kinds[i][1] != e.dtype:  # convert_dtypes: as asked.
-        array = _astype(array, e.dtype)
-      if e.key_impl is not None:
-        array = jax.random.wrap_key_data(array, impl=e.key_impl)
-      arrays.append(array)
+      arrays.append(_target.as_target(array, e, kinds[i][1]))
       advance(1)
     for check in checks:
       check.result()

@@ -13,8 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _meshes, _output, _rules, _variables
+from flax_dtensor import _errors, _output, _rules, _variables
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -33,6 +32,7 @@ from flax_dtensor.dtensor import (
   _names,
   _paths,
   _selection,
+  _target,
   _tf,
   _tf_errors,
 )
@@ -180,205 +180,30 @@ def read_checkpoint(
 # ------------------------------------------------------------------------------
 
 
-def _own_sharding(
-  entry: _selection.Entry, mesh: jax.sharding.Mesh | None
-) -> jax.sharding.Sharding:
-  """The target value's own sharding, made concrete."""
-  value = _variables.value_of(entry.variable)
-  sharding = getattr(value, 'sharding', None)
-  if mesh is None:
-    current = _meshes.mesh_for()
-    mesh = current if isinstance(current, jax.sharding.Mesh) else None
-  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-    sharding.mesh, jax.sharding.AbstractMesh
-  ):
-    if mesh is None:
-      raise _errors.ExportError(
-        f'The target variable {entry.name!r} has a sharding on an abstract '
-        f'mesh ({sharding.spec} on {sharding.mesh}): expected a concrete '
-        'mesh to place it on. Call restore_checkpoint under '
-        'jax.set_mesh(mesh), or pass `mesh=`.'
-      )
-    if mesh.abstract_mesh != sharding.mesh:
-      raise _errors.ExportError(
-        f'The target variable {entry.name!r} is sharded over the abstract '
-        f'mesh {sharding.mesh}, but the mesh given is {mesh.abstract_mesh}: '
-        'expected the same axis names and sizes.'
-      )
-    sharding = jax.sharding.NamedSharding(mesh, sharding.spec)
-  if sharding is None:
-    if mesh is not None:
-      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    elif jax.process_count() == 1:
-      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    else:
-      raise _errors.ExportError(
-        f'The target variable {entry.name!r} has no sharding: expected one '
-        'in a multi-process run. Build the target under jax.set_mesh(mesh), '
-        'or pass `mesh=`.'
-      )
-  return sharding
+def _held(
+  shapes: Any, dtypes: Any, manifest: _manifest.Manifest | None
+) -> dict[_names.Path, _target.Held]:
+  """What the checkpoint holds, by NNX path (its other keys left out).
 
-
-def target_sharding(
-  entry: _selection.Entry,
-  mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
-) -> jax.sharding.Sharding:
-  """The concrete sharding the restored array of `entry` must have.
-
-  An annotated variable is resolved by the rules in effect on the mesh
-  that applies (`_meshes.mesh_for`); any other variable, and every variable
-  when no rules are in effect at all, keeps its value's own sharding.
-  """
-  sharding = None
-  no_rules = isinstance(rules, _rules.FlaxRules) and not rules.pairs
-  placement = _meshes.mesh_for(entry.variable, mesh=mesh)
-  if not isinstance(placement, jax.sharding.Mesh) or (
-    no_rules and not entry.variable.get_metadata('sharding_rules', None)
-  ):
-    placement = None
-  if placement is not None:
-    resolution = _variables.spec_of_variable(
-      entry.variable, rules=rules, mesh=placement, path=entry.name
-    )
-    if resolution is not None:
-      sharding = jax.sharding.NamedSharding(placement, resolution.spec)
-  if sharding is None:
-    sharding = _own_sharding(entry, mesh)
-  if entry.key_impl is not None and isinstance(
-    sharding, jax.sharding.NamedSharding
-  ):
-    # The key-data dimension is not sharded.
-    spec = tuple(sharding.spec) + (None,) * (
-      len(entry.shape) - len(sharding.spec)
-    )
-    sharding = jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*spec)
-    )
-  return sharding
-
-
-def _check_against(
-  entries: Sequence[_selection.Entry],
-  shapes: Any,
-  dtypes: Any,
-  manifest: _manifest.Manifest | None,
-  prefix: str,
-  convert_dtypes: bool,
-) -> list[tuple[np.dtype, np.dtype]]:
-  """Per entry, (stored dtype, saved dtype); ExportError if it does not fit.
-
-  A restore never changes a value unless asked to: the dtype a variable was
-  saved with (the manifest's; without one, the dtype the checkpoint holds)
-  must be the target's, or `convert_dtypes` must be set.
+  The dtype a variable was saved with is the manifest's; without one, the
+  dtype the checkpoint holds.
   """
   records = manifest.by_key if manifest is not None else {}
-  out = []
-  for e in entries:
-    if e.key not in shapes:
-      held = sorted(
-        _names.path_text(p) for p in map(_names.nnx_path, shapes) if p
-      )
-      shown = _variables.listing(held)
-      raise _errors.ExportError(
-        f'The checkpoint {prefix!r} has no variable {e.name!r} (key '
-        f'{e.key!r}), which the target needs. It holds {len(held)} '
-        f'variables: {shown}. Restore with a narrower `include=`/`exclude=` '
-        '(e.g. `include=nnx.Param` for a checkpoint of the parameters '
-        'only), or a checkpoint saved from the same model.'
-      )
-    shape = tuple(shapes[e.key])
-    if shape != e.shape:
-      raise _errors.ExportError(
-        f'Shape mismatch for {e.name!r}: the target expects {e.shape}, the '
-        f'checkpoint {prefix!r} holds {shape}. Build the target with the '
-        'shapes that were saved (the same model configuration), or leave '
-        'this variable out with `include=`/`exclude=`.'
-      )
-    stored = np.dtype(dtypes[e.key].as_numpy_dtype)
-    record = records.get(e.key)
+  out = {}
+  for key, shape in shapes.items():
+    path = _names.nnx_path(key)
+    if path is None:
+      continue
+    stored = np.dtype(dtypes[key].as_numpy_dtype)
+    record = records.get(key)
     if record is not None:
       saved = _dtypes.from_name(record.dtype, manifest.where)
-      where = f'saved as {saved}, stored as {stored}'
+      note = f'saved as {saved}, stored as {stored}'
     else:
       saved = stored
-      where = f'holds {stored}, and it has no manifest saying otherwise'
-    if saved != e.dtype and not convert_dtypes:
-      raise _errors.ExportError(
-        f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, the '
-        f'checkpoint {prefix!r} has {saved} ({where}). A restore does not '
-        'convert unless asked (that could round or wrap values): build the '
-        f'target with dtype {saved} (e.g. `param_dtype=`), pass '
-        '`convert_dtypes=True`, or leave this variable out with '
-        '`include=`/`exclude=`.'
-      )
-    out.append((stored, saved))
+      note = f'holds {stored}, and it has no manifest saying otherwise'
+    out[path] = _target.Held(tuple(shape), stored, saved, note)
   return out
-
-
-def _check_extra(
-  target: Any, shapes: Any, prefix: str, allow_extra: bool
-) -> None:
-  """Refuses a checkpoint holding variables the target does not have."""
-  if allow_extra:
-    return
-  known = {tuple(p) for p, _ in _variables.iter_variables(target)}
-  extra = sorted(
-    _names.path_text(p)
-    for p in map(_names.nnx_path, shapes)
-    if p is not None and p not in known
-  )
-  if extra:
-    raise _errors.ExportError(
-      f'The checkpoint {prefix!r} holds {len(extra)} variable(s) the target '
-      f'does not have: {_variables.listing(extra)}. Expected a checkpoint of this model: restore '
-      'into the model that was saved, or pass `allow_extra=True` to restore '
-      'the variables the target has and ignore the others.'
-    )
-
-
-def _fill_abstract(
-  target: Any, restored: set[tuple[Any, ...]], rng_seed: int | None
-) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
-  """Values for target variables that stay abstract; or an error naming them."""
-  filled, missing = [], []
-  for path, variable in _variables.iter_variables(target):
-    value = _variables.value_of(variable)
-    if tuple(path) in restored or not isinstance(value, jax.ShapeDtypeStruct):
-      continue
-    if rng_seed is not None and isinstance(variable, nnx.RngState):
-      filled.append(
-        (tuple(path), variable.copy(_rng_value(path, value, rng_seed)))
-      )
-    else:
-      missing.append(_names.path_text(path))
-  if missing:
-    raise _errors.ExportError(
-      f'The target is abstract, and {len(missing)} of its variables are not '
-      f'restored from the checkpoint: {_variables.listing(missing)}. Expected every variable of '
-      'an abstract target to get a value: restore them too (`include=`, '
-      '`exclude=`), pass `rng_seed=` to seed RNG state, or restore into a '
-      'concrete model, whose other variables keep their values.'
-    )
-  return filled
-
-
-def _rng_value(path: Any, abstract: jax.ShapeDtypeStruct, seed: int) -> Any:
-  sharding = getattr(abstract, 'sharding', None)
-  if not isinstance(getattr(sharding, 'mesh', None), jax.sharding.Mesh):
-    sharding = None
-  if _dtypes.is_key(abstract.dtype):
-    # JAX has no public accessor for an abstract key's implementation.
-    impl = getattr(abstract.dtype, '_impl', None)
-    key = jax.random.fold_in(
-      jax.random.key(seed, impl=impl),
-      zlib.crc32(_names.path_text(path).encode()) & 0x7FFFFFFF,
-    )
-    value = jax.random.split(key, abstract.shape) if abstract.shape else key
-  else:
-    value = np.zeros(abstract.shape, abstract.dtype)
-  return jax.device_put(value, sharding) if sharding is not None else value
 
 
 @contextlib.contextmanager
@@ -477,17 +302,17 @@ def restore_checkpoint(
   _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
   _, shapes, dtypes = _reader(prefix, manifest)
-  _check_extra(target, shapes, prefix, allow_extra)
-  kinds = _check_against(
-    entries, shapes, dtypes, manifest, prefix, convert_dtypes
+  held = _held(shapes, dtypes, manifest)
+  source = _target.Source(
+    f'The checkpoint {prefix!r}', 'a checkpoint', 'saved', keys=True
   )
+  _target.check_extra(target, held, source, allow_extra)
+  kinds = [
+    (h.stored, h.saved)
+    for h in _target.check_held(entries, held, source, convert_dtypes)
+  ]
   show = _convert.show_progress(progress, len(entries))
-  shardings = []
-  for e in entries:
-    sharding = target_sharding(e, mesh, rules_)
-    if jax.process_count() > 1:
-      _selection.check_spans_processes(e.name, sharding)
-    shardings.append(sharding)
+  shardings = _target.target_shardings(entries, mesh, rules_)
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   with (
     _translated(prefix),
@@ -501,11 +326,4 @@ def restore_checkpoint(
     arrays = _host_read.read_placed(
       prefix, entries, kinds, shardings, manifest, advance
     )
-  flat = [
-    (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
-  ]
-  if isinstance(target, nnx.State):
-    return nnx.from_flat_state(flat)  # type: ignore[return-value]
-  flat += _fill_abstract(target, {e.path for e in entries}, rng_seed)
-  nnx.update(target, nnx.from_flat_state(flat))
-  return target
+  return _target.fill(target, entries, arrays, rng_seed)

@@ -1,0 +1,322 @@
+"""Restore targets: where each array goes, and what a source must hold.
+
+Shared by `restore_checkpoint` (from disk) and `from_tf_module` (from TF
+variables in memory). `target_shardings` gives each selected variable the
+sharding the rules in effect say (`_variables.spec_of_variable`), or its
+value's own; `check_held` and `check_extra` refuse a source that is not
+exactly the target's (missing or extra variables, shapes, dtypes); `fill`
+puts the placed arrays into the target, an abstract one entirely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flax_dtensor import _errors, _meshes, _rules, _variables
+from flax_dtensor.dtensor import _dtypes, _names, _selection
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """How messages name what a restore reads from.
+
+  Attributes:
+    name: The source, as the subject of a sentence ("The checkpoint
+      '/x/ckpt'", "The tf.Module").
+    kind: What a matching source is ("a checkpoint", "TF variables").
+    verb: How the source was made from a model ("saved", "exported").
+    keys: Whether messages show a variable's checkpoint key.
+  """
+
+  name: str
+  kind: str
+  verb: str
+  keys: bool = False
+
+  @property
+  def object(self) -> str:
+    """The name in the middle of a sentence ("the checkpoint ...")."""
+    return self.name[:1].lower() + self.name[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """What a source holds for one variable.
+
+  Attributes:
+    shape: Its shape.
+    stored: The dtype the source holds it in.
+    saved: The dtype the variable had when it was exported (a checkpoint
+      stores some dtypes widened).
+    note: Where `saved` comes from, for messages ('' if nothing to say).
+  """
+
+  shape: tuple[int, ...]
+  stored: np.dtype
+  saved: np.dtype
+  note: str = ''
+
+
+# Where each array goes
+# ------------------------------------------------------------------------------
+
+
+def _own_sharding(
+  entry: _selection.Entry, mesh: jax.sharding.Mesh | None
+) -> jax.sharding.Sharding:
+  """The target value's own sharding, made concrete."""
+  value = _variables.value_of(entry.variable)
+  sharding = getattr(value, 'sharding', None)
+  if mesh is None:
+    current = _meshes.mesh_for()
+    mesh = current if isinstance(current, jax.sharding.Mesh) else None
+  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+    sharding.mesh, jax.sharding.AbstractMesh
+  ):
+    if mesh is None:
+      raise _errors.ExportError(
+        f'The target variable {entry.name!r} has a sharding on an abstract '
+        f'mesh ({sharding.spec} on {sharding.mesh}): expected a concrete '
+        'mesh to place it on. Restore under jax.set_mesh(mesh), or pass '
+        '`mesh=`.'
+      )
+    if mesh.abstract_mesh != sharding.mesh:
+      raise _errors.ExportError(
+        f'The target variable {entry.name!r} is sharded over the abstract '
+        f'mesh {sharding.mesh}, but the mesh given is {mesh.abstract_mesh}: '
+        'expected the same axis names and sizes.'
+      )
+    sharding = jax.sharding.NamedSharding(mesh, sharding.spec)
+  if sharding is None:
+    if mesh is not None:
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    elif jax.process_count() == 1:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    else:
+      raise _errors.ExportError(
+        f'The target variable {entry.name!r} has no sharding: expected one '
+        'in a multi-process run. Build the target under jax.set_mesh(mesh), '
+        'or pass `mesh=`.'
+      )
+  return sharding
+
+
+def target_sharding(
+  entry: _selection.Entry,
+  mesh: jax.sharding.Mesh | None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+) -> jax.sharding.Sharding:
+  """The concrete sharding the restored array of `entry` must have.
+
+  An annotated variable is resolved by the rules in effect on the mesh
+  that applies (`_meshes.mesh_for`); any other variable, and every variable
+  when no rules are in effect at all, keeps its value's own sharding.
+  """
+  sharding = None
+  no_rules = isinstance(rules, _rules.FlaxRules) and not rules.pairs
+  placement = _meshes.mesh_for(entry.variable, mesh=mesh)
+  if not isinstance(placement, jax.sharding.Mesh) or (
+    no_rules and not entry.variable.get_metadata('sharding_rules', None)
+  ):
+    placement = None
+  if placement is not None:
+    resolution = _variables.spec_of_variable(
+      entry.variable, rules=rules, mesh=placement, path=entry.name
+    )
+    if resolution is not None:
+      sharding = jax.sharding.NamedSharding(placement, resolution.spec)
+  if sharding is None:
+    sharding = _own_sharding(entry, mesh)
+  if entry.key_impl is not None and isinstance(
+    sharding, jax.sharding.NamedSharding
+  ):
+    # The key-data dimension is not sharded.
+    spec = tuple(sharding.spec) + (None,) * (
+      len(entry.shape) - len(sharding.spec)
+    )
+    sharding = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*spec)
+    )
+  return sharding
+
+
+def target_shardings(
+  entries: Sequence[_selection.Entry],
+  mesh: jax.sharding.Mesh | None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+) -> list[jax.sharding.Sharding]:
+  """`target_sharding` of each entry; each over every process if several."""
+  out = []
+  for e in entries:
+    sharding = target_sharding(e, mesh, rules)
+    if jax.process_count() > 1:
+      _selection.check_spans_processes(e.name, sharding)
+    out.append(sharding)
+  return out
+
+
+# What the source must hold
+# ------------------------------------------------------------------------------
+
+
+def check_held(
+  entries: Sequence[_selection.Entry],
+  held: Mapping[_names.Path, Held],
+  source: Source,
+  convert_dtypes: bool,
+) -> list[Held]:
+  """What the source holds for each entry; ExportError if it does not fit.
+
+  A restore never changes a value unless asked to: the dtype a variable
+  was exported with must be the target's, or `convert_dtypes` must be set.
+  """
+  out = []
+  for e in entries:
+    h = held.get(e.path)
+    if h is None:
+      names = sorted(_names.path_text(p) for p in held)
+      key = f' (key {e.key!r})' if source.keys else ''
+      raise _errors.ExportError(
+        f'{source.name} has no variable {e.name!r}{key}, which the target '
+        f'needs. It holds {len(names)} variables: '
+        f'{_variables.listing(names)}. Restore with a narrower '
+        '`include=`/`exclude=` (e.g. `include=nnx.Param` for '
+        f'{source.kind} of the parameters only), or {source.kind} '
+        f'{source.verb} from the same model.'
+      )
+    if h.shape != e.shape:
+      raise _errors.ExportError(
+        f'Shape mismatch for {e.name!r}: the target expects {e.shape}, '
+        f'{source.object} holds {h.shape}. Build the target with the shapes '
+        f'that were {source.verb} (the same model configuration), or leave '
+        'this variable out with `include=`/`exclude=`.'
+      )
+    if h.saved != e.dtype and not convert_dtypes:
+      note = f' ({h.note})' if h.note else ''
+      raise _errors.ExportError(
+        f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, '
+        f'{source.object} has {h.saved}{note}. A restore does not convert '
+        'unless asked (that could round or wrap values): build the target '
+        f'with dtype {h.saved} (e.g. `param_dtype=`), pass '
+        '`convert_dtypes=True`, or leave this variable out with '
+        '`include=`/`exclude=`.'
+      )
+    out.append(h)
+  return out
+
+
+def check_extra(
+  target: Any,
+  held: Mapping[_names.Path, Any],
+  source: Source,
+  allow_extra: bool,
+) -> None:
+  """Refuses a source holding variables the target does not have."""
+  if allow_extra:
+    return
+  known = {tuple(p) for p, _ in _variables.iter_variables(target)}
+  extra = sorted(_names.path_text(p) for p in held if p not in known)
+  if extra:
+    raise _errors.ExportError(
+      f'{source.name} holds {len(extra)} variable(s) the target does not '
+      f'have: {_variables.listing(extra)}. Expected {source.kind} of this '
+      f'model: restore into the model that was {source.verb}, or pass '
+      '`allow_extra=True` to restore the variables the target has and '
+      'ignore the others.'
+    )
+
+
+# Filling the target
+# ------------------------------------------------------------------------------
+
+
+def as_target(
+  array: jax.Array, entry: _selection.Entry, saved: np.dtype
+) -> jax.Array:
+  """A placed array in the target's form: its dtype, a typed key if one."""
+  if saved != entry.dtype:  # convert_dtypes: as asked.
+    array = astype(array, entry.dtype)
+  if entry.key_impl is not None:
+    array = jax.random.wrap_key_data(array, impl=entry.key_impl)
+  return array
+
+
+def astype(array: jax.Array, dtype: np.dtype) -> jax.Array:
+  """`array.astype(dtype)`, keeping exactly `array.sharding`."""
+  out = array.astype(dtype)
+  if out.sharding == array.sharding:
+    return out
+  return jax.make_array_from_single_device_arrays(
+    out.shape, array.sharding, [s.data for s in out.addressable_shards]
+  )
+
+
+def fill(
+  target: Any,
+  entries: Sequence[_selection.Entry],
+  arrays: Sequence[jax.Array],
+  rng_seed: int | None,
+) -> Any:
+  """Puts `arrays` into the target: a module in place, or a new state.
+
+  Raises:
+    ExportError: If an abstract target would keep abstract variables.
+  """
+  flat = [
+    (e.path, e.variable.copy(a)) for e, a in zip(entries, arrays, strict=True)
+  ]
+  if isinstance(target, nnx.State):
+    return nnx.from_flat_state(flat)
+  flat += _fill_abstract(target, {e.path for e in entries}, rng_seed)
+  nnx.update(target, nnx.from_flat_state(flat))
+  return target
+
+
+def _fill_abstract(
+  target: Any, restored: set[tuple[Any, ...]], rng_seed: int | None
+) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
+  """Values for target variables that stay abstract; or an error naming them."""
+  filled, missing = [], []
+  for path, variable in _variables.iter_variables(target):
+    value = _variables.value_of(variable)
+    if tuple(path) in restored or not isinstance(value, jax.ShapeDtypeStruct):
+      continue
+    if rng_seed is not None and isinstance(variable, nnx.RngState):
+      filled.append(
+        (tuple(path), variable.copy(_rng_value(path, value, rng_seed)))
+      )
+    else:
+      missing.append(_names.path_text(path))
+  if missing:
+    raise _errors.ExportError(
+      f'The target is abstract, and {len(missing)} of its variables are not '
+      f'restored: {_variables.listing(missing)}. Expected every variable '
+      'of an abstract target to get a value: restore them too (`include=`, '
+      '`exclude=`), pass `rng_seed=` to seed RNG state, or restore into a '
+      'concrete model, whose other variables keep their values.'
+    )
+  return filled
+
+
+def _rng_value(path: Any, abstract: jax.ShapeDtypeStruct, seed: int) -> Any:
+  sharding = getattr(abstract, 'sharding', None)
+  if not isinstance(getattr(sharding, 'mesh', None), jax.sharding.Mesh):
+    sharding = None
+  if _dtypes.is_key(abstract.dtype):
+    # JAX has no public accessor for an abstract key's implementation.
+    impl = getattr(abstract.dtype, '_impl', None)
+    key = jax.random.fold_in(
+      jax.random.key(seed, impl=impl),
+      zlib.crc32(_names.path_text(path).encode()) & 0x7FFFFFFF,
+    )
+    value = jax.random.split(key, abstract.shape) if abstract.shape else key
+  else:
+    value = np.zeros(abstract.shape, abstract.dtype)
+  return jax.device_put(value, sharding) if sharding is not None else value

@@ -11,6 +11,7 @@ from flax_dtensor.dtensor._arrays import dtensor_to_array as dtensor_to_array
 from flax_dtensor.dtensor._checkpoint import save_checkpoint as save_checkpoint
 from flax_dtensor.dtensor._convert import flat_variables as flat_variables
 from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
+from flax_dtensor.dtensor._from_tf import from_tf_module as from_tf_module
 from flax_dtensor.dtensor._layouts import layout_for as layout_for
 from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
 from flax_dtensor.dtensor._names import checkpoint_key as checkpoint_key
@@ -31,6 +32,7 @@ __all__ = (
   'checkpoint_key',
   'dtensor_to_array',
   'flat_variables',
+  'from_tf_module',
   'initialize',
   'is_initialized',
   'layout_for',

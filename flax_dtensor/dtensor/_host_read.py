@@ -9,7 +9,7 @@ placed shard's CRC against the manifest.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -103,15 +103,29 @@ def _read(
   return pieces
 
 
-def _place(
-  pieces: dict[_manifest.Index, np.ndarray],
+def place(
+  pieces: Mapping[_manifest.Index, np.ndarray],
   shape: tuple[int, ...],
   sharding: jax.sharding.Sharding,
+  *,
+  own: Mapping[jax.Device, tuple[_manifest.Index, np.ndarray]] | None = None,
 ) -> jax.Array:
-  """The array made of host slices, placed as `sharding` says (JAX copies)."""
+  """The array made of host slices, placed as `sharding` says.
+
+  On CPU, JAX uses a suitably aligned host slice as the device buffer
+  itself; elsewhere it copies. `own` maps a device to a slice held for it
+  (its global index and data), used where the device needs exactly that
+  slice: replicas then keep a buffer each rather than sharing one piece.
+  """
   targets = sharding.addressable_devices_indices_map(shape)
   devices = list(targets)
-  views = [pieces[_layouts.normalize_index(targets[d], shape)] for d in devices]
+  views = []
+  for d in devices:
+    index = _layouts.normalize_index(targets[d], shape)
+    mine = own.get(d) if own is not None else None
+    views.append(
+      mine[1] if mine is not None and mine[0] == index else pieces[index]
+    )
   arrays = jax.device_put(views, devices)  # One batched call.
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
@@ -152,7 +166,7 @@ def read_placed(
       pieces = reads.pop(i).result()
       if i + AHEAD < len(entries):
         reads[i + AHEAD] = submit(i + AHEAD)
-      array = _place(pieces, tuple(e.shape), shardings[i])
+      array = place(pieces, tuple(e.shape), shardings[i])
       del pieces
       if e.key in records:
         checks.append(

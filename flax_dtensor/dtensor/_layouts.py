@@ -291,6 +291,13 @@ def _local_index() -> dict[jax.Device, int]:
   return _local_index_cache
 
 
+def local_jax_device(tf_device: str) -> jax.Device:
+  """The local JAX device a TF logical CPU device (`initialize`) stands for."""
+  index = _tf.tf().DeviceSpec.from_string(tf_device).device_index
+  by_index = {k: d for d, k in _local_index().items()}
+  return by_index[index]
+
+
 def _build_dtensor_mesh(names: list[str], devices: np.ndarray) -> Any:
   """Builds a DTensor mesh: device id `p` is JAX device `devices.flat[p]`."""
   dt = _tf.dtensor()

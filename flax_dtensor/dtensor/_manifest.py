@@ -518,12 +518,13 @@ def verify_shards(
     pieces = [(tuple((0, n) for n in np.shape(value)), value)]
   for index, crc in record.shards:
     for held, data in pieces:
-      if _contains(held, index):
+      if contains(held, index):
         _check_shard(manifest, record, index, crc, data, held)
         break
 
 
-def _contains(held: Index, index: Index) -> bool:
+def contains(held: Index, index: Index) -> bool:
+  """Whether the global slice `held` contains the global slice `index`."""
   return all(
     h0 <= i0 and i1 <= h1
     for (i0, i1), (h0, h1) in zip(index, held, strict=True)

@@ -1,0 +1,338 @@
+"""The way back in memory: TF variables into a sharded NNX model or state.
+
+`from_tf_module` matches TF variables to the target's variables by exact
+NNX path (`_names`) and checks them as a restore checks a checkpoint
+(`_target`). It reads each DTensor's local components (`dtensor.unpack`),
+whose global slices follow from the DTensor layout by mesh position, and
+places the slices the target's sharding needs (`_host_read.place`). In a
+multi-process run, JAX moves what another process holds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import filterlib
+
+from flax_dtensor import _errors, _meshes, _output, _rules
+from flax_dtensor.dtensor import (
+  _arrays,
+  _convert,
+  _host_read,
+  _layouts,
+  _manifest,
+  _names,
+  _selection,
+  _target,
+  _tf,
+  _topology,
+)
+
+A = TypeVar('A')
+Index = _manifest.Index
+
+_EXPECTED_SOURCE = (
+  'Expected a tf.Module from to_tf_module (or a SavedModel of '
+  'save_saved_model loaded by tf.saved_model.load), a dict of TF variables '
+  "keyed by NNX path (('layers', 0, 'kernel') or 'layers/0/kernel'), or a "
+  'list of TF variables named by NNX path'
+)
+_TF_NAME_SUFFIX = re.compile(r':\d+$')
+
+
+def _key_path(key: Any, where: str) -> _names.Path:
+  """The NNX path a dict key or variable name stands for."""
+  if isinstance(key, str):
+    path = _names.parse_path(key)
+  elif isinstance(key, tuple) and key:
+    path = key
+  else:
+    raise _errors.ExportError(
+      f'{_EXPECTED_SOURCE}; got {where} {key!r} ({type(key).__name__}). '
+      "Key each variable by its NNX path: a tuple of keys or a '/'-joined "
+      'str.'
+    )
+  for part in path:
+    _names.component(part)  # Raises on keys that are neither str nor int.
+  return path
+
+
+def _variables_of(
+  source: Any,
+) -> tuple[dict[_names.Path, Any], _target.Source]:
+  """The TF variables (or tensors) of `source` by NNX path, and its name."""
+  tf = _tf.tf()
+  if isinstance(source, Mapping):
+    what = _target.Source(
+      'The dict of TF variables', 'TF variables', 'exported'
+    )
+    pairs = [(_key_path(k, 'the key'), k, v) for k, v in source.items()]
+  elif isinstance(source, list | tuple):
+    what = _target.Source(
+      'The list of TF variables', 'TF variables', 'exported'
+    )
+    pairs = []
+    for v in source:
+      if not isinstance(v, tf.Variable):
+        raise _errors.ExportError(
+          f'{_EXPECTED_SOURCE}; got a list holding {type(v).__name__} '
+          f'{v!r:.100}. Put only TF variables in the list, or pass a dict '
+          'keyed by NNX path.'
+        )
+      name = _TF_NAME_SUFFIX.sub('', v.name)
+      pairs.append((_key_path(name, 'a variable named'), v.name, v))
+  elif hasattr(source, _names.STATE_ATTRIBUTE):
+    what = _target.Source('The tf.Module', 'a tf.Module', 'exported')
+    flat = _convert.flat_variables(source)
+    pairs = [(p, _names.path_text(p), v) for p, v in flat.items()]
+  else:
+    raise _errors.ExportError(
+      f'{_EXPECTED_SOURCE}; got {type(source).__name__}: {source!r:.100}.'
+    )
+  out: dict[_names.Path, Any] = {}
+  keys: dict[_names.Path, Any] = {}
+  for path, key, value in pairs:
+    name = _names.path_text(path)
+    if path in out:
+      raise _errors.ExportError(
+        f'{what.name} holds two TF variables for the NNX path {name!r}: '
+        f'{keys[path]!r} and {key!r}. Expected one per path; keep one.'
+      )
+    if not isinstance(value, tf.Variable | tf.Tensor):
+      raise _errors.ExportError(
+        f'Expected a TF variable or tensor for the NNX path {name!r}, got '
+        f'{type(value).__name__}: {value!r:.100}.'
+      )
+    out[path], keys[path] = value, key
+  return out, what
+
+
+def _held(value: Any) -> _target.Held:
+  shape = tuple(value.shape.as_list())
+  dtype = np.dtype(value.dtype.as_numpy_dtype)
+  return _target.Held(shape, dtype, dtype)
+
+
+def _is_dtensor(t: Any) -> bool:
+  return _topology.is_initialized() and bool(_tf.dtensor().is_dtensor(t))
+
+
+def _pieces(
+  t: Any, shape: tuple[int, ...]
+) -> tuple[dict[Index, np.ndarray], dict[jax.Device, tuple[Index, np.ndarray]]]:
+  """This process's slices of a tensor on the host, without copies.
+
+  Returns the slices by global index, and by the JAX device each DTensor
+  component lives on. A DTensor's local components (in the order of its
+  mesh's local devices, as `dtensor.unpack` gives them) each hold the
+  global slice their mesh position implies, and each lives on one TF
+  logical CPU device, which stands for one local JAX device. A plain
+  tensor holds everything.
+  """
+  if not _is_dtensor(t):
+    whole = tuple((0, n) for n in shape)
+    return {whole: _arrays.tensor_numpy(t)}, {}
+  dtensor = _tf.dtensor()
+  dmesh = dtensor.fetch_layout(t).mesh
+  indices = _layouts.component_indices(
+    dmesh, list(dtensor.fetch_layout(t).sharding_specs), shape
+  )
+  pieces: dict[Index, np.ndarray] = {}
+  own: dict[jax.Device, tuple[Index, np.ndarray]] = {}
+  for index, device, component in zip(
+    indices, dmesh.local_devices(), dtensor.unpack(t), strict=True
+  ):
+    data = _arrays.tensor_numpy(component)
+    pieces.setdefault(index, data)  # Replicas hold the same values.
+    own[_layouts.local_jax_device(device)] = (index, data)
+  return pieces, own
+
+
+def _local(index: Index, held: Index) -> tuple[slice, ...]:
+  """`index` relative to the slice `held`."""
+  return tuple(
+    slice(a - h, b - h) for (a, b), (h, _) in zip(index, held, strict=True)
+  )
+
+
+def _slice_of(pieces: dict[Index, np.ndarray], index: Index) -> np.ndarray:
+  """The global slice `index`: a view when one piece holds it, else a copy."""
+  if index in pieces:
+    return pieces[index]
+  for held, data in pieces.items():
+    if _manifest.contains(held, index):
+      return data[_local(index, held)]
+  first = next(iter(pieces.values()))
+  out = np.empty([b - a for a, b in index], first.dtype)
+  covered = 0
+  for held, data in pieces.items():
+    overlap = tuple(
+      (max(a, h0), min(b, h1))
+      for (a, b), (h0, h1) in zip(index, held, strict=True)
+    )
+    if any(lo >= hi for lo, hi in overlap):
+      continue
+    out[_local(overlap, index)] = data[_local(overlap, held)]
+    covered += math.prod(hi - lo for lo, hi in overlap)
+  # The pieces of one layout are disjoint blocks covering the array.
+  assert covered == out.size, (index, sorted(pieces))
+  return out
+
+
+def _placed_on_host(
+  t: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> jax.Array:
+  """The tensor's values placed as `sharding` says, via host slices."""
+  pieces, own = _pieces(t, shape)
+  wanted = {
+    _layouts.normalize_index(index, shape)
+    for index in sharding.addressable_devices_indices_map(shape).values()
+  }
+  slices = {index: _slice_of(pieces, index) for index in wanted}
+  return _host_read.place(slices, shape, sharding, own=own)
+
+
+def _placed_by_jax(
+  t: Any,
+  sharding: jax.sharding.Sharding,
+  mesh: jax.sharding.Mesh | None,
+) -> jax.Array:
+  """A DTensor over several processes placed as `sharding` says.
+
+  Its components become the shards of a JAX array with the same layout
+  (`dtensor_to_array`, zero-copy), which JAX moves collectively: every
+  process takes this path for the same variables, in the same order.
+  """
+  dmesh = _tf.dtensor().fetch_layout(t).mesh
+  source_mesh = None if _layouts.lookup(dmesh) is not None else mesh
+  array = _arrays.dtensor_to_array(t, mesh=source_mesh)
+  if array.sharding == sharding:
+    return array
+  return jax.device_put(array, sharding)
+
+
+def from_tf_module(
+  tf_module_or_dvariables: Any,
+  target: A,
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = nnx.RngState,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: _rules.RulesLike | None = None,
+  allow_extra: bool = False,
+  convert_dtypes: bool = False,
+  rng_seed: int | None = None,
+  progress: bool | None = None,
+) -> A:
+  """Returns TF variables as a sharded NNX model or state, in memory.
+
+  The way back from `to_tf_module`, with nothing written to disk: after
+  TensorFlow changed the variables (an optimizer step, an `assign_add`),
+  their values come back into an NNX model, sharded by the rules, as
+  `restore_checkpoint` does from a checkpoint. Variables are matched by
+  their exact NNX path: the paths `to_tf_module` gave them, the keys of a
+  dict, or the names of the variables in a list.
+
+  Each process reads its own DTensor components (`dtensor.unpack`): no
+  host gathers the model. The global slice a component holds follows from
+  its DTensor layout and mesh position, so any DTensor mesh works, one
+  built by TF users too. Where a target shard is exactly a component (the
+  target keeps the DTensor layout), the JAX shard is that buffer, without
+  a copy; other layouts cost one copy of the slices each device needs. In
+  a multi-process run, JAX moves the slices other processes hold (a
+  collective: every process must call this together).
+
+  The target's shardings follow the same rules as `restore_checkpoint`'s:
+  a variable annotated with logical axes is placed by the rules in effect
+  (`rules`, or the context's) on the mesh that applies (`mesh`, or the
+  current one), whatever the DTensor layout; any other variable keeps its
+  value's own sharding. TensorFlow copies a variable's buffer before it
+  next writes to it while JAX holds that buffer, so later TF updates never
+  change the returned arrays.
+
+  Args:
+    tf_module_or_dvariables: A `tf.Module` from `to_tf_module` (or a
+      SavedModel of `save_saved_model`, loaded by `tf.saved_model.load`);
+      a dict of TF variables (or tensors) keyed by NNX path, a tuple of
+      keys or a '/'-joined str (digit parts are list indices); or a list of
+      TF variables whose names are NNX paths ('layers/0/kernel'). DTensor
+      variables (`dtensor.DVariable`) and plain TF variables both work.
+    target: An NNX module (concrete, or abstract from `nnx.eval_shape`),
+      which is updated in place and returned; or an `nnx.State`, for which a
+      new `nnx.State` of the restored variables is returned.
+    include: NNX filter of the target's variables to restore (default:
+      every variable; each must have a TF variable).
+    exclude: NNX filter of variables to leave alone (default: RNG state).
+    mesh: The concrete mesh for abstract shardings and for variables
+      resolved by the rules; default the current mesh (`jax.set_mesh`).
+    rules: Logical-axis rules for annotated variables; default the rules in
+      effect.
+    allow_extra: Ignore TF variables the target lacks.
+    convert_dtypes: Cast each variable to the target's dtype when they
+      differ, as `jax.Array.astype` does (this can round, saturate or
+      overflow values).
+    rng_seed: Seed for RNG state left out in an abstract target (each key
+      folds the seed with its path).
+    progress: Show a progress bar; None shows one from 16 variables when
+      stderr is a terminal.
+
+  Returns:
+    `target` itself (a module, filled in), or a new `nnx.State`.
+
+  Raises:
+    NotAModelError: If `target` is not an NNX module or state.
+    ExportError: If `tf_module_or_dvariables` is none of the above, two of
+      its variables have one NNX path, it lacks a selected variable, holds
+      one the target lacks (unless `allow_extra`), or one with another
+      shape or dtype; or if an abstract target would keep abstract
+      variables, or an abstract sharding has no concrete mesh.
+    UnknownLogicalAxisError: If the rules do not mention a logical axis of
+      an annotated variable.
+    ShardingResolutionError: If an annotated variable's logical axes cannot
+      be resolved by the rules.
+
+  Example:
+    >>> tf_module = to_tf_module(model)  # doctest: +SKIP
+    >>> flat_variables(tf_module)['head/kernel'].assign_add(...)  # doctest: +SKIP
+    >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+    ...   model = from_tf_module(tf_module, model)
+  """
+  rules_ = _rules.rules_in_effect(rules)
+  entries = _selection.select(target, include, exclude, what='target')
+  variables, source = _variables_of(tf_module_or_dvariables)
+  held = {p: _held(v) for p, v in variables.items()}
+  _target.check_extra(target, held, source, allow_extra)
+  kinds = _target.check_held(entries, held, source, convert_dtypes)
+  shardings = _target.target_shardings(entries, mesh, rules_)
+  show = _convert.show_progress(progress, len(entries))
+  several = jax.process_count() > 1
+  # A DTensor mesh not built here is looked up in this mesh's axes.
+  context = _meshes.mesh_for(mesh=mesh)
+  jax_mesh = context if isinstance(context, jax.sharding.Mesh) else None
+  tf = _tf.tf()
+  arrays = []
+  with _output.progress(
+    show=show, total=len(entries), description='flax_dtensor: from TF'
+  ) as advance:
+    for e, h, sharding in zip(entries, kinds, shardings, strict=True):
+      value = variables[e.path]
+      if isinstance(value, tf.Variable):
+        value = value.read_value()
+      if several and _is_dtensor(value):
+        try:
+          array = _placed_by_jax(value, sharding, jax_mesh)
+        except _errors.DTensorError as err:
+          raise _errors.ExportError(
+            f'Cannot read the TF variable for {e.name!r}: {err}'
+          ) from err
+      else:
+        array = _placed_on_host(value, e.shape, sharding)
+      arrays.append(_target.as_target(array, e, h.saved))
+      advance(1)
+  return _target.fill(target, entries, arrays, rng_seed)

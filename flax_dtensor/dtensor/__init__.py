@@ -23,11 +23,19 @@ from flax_dtensor.dtensor._restore import (
 from flax_dtensor.dtensor._saved_model import (
   save_saved_model as save_saved_model,
 )
+from flax_dtensor.dtensor._single_mesh import (
+  RelaidVariable as RelaidVariable,
+)
+from flax_dtensor.dtensor._single_mesh import (
+  SingleMeshReport as SingleMeshReport,
+)
 from flax_dtensor.dtensor._topology import initialize as initialize
 from flax_dtensor.dtensor._topology import is_initialized as is_initialized
 from flax_dtensor.dtensor._topology import shutdown as shutdown
 
 __all__ = (
+  'RelaidVariable',
+  'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
   'dtensor_to_array',

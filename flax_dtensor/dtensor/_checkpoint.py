@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
 from flax import nnx
@@ -29,6 +29,7 @@ from flax_dtensor.dtensor import (
   _names,
   _paths,
   _selection,
+  _single_mesh,
   _tf,
   _tf_errors,
 )
@@ -218,6 +219,32 @@ def write_manifest(
   _manifest.write(manifest)
 
 
+@overload
+def save_checkpoint(
+  module_or_state: Any,
+  directory: str | os.PathLike[str],
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = ...,
+  overwrite: bool = False,
+  progress: bool | None = None,
+  single_mesh: Literal[False] = False,
+) -> str: ...
+
+
+@overload
+def save_checkpoint(
+  module_or_state: Any,
+  directory: str | os.PathLike[str],
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = ...,
+  overwrite: bool = False,
+  progress: bool | None = None,
+  single_mesh: Literal[True],
+) -> tuple[str, _single_mesh.SingleMeshReport]: ...
+
+
 def save_checkpoint(
   module_or_state: Any,
   directory: str | os.PathLike[str],
@@ -226,7 +253,8 @@ def save_checkpoint(
   exclude: filterlib.Filter = nnx.RngState,
   overwrite: bool = False,
   progress: bool | None = None,
-) -> str:
+  single_mesh: bool = False,
+) -> str | tuple[str, _single_mesh.SingleMeshReport]:
   """Writes NNX variables as a TF checkpoint of DTensor variables.
 
   Each process writes only its own shards, straight from the JAX buffers
@@ -245,6 +273,13 @@ def save_checkpoint(
   `overwrite=True` replaces only an export of this package (or an empty
   directory).
 
+  With `single_mesh=True` every variable is written from the one DTensor
+  mesh mirroring the JAX mesh, as `to_tf_module(..., single_mesh=True)`
+  lays them out (JAX first moves what that mesh cannot express), so that
+  TF programs restoring it with `tf.train.Checkpoint(...).read` into
+  variables on one mesh find one layout. The manifest records the layouts
+  written; `restore_checkpoint` places by the target, as always.
+
   In a multi-process run every process must call this with the same
   arguments (see the export guide for the recipe).
 
@@ -260,9 +295,12 @@ def save_checkpoint(
     overwrite: Replace `directory` if it is an export of this package.
     progress: Show a progress bar; None shows one from 16 variables when
       stderr is a terminal.
+    single_mesh: Write every variable from one DTensor mesh (see above).
 
   Returns:
-    The absolute path of the checkpoint directory.
+    The absolute path of the checkpoint directory; with `single_mesh=True`,
+    the pair `(path, report)`, where the `SingleMeshReport` lists each
+    variable JAX moved and why.
 
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
@@ -284,12 +322,19 @@ def save_checkpoint(
   )
   show = _convert.show_progress(progress, len(entries))
   with _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX):
-    values, tensors = [], []
-    for e in _convert.progress(
-      entries, show=show, total=len(entries), desc='flax_dtensor: to DTensor'
-    ):
-      values.append(_selection.to_jax_array(e))
-      tensors.append(_convert.to_dtensor(e, widen=True, value=values[-1]))
+    values = [_selection.to_jax_array(e) for e in entries]
+    report = None
+    if single_mesh:
+      values, report = _single_mesh.onto_one_mesh(entries, values)
+    tensors = [
+      _convert.to_dtensor(e, widen=True, value=v)
+      for e, v in _convert.progress(
+        zip(entries, values, strict=True),
+        show=show,
+        total=len(entries),
+        desc='flax_dtensor: to DTensor',
+      )
+    ]
     with (
       _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
       concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
@@ -318,4 +363,4 @@ def save_checkpoint(
       _output.announce(
         show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
       )
-  return directory
+  return (directory, report) if single_mesh else directory

@@ -9,14 +9,14 @@ checkpoints and SavedModels are written from.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import jax
 from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output, _variables
-from flax_dtensor.dtensor import _arrays, _names, _selection, _tf
+from flax_dtensor.dtensor import _arrays, _names, _selection, _single_mesh, _tf
 
 if TYPE_CHECKING:
   import tensorflow as tf
@@ -137,13 +137,36 @@ def _dvariable(value: tf.Tensor, *, name: str, trainable: bool) -> Any:
   return dtensor.DVariable(value, name=name, trainable=trainable)
 
 
+@overload
+def to_tf_module(
+  module_or_state: Any,
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = ...,
+  progress: bool | None = None,
+  single_mesh: Literal[False] = False,
+) -> tf.Module: ...
+
+
+@overload
+def to_tf_module(
+  module_or_state: Any,
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = ...,
+  progress: bool | None = None,
+  single_mesh: Literal[True],
+) -> tuple[tf.Module, _single_mesh.SingleMeshReport]: ...
+
+
 def to_tf_module(
   module_or_state: Any,
   *,
   include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   progress: bool | None = None,
-) -> tf.Module:
+  single_mesh: bool = False,
+) -> tf.Module | tuple[tf.Module, _single_mesh.SingleMeshReport]:
   """Returns a `tf.Module` of DTensor variables mirroring NNX variables.
 
   Each selected NNX variable becomes one `tf.experimental.dtensor.DVariable`
@@ -162,6 +185,18 @@ def to_tf_module(
   uint2, float4_e2m1fn, float8_e3m4, float8_e4m3, float8_e8m0fnu) are
   refused.
 
+  By default the layouts are lossless: a dimension sharded over several
+  mesh axes (`P(('data', 'model'))`), or an array on one device, gets a
+  DTensor mesh of its own. TF's own `tf.train.Checkpoint(...).write` and
+  TF ops mixing variables need one mesh: with `single_mesh=True`, every
+  variable lives on the one DTensor mesh mirroring the JAX mesh (the one
+  holding the most bytes). JAX first moves what that mesh cannot express
+  as it is: a dimension over several mesh axes keeps the largest of them
+  (the first on a tie; each device then holds the smallest slice one axis
+  allows) and is replicated over the others; an array on one device or on
+  another mesh is laid out on this one. The moved arrays are copies (the
+  model is not changed); the others stay zero-copy.
+
   Args:
     module_or_state: An NNX module, another NNX graph node (`nnx.Optimizer`),
       or an `nnx.State`, holding concrete `jax.Array`s.
@@ -172,11 +207,14 @@ def to_tf_module(
       as `jax.random.key_data`.
     progress: Show a progress bar: None shows one from
       `PROGRESS_MIN_VARIABLES` variables when stderr is a terminal.
+    single_mesh: Put every variable on one DTensor mesh (see above).
 
   Returns:
     A `tf.Module` with `tf_module.state[...]` nested dicts of DVariables;
     `tf_module.variables` lists them all, and `flat_variables` maps NNX
-    paths to them.
+    paths to them. With `single_mesh=True`, the pair `(tf_module,
+    report)`: the `SingleMeshReport` lists each variable JAX moved, where
+    it was, where it is, and why.
 
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
@@ -190,15 +228,28 @@ def to_tf_module(
     >>> import flax_dtensor.dtensor as fdt_tf  # doctest: +SKIP
     >>> tf_module = fdt_tf.to_tf_module(model)  # doctest: +SKIP
     >>> fdt_tf.flat_variables(tf_module)[('linear', 'kernel')]  # doctest: +SKIP
+    >>> tf_module, report = fdt_tf.to_tf_module(  # doctest: +SKIP
+    ...   model, single_mesh=True)
+    >>> tf.train.Checkpoint(tf_module).write('/tmp/tf_ckpt')  # doctest: +SKIP
   """
   entries = _selection.select(
     module_or_state, include, exclude, what='module_or_state', widen=False
   )
   show = show_progress(progress, len(entries))
+  values, report = None, None
+  if single_mesh:
+    values, report = _single_mesh.onto_one_mesh(
+      entries, [_selection.to_jax_array(e) for e in entries]
+    )
   dvars = dvariables(
-    entries, widen=False, show=show, desc='flax_dtensor: to DTensor'
+    entries,
+    widen=False,
+    show=show,
+    desc='flax_dtensor: to DTensor',
+    values=values,
   )
-  return make_module((e.path, v) for e, v in zip(entries, dvars, strict=True))
+  module = make_module((e.path, v) for e, v in zip(entries, dvars, strict=True))
+  return (module, report) if single_mesh else module
 
 
 def flat_variables(tf_module: Any) -> dict[_names.Path, Any]:

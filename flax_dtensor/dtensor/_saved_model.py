@@ -4,7 +4,7 @@
 ``jax.experimental.jax2tf`` (native serialization, StableHLO) with the
 module's variables as DTensor variables read by the served function, plus
 the manifest (`_manifest`) in ``assets/``. One save op writes the
-variables, so they are first brought onto one mesh (`_onto_one_mesh`).
+variables, so they are first brought onto one mesh (`_single_mesh`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output, _specs
+from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -27,6 +27,7 @@ from flax_dtensor.dtensor import (
   _manifest,
   _paths,
   _selection,
+  _single_mesh,
   _tf,
   _tf_errors,
 )
@@ -44,66 +45,6 @@ MULTI_PROCESS_MSG = (
   'process), then in a single process restore it with restore_checkpoint '
   "onto that process's devices and call save_saved_model there."
 )
-
-
-def _simple_spec(sharding: jax.sharding.Sharding) -> bool:
-  """Whether the DTensor mesh of `sharding` is its JAX mesh, unfused."""
-  return isinstance(sharding, jax.sharding.NamedSharding) and all(
-    entry is None or isinstance(entry, str) or len(entry) == 1
-    for entry in sharding.spec
-  )
-
-
-def _spec_on(
-  mesh: jax.sharding.Mesh, sharding: jax.sharding.Sharding, shape: Sequence[int]
-) -> jax.sharding.PartitionSpec:
-  """A spec on `mesh` keeping what it can of `sharding` (one axis per dim)."""
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.PartitionSpec()
-  used: set[str] = set()
-  out = []
-  for entry, size in zip(sharding.spec, shape, strict=False):
-    pick = None
-    for name in _specs.axes_of(entry):
-      if (
-        name in mesh.shape and name not in used and size % mesh.shape[name] == 0
-      ):
-        pick = name
-        break
-    if pick is not None:
-      used.add(pick)
-    out.append(pick)
-  return jax.sharding.PartitionSpec(*out)
-
-
-def _onto_one_mesh(entries: Sequence[_selection.Entry]) -> list[jax.Array]:
-  """The entries' arrays, resharded (only where needed) onto one mesh.
-
-  A SavedModel's variables are saved by one save op, which DTensor runs on
-  one mesh. Arrays already laid out on the mesh holding most bytes (without
-  fused axes) are used as they are; the others (a dimension sharded over
-  several mesh axes, another mesh, a single device) are copied onto it,
-  keeping one mesh axis per dimension where the names and sizes allow.
-  """
-  values = [_selection.to_jax_array(e) for e in entries]
-  by_mesh: dict[jax.sharding.Mesh, int] = {}
-  for v in values:
-    if isinstance(v.sharding, jax.sharding.NamedSharding):
-      by_mesh[v.sharding.mesh] = by_mesh.get(v.sharding.mesh, 0) + v.nbytes
-  if not by_mesh:
-    devices = {d for v in values for d in v.sharding.device_set}
-    if len(devices) == 1:
-      return values
-    target = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return [jax.device_put(v, target) for v in values]
-  mesh = max(by_mesh, key=by_mesh.__getitem__)
-  out = []
-  for v in values:
-    if not (_simple_spec(v.sharding) and v.sharding.mesh == mesh):
-      spec = _spec_on(mesh, v.sharding, v.shape)
-      v = jax.device_put(v, jax.sharding.NamedSharding(mesh, spec))
-    out.append(v)
-  return out
 
 
 def _tensor_spec(spec: Any, index: int) -> tf.TensorSpec:
@@ -254,7 +195,9 @@ def save_saved_model(
   graphdef, exported, rest = nnx.split(module, selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   show = _convert.show_progress(progress, len(entries))
-  values = _onto_one_mesh(entries)
+  values, _ = _single_mesh.onto_one_mesh(
+    entries, [_selection.to_jax_array(e) for e in entries]
+  )
   dvars = _convert.dvariables(
     entries,
     widen=True,

@@ -427,23 +427,6 @@ def test_saved_model_records_its_variables(auto_mesh, tmp_path):
   )
 
 
-def test_saved_model_refuses_several_processes(
-  auto_mesh, tmp_path, monkeypatch
-):
-  net = _trained(auto_mesh)
-  monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  with pytest.raises(
-    fdt.ExportError,
-    match=r'save_saved_model runs in a single process: expected '
-    r'jax.process_count\(\) == 1, got 2\..*restore it with '
-    r'restore_checkpoint.*call save_saved_model there',
-  ):
-    fdt_tf.save_saved_model(
-      net, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
-    )
-  assert os.listdir(tmp_path) == []
-
-
 def test_saved_model_errors(auto_mesh, tmp_path):
   net = _trained(auto_mesh)
   spec = [tf.TensorSpec([None, 64], tf.float32)]

@@ -309,6 +309,42 @@ def broadcast(values: tuple[int, int]) -> tuple[int, int]:
   return int(out[0]), int(out[1])
 
 
+# The most bytes of process 0's error message every process raises.
+_MESSAGE_BYTES = 2048
+
+
+def agree(error: Exception | None, what: str) -> None:
+  """Every process raises if process 0 failed; process 0 its own error.
+
+  For work process 0 does alone while the others wait: its outcome, and
+  the start of its message, are broadcast, so that no process goes on to a
+  collective that another has left.
+
+  Raises:
+    ExportError: On the other processes, if process 0 failed.
+  """
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return
+  data = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+  if error is not None:
+    text = f'{type(error).__name__}: {error}'.encode()[:_MESSAGE_BYTES]
+    data[0] = 1
+    data[1 : 1 + len(text)] = np.frombuffer(text, np.uint8)
+  data = np.asarray(multihost_utils.broadcast_one_to_all(data))
+  if jax.process_index() == 0:
+    if error is not None:
+      raise error
+    return
+  if data[0]:
+    message = bytes(data[1:]).rstrip(b'\0').decode('utf-8', 'replace')
+    raise _errors.ExportError(
+      f'{what} failed: {message.rstrip(".")}. Every process stops here: fix '
+      "the cause (process 0's log has the details) and run the export again."
+    )
+
+
 def _move_into_place(tmp: str, directory: str) -> None:
   """Renames `tmp` to `directory`, an existing export aside first."""
   parent = os.path.dirname(directory)

@@ -4,26 +4,33 @@
 ``jax.experimental.jax2tf`` (native serialization, StableHLO) with the
 module's variables as DTensor variables read by the served function, plus
 the manifest (`_manifest`) in ``assets/``. One save op writes the
-variables, so they are first brought onto one mesh (`_single_mesh`).
+variables, so they are first brought onto one mesh (`_single_mesh`). In a
+multi-process run the model is gathered onto process 0, which writes it
+alone (`_save_gathered`), under a size limit every process checks first.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
+from jax.experimental import multihost_utils
 
-from flax_dtensor import _errors, _output
+from flax_dtensor import _errors, _output, _plan_view, _variables
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
   _convert,
+  _dtypes,
   _manifest,
   _paths,
   _selection,
@@ -37,14 +44,9 @@ if TYPE_CHECKING:
 
 # The variables' checkpoint prefix inside a SavedModel.
 PREFIX = 'variables/variables'
-MULTI_PROCESS_MSG = (
-  'save_saved_model runs in a single process: expected '
-  'jax.process_count() == 1, got {count}. Every process would write the '
-  'same SavedModel, and the variables are not yet gathered onto one '
-  "process's devices. Save a checkpoint with save_checkpoint (in every "
-  'process), then in a single process restore it with restore_checkpoint '
-  "onto that process's devices and call save_saved_model there."
-)
+# The most bytes of variables gathered onto process 0 for a SavedModel in a
+# multi-process run, unless `max_gather_bytes` says otherwise.
+MAX_GATHER_BYTES = 4 * 2**30
 
 
 def _tensor_spec(spec: Any, index: int) -> tf.TensorSpec:
@@ -101,6 +103,7 @@ def save_saved_model(
   platforms: Sequence[str] | None = None,
   overwrite: bool = False,
   progress: bool | None = None,
+  max_gather_bytes: int = MAX_GATHER_BYTES,
 ) -> str:
   """Exports a module's forward pass as a TF SavedModel for serving.
 
@@ -123,15 +126,22 @@ def save_saved_model(
   on one mesh: arrays that are not laid out on the JAX mesh holding most
   bytes with at most one mesh axis per dimension (a dimension sharded over
   several axes, another mesh, a single device) are first copied onto it,
-  keeping one mesh axis per dimension where names and sizes allow. The model
-  itself is not changed; the copies cost memory during the export.
+  as `to_tf_module(..., single_mesh=True)` lays them out. The model itself
+  is not changed; the copies cost memory during the export.
 
   The exported function runs on the platforms of `platforms` (default: the
   current JAX backend). The written directory appears atomically.
 
-  Single process only: in a multi-process run (`jax.process_count() > 1`)
-  it raises. Restore the checkpoint in one process (`restore_checkpoint`
-  onto that process's devices) and export the SavedModel there.
+  In a multi-process run (`jax.process_count() > 1`) every process calls
+  this with the same arguments. The model is gathered onto process 0
+  (each variable in turn, through a collective), which writes the
+  SavedModel alone, exactly as one process would; the others wait, and
+  every process returns or raises together. A served SavedModel loads
+  whole into one TF process, so the model must fit one host: every process
+  first checks, before anything is moved or written, that its variables
+  take at most `max_gather_bytes`, and refuses otherwise. Process 0 needs
+  about that much memory, and every device one variable at a time. Only
+  process 0's filesystem is written to.
 
   Args:
     module: The NNX module to serve (concrete arrays).
@@ -151,6 +161,9 @@ def save_saved_model(
     overwrite: Replace `directory` if it exists.
     progress: Show a progress bar; None shows one from
       `PROGRESS_MIN_VARIABLES` variables when stderr is a terminal.
+    max_gather_bytes: In a multi-process run, the most bytes of variables
+      (all of the module's, global sizes) gathered onto process 0; default
+      `MAX_GATHER_BYTES` (4 GiB). Unused in a single process.
 
   Returns:
     The absolute path of the SavedModel directory.
@@ -158,10 +171,12 @@ def save_saved_model(
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
-    ExportError: If it runs in several processes, `method` is not a method
-      of `module`, `input_signature` has an entry of the wrong type or the
-      wrong length of `polymorphic_shapes`, `directory` exists and
-      `overwrite` is false, or a variable cannot be exported.
+    ExportError: If `method` is not a method of `module`,
+      `input_signature` has an entry of the wrong type or the wrong length
+      of `polymorphic_shapes`, `directory` exists and `overwrite` is false,
+      a variable cannot be exported, or, in a multi-process run, the
+      variables take more than `max_gather_bytes` or process 0 failed to
+      write (on every process).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -170,14 +185,43 @@ def save_saved_model(
     >>> loaded = tf.saved_model.load('/tmp/sm')  # doctest: +SKIP
     >>> loaded.signatures['serving_default'](input_0=x)  # doctest: +SKIP
   """
-  if jax.process_count() > 1:
-    raise _errors.ExportError(
-      MULTI_PROCESS_MSG.format(count=jax.process_count())
-    )
-  tf = _tf.tf()
-  from jax.experimental import jax2tf
-
   directory = _paths.local(directory, 'SavedModel directory')
+  specs, polymorphic = _signature(
+    module, method, input_signature, polymorphic_shapes
+  )
+  selected = nnx.All(include, nnx.Not(exclude))
+  _, exported, _ = nnx.split(module, selected, ...)
+  entries = _selection.select(exported, ..., nnx.Nothing, what='module')
+  show = _convert.show_progress(progress, len(entries))
+  with _tf_errors.translated(
+    'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
+  ):
+    if jax.process_count() > 1:
+      _save_gathered(
+        module,
+        directory,
+        entries,
+        _Served(selected, method, specs, polymorphic, platforms, show),
+        overwrite=overwrite,
+        max_gather_bytes=max_gather_bytes,
+      )
+      return directory
+    with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+      _write(
+        module,
+        tmp,
+        _Served(selected, method, specs, polymorphic, platforms, show),
+      )
+  return directory
+
+
+def _signature(
+  module: Any,
+  method: str,
+  input_signature: Sequence[Any],
+  polymorphic_shapes: Sequence[str | None] | None,
+) -> tuple[list[tf.TensorSpec], list[str | None]]:
+  """The served signature, checked: TF specs and jax2tf shapes."""
   if not callable(getattr(module, method, None)):
     raise _errors.ExportError(
       f'Expected `method` to name a method of the module, got {method!r}, '
@@ -185,23 +229,42 @@ def save_saved_model(
     )
   specs = [_tensor_spec(s, i) for i, s in enumerate(input_signature)]
   if polymorphic_shapes is None:
-    polymorphic_shapes = [_polymorphic_shape(s, i) for i, s in enumerate(specs)]
-  elif len(polymorphic_shapes) != len(specs):
+    return specs, [_polymorphic_shape(s, i) for i, s in enumerate(specs)]
+  if len(polymorphic_shapes) != len(specs):
     raise _errors.ExportError(
       f'Expected one polymorphic shape per input ({len(specs)}), got '
       f'{len(polymorphic_shapes)}: {polymorphic_shapes!r}.'
     )
-  selected = nnx.All(include, nnx.Not(exclude))
-  graphdef, exported, rest = nnx.split(module, selected, ...)
+  return specs, list(polymorphic_shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+  """What to serve: the variables, the method and its signature."""
+
+  selected: filterlib.Filter
+  method: str
+  specs: list[Any]
+  polymorphic: list[str | None]
+  platforms: Sequence[str] | None
+  show: bool
+
+
+def _write(module: Any, directory: str, served: _Served) -> None:
+  """Writes the SavedModel of a module on this process's devices."""
+  tf = _tf.tf()
+  from jax.experimental import jax2tf
+
+  graphdef, exported, rest = nnx.split(module, served.selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
-  show = _convert.show_progress(progress, len(entries))
   values, _ = _single_mesh.onto_one_mesh(
-    entries, [_selection.to_jax_array(e) for e in entries]
+    entries,
+    [_selection.to_jax_array(e, across_processes=False) for e in entries],
   )
   dvars = _convert.dvariables(
     entries,
     widen=True,
-    show=show,
+    show=served.show,
     desc='flax_dtensor: to DTensor',
     values=values,
   )
@@ -222,14 +285,14 @@ def save_saved_model(
         p = jax.random.wrap_key_data(p, impl=e.key_impl)
       flat.append((e.path, e.variable.copy(p)))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
-    return getattr(model, method)(*inputs)
+    return getattr(model, served.method)(*inputs)
 
   forward_tf = jax2tf.convert(
     forward,
-    polymorphic_shapes=[None, *polymorphic_shapes],
+    polymorphic_shapes=[None, *served.polymorphic],
     with_gradient=False,
     native_serialization_platforms=(
-      tuple(platforms) if platforms is not None else None
+      tuple(served.platforms) if served.platforms is not None else None
     ),
   )
 
@@ -244,23 +307,118 @@ def save_saved_model(
     ]
     return _signature_outputs(forward_tf(params, *inputs))
 
-  serve_fn = tf.function(serve, input_signature=specs, autograph=False)
+  serve_fn = tf.function(serve, input_signature=served.specs, autograph=False)
   tf_module.serve = serve_fn
   version = _calling_convention_version()
   with (
-    _tf_errors.translated(
-      'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
-    ),
-    _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
     _jax_export_version(version),
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
-    _output.announce(show, f'tracing and writing a SavedModel to {directory}')
-    _write_saved_model(tf_module, tmp, serve_fn.get_concrete_function())
+    _output.announce(served.show, 'tracing and writing a SavedModel')
+    _write_saved_model(tf_module, directory, serve_fn.get_concrete_function())
     _checkpoint.write_manifest(
-      tmp, _manifest.SAVED_MODEL_FORMAT, PREFIX, recs, pool
+      directory, _manifest.SAVED_MODEL_FORMAT, PREFIX, recs, pool
     )
-  return directory
+
+
+# Several processes: gathered onto process 0
+# ------------------------------------------------------------------------------
+
+
+def _nbytes(value: Any) -> int:
+  """Bytes of an array as gathered (a typed key's key data)."""
+  if _dtypes.is_key(value.dtype):
+    value = jax.eval_shape(jax.random.key_data, value)
+  return math.prod(value.shape) * np.dtype(value.dtype).itemsize
+
+
+def _arrays_of(module: Any) -> list[tuple[Any, nnx.Variable, Any]]:
+  """Every variable of `module` with its value, in one fixed order."""
+  return [
+    (path, variable, _variables.value_of(variable))
+    for path, variable in _variables.iter_variables(module)
+  ]
+
+
+def _check_gather_size(module: Any, limit: int) -> None:
+  """Refuses, on every process alike, a model bigger than `limit`."""
+  if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+    raise _errors.ExportError(
+      f'Expected `max_gather_bytes` to be a non-negative int, got {limit!r}.'
+    )
+  nbytes = sum(
+    _nbytes(v) for _, _, v in _arrays_of(module) if isinstance(v, jax.Array)
+  )
+  if nbytes > limit:
+    raise _errors.ExportError(
+      f'save_saved_model in a run of {jax.process_count()} processes gathers '
+      'the model onto process 0, which writes the SavedModel: expected at '
+      f'most max_gather_bytes={limit} ({_plan_view.human_bytes(limit)}) of '
+      f'variables, got {nbytes} ({_plan_view.human_bytes(nbytes)}). A '
+      'served SavedModel loads whole into one TF process: pass a larger '
+      '`max_gather_bytes=` if process 0 has the memory for it, or leave '
+      'variables out with `include=`/`exclude=` (they are then baked in as '
+      'constants, gathered too).'
+    )
+
+
+def _gathered(module: Any) -> Any:
+  """On process 0, a copy of `module` on its first device; None elsewhere.
+
+  Every variable sharded over the processes goes to process 0 through a
+  collective (`process_allgather`), one variable at a time and in the same
+  order on every process; a variable this process holds whole stays as it
+  is here.
+  """
+  lead = jax.process_index() == 0
+  device = jax.local_devices()[0]
+  graphdef, _ = nnx.split(module)
+  flat = []
+  for path, variable, value in _arrays_of(module):
+    if isinstance(value, jax.Array):
+      key = _dtypes.is_key(value.dtype)
+      data = jax.random.key_data(value) if key else value
+      if not data.is_fully_addressable:
+        data = multihost_utils.process_allgather(data, tiled=True)
+      if lead:
+        data = jax.device_put(data, device)
+        value = (
+          jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+          if key
+          else data
+        )
+    if lead:
+      flat.append((tuple(path), variable.copy(value)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat)) if lead else None
+
+
+def _save_gathered(
+  module: Any,
+  directory: str,
+  entries: Sequence[_selection.Entry],
+  served: _Served,
+  *,
+  overwrite: bool,
+  max_gather_bytes: int,
+) -> None:
+  """The SavedModel of a model over several processes, written by process 0.
+
+  Every check that can refuse runs on every process before anything moves
+  (the same inputs give the same answer everywhere); what fails on process
+  0 alone is broadcast, so every process raises together.
+  """
+  for e in entries:
+    _selection.to_jax_array(e)  # Concrete, and over every process.
+  _check_gather_size(module, max_gather_bytes)
+  with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+    local = _gathered(module)
+    error = None
+    if local is not None:
+      try:
+        _write(local, tmp, served)
+      except Exception as e:  # Re-raised below, on every process.
+        error = e
+    _atomic.agree(error, 'Writing the SavedModel on process 0')
 
 
 def _tf_max_calling_convention() -> int | None:

@@ -135,8 +135,12 @@ def names(entries: Any, limit: int = 4) -> str:
   )
 
 
-def to_jax_array(entry: Entry) -> jax.Array:
-  """The entry's concrete array, as exported (RNG keys as key data)."""
+def to_jax_array(entry: Entry, *, across_processes: bool = True) -> jax.Array:
+  """The entry's concrete array, as exported (RNG keys as key data).
+
+  In a multi-process run the array must span every process, unless
+  `across_processes` is False (a copy one process writes alone).
+  """
   value = _variables.value_of(entry.variable)
   if isinstance(value, jax.ShapeDtypeStruct):
     raise _errors.ExportError(
@@ -146,15 +150,16 @@ def to_jax_array(entry: Entry) -> jax.Array:
     )
   if entry.key_impl is not None:
     value = jax.random.key_data(value)
+  several = across_processes and jax.process_count() > 1
   if not isinstance(value, jax.Array):
-    if jax.process_count() > 1:
+    if several:
       raise _errors.ExportError(
         f'Expected a jax.Array in the NNX variable {entry.name!r}, got '
         f'{type(value).__name__}. In a multi-process run place it first, '
         'e.g. jax.device_put(x, NamedSharding(mesh, P())).'
       )
     value = jnp.asarray(value)
-  if jax.process_count() > 1:
+  if several:
     check_spans_processes(entry.name, value.sharding)
   return value
 

@@ -163,8 +163,7 @@ def _main_mesh(values: Sequence[jax.Array]) -> jax.sharding.Mesh | None:
       i = len(meshes) - 1
     nbytes[i] += v.nbytes
   if not meshes:
-    current = _meshes.mesh_for()
-    return current if isinstance(current, jax.sharding.Mesh) else None
+    return None
   return meshes[int(np.argmax(nbytes))]
 
 
@@ -173,11 +172,10 @@ def onto_one_mesh(
 ) -> tuple[list[jax.Array], SingleMeshReport]:
   """The entries' arrays, moved by JAX only where needed, on one mesh.
 
-  The mesh is the JAX mesh holding the most bytes (or the current one when
-  no array is on a mesh). An array laid out on it with at most one mesh
-  axis per dimension is used as it is, without a copy; the others are
-  copied onto it (`spec_on`). When no array is on a mesh and there is no
-  current mesh, the arrays go on this process's first device.
+  The mesh is the JAX mesh holding the most bytes. An array laid out on it
+  with at most one mesh axis per dimension is used as it is, without a
+  copy; the others are copied onto it (`spec_on`). When no array is on a
+  mesh, they all go on this process's first device (a one-device mesh).
 
   Raises:
     ExportError: If a JAX array cannot be moved (e.g. a dimension does not

@@ -1,0 +1,170 @@
+"""Two local processes write ONE SavedModel; plain TF serves it without JAX.
+
+The workers (tests/_mp_worker_saved_model.py, started by multiprocess_util)
+run jax.distributed on 127.0.0.1 with 4 CPU devices each and a DTensor client
+of their own, on a transposed (2, 4) mesh spanning both processes. In the
+same run they check that refusals and a failure on process 0 alone reach
+every process, and bring TF-changed DVariables back with from_tf_module. The
+parent then serves the SavedModel in a fresh process where JAX cannot be
+imported, compares with the JAX output the workers computed, and runs TF's
+own `saved_model_cli show --all` on it.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import multiprocess_util
+import numpy as np
+import pytest
+
+pytest.importorskip('tensorflow')
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = pathlib.Path(__file__).resolve().parent / '_mp_worker_saved_model.py'
+TIMEOUT = 400
+
+_SERVE_SCRIPT = textwrap.dedent(
+  """
+  import json, os, sys
+  sys.modules['jax'] = None
+  sys.modules['jaxlib'] = None
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  import numpy as np
+  import tensorflow as tf
+  loaded = tf.saved_model.load(sys.argv[1])
+  serve = loaded.signatures['serving_default']
+  out = serve(features=tf.constant(np.load(sys.argv[2])))
+  np.save(sys.argv[3], out['logits'].numpy())
+  print(json.dumps({
+    'outputs': sorted(out),
+    'probs_sum': out['probs'].numpy().sum(axis=1).tolist(),
+    'variables': sorted(v.name for v in serve.variables),
+    'jax_modules': sorted(
+      m for m, v in sys.modules.items() if m.startswith('jax') and v is not None
+    ),
+  }))
+  """
+)
+
+
+def _plain_env():
+  return {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+
+
+def _results(out_dir):
+  outputs = multiprocess_util.run_workers(
+    WORKER, 2, args=[str(out_dir)], timeout=TIMEOUT, devices_per_process=4
+  )
+  results = []
+  for i, out in enumerate(outputs):
+    lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
+    assert lines, f'worker {i} printed no result:\n{out[-4000:]}'
+    results.append(json.loads(lines[-1][len('RESULT ') :]))
+  return results
+
+
+def test_two_processes_write_one_saved_model(tmp_path):
+  results = _results(tmp_path)
+  assert [r['process'] for r in results] == [0, 1]
+  sm = str(tmp_path / 'sm')
+  for r in results:
+    assert r['path'] == sm
+    # Refused on every process, before anything moved or was written.
+    kind, message = r['too_big']
+    assert kind == 'ExportError'
+    assert re.search(
+      r'gathers the model onto process 0.*expected at most '
+      r'max_gather_bytes=\d+ .* got \d+ .*larger `max_gather_bytes=`',
+      message,
+    ), message
+    kind, message = r['exists']
+    assert (kind, 'already exists' in message) == ('ExportError', True)
+    assert r['from_tf_mismatched'] == [], r
+    assert r['relaid'] == [['down/kernel', "P('model',)"]]
+    assert r['single_mesh_mismatched'] == [], r
+    assert r['down_spec'] == "P(('data', 'model'), None)"
+  # The wrong signature fails where it is traced, on process 0; process 1
+  # raises too, with process 0's reason, rather than waiting.
+  first, message = results[0]['broken']
+  assert first in ('TypeError', 'ValueError'), results[0]['broken']
+  assert '(32,) and (64,)' in message
+  kind, other = results[1]['broken']
+  assert kind == 'ExportError'
+  assert other.startswith(
+    f'Writing the SavedModel on process 0 failed: {first}: {message[:40]}'
+  )
+  assert other.endswith(
+    "Every process stops here: fix the cause (process 0's log has the "
+    'details) and run the export again.'
+  )
+  # Only what succeeded is there; no temporary directory is left.
+  assert sorted(os.listdir(tmp_path)) == ['ckpt', 'sm', 'want.npy', 'x.npy']
+  assert {'saved_model.pb', 'variables', 'assets'} <= set(os.listdir(sm))
+
+  # Served by plain TF, JAX blocked, in a process of its own.
+  script = tmp_path / 'serve.py'
+  script.write_text(_SERVE_SCRIPT)
+  served = subprocess.run(
+    [
+      sys.executable,
+      str(script),
+      sm,
+      str(tmp_path / 'x.npy'),
+      str(tmp_path / 'got.npy'),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=_plain_env(),
+    check=False,
+  )
+  assert served.returncode == 0, served.stderr[-4000:]
+  report = json.loads(served.stdout.strip().splitlines()[-1])
+  assert report['jax_modules'] == []
+  assert report['outputs'] == ['logits', 'probs']
+  np.testing.assert_allclose(report['probs_sum'], 1.0, rtol=1e-5)
+  assert report['variables'] == [
+    'down/bias:0',
+    'down/kernel:0',
+    'norm/bias:0',
+    'norm/mean:0',
+    'norm/scale:0',
+    'norm/var:0',
+    'up/bias:0',
+    'up/kernel:0',
+  ]
+  want = np.load(tmp_path / 'want.npy')
+  got = np.load(tmp_path / 'got.npy')
+  assert got.shape == want.shape == (5, 16)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  # TF's own tool reads the signature we wrote.
+  cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
+  shown = subprocess.run(
+    [cli, 'show', '--all', '--dir', sm],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=_plain_env(),
+    check=False,
+  )
+  assert shown.returncode == 0, shown.stderr[-4000:]
+  text = shown.stdout
+  serving = text[text.index("signature_def['serving_default']") :]
+  for name, dims in [
+    ("inputs['features']", '(-1, 64)'),
+    ("outputs['logits']", '(-1, 16)'),
+    ("outputs['probs']", '(-1, 16)'),
+  ]:
+    assert re.search(
+      re.escape(name)
+      + r' tensor_info:\s+dtype: DT_FLOAT\s+shape: '
+      + re.escape(dims),
+      serving,
+    ), (name, serving[:2000])

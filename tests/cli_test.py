@@ -915,6 +915,58 @@ def test_export_and_inspect_user_factory(tmp_path):
   assert 'data,unsharded @ data=2,model=4' in line
 
 
+def test_export_single_mesh(tmp_path):
+  """--single-mesh: one DTensor mesh, what moved printed, values exact."""
+  orbax, _ = make_checkpoint(USER_TARGET, tmp_path)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(
+    textwrap.dedent("""\
+      logical_axis_rules:
+        - ['features', ['data', 'model']]
+        - ['hidden', null]
+        - ['classes', null]
+      """)
+  )
+  out = tmp_path / 'out'
+  stdout = ok(
+    run_cli(
+      'export',
+      USER_TARGET,
+      '--checkpoint',
+      orbax,
+      '--mesh',
+      'data=2,model=4',
+      '--rules',
+      rules,
+      '--out',
+      out,
+      '--single-mesh',
+    )
+  )
+  assert (
+    '3 variables on one DTensor mesh (data=2, model=4): 1 relaid by JAX'
+    in stdout
+  )
+  (line,) = [x for x in stdout.splitlines() if x.startswith('  hidden/kernel')]
+  assert line.split() == [
+    'hidden/kernel',
+    "P(('data',",
+    "'model'),",
+    'None)',
+    "P('model')",
+  ]
+  assert "kept 'model', the largest, replicated over 'data'" in stdout
+  report = check_checkpoint(out / 'checkpoint', tmp_path)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0
+  kernel = report['layouts']['hidden/kernel']
+  assert kernel['spec'] == [['model'], []]
+  assert kernel['dtensor_layout'] == {
+    'sharding_specs': ['model', 'unsharded'],
+    'mesh': {'axis_names': ['data', 'model'], 'axis_sizes': [2, 4]},
+  }
+
+
 def test_export_is_all_or_nothing(tmp_path):
   """A SavedModel that fails leaves no checkpoint behind, nor the --out."""
   orbax, _ = make_checkpoint(USER_TARGET, tmp_path)

@@ -60,6 +60,18 @@ def export(
   method: Annotated[
     str, typer.Option(help='The module method to serve.')
   ] = '__call__',
+  single_mesh: Annotated[
+    bool,
+    typer.Option(
+      '--single-mesh',
+      help=(
+        'Write every variable of the checkpoint from one DTensor mesh '
+        'mirroring --mesh, so that TF programs read it into variables on '
+        'one mesh: a dimension sharded over several mesh axes is moved by '
+        'JAX onto the largest of them. Prints what moved.'
+      ),
+    ),
+  ] = False,
   overwrite: Annotated[
     bool, typer.Option('--overwrite', help='Replace existing outputs.')
   ] = False,
@@ -74,8 +86,8 @@ def export(
 
   Builds TARGET abstractly, restores the checkpoint with every array sharded
   by the rules on the mesh, then writes OUT/checkpoint (a TF checkpoint of
-  DTensor variables, readable by plain TensorFlow) and, with --saved-model,
-  OUT/saved_model.
+  DTensor variables, readable by plain TensorFlow; with --single-mesh, all
+  from one DTensor mesh) and, with --saved-model, OUT/saved_model.
   """
   with _command.handle_errors(debug):
     console = _command.console()
@@ -133,7 +145,13 @@ def export(
     with _atomic.all_or_nothing(
       str(out), list(outputs), overwrite=overwrite
     ) as staged:
-      dtensor.save_checkpoint(model, staged['checkpoint'])
+      relaid = None
+      if single_mesh:
+        _, relaid = dtensor.save_checkpoint(
+          model, staged['checkpoint'], single_mesh=True
+        )
+      else:
+        dtensor.save_checkpoint(model, staged['checkpoint'])
       if saved_model:
         dtensor.save_saved_model(
           model,
@@ -155,3 +173,5 @@ def export(
       highlight=False,
     )
     console.print(table)
+    if relaid is not None:
+      console.print(str(relaid), highlight=False, soft_wrap=True)

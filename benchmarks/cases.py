@@ -296,6 +296,8 @@ def to_tf(
       ]
     if method == 'fdt':
       return lambda: fdt_tf.to_tf_module(state)
+    if method == 'fdt_single_mesh':
+      return lambda: fdt_tf.to_tf_module(state, single_mesh=True)
     if method in ('pack', 'dvariable'):
       # The floor: the same shards packed into DTensors (layouts and shard
       # order given), and for 'dvariable' then held by DVariables.
@@ -395,6 +397,8 @@ def checkpoint(
   start = time.perf_counter()
   if method == 'save':
     fdt_tf.save_checkpoint(state, path)
+  elif method == 'save_single_mesh':
+    fdt_tf.save_checkpoint(state, path, single_mesh=True)
   elif method == 'raw_write':
     for k, (_, _, shard) in enumerate(shards):
       _write(os.path.join(root, f'raw{k}'), shard)
@@ -438,6 +442,77 @@ def checkpoint(
   }
 
 
+# The way back from TensorFlow
+# ------------------------------------------------------------------------------
+
+
+def from_tf(
+  method: str, arrays: int, mib: float, layouts: str = 'mixed'
+) -> dict:
+  """DVariables (from `to_tf_module`) back into JAX arrays.
+
+  `same_layout` restores into the layouts exported, `other_layout` into
+  every array's spec reversed; `device_put` is JAX moving the same arrays
+  to those other layouts (the limit for a copy). `copied_bytes` counts the
+  result's shard bytes whose buffer is not one of TF's components (by
+  address): 0 when nothing was copied.
+  """
+  jax = _jax()
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  dt = sys.modules['tensorflow'].experimental.dtensor
+  mesh, values = _arrays(jax, arrays, mib, layouts)
+  state = nnx.State({f'v{i}': nnx.Param(a) for i, (a, _) in enumerate(values)})
+  tf_module = fdt_tf.to_tf_module(state)
+  other = {
+    f'v{i}': NamedSharding(mesh, P(*reversed((tuple(spec) + (None,) * 2)[:2])))
+    for i, (_, spec) in enumerate(values)
+  }
+  if method == 'same_layout':
+    target = state
+  elif method in ('other_layout', 'device_put'):
+    target = nnx.State(
+      {
+        k: nnx.Param(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=other[k]))
+        for k, v in ((k, state[k].get_value()) for k in other)
+      }
+    )
+  else:
+    raise ValueError(method)
+  tf_buffers = {
+    c._numpy().ctypes.data
+    for v in tf_module.variables
+    for c in dt.unpack(v.read_value())
+  }
+  before = _reset_peak()
+  start = time.perf_counter()
+  if method == 'device_put':
+    out = [jax.device_put(state[k].get_value(), s) for k, s in other.items()]
+  else:
+    restored = fdt_tf.from_tf_module(tf_module, target)
+    out = [v.get_value() for _, v in nnx.to_flat_state(restored)]
+  jax.block_until_ready(out)
+  seconds = time.perf_counter() - start
+  copied = sum(
+    s.data.nbytes
+    for a in out
+    for s in a.addressable_shards
+    if s.data.unsafe_buffer_pointer() not in tf_buffers
+  )
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': _rss_mib(),
+    'bytes': sum(a.nbytes for a, _ in values),
+    'copied_bytes': copied,
+  }
+
+
 def _evict(root: str) -> None:
   """Drops the files under `root` from the page cache."""
   for directory, _, names in os.walk(root):
@@ -457,7 +532,13 @@ def _write(path: str, array) -> None:
     os.fsync(f.fileno())
 
 
-CASES = {'init': init, 'plan': plan, 'to_tf': to_tf, 'checkpoint': checkpoint}
+CASES = {
+  'init': init,
+  'plan': plan,
+  'to_tf': to_tf,
+  'checkpoint': checkpoint,
+  'from_tf': from_tf,
+}
 
 
 def main() -> None:

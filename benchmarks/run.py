@@ -139,6 +139,43 @@ def _full():
       for layouts in ('sharded', 'mixed')
       for cache in ('hot', 'cold')
     ],
+    'single_mesh': [
+      _case(
+        'to_tf',
+        {'arrays': 32, 'mib': 16, 'layouts': layouts, 'warm': warm},
+        {'ours': 'fdt_single_mesh', 'peer': 'fdt'},
+        [('ours', 'peer')],
+        note='to_tf_module(single_mesh=True) against the default (fused)',
+      )
+      for layouts, warm in (
+        ('product', False),
+        ('product', True),
+        ('sharded', False),
+      )
+    ]
+    + [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': 'sharded'},
+        {'ours': 'save_single_mesh', 'peer': 'save'},
+        [('ours', 'peer')],
+        repeat=5,
+        note='save_checkpoint(single_mesh=True) against the default',
+      )
+    ],
+    'from_tf': [
+      _case(
+        'from_tf',
+        {'arrays': 32, 'mib': 16, 'layouts': layouts},
+        {
+          'ours': 'same_layout',
+          'ours_moved': 'other_layout',
+          'limit': 'device_put',
+        },
+        [('ours', 'limit'), ('ours_moved', 'limit')],
+      )
+      for layouts in ('mixed', 'sharded')
+    ],
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -176,6 +213,26 @@ def _quick():
       _case('checkpoint', {'arrays': 8, 'mib': 1}, _SAVE, [('ours', 'limit')]),
       _case(
         'checkpoint', {'arrays': 8, 'mib': 1}, _RESTORE, [('ours', 'limit')]
+      ),
+    ],
+    'single_mesh': [
+      _case(
+        'to_tf',
+        {'arrays': 8, 'mib': 1, 'layouts': 'product'},
+        {'ours': 'fdt_single_mesh', 'peer': 'fdt'},
+        [('ours', 'peer')],
+      ),
+    ],
+    'from_tf': [
+      _case(
+        'from_tf',
+        {'arrays': 8, 'mib': 1},
+        {
+          'ours': 'same_layout',
+          'ours_moved': 'other_layout',
+          'limit': 'device_put',
+        },
+        [('ours', 'limit'), ('ours_moved', 'limit')],
       ),
     ],
   }
@@ -229,7 +286,13 @@ def _summary(runs):
     ),
     'runs': len(ok),
   }
-  for key in ('param_bytes', 'bytes', 'variables', 'shard_shape'):
+  for key in (
+    'param_bytes',
+    'bytes',
+    'copied_bytes',
+    'variables',
+    'shard_shape',
+  ):
     if key in ok[0]:
       out[key] = ok[0][key]
   return out

@@ -955,7 +955,9 @@ def test_export_single_mesh(tmp_path):
     'None)',
     "P('model')",
   ]
-  assert "kept 'model', the largest, replicated over 'data'" in stdout
+  assert "kept 'model', the largest, replicated over 'data'" in ' '.join(
+    stdout.split()
+  )
   report = check_checkpoint(out / 'checkpoint', tmp_path)
   assert report['missing'] == [] and report['extra'] == []
   assert report['max_abs_diff'] == 0.0

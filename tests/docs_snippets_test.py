@@ -4,9 +4,12 @@ A page's blocks run in order in one fresh process on 8 virtual CPU devices,
 in an empty directory, as a reader pasting them one after another would run
 them. Where a page's text names something a block takes as given (the
 reader's own model, a trained optimizer), `GIVEN` supplies it before that
-block; the names are the ones the page uses. YAML blocks are parsed as
-rules. The README's blocks are run by readme_test.py, the notebooks by the
-docs build.
+block; the names are the ones the page uses. A block that sets its own
+devices (`jax.config.update('jax_num_cpu_devices', ...)`) stands alone: it
+runs in a fresh process of its own, with no devices from the environment,
+as on a reader's laptop, followed by its check in `ALONE_CHECKS`. YAML
+blocks are parsed as rules. The README's blocks are run by readme_test.py,
+the notebooks by the docs build.
 """
 
 import pathlib
@@ -19,6 +22,8 @@ import flax_dtensor as fdt
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / 'docs'
 BLOCK = re.compile(r'^```(python|yaml)\n(.*?)^```', re.S | re.M)
+# A block that sets its own device count runs alone.
+ALONE = re.compile(r"^jax\.config\.update\('jax_num_cpu_devices'", re.M)
 
 _DEMO = """
 import jax, optax
@@ -38,6 +43,47 @@ GIVEN = {
     '  abstract_optimizer = nnx.eval_shape(\n'
     '      lambda: nnx.Optimizer(make_model(), optax.adamw(1e-3),\n'
     '                            wrt=nnx.Param))\n'
+  ),
+}
+
+# {(page, n): code run after the n-th block of the page that stands alone,
+# checking what it did}
+ALONE_CHECKS = {
+  ('export_guide.md', 0): (
+    'import numpy as np\n'
+    'want = np.asarray(layer.kernel[...]) * 2\n'
+    'np.testing.assert_array_equal(np.asarray(back.kernel[...]), want)\n'
+    'np.testing.assert_array_equal(\n'
+    '    np.asarray(back.bias[...]), np.asarray(layer.bias[...]))\n'
+    "assert back.kernel[...].sharding.spec == jax.P('model', 'data')\n"
+    'print("CHECKED")\n'
+  ),
+  ('export_guide.md', 1): (
+    'import numpy as np\n'
+    'e = np.asarray(embed.embedding[...])\n'
+    'k = np.asarray(head.kernel[...])\n'
+    'dt = tf.experimental.dtensor\n'
+    'full = dt.Layout.replicated(dt.fetch_layout(scores).mesh, 2)\n'
+    'got = dt.unpack(dt.relayout(scores, full))[0].numpy()\n'
+    'np.testing.assert_allclose(got, e @ k, rtol=1e-4, atol=1e-4)\n'
+    "assert [r.path for r in report.relaid] == ['embed/embedding', "
+    "'head/kernel']\n"
+    "assert report.relaid[0].spec == jax.P('model')\n"
+    "reader = tf.train.load_checkpoint('tf_ckpt/ckpt')\n"
+    'table = reader.get_tensor(\n'
+    "    'state/embed/embedding/.ATTRIBUTES/VARIABLE_VALUE')\n"
+    'np.testing.assert_array_equal(table, e)\n'
+    'print("CHECKED")\n'
+  ),
+  ('export_guide.md', 2): (
+    'import numpy as np\n'
+    "loaded = tf.saved_model.load('saved_model')\n"
+    'x = np.ones((3, 16), np.float32)\n'
+    "out = loaded.signatures['serving_default'](x=tf.constant(x))\n"
+    'got = list(out.values())[0].numpy()\n'
+    'want = np.asarray(model(jax.numpy.asarray(x)))\n'
+    'np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)\n'
+    'print("CHECKED")\n'
   ),
 }
 
@@ -103,11 +149,23 @@ def _blocks(page: str) -> list[tuple[str, str]]:
   return BLOCK.findall((DOCS / page).read_text())
 
 
+def _python(page: str, *, alone: bool) -> list[str]:
+  """The page's Python blocks that stand alone, or those that do not."""
+  return [
+    code
+    for kind, code in _blocks(page)
+    if kind == 'python' and bool(ALONE.search(code)) == alone
+  ]
+
+
 PAGES = sorted(
-  p.name
-  for p in DOCS.glob('*.md')
-  if any(k == 'python' for k, _ in _blocks(p.name))
+  p.name for p in DOCS.glob('*.md') if _python(p.name, alone=False)
 )
+STANDALONE = [
+  (p.name, n)
+  for p in sorted(DOCS.glob('*.md'))
+  for n in range(len(_python(p.name, alone=True)))
+]
 
 
 def test_the_pages_with_code_are_found():
@@ -118,12 +176,13 @@ def test_the_pages_with_code_are_found():
     'cli.md',
   } <= set(PAGES)
   assert set(CHECKS) == set(PAGES), 'every page with code checks its result'
+  assert set(ALONE_CHECKS) == set(STANDALONE), 'every block alone checks too'
 
 
 @pytest.mark.parametrize('page', PAGES)
 def test_page_runs_as_written(tmp_path, page):
   parts = []
-  python = [code for kind, code in _blocks(page) if kind == 'python']
+  python = _python(page, alone=False)
   for i, code in enumerate(python):
     parts.append(GIVEN.get((page, i), ''))
     parts.append(code)
@@ -132,6 +191,18 @@ def test_page_runs_as_written(tmp_path, page):
   script.write_text('\n'.join(parts))
   run = script_util.run_script(script, tmp_path, timeout=600)
   assert run.returncode == 0, f'{page}:\n{run.stderr[-4000:]}'
+  assert run.stdout.rstrip().endswith('CHECKED')
+
+
+@pytest.mark.parametrize('page, n', STANDALONE)
+def test_block_runs_alone(tmp_path, page, n):
+  code = _python(page, alone=True)[n]
+  script = tmp_path / 'block.py'
+  script.write_text(code + '\n' + ALONE_CHECKS[page, n])
+  run = script_util.run_script(
+    script, tmp_path, timeout=600, devices_from_env=False
+  )
+  assert run.returncode == 0, f'{page} block {n}:\n{run.stderr[-4000:]}'
   assert run.stdout.rstrip().endswith('CHECKED')
 
 

@@ -10,7 +10,6 @@ multi-process run, JAX moves what another process holds.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -154,48 +153,12 @@ def _pieces(
   return pieces, own
 
 
-def _local(index: Index, held: Index) -> tuple[slice, ...]:
-  """`index` relative to the slice `held`."""
-  return tuple(
-    slice(a - h, b - h) for (a, b), (h, _) in zip(index, held, strict=True)
-  )
-
-
-def _slice_of(pieces: dict[Index, np.ndarray], index: Index) -> np.ndarray:
-  """The global slice `index`: a view when one piece holds it, else a copy."""
-  if index in pieces:
-    return pieces[index]
-  for held, data in pieces.items():
-    if _manifest.contains(held, index):
-      return data[_local(index, held)]
-  first = next(iter(pieces.values()))
-  out = np.empty([b - a for a, b in index], first.dtype)
-  covered = 0
-  for held, data in pieces.items():
-    overlap = tuple(
-      (max(a, h0), min(b, h1))
-      for (a, b), (h0, h1) in zip(index, held, strict=True)
-    )
-    if any(lo >= hi for lo, hi in overlap):
-      continue
-    out[_local(overlap, index)] = data[_local(overlap, held)]
-    covered += math.prod(hi - lo for lo, hi in overlap)
-  # The pieces of one layout are disjoint blocks covering the array.
-  assert covered == out.size, (index, sorted(pieces))
-  return out
-
-
 def _placed_on_host(
   t: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding
 ) -> jax.Array:
   """The tensor's values placed as `sharding` says, via host slices."""
   pieces, own = _pieces(t, shape)
-  wanted = {
-    _layouts.normalize_index(index, shape)
-    for index in sharding.addressable_devices_indices_map(shape).values()
-  }
-  slices = {index: _slice_of(pieces, index) for index in wanted}
-  return _host_read.place(slices, shape, sharding, own=own)
+  return _host_read.assemble(pieces, shape, sharding, own=own)
 
 
 def _placed_by_jax(

@@ -12,6 +12,7 @@ device is laid out on the main mesh. `SingleMeshReport` says what moved.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Sequence
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _meshes, _plan_view, _specs
-from flax_dtensor.dtensor import _selection
+from flax_dtensor.dtensor import _host_read, _layouts, _selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,14 @@ class SingleMeshReport:
         ).rstrip()
       )
       if i:
-        lines.append('    ' + self.relaid[i - 1].reason)
+        lines.append(
+          textwrap.fill(
+            self.relaid[i - 1].reason,
+            width=78,
+            initial_indent='    ',
+            subsequent_indent='    ',
+          )
+        )
     return '\n'.join(lines)
 
 
@@ -167,6 +175,27 @@ def _main_mesh(values: Sequence[jax.Array]) -> jax.sharding.Mesh | None:
   return meshes[int(np.argmax(nbytes))]
 
 
+def _moved(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`value` laid out as `sharding` says, with the fewest bytes copied.
+
+  When this process holds all of it, each distinct slice the devices need
+  is cut or assembled on the host from its shards (`_host_read.assemble`):
+  a device whose shard is already its slice keeps its buffer, and on CPU
+  the devices needing one slice share one buffer. Otherwise JAX moves it
+  (a collective over the processes).
+  """
+  if not value.is_fully_addressable:
+    return jax.device_put(value, sharding)
+  shape = tuple(value.shape)
+  pieces, own = {}, {}
+  for shard in value.addressable_shards:
+    index = _layouts.normalize_index(shard.index, shape)
+    data = np.asarray(shard.data)
+    pieces.setdefault(index, data)
+    own[shard.device] = (index, data)
+  return _host_read.assemble(pieces, shape, sharding, own=own)
+
+
 def onto_one_mesh(
   entries: Sequence[_selection.Entry], values: Sequence[jax.Array]
 ) -> tuple[list[jax.Array], SingleMeshReport]:
@@ -214,7 +243,7 @@ def onto_one_mesh(
         original = _specs.format_spec(sharding.spec)
       # On the array's own mesh when it is this one (its axis types kept).
       target = NamedSharding(sharding.mesh if same_mesh else mesh, spec)
-    out.append(jax.device_put(v, target))
+    out.append(_moved(v, target))
     moved += v.nbytes
     relaid.append(RelaidVariable(e.name, original, spec, '; '.join(notes)))
   report = SingleMeshReport(

@@ -877,6 +877,112 @@ CASES = [
     ),
     tf=True,
   ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a gather limit that is not a number of bytes',
+    fdt.ExportError,
+    r'Expected `max_gather_bytes` to be a non-negative int .* got -1',
+    'Pass a number of bytes; in a multi-process run, what process 0 can hold.',
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(),
+      ctx.tmp / 'sm',
+      input_signature=[ctx.tf.TensorSpec([None, 8])],
+      max_gather_bytes=-1,
+    ),
+    tf=True,
+  ),
+  # The way back from TF, in memory
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'something other than TF variables',
+    fdt.ExportError,
+    r'Expected a tf\.Module from to_tf_module .* got Linear',
+    'Pass the tf.Module of to_tf_module, or a dict of TF variables by path.',
+    lambda ctx: ctx.dt.from_tf_module(ctx.model(), ctx.model()),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'a dict key that is not an NNX path',
+    fdt.ExportError,
+    r'got the key 0 \(int\)\. Key each variable by its NNX path',
+    "Key the dict by NNX path: ('layers', 0, 'kernel') or 'layers/0/kernel'.",
+    lambda ctx: ctx.dt.from_tf_module({0: ctx.tf.Variable([1.0])}, ctx.model()),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'two TF variables for one NNX path',
+    fdt.ExportError,
+    r"two TF variables for the NNX path 'bias': \('bias',\) and 'bias'",
+    'Keep one variable per path.',
+    lambda ctx: ctx.dt.from_tf_module(
+      {('bias',): ctx.tf.Variable([1.0]), 'bias': ctx.tf.Variable([1.0])},
+      ctx.model(),
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'a value that is not a TF variable',
+    fdt.ExportError,
+    r"Expected a TF variable or tensor for the NNX path 'bias', got ndarray",
+    'Pass TF variables (DVariables or plain) or tensors.',
+    lambda ctx: ctx.dt.from_tf_module({'bias': np.ones(16)}, ctx.model()),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'a model with a variable TF lacks',
+    fdt.ExportError,
+    r"The dict of TF variables has no variable 'kernel', which the target "
+    r'needs',
+    'Restore with a narrower include=/exclude=, or the matching variables.',
+    lambda ctx: ctx.dt.from_tf_module(
+      {'bias': ctx.tf.Variable(np.ones(16, np.float32))}, ctx.model()
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'TF variables the model does not have',
+    fdt.ExportError,
+    r'holds 1 variable\(s\) the target does not have: extra.*allow_extra',
+    'Restore into the model that was exported, or pass allow_extra=True.',
+    lambda ctx: ctx.dt.from_tf_module(
+      {
+        **ctx.dt.flat_variables(ctx.dt.to_tf_module(ctx.model())),
+        'extra': ctx.tf.Variable([1.0]),
+      },
+      ctx.model(),
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'a model of another shape',
+    fdt.ExportError,
+    r"Shape mismatch for 'bias': the target expects \(32,\), the tf\.Module "
+    r'holds \(16,\)',
+    'Build the target with the exported configuration.',
+    lambda ctx: ctx.dt.from_tf_module(
+      ctx.dt.to_tf_module(ctx.model()), ctx.model(width=32)
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.from_tf_module',
+    'a model of another dtype',
+    fdt.ExportError,
+    r"Dtype mismatch for 'bias': the target expects bfloat16, the tf\.Module "
+    r'has float32.*`convert_dtypes=True`',
+    'Build the target in the exported dtype, or pass convert_dtypes=True.',
+    lambda ctx: ctx.dt.from_tf_module(
+      ctx.dt.to_tf_module(ctx.model()),
+      jax.tree.map(lambda x: x.astype(jnp.bfloat16), ctx.model()),
+    ),
+    tf=True,
+  ),
 ]
 
 

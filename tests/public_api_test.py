@@ -42,11 +42,37 @@ EXPECTED = (
 )
 
 
+# flax_dtensor.dtensor, the TensorFlow bridge.
+EXPECTED_DTENSOR = (
+  'RelaidVariable',
+  'SingleMeshReport',
+  'array_to_dtensor',
+  'checkpoint_key',
+  'dtensor_to_array',
+  'flat_variables',
+  'from_tf_module',
+  'initialize',
+  'is_initialized',
+  'layout_for',
+  'mesh_to_dtensor',
+  'nnx_path',
+  'read_checkpoint',
+  'restore_checkpoint',
+  'save_checkpoint',
+  'save_saved_model',
+  'shutdown',
+  'to_tf_module',
+)
+
+
 def test_all_matches_the_contract():
-  assert tuple(sorted(fdt.__all__)) == tuple(sorted(EXPECTED))
-  for name in fdt.__all__:
-    obj = getattr(fdt, name)
-    assert obj.__doc__, f'{name} has no docstring'
+  import flax_dtensor.dtensor as fdt_tf
+
+  for module, expected in [(fdt, EXPECTED), (fdt_tf, EXPECTED_DTENSOR)]:
+    assert tuple(sorted(module.__all__)) == tuple(sorted(expected))
+    for name in module.__all__:
+      obj = getattr(module, name)
+      assert obj.__doc__, f'{name} has no docstring'
 
 
 def test_errors_subclass_valueerror_or_typeerror():

@@ -163,7 +163,7 @@ def save_saved_model(
       `PROGRESS_MIN_VARIABLES` variables when stderr is a terminal.
     max_gather_bytes: In a multi-process run, the most bytes of variables
       (all of the module's, global sizes) gathered onto process 0; default
-      `MAX_GATHER_BYTES` (4 GiB). Unused in a single process.
+      4 GiB. Unused in a single process.
 
   Returns:
     The absolute path of the SavedModel directory.
@@ -174,9 +174,10 @@ def save_saved_model(
     ExportError: If `method` is not a method of `module`,
       `input_signature` has an entry of the wrong type or the wrong length
       of `polymorphic_shapes`, `directory` exists and `overwrite` is false,
-      a variable cannot be exported, or, in a multi-process run, the
-      variables take more than `max_gather_bytes` or process 0 failed to
-      write (on every process).
+      a variable cannot be exported, `max_gather_bytes` is not a
+      non-negative int, or, in a multi-process run, the variables take more
+      than `max_gather_bytes` or process 0 failed to write (on every
+      process).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -189,6 +190,7 @@ def save_saved_model(
   specs, polymorphic = _signature(
     module, method, input_signature, polymorphic_shapes
   )
+  _check_limit(max_gather_bytes)
   selected = nnx.All(include, nnx.Not(exclude))
   _, exported, _ = nnx.split(module, selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
@@ -340,12 +342,16 @@ def _arrays_of(module: Any) -> list[tuple[Any, nnx.Variable, Any]]:
   ]
 
 
-def _check_gather_size(module: Any, limit: int) -> None:
-  """Refuses, on every process alike, a model bigger than `limit`."""
+def _check_limit(limit: Any) -> None:
   if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
     raise _errors.ExportError(
-      f'Expected `max_gather_bytes` to be a non-negative int, got {limit!r}.'
+      'Expected `max_gather_bytes` to be a non-negative int (a number of '
+      f'bytes), got {limit!r}. Pass e.g. `max_gather_bytes=16 * 2**30`.'
     )
+
+
+def _check_gather_size(module: Any, limit: int) -> None:
+  """Refuses, on every process alike, a model bigger than `limit`."""
   nbytes = sum(
     _nbytes(v) for _, _, v in _arrays_of(module) if isinstance(v, jax.Array)
   )

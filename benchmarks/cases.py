@@ -453,8 +453,8 @@ def from_tf(
 
   `same_layout` restores into the layouts exported, `other_layout` into
   every array's spec reversed; `device_put` is JAX moving the same arrays
-  to those other layouts (the limit for a copy). `copied_bytes` counts the
-  result's shard bytes whose buffer is not one of TF's components (by
+  to those other layouts (its own way of copying them). `copied_bytes` sums
+  the result's distinct buffers that are not one of TF's components (by
   address): 0 when nothing was copied.
   """
   jax = _jax()
@@ -498,12 +498,12 @@ def from_tf(
     out = [v.get_value() for _, v in nnx.to_flat_state(restored)]
   jax.block_until_ready(out)
   seconds = time.perf_counter() - start
-  copied = sum(
-    s.data.nbytes
+  new_buffers = {
+    s.data.unsafe_buffer_pointer(): s.data.nbytes
     for a in out
     for s in a.addressable_shards
-    if s.data.unsafe_buffer_pointer() not in tf_buffers
-  )
+  }
+  copied = sum(n for p, n in new_buffers.items() if p not in tf_buffers)
   return {
     'seconds': seconds,
     'rss_before_mib': before,

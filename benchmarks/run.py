@@ -170,9 +170,9 @@ def _full():
         {
           'ours': 'same_layout',
           'ours_moved': 'other_layout',
-          'limit': 'device_put',
+          'peer': 'device_put',
         },
-        [('ours', 'limit'), ('ours_moved', 'limit')],
+        [('ours_moved', 'peer')],
       )
       for layouts in ('mixed', 'sharded')
     ],
@@ -230,9 +230,9 @@ def _quick():
         {
           'ours': 'same_layout',
           'ours_moved': 'other_layout',
-          'limit': 'device_put',
+          'peer': 'device_put',
         },
-        [('ours', 'limit'), ('ours_moved', 'limit')],
+        [('ours_moved', 'peer')],
       ),
     ],
   }

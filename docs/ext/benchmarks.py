@@ -150,6 +150,24 @@ def _restore(r, layouts='sharded', cache='hot', limit='limit'):
   )
 
 
+def _single_mesh_time(r, layouts='product'):
+  return _ratio(
+    _find(r, 'single_mesh', layouts=layouts, warm=False), 'ours', 'peer'
+  )
+
+
+def _single_mesh_memory(r):
+  e = _find(r, 'single_mesh', layouts='product', warm=False)
+  mib = _median(e, 'ours', 'rss_above_baseline_mib')
+  nbytes = e.get('methods', {}).get('ours', {}).get('bytes')
+  return mib * 2**20 / nbytes if mib is not None and nbytes else None
+
+
+def _from_tf_copied(r):
+  e = _find(r, 'from_tf', layouts='mixed')
+  return e.get('methods', {}).get('ours', {}).get('copied_bytes')
+
+
 # One row per target: (what, its value from a report, its format, the
 # target as text, whether a value meets it; None for context rows).
 TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
@@ -249,6 +267,65 @@ TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
     'x',
     '≤ 0.5x',
     lambda v: v <= 0.5,
+  ),
+  (
+    '`to_tf_module(single_mesh=True)`, 512 MiB in 32 arrays, each with a '
+    'dimension over both mesh axes: time ÷ the default (fused, zero-copy)',
+    _single_mesh_time,
+    'x',
+    '(the cost of moving them)',
+    None,
+  ),
+  (
+    'same: peak RSS above the baseline ÷ the bytes moved',
+    _single_mesh_memory,
+    'x',
+    '≤ 1.1x (one copy)',
+    lambda v: v <= 1.1,
+  ),
+  (
+    'same, 32 arrays of which 1 in 3 moves: time ÷ the default',
+    lambda r: _single_mesh_time(r, 'sharded'),
+    'x',
+    '(the cost of moving them)',
+    None,
+  ),
+  (
+    '`save_checkpoint(single_mesh=True)`, same arrays: time ÷ the default '
+    '(median of 5)',
+    lambda r: _ratio(
+      _find(r, 'single_mesh', layouts='sharded', arrays=32, mib=16, warm=None),
+      'ours',
+      'peer',
+    ),
+    'x',
+    '(the cost of moving them)',
+    None,
+  ),
+  (
+    '`from_tf_module`, 512 MiB from `to_tf_module`, layouts kept: bytes '
+    'copied (by buffer address)',
+    _from_tf_copied,
+    '',
+    '0 (no copy)',
+    lambda v: v == 0,
+  ),
+  (
+    'same: milliseconds',
+    lambda r: 1000 * _median(_find(r, 'from_tf', layouts='mixed'), 'ours'),
+    ' ms',
+    '',
+    None,
+  ),
+  (
+    '`from_tf_module` onto other layouts: time ÷ `jax.device_put` of the '
+    'same arrays to them',
+    lambda r: _ratio(
+      _find(r, 'from_tf', layouts='mixed'), 'ours_moved', 'peer'
+    ),
+    'x',
+    '≤ 1.0x',
+    lambda v: v <= 1.0,
   ),
   (
     '`save_checkpoint` throughput ÷ raw NumPy write + fsync (median of 5)',

@@ -4,7 +4,7 @@
 NNX path (`_names`) and checks them as a restore checks a checkpoint
 (`_target`). It reads each DTensor's local components (`dtensor.unpack`),
 whose global slices follow from the DTensor layout by mesh position, and
-places the slices the target's sharding needs (`_host_read.place`). In a
+places the slices the target's sharding needs (`_host_read.assemble`). In a
 multi-process run, JAX moves what another process holds.
 """
 
@@ -262,7 +262,8 @@ def from_tf_module(
 
   Example:
     >>> tf_module = to_tf_module(model)  # doctest: +SKIP
-    >>> flat_variables(tf_module)['head/kernel'].assign_add(...)  # doctest: +SKIP
+    >>> kernel = flat_variables(tf_module)['head/kernel']  # doctest: +SKIP
+    >>> kernel.assign(kernel.read_value() * 2)  # doctest: +SKIP
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """

@@ -37,6 +37,7 @@ from flax_dtensor.dtensor import (
   _single_mesh,
   _tf,
   _tf_errors,
+  _topology,
 )
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ def save_saved_model(
     >>> loaded = tf.saved_model.load('/tmp/sm')  # doctest: +SKIP
     >>> loaded.signatures['serving_default'](input_0=x)  # doctest: +SKIP
   """
+  _topology.require_initialized()
   directory = _paths.local(directory, 'SavedModel directory')
   specs, polymorphic = _signature(
     module, method, input_signature, polymorphic_shapes
@@ -195,6 +197,7 @@ def save_saved_model(
   _, exported, _ = nnx.split(module, selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   show = _convert.show_progress(progress, len(entries))
+  served = _Served(selected, method, specs, polymorphic, platforms, show)
   with _tf_errors.translated(
     'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
   ):
@@ -203,17 +206,13 @@ def save_saved_model(
         module,
         directory,
         entries,
-        _Served(selected, method, specs, polymorphic, platforms, show),
+        served,
         overwrite=overwrite,
         max_gather_bytes=max_gather_bytes,
       )
-      return directory
-    with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
-      _write(
-        module,
-        tmp,
-        _Served(selected, method, specs, polymorphic, platforms, show),
-      )
+    else:
+      with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+        _write(module, tmp, served)
   return directory
 
 

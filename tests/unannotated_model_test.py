@@ -280,3 +280,30 @@ def test_rules_without_path_rules_leave_construction_alone(explicit_mesh):
   assert not any(model.up.kernel[...].sharding.spec)
   plan = fdt.plan(model, rules=um.LOGICAL_RULES)
   assert plan['up/kernel'].source == 'none (replicated)'
+
+
+def test_an_orbax_checkpoint_restores_by_path_rules(auto_mesh, tmp_path):
+  """The restore behind `flax-dtensor export`: an Orbax checkpoint of the
+  unsharded model, read into its path-ruled placement."""
+  ocp = pytest.importorskip('orbax.checkpoint')
+  from flax_dtensor import _orbax
+
+  with nnx.use_eager_sharding(False):
+    saved = um.make_small()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'state', nnx.state(saved))
+    checkpointer.wait_until_finished()
+  abstract = nnx.eval_shape(um.make_small)
+  restored = _orbax.restore(tmp_path / 'state', abstract, auto_mesh, RULES)
+  plan = fdt.plan(um.make_small, mesh=auto_mesh, rules=RULES)
+  want, got = _flat(nnx.state(saved)), _flat(nnx.state(restored))
+  for path, variable in got.items():
+    value = variable[...]
+    np.testing.assert_array_equal(
+      np.asarray(value), np.asarray(want[path][...])
+    )
+    n = value.ndim
+    assert _canonical(value.sharding.spec, n) == _canonical(
+      plan[path].spec, n
+    ), path
+  assert restored.head.kernel[...].sharding.spec == P('data', 'model')

@@ -100,6 +100,40 @@ def _full():
       )
       for layers in (6, 12, 24, 48, 96)
     ],
+    'path_rules': [
+      _case(
+        'init',
+        {'layers': 24, 'width': 1024},
+        {
+          'ours': 'fdt_init_paths',
+          'ours_eager': 'fdt_eager_paths',
+          'peer': 'fdt_init',
+          'limit': 'unsharded_paths',
+        },
+        [('ours', 'peer'), ('ours', 'limit'), ('ours_eager', 'limit')],
+        note=(
+          '201M params without annotations, placed by path rules, against '
+          'the annotated stack of the same size; (2, 4) Explicit mesh'
+        ),
+      ),
+    ],
+    'hook': [
+      _case(
+        'hook',
+        {'blocks': 24},
+        {
+          'ours': 'routing',
+          'limit': 'no_routing',
+          'rules': 'rules',
+          'path_rules': 'path_rules',
+        },
+        [('ours', 'limit')],
+        note=(
+          'building a 24-block model (LayerNorm and 6 Linear each); share '
+          "of the time in flax_dtensor's code under cProfile"
+        ),
+      ),
+    ],
     'plan': [
       _case('plan', {'variables': n}, {'ours': 'fdt_plan_factory'})
       for n in (1000, 2500, 5000, 10000)
@@ -295,6 +329,9 @@ def _summary(runs):
   ):
     if key in ok[0]:
       out[key] = ok[0][key]
+  for key in ('ours_share', 'ours_calls'):
+    if key in ok[0]:
+      out[key] = _spread([r[key] for r in ok])
   return out
 
 

@@ -27,6 +27,7 @@ from flax_dtensor._errors import (
 from flax_dtensor._init import init as init
 from flax_dtensor._memory import MemoryReport as MemoryReport
 from flax_dtensor._memory import memory_report as memory_report
+from flax_dtensor._path_rules import PathRule as PathRule
 from flax_dtensor._placement import shard_module as shard_module
 from flax_dtensor._placement import shard_value as shard_value
 from flax_dtensor._placement import (
@@ -44,6 +45,8 @@ from flax_dtensor._rules import get_logical_axis_rules as get_logical_axis_rules
 from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
 from flax_dtensor._rules import propagate as propagate
 from flax_dtensor._rules import set_logical_axis_rules as set_logical_axis_rules
+from flax_dtensor._trees import gather_tree as gather_tree
+from flax_dtensor._trees import shard_tree as shard_tree
 
 # isort: split
 from flax_dtensor import _hook
@@ -68,6 +71,7 @@ __all__ = (
   'MeshAxisTypeError',
   'MeshError',
   'NotAModelError',
+  'PathRule',
   'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
@@ -75,6 +79,7 @@ __all__ = (
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
   'check',
+  'gather_tree',
   'get_logical_axis_rules',
   'init',
   'logical_axis_rules',
@@ -84,6 +89,7 @@ __all__ = (
   'propagate',
   'set_logical_axis_rules',
   'shard_module',
+  'shard_tree',
   'shard_value',
   'with_logical_constraint',
 )

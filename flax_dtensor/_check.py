@@ -1,7 +1,8 @@
 """Rule linting: findings about rules, a model and a mesh, for CI.
 
 Each finding has a stable code, so a project can allow one deliberately
-(``allow=('unused-rule',)``), and the report is readable JSON.
+(``allow=('unused-rule',)``), and the report is readable JSON. Logical
+rules, path rules and the variables they leave whole are all checked.
 """
 
 from __future__ import annotations
@@ -10,19 +11,39 @@ import dataclasses
 import difflib
 import json
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 
-from flax_dtensor import _errors, _meshes, _plan, _plan_view, _rules, _specs
+from flax_dtensor import (
+  _errors,
+  _init,
+  _meshes,
+  _path_rules,
+  _plan,
+  _plan_view,
+  _rules,
+  _specs,
+  _trees,
+  _variables,
+)
 
 CODES = {
   'unused-rule': 'a logical name in the rules that no variable uses',
   'shadowed-rule': 'a rule that an earlier rule for its name always beats',
   'unknown-mesh-axis': 'a rule naming a mesh axis the mesh lacks',
-  'replicated-large': 'a large variable every device holds whole',
+  'replicated-large': 'a large variable the rules leave whole on every device',
   'over-budget': 'bytes per device above the budget',
+  'unmatched-path-rule': 'a path rule whose pattern matches no variable',
+  'shadowed-path-rule': (
+    'a path rule every variable it matches is taken by an earlier path '
+    'rule or an annotation'
+  ),
+  'unannotated-replicated': (
+    'a large variable that neither an annotation nor a path rule covers'
+  ),
 }
 """Every finding's code, and what it means."""
 
@@ -143,6 +164,95 @@ def _rule_findings(
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Subject:
+  """What path rules see of a variable (or an array of a plain tree)."""
+
+  path: str
+  type: type | None
+  annotated: bool
+
+
+def _subjects(target: Any) -> list[_Subject]:
+  if _trees.is_array_tree(target):
+    keyed = jax.tree_util.tree_flatten_with_path(target)[0]
+    return [_Subject(_variables.keypath_str(k), None, False) for k, _ in keyed]
+  return [
+    _Subject(
+      _variables.path_str(path),
+      type(v),
+      _variables.logical_axes_of(v) is not None
+      or _variables.concrete_sharding_of(v) is not None,
+    )
+    for path, v in _variables.iter_variables(target)
+  ]
+
+
+def _path_rule_findings(
+  rules: _rules.LogicalRules, subjects: Sequence[_Subject]
+) -> list[Finding]:
+  out = []
+  examples = ', '.join(repr(s.path) for s in subjects[:3])
+  first = {
+    s.path: _path_rules.first_match(rules.path_rules, s.path, s.type)
+    for s in subjects
+  }
+  for k, rule in enumerate(rules.path_rules):
+    subject = rule.describe(k)
+    matched = [s for s in subjects if rule.matches(s.path, s.type)]
+    if not matched:
+      kind = f' of type {rule.type.__name__}' if rule.type else ''
+      out.append(
+        Finding(
+          'unmatched-path-rule',
+          subject,
+          f'the pattern matches no variable path{kind} (paths look like '
+          f'{examples}), so the rule does nothing. Fix the pattern (a '
+          "regular expression searched in the '/'-joined path), or remove "
+          'the rule.',
+        )
+      )
+      continue
+    earlier = [s for s in matched if first[s.path][0] < k]
+    annotated = [
+      s
+      for s in matched
+      if first[s.path][0] == k and s.annotated and not rule.override
+    ]
+    if len(earlier) + len(annotated) < len(matched):
+      continue
+    if earlier:
+      j, winner = first[earlier[0].path]
+      why = (
+        f'{len(earlier)} of the {len(matched)} variables it matches are '
+        f'taken by earlier path rules (e.g. {earlier[0].path!r} by '
+        f'{winner.describe(j)}; the first match wins)'
+      )
+    else:
+      why = ''
+    if annotated:
+      why += (' and ' if why else '') + (
+        f'{len(annotated)} are annotated with logical axes (e.g. '
+        f'{annotated[0].path!r}), which win unless the rule says '
+        'override=True'
+      )
+    out.append(
+      Finding(
+        'shadowed-path-rule',
+        subject,
+        f'it never applies: {why}. Remove it, move it before the rules '
+        'that take its variables, or set override=True.',
+      )
+    )
+  return out
+
+
+def _suggested_pattern(path: str) -> str:
+  """'layers/\\d+/mlp/up/kernel$' for 'layers/3/mlp/up/kernel'."""
+  parts = [r'\d+' if p.isdigit() else re.escape(p) for p in path.split('/')]
+  return '/'.join(parts) + '$'
+
+
 def _could_shard(entry: _plan.PlanEntry, sizes: dict[str, int] | None) -> str:
   if not sizes:
     return 'no mesh axes'
@@ -172,13 +282,22 @@ def check(
     beats (an earlier ``None``, or the same rule twice);
   - ``unknown-mesh-axis``: a rule naming an axis the mesh lacks (a typo
     like ``'modle'`` silently replicates), with a "did you mean";
-  - ``replicated-large``: a variable of at least `min_bytes` that every
-    device holds whole, with the mesh axes that could shard it;
-  - ``over-budget``: bytes per device above `budget`.
+  - ``replicated-large``: a variable of at least `min_bytes` that the
+    rules (its annotation or a path rule) leave whole on every device,
+    with the mesh axes that could shard it;
+  - ``over-budget``: bytes per device above `budget`;
+  - ``unmatched-path-rule``: a path rule whose pattern matches no
+    variable (a typo in a pattern silently replicates);
+  - ``shadowed-path-rule``: a path rule that never applies, because every
+    variable it matches is taken by an earlier path rule (the first match
+    wins) or annotated (annotations win unless ``override=True``);
+  - ``unannotated-replicated``: a variable of at least `min_bytes` that
+    neither an annotation nor a path rule covers, so every device holds it
+    whole, with a path rule that would cover it.
 
   Args:
-    module_or_state: What `plan` takes: a module, state, or a factory
-      (built abstractly, allocating nothing).
+    module_or_state: What `plan` takes: a module, state, a factory (built
+      abstractly, allocating nothing), or a pytree of arrays.
     rules: The rules; defaults to the rules in effect.
     mesh: The mesh; defaults to the one set by ``jax.set_mesh``.
     min_bytes: The size from which a replicated variable is reported.
@@ -224,27 +343,47 @@ def check(
     rules_ = _rules.LogicalRules(rules_.pairs)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
-  result = _plan.plan(
-    module_or_state, mesh=mesh_, rules=rules_.replace(unknown='replicate')
-  )
+  lenient = rules_.replace(unknown='replicate')
+  target = module_or_state
+  if _plan._is_factory(target) and not _trees.is_array_tree(target):
+    target = _init.build_abstract(target, mesh=mesh_, rules=lenient)
+  result = _plan.plan(target, mesh=mesh_, rules=lenient)
   used = {
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }
   findings = _rule_findings(rules_, used, sizes)
+  if rules_.path_rules:
+    findings += _path_rule_findings(rules_, _subjects(target))
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
-    if (
+    if not (
       result.num_devices > 1
       and e.bytes >= min_bytes
       and e.bytes_per_device == e.bytes
     ):
+      continue
+    whole = (
+      f'{_plan_view.shape_text(e)} ({_plan_view.human_bytes(e.bytes)}) '
+      f'is whole on each of the {result.num_devices} devices.'
+    )
+    if (e.source or '').startswith('none'):
+      findings.append(
+        Finding(
+          'unannotated-replicated',
+          e.path,
+          f'{whole} No annotation or path rule covers it ({e.source}). It '
+          f'could be sharded on {_could_shard(e, sizes)}: add a path rule '
+          f"such as (r'{_suggested_pattern(e.path)}', P(...)), or annotate "
+          'it.',
+        )
+      )
+    else:
       findings.append(
         Finding(
           'replicated-large',
           e.path,
-          f'{_plan_view.shape_text(e)} ({_plan_view.human_bytes(e.bytes)}) '
-          f'is whole on each of the {result.num_devices} devices. It could '
-          f'be sharded on {_could_shard(e, sizes)}: annotate it, or add '
-          'rules for its logical axes.',
+          f'{whole} ({e.source or "annotation"} leaves it replicated.) It '
+          f'could be sharded on {_could_shard(e, sizes)}: annotate it, or '
+          'add rules for its logical axes or its path.',
         )
       )
   if budget is not None and result.bytes_per_device > budget:

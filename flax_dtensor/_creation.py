@@ -44,7 +44,7 @@ _CACHE_SIZE = 256
 # eager call runs one by one (``normal(key, shape) * stddev``), which moves
 # values by an ulp; without it the compiled initializer equals the eager
 # call bit for bit.
-_COMPILER_OPTIONS = {'xla_disable_hlo_passes': 'algsimp'}
+COMPILER_OPTIONS = {'xla_disable_hlo_passes': 'algsimp'}
 
 
 class _Unkeyable(Exception):
@@ -216,7 +216,7 @@ def create(
     return jax.jit(
       run,
       out_shardings=NamedSharding(auto, spec),
-      compiler_options=_COMPILER_OPTIONS,
+      compiler_options=COMPILER_OPTIONS,
     )
 
   jitted = _compiled.get((call.key, spec, auto), make)

@@ -8,7 +8,11 @@ two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
 annotated initializer computes only its shards (`_creation`), and
 ``Variable.set_value``. The wrappers take any arguments and defer to Flax
 unless our rules are in effect or our build (`building`) runs.
-`check_routing` proves at import that Flax still calls them.
+`check_routing` proves at import that Flax still calls them. Two more
+wrappers serve path rules: ``get_partition_spec`` lends ``get_var_pspec``
+each variable's path, and the module metaclass's call places, when the
+outermost ``nnx.Module`` constructor returns, the variables path rules
+cover.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
+from flax.nnx import module as module_lib
 from flax.nnx import spmd as nnx_spmd
 from flax.nnx import variablelib
+from flax.nnx.transforms import transforms as nnx_transforms
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_dtensor import (
@@ -51,6 +57,10 @@ class _State(threading.local):
   mesh: Mesh | None = None
   strict: bool = False  # Inside `init`'s eager build (see `in_shards`).
   probe: list[str] | None = None  # `check_routing` records calls here.
+  # Inside an `nnx.Module` constructor called under path rules: how deep.
+  depth: int = 0
+  # Inside `nnx.get_partition_spec` under path rules: {id(variable): path}.
+  paths: dict[int, str] | None = None
 
 
 _state = _State()
@@ -215,11 +225,99 @@ def _get_var_pspec(
   uses_ours = isinstance(rules, _rules.LogicalRules) or (
     not rules.pairs and isinstance(local, _rules.LogicalRules)
   )
-  if not uses_ours or _variables.logical_axes_of(variable) is None:
+  path = _state.paths.get(id(variable)) if _state.paths else None
+  if not uses_ours or (
+    path is None and _variables.logical_axes_of(variable) is None
+  ):
     return flax_fn(*args, **kwargs)
-  resolution = _variables.spec_of_variable(variable, rules=rules)
-  assert resolution is not None
+  resolution = _variables.spec_of_variable(variable, rules=rules, path=path)
+  if resolution is None:
+    return flax_fn(*args, **kwargs)
   return resolution.spec
+
+
+def _get_partition_spec(flax_fn: Callable[..., Any], *args: Any, **kwargs):
+  """``nnx.get_partition_spec``, each variable's path lent to the query.
+
+  Flax maps ``get_var_pspec`` over the tree without paths. Under path
+  rules, the paths of the tree's variables (relative to the tree, as
+  `_variables.keypath_str` joins them: ``nnx.state(model)`` gives the
+  plan's paths) are kept for the duration of the call.
+  """
+  if _state.probe is not None:
+    _state.probe.append('get_partition_spec')
+  rules = core_spmd.get_logical_axis_rules()
+  if not isinstance(rules, _rules.LogicalRules) or not rules.path_rules:
+    return flax_fn(*args, **kwargs)
+  named = _bind(flax_fn, args, kwargs)
+  if 'tree' not in named:
+    return flax_fn(*args, **kwargs)
+  paths: dict[int, str] = {}
+  leaves = jax.tree_util.tree_flatten_with_path(
+    named['tree'], is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )[0]
+  for keypath, leaf in leaves:
+    if isinstance(leaf, nnx.Variable):
+      paths.setdefault(id(leaf), _variables.keypath_str(keypath))
+  old = _state.paths
+  _state.paths = paths
+  try:
+    return flax_fn(*args, **kwargs)
+  finally:
+    _state.paths = old
+
+
+def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
+  """``nnx.eval_shape``, the abstract values typed by path rules too.
+
+  Flax gives each abstract variable the sharding ``get_var_pspec`` names,
+  without a path; under path rules, those a path rule covers (by their
+  path in each graph node returned) get its placement, as `plan` reports.
+  """
+  out = flax_fn(*args, **kwargs)
+  rules = core_spmd.get_logical_axis_rules()
+  if (
+    isinstance(rules, _rules.LogicalRules)
+    and rules.path_rules
+    and not _state.building
+  ):
+    _placement.type_abstract(out, rules)
+  return out
+
+
+def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
+  """The module metaclass's call: construction, then path-ruled placement.
+
+  With no path rules in effect this costs two thread-local reads. Under
+  path rules, the outermost ``nnx.Module`` constructor (a per-thread depth
+  count) places, when it returns, every variable of the new module that a
+  path rule covers, by its path in that module: the variable was created
+  as Flax creates it, and moves once.
+  """
+  state = _state
+  if state.depth:
+    state.depth += 1
+    try:
+      return flax_call(cls, *args, **kwargs)
+    finally:
+      state.depth -= 1
+  if state.probe is not None:
+    state.probe.append('module_call')
+    return flax_call(cls, *args, **kwargs)
+  rules = core_spmd.get_logical_axis_rules()
+  if (
+    not isinstance(rules, _rules.LogicalRules)
+    or not rules.path_rules
+    or state.building
+  ):
+    return flax_call(cls, *args, **kwargs)
+  state.depth = 1
+  try:
+    module = flax_call(cls, *args, **kwargs)
+  finally:
+    state.depth = 0
+  _placement.place_by_path_rules(module, rules)
+  return module
 
 
 def install() -> None:
@@ -249,20 +347,60 @@ def install() -> None:
   def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
     return _set_value(flax_set_value, variable, *args, **kwargs)
 
-  for hook in (shard_value, get_var_pspec, with_metadata, set_value):
+  flax_get_partition_spec = nnx_spmd.get_partition_spec
+
+  @functools.wraps(flax_get_partition_spec)
+  def get_partition_spec(*args: Any, **kwargs: Any) -> Any:
+    return _get_partition_spec(flax_get_partition_spec, *args, **kwargs)
+
+  flax_call = module_lib.ModuleMeta.__call__
+
+  flax_eval_shape = nnx_transforms.eval_shape
+
+  @functools.wraps(flax_eval_shape)
+  def eval_shape(*args: Any, **kwargs: Any) -> Any:
+    return _eval_shape(flax_eval_shape, *args, **kwargs)
+
+  @functools.wraps(flax_call)
+  def module_call(cls: Any, /, *args: Any, **kwargs: Any) -> Any:
+    # The common case inline (no path rules, not inside a constructor):
+    # two thread-local reads, one frame.
+    state = _state
+    if not state.depth and state.probe is None:
+      rules = core_spmd.get_logical_axis_rules()
+      if not isinstance(rules, _rules.LogicalRules) or not rules.path_rules:
+        return flax_call(cls, *args, **kwargs)
+    return _construct(flax_call, cls, *args, **kwargs)
+
+  for hook in (
+    shard_value,
+    get_var_pspec,
+    with_metadata,
+    set_value,
+    get_partition_spec,
+    module_call,
+    eval_shape,
+  ):
     setattr(hook, _MARK, True)
   core_spmd.shard_value = shard_value
   nnx_spmd.get_var_pspec = get_var_pspec
   variablelib.with_metadata = with_metadata
   nnx.with_metadata = with_metadata
   variablelib.Variable.set_value = set_value
+  nnx_spmd.get_partition_spec = get_partition_spec
+  nnx.get_partition_spec = get_partition_spec
+  module_lib.ModuleMeta.__call__ = module_call
+  nnx_transforms.eval_shape = eval_shape
+  nnx_spmd.eval_shape = eval_shape
+  nnx.eval_shape = eval_shape
 
 
 def check_routing() -> None:
   """Proves that Flax routes creation and pspec queries through the hook.
 
   Creates one annotated variable from a NumPy value (no JAX backend starts)
-  and asks for its PartitionSpec, with the hook in probe mode.
+  and asks for its PartitionSpec, and constructs an empty ``nnx.Module``,
+  with the hook in probe mode.
 
   Raises:
     FlaxCompatibilityError: If Flax did not call one of the wrapped
@@ -278,6 +416,7 @@ def check_routing() -> None:
       ('shard_value', _probe_creation),
       ('get_var_pspec', _probe_query),
       ('with_metadata', _probe_initializer),
+      ('module_call', _probe_module),
     ):
       try:
         probe()
@@ -287,7 +426,13 @@ def check_routing() -> None:
     _state.probe = old
   missing = [
     n
-    for n in ('shard_value', 'get_var_pspec', 'with_metadata')
+    for n in (
+      'shard_value',
+      'get_var_pspec',
+      'with_metadata',
+      'get_partition_spec',
+      'module_call',
+    )
     if n not in calls
   ]
   if missing:
@@ -306,6 +451,14 @@ def _probe_initializer() -> None:
   nnx.with_partitioning(lambda: np.zeros((2,), np.float32), ('x',))()
 
 
+class _Probe(nnx.Module):
+  """An empty module: constructing it must go through `_construct`."""
+
+
+def _probe_module() -> None:
+  _Probe()
+
+
 def _probe_query() -> None:
   variable = nnx.Param(
     np.zeros((2,), np.float32), out_sharding=('x',), eager_sharding=False
@@ -315,10 +468,13 @@ def _probe_query() -> None:
 
 _ROUTING_MSG = (
   'flax_dtensor needs Flax to create annotated variables through '
-  '`flax.core.spmd.shard_value` and to answer `nnx.get_partition_spec` '
-  'through `flax.nnx.spmd.get_var_pspec`, and to wrap initializers with '
-  '`flax.nnx.variablelib.with_metadata`; the installed Flax {version} did '
-  'not call {missing}. Expected a Flax version flax_dtensor supports (see '
+  '`flax.core.spmd.shard_value`, to answer `nnx.get_partition_spec` '
+  'through `flax.nnx.spmd.get_partition_spec` and `get_var_pspec`, to wrap '
+  'initializers with `flax.nnx.variablelib.with_metadata`, and to build '
+  'modules through `flax.nnx.module.ModuleMeta.__call__` (path rules place '
+  'variables when the outermost module constructor returns); the installed '
+  'Flax {version} did not call {missing}. Expected a Flax version '
+  'flax_dtensor supports (see '
   "its pyproject.toml, e.g. pip install 'flax>=0.12.8,<0.13'); a newer Flax "
   'needs a newer flax_dtensor.'
 )

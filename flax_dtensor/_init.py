@@ -66,10 +66,11 @@ def init(
   ...)``, as in ``nnx.Linear``, ``nnx.Embed``, ``nnx.Conv``), the factory
   runs eagerly and each initializer runs under a ``jit`` with its output
   sharding, compiled once per distinct initializer; an abstract pass checks
-  this first. Otherwise (a user's initializer, or a value reshaped after
-  its initializer, as in ``nnx.LinearGeneral``) the whole factory is traced
-  under one ``nnx.jit`` and each variable is constrained to its spec; its
-  compile time grows with the model.
+  this first. Otherwise (a user's initializer, a value reshaped after
+  its initializer, as in ``nnx.LinearGeneral``, or a variable a path rule
+  covers, which has no path until the model is built) the whole factory is
+  traced under one ``nnx.jit`` and each variable is constrained to its spec;
+  its compile time grows with the model.
 
   Arrays and NNX graph nodes (``nnx.Rngs``) anywhere in the arguments are
   passed as they are, and the ``nnx.Rngs`` advance as in an eager call;
@@ -158,6 +159,7 @@ def _builds_in_shards(
   """
   found: list[Any] = []
   verdict: list[bool] = []
+  rules = _rules.rules_in_effect()
 
   def probe(*a: Any, **k: Any) -> None:
     with _hook.building(in_shards=found, mesh=mesh):
@@ -170,12 +172,21 @@ def _builds_in_shards(
         if _variables.logical_axes_of(v) is not None
       )
     )
+    if isinstance(rules, _rules.LogicalRules) and rules.path_rules:
+      # A variable a path rule covers is known by its path only once built:
+      # only the traced build creates it in its shards.
+      verdict.append(
+        not any(
+          r is not None and r.by_path_rule
+          for _, _, r in _variables.resolved(built, rules=rules, mesh=mesh)
+        )
+      )
 
   try:
     nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
   except Exception:  # The traced build reports it, or builds it anyway.
     return False
-  return verdict == [True]
+  return bool(verdict) and all(verdict)
 
 
 def _traced_build(
@@ -195,6 +206,38 @@ def _traced_build(
   original_shardings = jax.tree.map(
     lambda x: getattr(x, 'sharding', None), originals
   )
+  create = _creator(factory, rules_, mesh_, leaves, treedef, dynamic)
+  try:
+    nnx.update(
+      nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
+    )
+    values = [
+      leaves[i] if _is_node(leaves[i]) else _meshes.retype(leaves[i], auto)
+      for i in dynamic
+    ]
+    with jax.set_mesh(auto):
+      # Compiled as `_creation` compiles initializers, so that the values
+      # equal an eager build's bit for bit.
+      built = create.lower(values).compile(_creation.COMPILER_OPTIONS)(values)
+    _place_result(built, rules_, mesh_)
+  finally:
+    nnx.update(
+      nodes,
+      jax.tree.map(_restore, nnx.state(nodes, graph=True), original_shardings),
+    )
+  return built
+
+
+def _creator(
+  factory: Callable[..., Any],
+  rules_: _rules.LogicalRules | _rules.FlaxRules,
+  mesh_: Mesh,
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+) -> Any:
+  """The ``nnx.jit`` function of `_traced_build`, taking the dynamic args."""
+  auto = _meshes.auto_copy(mesh_)
 
   def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     full = list(leaves)
@@ -210,23 +253,35 @@ def _traced_build(
     _constrain(built, rules_, mesh_, auto)
     return built
 
-  try:
-    nnx.update(
-      nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
+  return create
+
+
+def compiled_build(
+  factory: Callable[..., Any],
+  *args: Any,
+  mesh: Mesh,
+  rules: _rules.RulesLike | None = None,
+  **kwargs: Any,
+) -> Any:
+  """The traced build of `init`, compiled, not run: XLA's program per device.
+
+  Its ``as_text()`` and ``memory_analysis()`` show what one device holds
+  while the model is built (tests and benchmarks read them).
+  """
+  with scope(mesh, rules):
+    leaves, treedef = jax.tree_util.tree_flatten(
+      (args, kwargs), is_leaf=_is_node
     )
-    values = [
-      leaves[i] if _is_node(leaves[i]) else _meshes.retype(leaves[i], auto)
-      for i in dynamic
+    dynamic = [
+      i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
-    with jax.set_mesh(auto):
-      built = create(values)
-    _place_result(built, rules_, mesh_)
-  finally:
-    nnx.update(
-      nodes,
-      jax.tree.map(_restore, nnx.state(nodes, graph=True), original_shardings),
+    create = _creator(
+      factory, _rules.rules_in_effect(), mesh, leaves, treedef, dynamic
     )
-  return built
+    with jax.set_mesh(_meshes.auto_copy(mesh)):
+      return create.lower([leaves[i] for i in dynamic]).compile(
+        _creation.COMPILER_OPTIONS
+      )
 
 
 def build_abstract(

@@ -89,8 +89,13 @@ def restore(
   rules_ = _rules.rules_in_effect(rules)
   graphdef, abstract_state = nnx.split(abstract_model)
 
-  def target(variable: nnx.Variable) -> nnx.Variable:
-    resolution = _variables.spec_of_variable(variable, rules=rules_, mesh=mesh)
+  def target(keypath: Any, variable: nnx.Variable) -> nnx.Variable:
+    resolution = _variables.spec_of_variable(
+      variable,
+      rules=rules_,
+      mesh=mesh,
+      path=_variables.keypath_str(keypath),
+    )
     spec = resolution.spec if resolution is not None else PartitionSpec()
     value = _variables.value_of(variable)
     return variable.replace(
@@ -99,7 +104,7 @@ def restore(
       )
     )
 
-  wanted = jax.tree.map(
+  wanted = jax.tree_util.tree_map_with_path(
     target, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )
   with ocp.StandardCheckpointer() as checkpointer:

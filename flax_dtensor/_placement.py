@@ -5,7 +5,8 @@ Explicit axes: ``jax.sharding.reshard``. Auto axes:
 (``reshard`` to the Explicit part, then a constraint for the Auto part), and
 one ``jax.device_put`` outside it. `shard_value`, `with_logical_constraint`
 and `shard_module` resolve logical axes first (`_variables`,
-`_resolution`), then place.
+`_resolution`), then place; `place_by_path_rules` places what path rules
+cover when a module's construction ends.
 """
 
 from __future__ import annotations
@@ -249,17 +250,90 @@ def with_logical_constraint(
   return apply_spec(x, resolution.spec, mesh)
 
 
+def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
+  """Moves the variables path rules cover to their placement, once.
+
+  Called when the outermost ``nnx.Module`` constructor returns under path
+  rules (`_hook`): by then every variable has its path in the new module.
+  Variables placed already (by an earlier module's construction, or built
+  in their shards) are not moved again. Nothing moves when eager sharding
+  is off (``nnx.use_eager_sharding(False)``, or a variable's own
+  ``eager_sharding=False``), as for annotated variables.
+
+  Raises:
+    MeshError: If a path rule covers a variable but no mesh is set.
+    ShardingResolutionError: If a rule's target does not fit a variable.
+  """
+  if not nnx.using_eager_sharding():
+    return
+  for where, variable, resolution in _variables.resolved(
+    module, rules=rules, mesh=None
+  ):
+    if resolution is None or not resolution.by_path_rule:
+      continue
+    if not variable.get_metadata('eager_sharding', True):
+      continue
+    value = _variables.value_of(variable)
+    mesh = _meshes.mesh_for(variable, value=value)
+    if mesh is None or (
+      not _is_traced(value) and not isinstance(mesh, jax.sharding.Mesh)
+    ):
+      raise _errors.MeshError(
+        f'Expected a mesh to place the variable at {where}, which '
+        f'{resolution.source} covers, but no mesh is set. {NO_MESH_MSG}'
+      )
+    variable.set_value(apply_spec(value, resolution.spec, mesh, path=where))
+
+
+def type_abstract(out: Any, rules: _rules.LogicalRules) -> None:
+  """Gives abstract variables the sharding path rules give them.
+
+  For ``nnx.eval_shape``'s result: in each graph node of `out`, a variable
+  a path rule covers (by its path in that node) whose value is a
+  ``jax.ShapeDtypeStruct`` with a ``NamedSharding`` gets the rule's spec on
+  the same mesh. Explicit axes are in the type already; Auto axes are not,
+  and Flax would name the variable replicated.
+  """
+  nodes = jax.tree_util.tree_leaves(
+    out, is_leaf=lambda x: nnx.graph.is_graph_node(x)
+  )
+  for node in nodes:
+    if not nnx.graph.is_graph_node(node):
+      continue
+    for _, variable, resolution in _variables.resolved(
+      node, rules=rules, mesh=None
+    ):
+      value = _variables.value_of(variable)
+      sharding = getattr(value, 'sharding', None)
+      if (
+        resolution is None
+        or not resolution.by_path_rule
+        or not isinstance(value, jax.ShapeDtypeStruct)
+        or not isinstance(sharding, NamedSharding)
+      ):
+        continue
+      variable.set_value(
+        jax.ShapeDtypeStruct(
+          value.shape,
+          value.dtype,
+          sharding=NamedSharding(sharding.mesh, resolution.spec),
+          weak_type=value.weak_type,
+        )
+      )
+
+
 def shard_module(
   module: nnx.Module,
   *,
   mesh: jax.sharding.Mesh | None = None,
   rules: _rules.RulesLike | None = None,
 ) -> nnx.Module:
-  """Shards, in place, the annotated variables of an existing module.
+  """Shards, in place, the variables of an existing module by the rules.
 
   For a module built without a mesh (or under other rules): every variable
-  with logical axes (``nnx.with_partitioning``) is placed by the rules;
-  variables without them are left where they are.
+  with logical axes (``nnx.with_partitioning``) is placed by the rules, and
+  every variable a path rule covers by that rule (the path is the
+  variable's path in `module`); other variables are left where they are.
 
   Args:
     module: The module. Its variables are updated in place.
@@ -275,7 +349,8 @@ def shard_module(
     NotAModelError: If `module` is not an NNX module, graph node or state.
     UnknownLogicalAxisError: If a variable names an axis in no rule; the
       message names the variable path.
-    ShardingResolutionError: If a variable's axes cannot be resolved.
+    ShardingResolutionError: If a variable's axes cannot be resolved, or a
+      path rule's target does not fit a variable it matches.
   """
   rules_ = _rules.rules_in_effect(rules)
   mesh_ = require_mesh(mesh, 'the variables of a module')

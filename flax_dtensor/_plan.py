@@ -20,10 +20,12 @@ from flax_dtensor import (
   _errors,
   _init,
   _meshes,
+  _path_rules,
   _plan_diff,
   _plan_view,
   _rules,
   _specs,
+  _trees,
   _variables,
 )
 
@@ -31,12 +33,7 @@ human_bytes = _plan_view.human_bytes
 PlanDiff = _plan_diff.PlanDiff
 
 
-def _itemsize(dtype: Any) -> int:
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    # A typed PRNG key: count the bytes of its key data.
-    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
-    return math.prod(data.shape) * data.dtype.itemsize
-  return np.dtype(dtype).itemsize
+_itemsize = _path_rules.itemsize
 
 
 def _shard_shape(
@@ -75,7 +72,12 @@ class PlanEntry:
       when the model was placed under other rules, or not at all.
     category: ``'params'`` (``nnx.Param``), ``'optimizer'``
       (``nnx.OptState``: mu, nu, the step count) or ``'other'`` (batch
-      statistics, RNG state, ...).
+      statistics, RNG state, the arrays of a plain pytree, ...).
+    source: What decided `spec`: ``'annotation'`` (the variable's logical
+      axes), ``"path rule #k 'pattern'"`` (the k-th path rule, counting
+      from 0), or ``'none (...)'`` with the reason nothing did (replicated,
+      left where it is, too small for path rules). None in layouts written
+      before the plan had sources.
   """
 
   path: str
@@ -89,6 +91,7 @@ class PlanEntry:
   fallbacks: tuple[str, ...]
   placed: PartitionSpec | None = None
   category: str = 'other'
+  source: str | None = None
 
   @property
   def misplaced(self) -> bool:
@@ -118,6 +121,7 @@ class PlanEntry:
         else [list(e) if isinstance(e, tuple) else e for e in self.placed]
       ),
       'category': self.category,
+      'source': self.source,
     }
 
 
@@ -380,6 +384,7 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
             None if v.get('placed') is None else _spec(v['placed'], where)
           ),
           category=str(v.get('category', 'other')),
+          source=None if v.get('source') is None else str(v['source']),
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -450,12 +455,57 @@ def _is_factory(x: Any) -> bool:
   )
 
 
+def _dim_label(resolution: Any, i: int) -> str:
+  """ "'embed'" for a logical name; "P entry 'data'" for a path rule's spec."""
+  if resolution.mesh_axes:
+    return f'P entry {_specs.format_entry(resolution.logical_axes[i])}'
+  return repr(resolution.logical_axes[i])
+
+
+def _variable_rows(
+  module_or_state: Any,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  mesh: Any,
+  optimizer: Any,
+) -> list[tuple[str, str, str, Any, Any, type]]:
+  """(path, kind, category, value, resolution, type) of every variable."""
+  if _is_factory(module_or_state):
+    module_or_state = _init.build_abstract(
+      module_or_state, mesh=mesh, rules=rules
+    )
+  variables = list(_variables.iter_variables(module_or_state))
+  if optimizer is not None:
+    variables += [
+      (('optimizer', *path), v)
+      for path, v in _variables.iter_variables(
+        _optimizer_of(module_or_state, optimizer, mesh, rules)
+      )
+    ]
+  rows = []
+  for path, variable in variables:
+    where = _variables.path_str(path)
+    rows.append(
+      (
+        where,
+        type(variable).__name__,
+        _category(variable),
+        _variables.value_of(variable),
+        _variables.spec_of_variable(
+          variable, rules=rules, mesh=mesh, path=where
+        ),
+        type(variable),
+      )
+    )
+  return rows
+
+
 def plan(
   module_or_state: Any,
   *,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   rules: _rules.RulesLike | None = None,
   optimizer: Any = None,
+  logical_axes: Any = None,
 ) -> ShardingPlan:
   """Plans the sharding of every variable of a module, state or factory.
 
@@ -466,12 +516,16 @@ def plan(
   bytes per device, and each fallback taken with its reason. For arrays
   that are already placed, bytes per device count the actual placement, and
   an entry whose placement differs from the rules shows both (see
-  `PlanEntry.misplaced`).
+  `PlanEntry.misplaced`). Each entry says what decided it
+  (`PlanEntry.source`): the variable's annotation, a path rule, or nothing.
+  A plain pytree of arrays (a weights dict) is planned as `shard_tree`
+  places it: by path rules, and by `logical_axes`.
 
   Args:
     module_or_state: An NNX module, an ``nnx.Optimizer``, or an
       ``nnx.State`` (concrete or abstract); or a factory taking no arguments
-      that builds one.
+      that builds one; or a pytree of arrays (NumPy, JAX, or
+      ``jax.ShapeDtypeStruct``).
     mesh: The mesh. Defaults to the one set by ``jax.set_mesh``, else each
       array's own mesh.
     rules: The rules. Defaults to the rules in effect (see
@@ -482,6 +536,8 @@ def plan(
       ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)`` is built
       abstractly (its mu and nu placed like their params). See
       `ShardingPlan.bytes_per_device_by_category`.
+    logical_axes: For a pytree of arrays: a tree of the same structure
+      holding each array's logical axes, or None (see `shard_tree`).
 
   Returns:
     The plan, its variables in natural path order ('layers/2' before
@@ -521,39 +577,43 @@ def plan(
   """
   rules_ = _rules.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
-  if _is_factory(module_or_state):
-    module_or_state = _init.build_abstract(
-      module_or_state, mesh=mesh_, rules=rules_
-    )
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
-  variables = list(_variables.iter_variables(module_or_state))
-  if optimizer is not None:
-    variables += [
-      (('optimizer', *path), v)
-      for path, v in _variables.iter_variables(
-        _optimizer_of(module_or_state, optimizer, mesh_, rules_)
+  if _trees.is_array_tree(module_or_state):
+    if optimizer is not None:
+      raise _errors.NotAModelError(
+        'optimizer= needs an NNX module to optimize; got a pytree of '
+        'arrays. Plan the optimizer state as a tree of its own.'
       )
+    items, _ = _trees.resolved(
+      module_or_state, rules=rules_, mesh=mesh_, logical_axes=logical_axes
+    )
+    rows = [
+      (path, 'array', 'other', leaf, resolution, None)
+      for path, leaf, resolution in items
     ]
+  else:
+    if logical_axes is not None:
+      raise _errors.NotAModelError(
+        '`logical_axes=` is for a pytree of arrays; the variables of an '
+        f'NNX {type(module_or_state).__name__} carry their own (annotate '
+        'them, or use path rules).'
+      )
+    rows = _variable_rows(module_or_state, rules_, mesh_, optimizer)
   entries = []
-  for path, variable in variables:
-    where = _variables.path_str(path)
-    value = _variables.value_of(variable)
+  for where, kind, category, value, resolution, variable_type in rows:
     shape = tuple(getattr(value, 'shape', np.shape(value)))
     dtype = _variables.dtype_of(value)
-    resolution = _variables.spec_of_variable(
-      variable, rules=rules_, mesh=mesh_, path=where
-    )
     placed = _variables.placed_spec(value)
     if resolution is None:
       # Not governed by rules: it stays where it is (replicated if new).
       spec = placed if placed is not None else PartitionSpec()
-      logical_axes = None
+      axes = None
       fallbacks: tuple[str, ...] = ()
     else:
       spec = resolution.spec
-      logical_axes = resolution.logical_axes
+      axes = None if resolution.mesh_axes else resolution.logical_axes
       fallbacks = tuple(
-        f'dim {i} ({resolution.logical_axes[i]!r}): {skip}'
+        f'dim {i} ({_dim_label(resolution, i)}): {skip}'
         for i, skip in resolution.skipped
       )
     itemsize = _itemsize(dtype)
@@ -565,16 +625,19 @@ def plan(
     entries.append(
       PlanEntry(
         path=where,
-        kind=type(variable).__name__,
+        kind=kind,
         shape=shape,
         dtype=str(dtype),
-        logical_axes=logical_axes,
+        logical_axes=axes,
         spec=spec,
         bytes=math.prod(shape) * itemsize,
         bytes_per_device=per_device,
         fallbacks=fallbacks,
         placed=placed,
-        category=_category(variable),
+        category=category,
+        source=_variables.source_of(
+          resolution, where, variable_type, shape, value, rules_
+        ),
       )
     )
   entries.sort(key=lambda e: _variables.natural_key(e.path))

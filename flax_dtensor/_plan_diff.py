@@ -1,8 +1,10 @@
 """Golden layouts: what changed between two plans.
 
 `diff` says, variable by variable, what moved (its spec), what changed size
-per device, which fallbacks changed, and what appeared or disappeared. (A
-plan is written and read back by `ShardingPlan.to_json` / `from_json`.)
+per device, which fallbacks changed, what decides its placement now (its
+source: an annotation, a path rule, nothing), and what appeared or
+disappeared. (A plan is written and read back by `ShardingPlan.to_json` /
+`from_json`.)
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ class Change:
   def fallbacks_changed(self) -> bool:
     return set(self.before.fallbacks) != set(self.after.fallbacks)
 
+  @property
+  def source_changed(self) -> bool:
+    """Whether another annotation or path rule decides it now.
+
+    Not for a golden layout written before plans had sources.
+    """
+    return (
+      self.before.source is not None
+      and self.after.source is not None
+      and self.before.source != self.after.source
+    )
+
   def lines(self) -> list[str]:
     b, a = self.before, self.after
     out = []
@@ -58,6 +72,8 @@ class Change:
       )
     if (b.shape, b.dtype) != (a.shape, a.dtype):
       out.append(f'  {_plan_view.shape_text(b)} -> {_plan_view.shape_text(a)}')
+    if self.source_changed:
+      out.append(f'  source {b.source} -> {a.source}')
     if self.resized:
       out.append(
         f'  per device {_plan_view.human_bytes(b.bytes_per_device)} -> '
@@ -80,7 +96,7 @@ class PlanDiff:
     added: Paths only in the new plan.
     removed: Paths only in the golden plan.
     changed: The variables in both whose spec, size per device, shape,
-      dtype or fallbacks differ.
+      dtype, fallbacks or source differ.
     mesh: (golden mesh axes, new mesh axes) when they differ, else None.
     bytes_per_device: (golden, new) bytes one device holds.
   """
@@ -108,6 +124,11 @@ class PlanDiff:
   def fallbacks_changed(self) -> tuple[str, ...]:
     """Paths whose fallbacks changed."""
     return tuple(c.path for c in self.changed if c.fallbacks_changed)
+
+  @property
+  def source_changed(self) -> tuple[str, ...]:
+    """Paths now placed by another annotation or path rule, or none."""
+    return tuple(c.path for c in self.changed if c.source_changed)
 
   def __str__(self) -> str:
     if not self:
@@ -139,6 +160,7 @@ class PlanDiff:
           'moved': c.moved,
           'resized': c.resized,
           'fallbacks_changed': c.fallbacks_changed,
+          'source_changed': c.source_changed,
         }
         for c in self.changed
       ],
@@ -162,6 +184,7 @@ def diff(new: ShardingPlan, golden: ShardingPlan) -> PlanDiff:
       c.moved
       or c.resized
       or c.fallbacks_changed
+      or c.source_changed
       or (c.before.shape, c.before.dtype) != (e.shape, e.dtype)
     ):
       changed.append(c)

@@ -130,14 +130,31 @@ def largest_replicated(plan: ShardingPlan, n: int = LARGEST) -> list[PlanEntry]:
 # Terminal (rich)
 # ------------------------------------------------------------------------------
 
-_COLUMNS = ('path', 'type', 'shape', 'logical axes', 'spec', 'per device')
+_COLUMNS = (
+  'path',
+  'type',
+  'shape',
+  'logical axes',
+  'spec',
+  'source',
+  'per device',
+)
+
+
+def by_path_rules(entries: Iterable[PlanEntry]) -> bool:
+  """Whether a path rule placed any of the entries."""
+  return any((e.source or '').startswith('path rule') for e in entries)
 
 
 def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
-  """The table's columns: 'type' only when the variables' types differ."""
-  if len({e.kind for e in entries}) > 1:
-    return _COLUMNS
-  return tuple(c for c in _COLUMNS if c != 'type')
+  """The table's columns: 'type' only when the variables' types differ,
+  'source' only when a path rule placed a variable."""
+  drop = set()
+  if len({e.kind for e in entries}) <= 1:
+    drop.add('type')
+  if not by_path_rules(entries):
+    drop.add('source')
+  return tuple(c for c in _COLUMNS if c not in drop)
 
 
 def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
@@ -147,6 +164,7 @@ def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
     'shape': shape_text(e),
     'logical axes': axes_text(e),
     'spec': spec_text(e),
+    'source': e.source or '-',
     'per device': human_bytes(e.bytes_per_device),
   }
   return [values[c] for c in columns]
@@ -188,6 +206,7 @@ def _table(entries: Sequence[PlanEntry]) -> rich.table.Table:
 def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
   """Two lines per variable: the whole path, then what it becomes."""
   kinds = len({e.kind for e in entries}) > 1
+  sources = by_path_rules(entries)
   items: list[Any] = []
   for e in entries:
     items.append(rich.text.Text(e.path, style='bold', overflow='fold'))
@@ -195,6 +214,7 @@ def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
       f'{human_bytes(e.bytes_per_device):>9}  '
       + (f'{e.kind} ' if kinds else '')
       + f'{shape_text(e)}  {axes_text(e)} -> {spec_text(e)}'
+      + (f'  [{e.source or "-"}]' if sources else '')
     )
     items.append(rich.padding.Padding(rich.text.Text(detail), (0, 0, 0, 2)))
   return rich.console.Group(*items)

@@ -5,6 +5,8 @@ priority scan, skipping a rule whose mesh axes are taken, absent from the
 mesh or do not divide the dimension (recorded, with the reason), so the
 next rule for the name is the fallback. `resolve_flax` is Flax NNX's (for
 plain rules set with Flax's context): a dict. `resolve` picks one.
+`fit_spec` fits a path rule's mesh axes to the mesh and shape by the same
+checks, replicating a dimension whose axes do not fit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flax_dtensor import _errors, _meshes, _rules, _specs
 
 FLAX_SEMANTICS = 'flax'
 FDT_SEMANTICS = 'flax_dtensor'
+ANNOTATION = 'annotation'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +61,23 @@ class Resolution:
     shape: The array's shape, if known.
     dims: How each dimension was resolved.
     semantics: Whose semantics applied: ``'flax_dtensor'`` or ``'flax'``.
+    source: What decided it: ``'annotation'`` (the variable's own logical
+      axes or sharding), or a path rule (``"path rule #2 'q/kernel$'"``).
+    mesh_axes: Whether `logical_axes` are a path rule's mesh axes, fitted
+      by `fit_spec`, rather than logical names.
   """
 
   logical_axes: tuple[Any, ...]
   shape: tuple[int, ...] | None
   dims: tuple[DimResolution, ...]
   semantics: str = FDT_SEMANTICS
+  source: str = ANNOTATION
+  mesh_axes: bool = False
+
+  @property
+  def by_path_rule(self) -> bool:
+    """Whether a path rule (not an annotation) decided the placement."""
+    return self.source != ANNOTATION
 
   @property
   def spec(self) -> PartitionSpec:
@@ -181,34 +195,10 @@ def resolve_dims(
     pos = axes.index(name)
     if assigned[pos]:
       continue
-    wanted = _specs.axes_of(target)
-    used_by = {
-      m: i
-      for i, t in enumerate(targets)
-      if assigned[i] and i != pos
-      for m in _specs.axes_of(t)
-    }
-    clash = [m for m in wanted if m in used_by]
-    if clash:
-      i = used_by[clash[0]]
-      reason = f'mesh axis {clash[0]!r} already shards dim {i} ({axes[i]!r})'
+    reason = _unfit(target, pos, targets, assigned, axes, shape, sizes)
+    if reason is not None:
       skipped[pos].append(SkippedCandidate(target, reason))
       continue
-    if sizes is not None:
-      missing = [m for m in wanted if m not in sizes]
-      if missing:
-        reason = f'the mesh has no axis {missing[0]!r} (axes: {list(sizes)})'
-        skipped[pos].append(SkippedCandidate(target, reason))
-        continue
-      if shape is not None:
-        product = math.prod(sizes[m] for m in wanted)
-        if shape[pos] % product:
-          reason = (
-            f'dim size {shape[pos]} is not divisible by {product} '
-            f'(mesh axes {list(wanted)})'
-          )
-          skipped[pos].append(SkippedCandidate(target, reason))
-          continue
     targets[pos] = target
     assigned[pos] = True
 
@@ -235,6 +225,99 @@ def resolve_dims(
     logical_axes=axes,
     shape=tuple(shape) if shape is not None else None,
     dims=dims,
+  )
+
+
+def _unfit(
+  target: _rules.Target,
+  pos: int,
+  targets: Sequence[_rules.Target],
+  assigned: Sequence[bool],
+  labels: Sequence[Any],
+  shape: Sequence[int] | None,
+  sizes: dict[str, int] | None,
+) -> str | None:
+  """Why `target` cannot shard dim `pos`, or None if it can.
+
+  Its mesh axes must not shard another (assigned) dim already, must exist
+  in the mesh and must divide the dimension (when mesh and shape are known).
+  """
+  wanted = _specs.axes_of(target)
+  used_by = {
+    m: i
+    for i, t in enumerate(targets)
+    if assigned[i] and i != pos
+    for m in _specs.axes_of(t)
+  }
+  clash = [m for m in wanted if m in used_by]
+  if clash:
+    i = used_by[clash[0]]
+    return f'mesh axis {clash[0]!r} already shards dim {i} ({labels[i]!r})'
+  if sizes is None:
+    return None
+  missing = [m for m in wanted if m not in sizes]
+  if missing:
+    return f'the mesh has no axis {missing[0]!r} (axes: {list(sizes)})'
+  if shape is not None:
+    product = math.prod(sizes[m] for m in wanted)
+    if shape[pos] % product:
+      return (
+        f'dim size {shape[pos]} is not divisible by {product} '
+        f'(mesh axes {list(wanted)})'
+      )
+  return None
+
+
+def fit_spec(
+  entries: Sequence[_rules.Target],
+  shape: Sequence[int] | None = None,
+  *,
+  mesh: _meshes.MeshLike | None = None,
+  strict: bool = False,
+  source: str = ANNOTATION,
+  path: str | None = None,
+) -> Resolution:
+  """Fits mesh axes (one entry per dimension) to the mesh and the shape.
+
+  By the checks of `resolve_dims`, in dimension order: an entry whose mesh
+  axes the mesh lacks, do not divide the dimension, or already shard an
+  earlier dimension replicates its dimension instead, recorded with the
+  reason (eformer's ``get_corrected_named_sharding`` corrects the same
+  way, silently).
+
+  Raises:
+    ShardingResolutionError: In strict mode, if an entry does not fit.
+  """
+  entries = tuple(entries)
+  sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
+  labels = [f'spec {_specs.format_entry(e)}' for e in entries]
+  targets: list[_rules.Target] = [None] * len(entries)
+  assigned = [False] * len(entries)
+  skipped: list[tuple[SkippedCandidate, ...]] = [() for _ in entries]
+  for pos, entry in enumerate(entries):
+    if entry is None:
+      continue
+    reason = _unfit(entry, pos, targets, assigned, labels, shape, sizes)
+    if reason is None:
+      targets[pos], assigned[pos] = entry, True
+      continue
+    if strict:
+      raise _errors.ShardingResolutionError(
+        f'The mesh axes {_specs.format_entry(entry)} of {source} cannot '
+        f'shard dim {pos}{where(path)} (shape '
+        f'{tuple(shape) if shape is not None else None}, '
+        f"{_meshes.describe(mesh)}): {reason}. Change the rule's "
+        'PartitionSpec, or drop `strict=True` to replicate that dimension.'
+      )
+    skipped[pos] = (SkippedCandidate(entry, reason),)
+  return Resolution(
+    logical_axes=entries,
+    shape=tuple(shape) if shape is not None else None,
+    dims=tuple(
+      DimResolution(None, t, s) for t, s in zip(targets, skipped, strict=True)
+    ),
+    source=source,
+    mesh_axes=True,
   )
 
 

@@ -22,7 +22,7 @@ import jax
 import yaml
 from flax.core import spmd as core_spmd
 
-from flax_dtensor import _errors, _meshes
+from flax_dtensor import _errors, _meshes, _path_rules
 
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
@@ -78,6 +78,9 @@ class LogicalRules(tuple):
   ``LogicalRules`` is a tuple of ``(name, target)`` pairs, so Flax Linen's
   ``nn.logical_to_mesh_axes`` and Flax's rules context accept it unchanged.
 
+  Path rules (`path_rules`) shard variables that carry no logical axes, by
+  their path: the models people already have (see the path rules page).
+
   Args:
     pairs: A sequence of ``(logical_name, target)`` pairs, a mapping from
       logical names to targets, or another ``LogicalRules``.
@@ -86,6 +89,13 @@ class LogicalRules(tuple):
       ``'replicate'`` leaves that dimension unsharded (Linen's behaviour).
     strict: If true, a dimension whose every candidate was skipped raises
       `ShardingResolutionError` instead of staying unsharded.
+    path_rules: Ordered `PathRule`s (or ``(pattern, target)`` pairs, or
+      dicts as ``from_yaml`` reads them) for variables by their '/'-joined
+      path: the first rule whose pattern matches wins. Annotated variables
+      keep their annotation unless the rule says ``override=True``.
+    min_size: Path rules leave variables of fewer elements replicated.
+    min_bytes: Path rules leave variables of fewer bytes replicated.
+      (Scalars are never sharded by path rules.)
 
   Raises:
     LogicalRulesError: If a pair is malformed or an option is invalid.
@@ -97,10 +107,17 @@ class LogicalRules(tuple):
     ...                           ('mlp', 'data'), ('vocab', None)])
     >>> rules.candidates('mlp')
     ('model', 'data')
+    >>> with_paths = rules.replace(path_rules=[('embed/embedding$',
+    ...                                         ('vocab', 'embed'))])
+    >>> with_paths.path_rules[0].target
+    ('vocab', 'embed')
   """
 
   __unknown: Unknown
   __strict: bool
+  __path_rules: tuple[_path_rules.PathRule, ...]
+  __min_size: int
+  __min_bytes: int
 
   def __new__(
     cls,
@@ -108,20 +125,37 @@ class LogicalRules(tuple):
     *,
     unknown: Unknown | None = None,
     strict: bool | None = None,
+    path_rules: Sequence[Any] | None = None,
+    min_size: int | None = None,
+    min_bytes: int | None = None,
   ) -> LogicalRules:
     if isinstance(pairs, LogicalRules):
       if (
         cls is LogicalRules
         and unknown in (None, pairs.unknown)
-        and (strict in (None, pairs.strict))
+        and strict in (None, pairs.strict)
+        and path_rules is None
+        and min_size in (None, pairs.min_size)
+        and min_bytes in (None, pairs.min_bytes)
       ):
         return pairs  # Immutable: the same rules need no copy.
       unknown = pairs.unknown if unknown is None else unknown
       strict = pairs.strict if strict is None else strict
+      path_rules = pairs.path_rules if path_rules is None else path_rules
+      min_size = pairs.min_size if min_size is None else min_size
+      min_bytes = pairs.min_bytes if min_bytes is None else min_bytes
     if unknown is None:
       unknown = 'error'
     if strict is None:
       strict = False
+    for option, value in (('min_size', min_size), ('min_bytes', min_bytes)):
+      if value is not None and (
+        not isinstance(value, int) or isinstance(value, bool) or value < 0
+      ):
+        raise _errors.LogicalRulesError(
+          f'`{option}` must be an int >= 0 (a threshold below which path '
+          f'rules leave a variable replicated); got {value!r}.'
+        )
     if unknown not in _UNKNOWN_CHOICES:
       raise _errors.LogicalRulesError(
         f'`unknown` must be one of {_UNKNOWN_CHOICES}; got {unknown!r}.'
@@ -162,6 +196,11 @@ class LogicalRules(tuple):
     self = super().__new__(cls, normalized)
     object.__setattr__(self, '_LogicalRules__unknown', unknown)
     object.__setattr__(self, '_LogicalRules__strict', strict)
+    object.__setattr__(
+      self, '_LogicalRules__path_rules', _path_rules.normalize(path_rules)
+    )
+    object.__setattr__(self, '_LogicalRules__min_size', min_size or 0)
+    object.__setattr__(self, '_LogicalRules__min_bytes', min_bytes or 0)
     return self
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -173,7 +212,14 @@ class LogicalRules(tuple):
   def __reduce__(self):
     return (
       _rebuild,
-      (tuple(self), self.unknown, self.strict),
+      (
+        tuple(self),
+        self.unknown,
+        self.strict,
+        self.path_rules,
+        self.min_size,
+        self.min_bytes,
+      ),
     )
 
   @property
@@ -187,6 +233,21 @@ class LogicalRules(tuple):
     return self.__strict
 
   @property
+  def path_rules(self) -> tuple[_path_rules.PathRule, ...]:
+    """The path rules, in priority order (the first match wins)."""
+    return self.__path_rules
+
+  @property
+  def min_size(self) -> int:
+    """Path rules leave variables of fewer elements replicated."""
+    return self.__min_size
+
+  @property
+  def min_bytes(self) -> int:
+    """Path rules leave variables of fewer bytes replicated."""
+    return self.__min_bytes
+
+  @property
   def names(self) -> tuple[str, ...]:
     """The logical names the rules mention, in first-mention order."""
     return tuple(dict.fromkeys(name for name, _ in self))
@@ -196,17 +257,34 @@ class LogicalRules(tuple):
     return tuple(target for n, target in self if n == name)
 
   def replace(
-    self, *, unknown: Unknown | None = None, strict: bool | None = None
+    self,
+    *,
+    unknown: Unknown | None = None,
+    strict: bool | None = None,
+    path_rules: Sequence[Any] | None = None,
+    min_size: int | None = None,
+    min_bytes: int | None = None,
   ) -> LogicalRules:
     """Returns a copy with some options changed."""
-    return LogicalRules(self, unknown=unknown, strict=strict)
+    return LogicalRules(
+      self,
+      unknown=unknown,
+      strict=strict,
+      path_rules=path_rules,
+      min_size=min_size,
+      min_bytes=min_bytes,
+    )
 
   def prepend(self, pairs: Sequence[tuple[str, Any]]) -> LogicalRules:
     """Returns rules where `pairs` take priority over these rules."""
     if not pairs:
       return self
-    return LogicalRules(
-      [*LogicalRules(pairs), *self], unknown=self.unknown, strict=self.strict
+    return LogicalRules([*LogicalRules(pairs), *self]).replace(
+      unknown=self.unknown,
+      strict=self.strict,
+      path_rules=self.path_rules,
+      min_size=self.min_size,
+      min_bytes=self.min_bytes,
     )
 
   def __eq__(self, other: object) -> bool:
@@ -215,6 +293,9 @@ class LogicalRules(tuple):
         tuple(self) == tuple(other)
         and self.unknown == other.unknown
         and self.strict == other.strict
+        and self.path_rules == other.path_rules
+        and self.min_size == other.min_size
+        and self.min_bytes == other.min_bytes
       )
     return tuple.__eq__(self, other)
 
@@ -231,6 +312,12 @@ class LogicalRules(tuple):
       options += f', unknown={self.unknown!r}'
     if self.strict:
       options += ', strict=True'
+    if self.path_rules:
+      options += f', path_rules={list(self.path_rules)!r}'
+    if self.min_size:
+      options += f', min_size={self.min_size}'
+    if self.min_bytes:
+      options += f', min_bytes={self.min_bytes}'
     return f'LogicalRules({list(self)!r}{options})'
 
   @classmethod
@@ -249,6 +336,21 @@ class LogicalRules(tuple):
       logical_axis_rules: [['batch', ['data', 'fsdp']],
                            ['embed', 'fsdp'],
                            ['vocab', []]]
+
+    Beside it, a ``path_rules`` key holds path rules (see `PathRule`), each
+    a ``[pattern, logical axes]`` pair or a dict with ``pattern`` and
+    ``logical`` (logical axes) or ``spec`` (mesh axes), and optionally
+    ``type`` (an ``nnx.Variable`` type's name) and ``override``; ``'...'``
+    (quoted: bare ``...`` ends a YAML document) leads a target for stacked
+    layers. ``min_size`` and ``min_bytes`` set the thresholds::
+
+      path_rules:
+        - ['embed/embedding$', ['vocab', 'embed']]
+        - {pattern: 'attn/(q|k|v)/kernel$', spec: ['...', 'data', 'model']}
+        - {pattern: 'norm', logical: null, type: Param}
+      min_bytes: 65536
+
+    With path rules, ``logical_axis_rules`` may be left out.
 
     Args:
       path: The path of the YAML file. (For YAML text, use
@@ -327,24 +429,47 @@ class LogicalRules(tuple):
         f"{source} is not valid YAML: {e}. Expected MaxText's format, e.g. "
         "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
       ) from e
+    options: dict[str, Any] = {}
     if isinstance(document, Mapping):
-      if 'logical_axis_rules' not in document:
+      if 'logical_axis_rules' not in document and 'path_rules' not in document:
         raise _errors.LogicalRulesError(
           f'{source} has no `logical_axis_rules` key (keys: '
           f"{sorted(map(str, document))}). Expected MaxText's format, e.g. "
-          "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
+          "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']], "
+          'or a `path_rules` list.'
         )
-      document = document['logical_axis_rules']
+      if 'path_rules' in document:
+        path_rules = document['path_rules']
+        if not isinstance(path_rules, list):
+          raise _errors.LogicalRulesError(
+            f'{source}: `path_rules` must be a list of path rules; got '
+            f'{type(path_rules).__name__} {path_rules!r:.100}. '
+            f'{_path_rules.PATH_RULES_FIX_MSG}'
+          )
+        options['path_rules'] = path_rules
+        for key in ('min_size', 'min_bytes'):
+          if key in document:
+            options[key] = document[key]
+      document = document.get('logical_axis_rules', [])
     if not isinstance(document, list):
       raise _errors.LogicalRulesError(
         f'{source}: expected a list of [logical_name, target] pairs; got '
         f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
       )
-    return cls(document, unknown=unknown, strict=strict)
+    return cls(document, unknown=unknown, strict=strict, **options)
 
 
-def _rebuild(pairs, unknown, strict) -> LogicalRules:
-  return LogicalRules(pairs, unknown=unknown, strict=strict)
+def _rebuild(
+  pairs, unknown, strict, path_rules=(), min_size=0, min_bytes=0
+) -> LogicalRules:
+  return LogicalRules(
+    pairs,
+    unknown=unknown,
+    strict=strict,
+    path_rules=path_rules,
+    min_size=min_size,
+    min_bytes=min_bytes,
+  )
 
 
 RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]
@@ -441,8 +566,9 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
   to hand them to a worker). Nesting replaces the outer rules and restores
   them on exit, also when the block raises. While the block is active, NNX
   variables annotated with logical axes (``nnx.with_partitioning``) are
-  placed at creation by these rules, and Flax's ``nnx.get_partition_spec``
-  reports the same placement.
+  placed at creation by these rules, those the path rules cover when the
+  outermost ``nnx.Module`` constructor returns, and Flax's
+  ``nnx.get_partition_spec`` reports the same placement.
 
   Args:
     rules: A `LogicalRules`, or anything its constructor accepts.

@@ -1,12 +1,15 @@
 """NNX variables: the one walker, the one path format, and each one's spec.
 
 `iter_variables` walks a module, graph node or ``nnx.State``; `path_str`
-joins a path with '/'; `spec_of_variable` answers "where does this variable
-go" for the plan, the Flax hook, placement, `init` and restore alike.
+joins a path with '/' (`keypath_str` a JAX key path, the same way);
+`spec_of_variable` answers "where does this variable go" for the plan, the
+Flax hook, placement, `init` and restore alike (`spec_of_array` for a plain
+array in a pytree): its annotation, or the path rule its path matches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors, _meshes, _resolution, _rules
+from flax_dtensor import _errors, _meshes, _path_rules, _resolution, _rules
 
 Path = tuple[Any, ...]
 
@@ -80,6 +83,26 @@ def path_str(path: Sequence[Any]) -> str:
   return '/'.join(str(k) for k in path)
 
 
+def keypath_str(keypath: Sequence[Any]) -> str:
+  """'layers/0/kernel' for a JAX key path, as `path_str` for NNX paths.
+
+  A dict key, a sequence index, an attribute name or a flattened index is
+  one part (as eformer's ``tree_path_to_string`` joins them), so a state,
+  a module and a nested dict of the same structure give the same paths.
+  """
+  parts = []
+  for key in keypath:
+    if isinstance(key, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
+      parts.append(str(key.key))
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      parts.append(str(key.name))
+    else:
+      parts.append(str(key))
+  return '/'.join(parts)
+
+
 _NATURAL = re.compile(r'(\d+)')
 
 
@@ -136,17 +159,38 @@ def spec_of_variable(
   The same answer for every API: the plan, ``nnx.get_partition_spec`` (via
   the Flax hook), creation, `shard_module`, `init` and restore.
 
+  A variable annotated with logical axes (or a concrete sharding) is placed
+  by its annotation, unless the first path rule matching its path says
+  ``override=True``; any other variable by the first path rule matching its
+  path (if the variable is large enough for path rules); else it is not
+  governed by the rules (None).
+
   Args:
     variable: The variable.
     rules: The rules in effect; default `_rules.rules_in_effect()`.
     mesh: A mesh the caller named; see `_meshes.mesh_for` for the order.
-    path: The variable's path, for error messages.
+    path: The variable's '/'-joined path: path rules match it, and errors
+      name it. Without it, path rules do not apply.
   """
   if rules is None:
     rules = _rules.rules_in_effect()
   value = value_of(variable)
   shape = _shape_of(value)
   concrete = concrete_sharding_of(variable)
+  axes = logical_axes_of(variable)
+  if path is not None and isinstance(rules, _rules.LogicalRules):
+    found = path_rule_of(path, type(variable), shape, value, rules)
+    if found is not None and (
+      found[1].override or (concrete is None and axes is None)
+    ):
+      return _by_path_rule(
+        found,
+        shape,
+        rules=rules,
+        mesh=_meshes.mesh_for(variable, mesh=mesh, value=value),
+        local_rules=variable.get_metadata('sharding_rules', None),
+        path=path,
+      )
   if concrete is not None:
     spec = concrete.spec
     if isinstance(rules, _rules.FlaxRules):
@@ -160,7 +204,6 @@ def spec_of_variable(
       ),
       semantics=_resolution.FLAX_SEMANTICS,
     )
-  axes = logical_axes_of(variable)
   if axes is None:
     return None
   return _resolution.resolve(
@@ -171,6 +214,130 @@ def spec_of_variable(
     local_rules=variable.get_metadata('sharding_rules', None),
     path=path,
   )
+
+
+def path_rule_of(
+  path: str,
+  variable_type: type | None,
+  shape: tuple[int, ...] | None,
+  value: Any,
+  rules: _rules.LogicalRules,
+) -> tuple[int, _path_rules.PathRule] | None:
+  """(index, rule) of the path rule for a variable, or None.
+
+  None when no rule matches, and for scalars and variables below the
+  rules' `min_size` / `min_bytes`, which path rules leave alone.
+  """
+  if not rules.path_rules:
+    return None
+  if (
+    _path_rules.exemption(
+      shape,
+      dtype_of(value) if shape else None,
+      min_size=rules.min_size,
+      min_bytes=rules.min_bytes,
+    )
+    is not None
+  ):
+    return None
+  return _path_rules.first_match(rules.path_rules, path, variable_type)
+
+
+def _by_path_rule(
+  found: tuple[int, _path_rules.PathRule],
+  shape: tuple[int, ...] | None,
+  *,
+  rules: _rules.LogicalRules,
+  mesh: _meshes.MeshLike | None,
+  local_rules: Any,
+  path: str,
+) -> _resolution.Resolution:
+  """The placement a path rule gives an array of `shape`."""
+  index, rule = found
+  source = rule.describe(index)
+  entries = _path_rules.entries_for(rule, index, shape, path)
+  if rule.kind == _path_rules.LOGICAL:
+    resolution = _resolution.resolve(
+      entries,
+      shape,
+      mesh=mesh,
+      rules=rules,
+      local_rules=local_rules,
+      path=path,
+    )
+    return dataclasses.replace(resolution, source=source)
+  return _resolution.fit_spec(
+    entries,
+    shape,
+    mesh=mesh,
+    strict=rules.strict and rule.kind == _path_rules.MESH,
+    source=source,
+    path=path,
+  )
+
+
+def spec_of_array(
+  value: Any,
+  *,
+  path: str,
+  logical_axes: Any = None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  mesh: _meshes.MeshLike | None,
+) -> _resolution.Resolution | None:
+  """Where a plain array in a pytree goes; None if nothing governs it.
+
+  As `spec_of_variable`, with `logical_axes` (from a parallel tree) as the
+  annotation; a path rule with a `type` never matches a plain array.
+  """
+  shape = _shape_of(value)
+  if isinstance(rules, _rules.LogicalRules):
+    found = path_rule_of(path, None, shape, value, rules)
+    if found is not None and (found[1].override or logical_axes is None):
+      return _by_path_rule(
+        found, shape, rules=rules, mesh=mesh, local_rules=None, path=path
+      )
+  if logical_axes is None:
+    return None
+  return _resolution.resolve(
+    tuple(logical_axes), shape, mesh=mesh, rules=rules, path=path
+  )
+
+
+def source_of(
+  resolution: _resolution.Resolution | None,
+  path: str,
+  variable_type: type | None,
+  shape: tuple[int, ...] | None,
+  value: Any,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+) -> str:
+  """What decided a variable's placement, in words (the plan's `source`).
+
+  ``'annotation'``, ``"path rule #k 'pattern'"``, or, for a variable no
+  annotation or path rule covers, ``'none'`` with the reason: replicated,
+  left where it is, or too small for path rules.
+  """
+  if resolution is not None:
+    return resolution.source
+  if isinstance(rules, _rules.LogicalRules) and rules.path_rules:
+    why = _path_rules.exemption(
+      shape,
+      dtype_of(value) if shape else None,
+      min_size=rules.min_size,
+      min_bytes=rules.min_bytes,
+    )
+    if why is not None and _path_rules.first_match(
+      rules.path_rules, path, variable_type
+    ):
+      return f'none ({why})'
+  placed = placed_spec(value)
+  if placed is not None and any(placed):
+    return 'none (stays where it is)'
+  return NO_SOURCE
+
+
+NO_SOURCE = 'none (replicated)'
+"""The plan's `source` of a variable nothing covers, placed nowhere yet."""
 
 
 def resolved(

@@ -134,6 +134,12 @@ def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
   return run
 
 
+def _eager_without_mesh():
+  rules = fdt.LogicalRules([], path_rules=[('kernel$', P(None, 'model'))])
+  with fdt.logical_axis_rules(rules):
+    nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+
+
 def _jit_mixed_product(ctx):
   with jax.set_mesh(ctx.mixed):
     jax.jit(
@@ -481,6 +487,171 @@ CASES = [
     r'Expected an NNX module, another NNX graph node .*got int 3',
     'Pass an NNX module, graph node or nnx.State.',
     lambda ctx: fdt.plan(3),
+  ),
+  # Path rules
+  Case(
+    'fdt.PathRule',
+    'a pattern that is no regular expression',
+    fdt.LogicalRulesError,
+    r"'layers/\(kernel' is not a valid regular expression \(missing \)",
+    'Fix the pattern; escape special characters.',
+    lambda ctx: fdt.PathRule('layers/(kernel', ('embed', 'mlp')),
+  ),
+  Case(
+    'fdt.PathRule',
+    'one logical name as a bare str',
+    fdt.RuleTargetTypeError,
+    r"got the str 'embed'. Write \('embed',\) for a 1-D variable",
+    "Give one entry per dimension: ('embed',).",
+    lambda ctx: fdt.PathRule('bias$', 'embed'),
+  ),
+  Case(
+    'fdt.PathRule',
+    '... after the first entry',
+    fdt.LogicalRulesError,
+    r'\.\.\. may only lead the target',
+    'Put ... first: it stands for the leading (stacked) dimensions.',
+    lambda ctx: fdt.PathRule('kernel$', ('embed', ..., 'mlp')),
+  ),
+  Case(
+    'fdt.PathRule',
+    'a type that is no nnx.Variable',
+    fdt.LogicalRulesError,
+    r'`type` must be an nnx.Variable subclass',
+    'Pass nnx.Param, nnx.BatchStat, ... or None.',
+    lambda ctx: fdt.PathRule('kernel$', ('embed', 'mlp'), type=np.ndarray),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'a path rule that is not a pair',
+    fdt.LogicalRulesError,
+    r"path rule #0 'kernel\$': expected a \(pattern, target\) pair",
+    'Give each path rule as (pattern, target), or a dict.',
+    lambda ctx: fdt.LogicalRules([], path_rules=['kernel$']),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'a negative threshold',
+    fdt.LogicalRulesError,
+    r'`min_bytes` must be an int >= 0',
+    'Pass a size in bytes (or elements, for min_size).',
+    lambda ctx: fdt.LogicalRules([], min_bytes=-1),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml_text',
+    'a path rule with both logical axes and a spec',
+    fdt.LogicalRulesError,
+    r'expected exactly one of `logical` \(logical axes\) and `spec`',
+    'Give a path rule either `logical:` or `spec:`.',
+    lambda ctx: fdt.LogicalRules.from_yaml_text(
+      "path_rules:\n  - {pattern: 'k$', logical: [a], spec: [data]}\n"
+    ),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml_text',
+    'a path rule naming an unknown variable type',
+    fdt.LogicalRulesError,
+    r"`type` 'Parm' names no nnx.Variable type; expected one of .*'Param'",
+    'Name an nnx.Variable type, e.g. Param or BatchStat.',
+    lambda ctx: fdt.LogicalRules.from_yaml_text(
+      "path_rules:\n  - {pattern: 'k$', logical: [a], type: Parm}\n"
+    ),
+  ),
+  Case(
+    'fdt.LogicalRules.from_yaml_text',
+    'path_rules that are not a list',
+    fdt.LogicalRulesError,
+    r'`path_rules` must be a list of path rules; got dict',
+    'Write path_rules: as a YAML list.',
+    lambda ctx: fdt.LogicalRules.from_yaml_text(
+      'path_rules: {kernel: [embed, mlp]}\n'
+    ),
+  ),
+  Case(
+    'fdt.plan',
+    'a path rule whose target does not fit the rank',
+    fdt.ShardingResolutionError,
+    r"path rule #0 'kernel\$' matches 'kernel', of shape \(8, 16\) \(rank "
+    r"2\), but its target \('embed',\) has 1 entry.*\(\.\.\., 'embed'\)",
+    'Give one entry per dimension, or lead the target with ... .',
+    lambda ctx: fdt.plan(
+      lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
+      mesh=ctx.mesh,
+      rules=fdt.LogicalRules(ctx.rules, path_rules=[('kernel$', ('embed',))]),
+    ),
+  ),
+  Case(
+    'fdt.plan',
+    'a strict path rule spec that does not fit',
+    fdt.ShardingResolutionError,
+    r"mesh axes 'model' of path rule #0 'kernel\$' cannot shard dim 1 at "
+    r'kernel .*not divisible by 4',
+    'Change the spec, or drop strict=True to replicate that dimension.',
+    lambda ctx: fdt.plan(
+      lambda: nnx.Linear(8, 6, rngs=nnx.Rngs(0)),
+      mesh=ctx.mesh,
+      rules=fdt.LogicalRules(
+        [], strict=True, path_rules=[('kernel$', P('data', 'model'))]
+      ),
+    ),
+  ),
+  Case(
+    'fdt.plan',
+    'logical_axes= for a module',
+    fdt.NotAModelError,
+    r'`logical_axes=` is for a pytree of arrays',
+    'Annotate the variables, or use path rules.',
+    lambda ctx: fdt.plan(ctx.model(), logical_axes={'kernel': ('a', 'b')}),
+  ),
+  Case(
+    'nnx.Module (eager, under path rules)',
+    'no mesh set',
+    fdt.MeshError,
+    r"place the variable at kernel, which path rule #0 'kernel\$' covers, "
+    r'but no mesh is set',
+    'Build under jax.set_mesh(mesh), or use fdt.init(..., mesh=mesh).',
+    lambda ctx: _eager_without_mesh(),
+  ),
+  Case(
+    'fdt.shard_tree',
+    'logical_axes that do not mirror the tree',
+    fdt.ShardingResolutionError,
+    r'Expected `logical_axes` to have the structure of the tree',
+    'Mirror the tree, with axes or None for each array.',
+    lambda ctx: fdt.shard_tree(
+      {'w': np.ones((8, 8)), 'b': np.ones(8)},
+      ctx.rules,
+      mesh=ctx.mesh,
+      logical_axes={'w': ('embed', 'mlp')},
+    ),
+  ),
+  Case(
+    'fdt.shard_tree',
+    'an abstract array',
+    fdt.NotAModelError,
+    r"Expected a concrete array at 'w' to place; got ShapeDtypeStruct",
+    'Pass arrays with values; plan abstract ones with fdt.plan.',
+    lambda ctx: fdt.shard_tree(
+      {'w': jax.ShapeDtypeStruct((8, 8), jnp.float32)}, ctx.rules, mesh=ctx.mesh
+    ),
+  ),
+  Case(
+    'fdt.shard_tree',
+    'an abstract mesh',
+    fdt.MeshError,
+    r'Expected a concrete mesh to place arrays, got the abstract',
+    'Pass a jax.sharding.Mesh.',
+    lambda ctx: fdt.shard_tree(
+      {'w': np.ones(8)}, ctx.rules, mesh=ctx.mesh.abstract_mesh
+    ),
+  ),
+  Case(
+    'fdt.gather_tree',
+    'abstract arrays',
+    fdt.NotAModelError,
+    r"Expected concrete arrays to gather; got ShapeDtypeStruct at 'w'",
+    'Gather arrays with values.',
+    lambda ctx: fdt.gather_tree({'w': jax.ShapeDtypeStruct((8,), jnp.float32)}),
   ),
   # DTensor set-up
   Case(

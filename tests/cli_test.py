@@ -423,6 +423,71 @@ def test_plan_show_unknown_path():
   )
 
 
+PATH_RULES_YAML = textwrap.dedent("""\
+  # A model without logical axes (tests/unannotated_model.py), by paths.
+  logical_axis_rules:
+    - ['vocab', 'model']
+    - ['embed', 'data']
+    - ['heads', 'model']
+    - ['head_dim', null]
+    - ['mlp', 'model']
+  path_rules:
+    - ['embed/embedding$', ['vocab', 'embed']]
+    - ['attn/(query|key|value)/kernel$', ['...', 'embed', 'heads', 'head_dim']]
+    - ['attn/out/kernel$', ['...', 'heads', 'head_dim', 'embed']]
+    - ['mlp/up/kernel$', ['...', 'embed', 'mlp']]
+    - ['mlp/down/kernel$', ['...', 'mlp', 'embed']]
+    - {pattern: 'head/kernel$', spec: ['data', 'model'], type: Param}
+  """)
+
+
+def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
+  import unannotated_model as um
+  from jax.sharding import AbstractMesh
+  from jax.sharding import PartitionSpec as P
+
+  import flax_dtensor as fdt
+
+  rules_file = tmp_path / 'rules.yaml'
+  rules_file.write_text(PATH_RULES_YAML)
+  target = f'{TESTS_DIR / "unannotated_model.py"}:make_model'
+  out = ok(run_cli('plan', target, '--rules', rules_file))
+  header = next(r for r in out.splitlines() if r.split()[:1] == ['path'])
+  assert 'source' in header.split()
+  head = next(r for r in out.splitlines() if r.split()[:1] == ['head/kernel'])
+  assert head.split()[2:] == [
+    '-',
+    "P('data',",
+    "'model')",
+    'path',
+    'rule',
+    '#5',
+    "'head/kernel$'",
+    '8.0',
+    'KiB',
+  ]
+  # A golden layout where another pattern placed head/kernel the same way.
+  rules = fdt.LogicalRules.from_yaml(rules_file)
+  golden_rules = rules.replace(
+    path_rules=[
+      *rules.path_rules[:5],
+      fdt.PathRule('^head/kernel$', P('data', 'model')),
+    ]
+  )
+  golden = tmp_path / 'golden.json'
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  golden.write_text(
+    fdt.plan(um.make_model, mesh=mesh, rules=golden_rules).to_json()
+  )
+  proc = run_cli('plan', target, '--rules', rules_file, '--diff', golden)
+  assert proc.returncode == 1, proc.stderr
+  assert proc.stdout.splitlines() == [
+    '1 changed, 0 added, 0 removed; per device 69.8 KiB -> 69.8 KiB',
+    'head/kernel',
+    "  source path rule #5 '^head/kernel$' -> path rule #5 'head/kernel$'",
+  ]
+
+
 def test_plan_demo_json():
   result = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json')))
   assert result['mesh'] == {'data': 2, 'model': 4}

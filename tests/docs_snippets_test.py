@@ -125,6 +125,18 @@ CHECKS = {
     'test_layout_is_golden()\n'
     'print("CHECKED")\n'
   ),
+  'path_rules.md': (
+    "assert model.layers[0].up.kernel[...].sharding.spec == jax.P('data', "
+    "'model')\n"
+    "assert eager.layers[1].down.kernel[...].sharding.spec == jax.P('model', "
+    "'data')\n"
+    'for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(eager)):\n'
+    '  assert np.array_equal(np.asarray(a), np.asarray(b))\n'
+    "assert placed['embed']['embedding'].sharding.spec == jax.P('model', "
+    "'data')\n"
+    "assert not any(placed['layers'][0]['up']['bias'].sharding.spec)\n"
+    'print("CHECKED")\n'
+  ),
   'linting.md': (
     "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
     'assert "Did you mean \'model\'?" in str(report)\n'
@@ -211,4 +223,4 @@ def test_yaml_rules_blocks_parse(page):
   for kind, code in _blocks(page):
     if kind == 'yaml' and 'logical_axis_rules' in code:
       rules = fdt.LogicalRules.from_yaml_text(code)
-      assert len(rules) == code.count('\n  - ')
+      assert len(rules) + len(rules.path_rules) == code.count('\n  - ')

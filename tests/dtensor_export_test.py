@@ -703,6 +703,44 @@ def test_restore_resolves_logical_axes_by_the_rules(
   np.testing.assert_array_equal(plain, np.arange(8.0))
 
 
+def test_an_unannotated_model_exports_and_restores_by_its_path_rules(
+  auto_mesh, tmp_path
+):
+  """A model without sharding metadata (tests/unannotated_model.py): the
+  DVariables' layouts, and a restore into a target built without a mesh,
+  follow the path rules as the plan reports them."""
+  import unannotated_model as um
+
+  rules = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(rules):
+    saved = um.make_small()
+  plan = fdt.plan(um.make_small, mesh=auto_mesh, rules=rules)
+  flat = fdt_tf.flat_variables(fdt_tf.to_tf_module(saved))
+  head = flat[('head', 'kernel')]
+  assert list(dtensor.fetch_layout(head.read_value()).sharding_specs) == [
+    'data',
+    'model',
+  ]
+  np.testing.assert_array_equal(
+    _gathered(head), np.asarray(saved.head.kernel[...])
+  )
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'ckpt')
+  with nnx.use_eager_sharding(False):
+    target = um.make_small()  # Unsharded, on one device.
+  fdt_tf.restore_checkpoint(path, target, rules=rules, mesh=auto_mesh)
+  covered = 0
+  for p, v in nnx.to_flat_state(nnx.state(target)):
+    arr, entry = v.get_value(), plan[_text(p)]
+    assert _bits(arr) == _bits(
+      dict(nnx.to_flat_state(nnx.state(saved)))[p][...]
+    )
+    if entry.source.startswith('path rule'):
+      covered += 1
+      assert arr.sharding == NamedSharding(auto_mesh, entry.spec), p
+  assert covered == 8
+  assert target.layers[0].mlp.up.kernel[...].sharding.spec == P('data', 'model')
+
+
 def test_restore_rules_and_mesh_arguments(auto_mesh, tmp_path):
   with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(_LOGICAL_RULES):
     saved = Logical(nnx.Rngs(0))

@@ -79,6 +79,77 @@ def test_a_flax_whose_initializers_bypass_the_hook_is_refused(monkeypatch):
     _hook.check_routing()
 
 
+def test_a_flax_whose_modules_bypass_the_hook_is_refused(monkeypatch):
+  """Module construction no longer goes through the metaclass's call: path
+  rules would never place a variable eagerly."""
+  from flax.nnx import module as module_lib
+
+  call = module_lib.ModuleMeta.__call__
+  monkeypatch.setattr(module_lib.ModuleMeta, '__call__', call.__wrapped__)
+  with pytest.raises(
+    fdt.FlaxCompatibilityError, match=r"did not call \['module_call'\]"
+  ):
+    _hook.check_routing()
+
+
+def test_a_flax_whose_partition_spec_bypasses_the_hook_is_refused(
+  monkeypatch,
+):
+  """``nnx.get_partition_spec`` no longer the function the hook wraps: path
+  rules would see no paths there."""
+  monkeypatch.setattr(
+    nnx, 'get_partition_spec', nnx.get_partition_spec.__wrapped__
+  )
+  with pytest.raises(
+    fdt.FlaxCompatibilityError, match=r"did not call \['get_partition_spec'\]"
+  ):
+    _hook.check_routing()
+
+
+PATH_RULES = RULES.replace(path_rules=[('up/kernel$', P(None, 'model'))])
+
+
+class _Up(nnx.Module):
+  def __init__(self, fail=False):
+    self.up = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+    if fail:
+      raise RuntimeError('a constructor that fails')
+
+
+class _Holder(nnx.Module):
+  def __init__(self, fail=False):
+    self.inner = _Up(fail)
+
+
+def test_a_failing_constructor_leaves_the_depth_count_clean():
+  mesh = _mesh()
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(PATH_RULES):
+    with pytest.raises(RuntimeError, match='a constructor that fails'):
+      _Holder(fail=True)
+    assert _hook._state.depth == 0
+    held = _Holder()
+  assert held.inner.up.kernel[...].sharding.spec == P(None, 'model')
+
+
+def test_construction_under_path_rules_is_per_thread():
+  """Threads building at once each place by their own rules."""
+  import concurrent.futures
+
+  mesh = _mesh()
+
+  def build(i):
+    with jax.set_mesh(mesh):
+      if i % 2:
+        with fdt.logical_axis_rules(PATH_RULES):
+          return _Holder().inner.up.kernel[...].sharding.spec
+      return _Holder().inner.up.kernel[...].sharding.spec
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    specs = list(pool.map(build, range(16)))
+  for i, spec in enumerate(specs):
+    assert (spec == P(None, 'model')) == bool(i % 2), (i, spec)
+
+
 def test_new_flax_arguments_pass_through():
   """A future Flax passing one more argument still reaches its function."""
   calls = []

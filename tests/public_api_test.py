@@ -21,6 +21,7 @@ EXPECTED = (
   'MeshAxisTypeError',
   'MeshError',
   'NotAModelError',
+  'PathRule',
   'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
@@ -28,6 +29,7 @@ EXPECTED = (
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
   'check',
+  'gather_tree',
   'get_logical_axis_rules',
   'init',
   'logical_axis_rules',
@@ -37,6 +39,7 @@ EXPECTED = (
   'propagate',
   'set_logical_axis_rules',
   'shard_module',
+  'shard_tree',
   'shard_value',
   'with_logical_constraint',
 )

@@ -5,6 +5,7 @@ so that property tests can compare the package against it.
 """
 
 import math
+import re
 
 
 class Invalid(Exception):
@@ -74,3 +75,86 @@ def flax(axes, shape, context, local, sizes):
     if n % math.prod(sizes[m] for m in axes_of(t)):
       raise Invalid('not divisible')
   return targets
+
+
+def path_rule_placement(
+  path,
+  kind,
+  annotation,
+  shape,
+  itemsize,
+  path_rules,
+  logical_rules,
+  sizes,
+  *,
+  min_size=0,
+  min_bytes=0,
+  unknown='error',
+):
+  """Path rules, as the path rules page states them.
+
+  Args:
+    path: The '/'-joined path.
+    kind: The variable's type name ('Param', 'BatchStat', ...), or None for
+      a plain array.
+    annotation: Its logical axes, or None.
+    shape: Its shape.
+    itemsize: Bytes per element.
+    path_rules: (pattern, target, type name or None, override) tuples; a
+      target is ('logical', entries, leading), ('mesh', entries, leading)
+      or ('replicate',).
+    logical_rules: (name, target) pairs.
+    sizes: {mesh axis: size}.
+    min_size: Path rules leave arrays of fewer elements alone.
+    min_bytes: Path rules leave arrays of fewer bytes alone.
+    unknown: The logical rules' option for names no rule mentions.
+
+  Returns:
+    (source, targets): source is 'annotation', the index of the path rule,
+    or None (nothing covers it; targets None too).
+  """
+  rule = None
+  small = (
+    len(shape) == 0
+    or math.prod(shape) < min_size
+    or math.prod(shape) * itemsize < min_bytes
+  )
+  if not small:
+    for k, (pattern, target, type_name, override) in enumerate(path_rules):
+      # A type filter matches that type; 'Variable' (the base) every type.
+      if type_name is not None and kind is None:
+        continue
+      if type_name not in (None, 'Variable', kind):
+        continue
+      if re.search(pattern, path):
+        rule = (k, target, override)
+        break
+  if rule is not None and (annotation is None or rule[2]):
+    k, target, _ = rule
+    if target[0] == 'replicate':
+      return k, (None,) * len(shape)
+    _, entries, leading = target
+    if len(entries) > len(shape) or (not leading and len(entries) < len(shape)):
+      raise Invalid('the target does not fit the rank')
+    entries = (None,) * (len(shape) - len(entries)) + tuple(entries)
+    if target[0] == 'logical':
+      return k, flax_dtensor(
+        entries, shape, logical_rules, sizes, unknown=unknown
+      )
+    out, taken = [], set()
+    for entry, n in zip(entries, shape, strict=True):
+      wanted = axes_of(entry)
+      fits = (
+        all(m in sizes for m in wanted)
+        and not any(m in taken for m in wanted)
+        and n % math.prod(sizes[m] for m in wanted) == 0
+      )
+      out.append(entry if fits else None)
+      if fits:
+        taken.update(wanted)
+    return k, tuple(out)
+  if annotation is not None:
+    return 'annotation', flax_dtensor(
+      annotation, shape, logical_rules, sizes, unknown=unknown
+    )
+  return None, None

@@ -95,6 +95,25 @@ def _eager_time(r):
   return _ratio(_find(r, 'init', layers=24), 'ours_eager', 'limit')
 
 
+def _paths(r, a='ours', b='peer'):
+  return _ratio(_find(r, 'path_rules', layers=24), a, b)
+
+
+def _paths_memory(r, role='ours'):
+  e = _find(r, 'path_rules', layers=24)
+  mib = _median(e, role, 'rss_above_baseline_mib')
+  m = e.get('methods', {}).get(role, {})
+  return (
+    mib * 2**20 / m['param_bytes'] if mib and m.get('param_bytes') else None
+  )
+
+
+def _hook_share(r, role='ours'):
+  e = _find(r, 'hook', blocks=24)
+  share = e.get('methods', {}).get(role, {}).get('ours_share', {})
+  return 100 * share['median'] if share.get('median') is not None else None
+
+
 def _plan_10k(r):
   return _median(_find(r, 'plan', variables=10000), 'ours')
 
@@ -199,6 +218,44 @@ TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
     'x',
     '≤ 1.5x',
     lambda v: v <= 1.5,
+  ),
+  (
+    '`fdt.init` of the same stack without annotations, by path rules (a '
+    "traced build): time ÷ the annotated stack's `fdt.init`",
+    _paths,
+    'x',
+    '(the traced build)',
+    None,
+  ),
+  (
+    'same: peak RSS above the baseline ÷ parameter bytes',
+    _paths_memory,
+    'x',
+    '(per device in shards; XLA keeps the random bits)',
+    None,
+  ),
+  (
+    'eager construction of it under path rules (whole, replicated, then '
+    'moved): peak RSS ÷ parameter bytes',
+    lambda r: _paths_memory(r, 'ours_eager'),
+    'x',
+    '(why `fdt.init`)',
+    None,
+  ),
+  (
+    "building a 24-block model, no rules: share of the time in flax_dtensor's "
+    'code (cProfile), with the module routing of path rules',
+    _hook_share,
+    '%',
+    '≤ 0.5%',
+    lambda v: v <= 0.5,
+  ),
+  (
+    'same, the module routing handed back to Flax',
+    lambda r: _hook_share(r, 'limit'),
+    '%',
+    '(the rest of the hook)',
+    None,
   ),
   (
     '`fdt.plan(factory)`, 10,000 variables: seconds',

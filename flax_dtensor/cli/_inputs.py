@@ -27,7 +27,8 @@ _MESH_ITEM = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)$')
 MESH_HELP = 'Mesh axes as NAME=SIZE pairs, e.g. data=2,model=4.'
 RULES_HELP = (
   "A YAML rules file in MaxText's format (a logical_axis_rules list of "
-  '(name, target) pairs). Default: the demo rules.'
+  '(name, target) pairs), and path_rules for variables without logical '
+  'axes (see the path rules page). Default: the demo rules.'
 )
 CPU_DEVICES_HELP = (
   'Run on this many virtual CPU devices (sets XLA_FLAGS and '

@@ -8,7 +8,9 @@ two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
 annotated initializer computes only its shards (`_creation`), and
 ``Variable.set_value``. The wrappers take any arguments and defer to Flax
 unless our rules are in effect or our build (`building`) runs.
-`check_routing` proves at import that Flax still calls them.
+`ensure_installed` installs them and proves (`check_routing`) that Flax
+still calls them, once per process, before the first public name of
+flax_dtensor is handed out (see the package's ``__getattr__``).
 """
 
 from __future__ import annotations
@@ -222,8 +224,33 @@ def _get_var_pspec(
   return resolution.spec
 
 
+_install_lock = threading.Lock()
+_installed = False
+
+
+def ensure_installed() -> None:
+  """Installs the hook and checks Flax's routing, once per process.
+
+  Thread-safe and cheap after the first call. Called before any public name
+  of flax_dtensor is handed out, and by the modules that run flax_dtensor
+  code without going through that namespace (``flax_dtensor.dtensor``).
+
+  Raises:
+    FlaxCompatibilityError: If the installed Flax does not route creation
+      and pspec queries through the hook (see `check_routing`).
+  """
+  global _installed
+  if _installed:
+    return
+  with _install_lock:
+    if not _installed:
+      install()
+      check_routing()
+      _installed = True
+
+
 def install() -> None:
-  """Wraps Flax's functions; idempotent. Called at import."""
+  """Wraps Flax's functions; idempotent (see `ensure_installed`)."""
   if getattr(core_spmd.shard_value, _MARK, False):
     return
   flax_shard_value = core_spmd.shard_value

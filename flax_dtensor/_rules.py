@@ -171,10 +171,15 @@ class LogicalRules(tuple):
     raise AttributeError('LogicalRules is immutable.')
 
   def __reduce__(self):
-    return (
-      _rebuild,
-      (tuple(self), self.unknown, self.strict),
-    )
+    # By the public name (see `__module__` below): unpickling goes through
+    # the package's namespace, which installs the Flax hook before these
+    # rules exist in the new process.
+    return (self._unpickled, (tuple(self), self.unknown, self.strict))
+
+  @classmethod
+  def _unpickled(cls, pairs: Any, unknown: Unknown, strict: bool):
+    return cls(pairs, unknown=unknown, strict=strict)
+
 
   @property
   def unknown(self) -> Unknown:
@@ -343,7 +348,12 @@ class LogicalRules(tuple):
     return cls(document, unknown=unknown, strict=strict)
 
 
+# Pickled, printed and documented as `flax_dtensor.LogicalRules`.
+LogicalRules.__module__ = 'flax_dtensor'
+
+
 def _rebuild(pairs, unknown, strict) -> LogicalRules:
+  """Unpickles rules pickled by flax_dtensor 0.1.0 (by this function)."""
   return LogicalRules(pairs, unknown=unknown, strict=strict)
 
 

@@ -196,8 +196,12 @@ def _own_sharding(
       raise _errors.ExportError(
         f'The target variable {entry.name!r} has a sharding on an abstract '
         f'mesh ({sharding.spec} on {sharding.mesh}): expected a concrete '
-        'mesh to place it on. Call restore_checkpoint under '
-        'jax.set_mesh(mesh), or pass `mesh=`.'
+        'mesh to place it on. '
+        + (
+          _meshes.devices_hint(sharding.mesh)
+          or 'Call restore_checkpoint under jax.set_mesh(mesh), or pass '
+          '`mesh=`.'
+        )
       )
     if mesh.abstract_mesh != sharding.mesh:
       raise _errors.ExportError(

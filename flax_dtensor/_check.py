@@ -242,7 +242,7 @@ def check(
           'replicated-large',
           e.path,
           f'{_plan_view.shape_text(e)} ({_plan_view.human_bytes(e.bytes)}) '
-          f'is whole on each of the {result.num_devices} devices. It could '
+          f'is whole on each of the {_plan_view.count(result.num_devices, "device")}. It could '
           f'be sharded on {_could_shard(e, sizes)}: annotate it, or add '
           'rules for its logical axes.',
         )

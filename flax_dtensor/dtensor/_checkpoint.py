@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -200,6 +200,7 @@ def write_manifest(
   prefix: str,
   recs: tuple[_manifest.Record, ...],
   pool: concurrent.futures.Executor,
+  signatures: Mapping[str, _manifest.Signature] | None = None,
 ) -> None:
   """Hashes every file under `root` and writes the manifest (process 0)."""
   names = [
@@ -214,6 +215,7 @@ def write_manifest(
     prefix=prefix,
     files=_manifest.file_sums(root, names, pool),
     records=recs,
+    signatures=signatures or {},
   )
   _manifest.write(manifest)
 

@@ -180,7 +180,6 @@ class LogicalRules(tuple):
   def _unpickled(cls, pairs: Any, unknown: Unknown, strict: bool):
     return cls(pairs, unknown=unknown, strict=strict)
 
-
   @property
   def unknown(self) -> Unknown:
     """What happens to a logical name no rule mentions."""
@@ -329,8 +328,9 @@ class LogicalRules(tuple):
       document = yaml.safe_load(text)
     except yaml.YAMLError as e:
       raise _errors.LogicalRulesError(
-        f"{source} is not valid YAML: {e}. Expected MaxText's format, e.g. "
-        "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
+        f'{source} is not valid YAML: {_yaml_problem(e)}. Expected '
+        "MaxText's format, e.g. logical_axis_rules: [['batch', 'data'], "
+        "['embed', 'fsdp']]."
       ) from e
     if isinstance(document, Mapping):
       if 'logical_axis_rules' not in document:
@@ -345,7 +345,36 @@ class LogicalRules(tuple):
         f'{source}: expected a list of [logical_name, target] pairs; got '
         f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
       )
-    return cls(document, unknown=unknown, strict=strict)
+    try:
+      return cls(document, unknown=unknown, strict=strict)
+    except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
+      raise type(e)(f'{source}: {e}') from e
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+  """YAML's complaint on one line, with its line and column, once.
+
+  PyYAML's own text spans several lines, quotes the offending line and marks
+  the column with a caret; this keeps what and where, e.g. "line 2, column
+  1: expected ',' or ']', but got '<stream end>' (while parsing a flow
+  sequence started at line 1, column 22)".
+  """
+  problem = getattr(error, 'problem', None)
+  mark = getattr(error, 'problem_mark', None)
+  if not problem or mark is None:
+    return ' '.join(str(error).split())
+  text = f'line {mark.line + 1}, column {mark.column + 1}: {problem}'
+  context = getattr(error, 'context', None)
+  context_mark = getattr(error, 'context_mark', None)
+  if context:
+    text += f' ({context}'
+    if context_mark is not None:
+      text += (
+        f' started at line {context_mark.line + 1}, column '
+        f'{context_mark.column + 1}'
+      )
+    text += ')'
+  return text
 
 
 # Pickled, printed and documented as `flax_dtensor.LogicalRules`.

@@ -59,6 +59,9 @@ class _TrimmedLines(io.TextIOBase):
     return len(text)
 
   def flush(self) -> None:
+    if self._pending:  # A line still being written: as it is, so far.
+      self._target.write(self._pending)
+      self._pending = ''
     self._target.flush()
 
   def isatty(self) -> bool:

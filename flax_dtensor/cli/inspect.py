@@ -8,6 +8,7 @@ one (a checkpoint written by plain TensorFlow) is read with TensorFlow.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -67,7 +68,7 @@ def _read_manifest(path: pathlib.Path) -> Any:
     manifest = _manifest.read(str(path))
   except _errors.ExportError as e:
     raise _command.BadInputError(str(e)) from e
-  if manifest is None or manifest.root != str(path.absolute()):
+  if manifest is None or manifest.root != os.path.abspath(path):
     return None
   return manifest
 

@@ -1032,6 +1032,40 @@ def test_inspect_at_80_columns_wraps_and_cuts_nothing(fused_export):
   assert '  Param  (8, 4)  float16 (stored as float32)' in lines
 
 
+def test_inspect_of_an_earlier_manifest_reads_signatures_with_tf(
+  demo_export, tmp_path
+):
+  """A SavedModel whose manifest predates recorded signatures."""
+  _, out, _, proc = demo_export
+  ok(proc)
+  shutil.copytree(out / 'saved_model', tmp_path / 'saved_model')
+  manifest = tmp_path / 'saved_model' / 'assets' / 'flax_dtensor.json'
+  data = json.loads(manifest.read_text())
+  del data['signatures']
+  manifest.write_text(json.dumps(data))
+  stdout = ok(run_cli('inspect', tmp_path))
+  assert 'tokens: [None, 128] int32' in stdout  # From TensorFlow.
+  assert '24 variables' in stdout  # From the manifest.
+
+
+def test_inspect_without_a_manifest_reads_with_tensorflow(
+  fused_export, tmp_path
+):
+  """A checkpoint written by plain TF: names, shapes and stored dtypes."""
+  shutil.copytree(fused_export / 'checkpoint', tmp_path / 'checkpoint')
+  (tmp_path / 'checkpoint' / 'flax_dtensor.json').unlink()
+  wide = dict(os.environ, COLUMNS='200')
+  stdout = ok(run_cli('inspect', tmp_path, env=wide))
+  rows = {}
+  for line in stdout.splitlines():
+    cells = [c.strip() for c in line.split('│')[1:-1]]
+    if cells and cells[0] in ('fused', 'single', 'half'):
+      rows[cells[0]] = cells[1:]
+  assert rows['fused'] == ['-', '(16, 4)', 'float32', '-', '-']
+  assert rows['half'] == ['-', '(8, 4)', 'float32', '-', '-']  # As stored.
+  assert 'No flax_dtensor.json: no layouts; read with TensorFlow.' in stdout
+
+
 @pytest.mark.parametrize(
   'text',
   [

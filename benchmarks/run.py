@@ -73,6 +73,27 @@ _RESTORE = {
 }
 
 
+# The command line: each command in a fresh process, against the bare
+# interpreter (the floor) and a process that only imports JAX and Flax (what
+# a command line importing them at start-up could not go below).
+_CLI_CASE = _case(
+  'cli',
+  {},
+  {
+    'help': 'help',
+    'version': 'version',
+    'plan_help': 'plan_help',
+    'inspect': 'inspect',
+    'floor': 'python',
+    'peer': 'import_jax_flax',
+  },
+  [('help', 'floor'), ('help', 'peer'), ('inspect', 'peer')],
+  repeat=5,
+  note='`flax-dtensor --help`, `--version`, `plan --help`, and `inspect` of '
+  "the demo's export (checkpoint and SavedModel), COLUMNS=80",
+)
+
+
 def _full():
   return {
     'init': [
@@ -210,6 +231,7 @@ def _full():
       )
       for layouts in ('mixed', 'sharded')
     ],
+    'cli': [_CLI_CASE],
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -243,6 +265,7 @@ def _quick():
     'to_tf': [
       _case('to_tf', {'arrays': 8, 'mib': 1}, _TO_TF, _TO_TF_RATIOS),
     ],
+    'cli': [_CLI_CASE],
     'checkpoint': [
       _case('checkpoint', {'arrays': 8, 'mib': 1}, _SAVE, [('ours', 'limit')]),
       _case(
@@ -332,6 +355,9 @@ def _summary(runs):
   for key in ('ours_share', 'ours_calls'):
     if key in ok[0]:
       out[key] = _spread([r[key] for r in ok])
+  if 'import_seconds' in ok[0]:
+    out['import_seconds'] = _spread([r['import_seconds'] for r in ok])
+    out['heavy_imports'] = sorted({m for r in ok for m in r['heavy_imports']})
   return out
 
 
@@ -425,15 +451,22 @@ def run(groups, repeat, repo, timeout, label, roles):
   results = []
   for group, cases in groups.items():
     for spec in cases:
+      n = max(repeat, spec['repeat'] or 0) if repeat > 1 else repeat
       entry = {
         'group': group,
         'case': spec['case'],
         'params': spec['params'],
         'note': spec['note'],
         'ratios': spec['ratios'],
+        # When and how this entry was measured (a run with --only keeps the
+        # other groups of an earlier run, with theirs).
+        'measured': {
+          'date': _now(),
+          'command': _command(),
+          'repeat': n,
+        },
         'methods': {},
       }
-      n = max(repeat, spec['repeat'] or 0) if repeat > 1 else repeat
       for role, method in spec['methods'].items():
         if roles and role not in roles:
           continue
@@ -449,13 +482,21 @@ def run(groups, repeat, repo, timeout, label, roles):
       results.append(entry)
   return {
     'label': label,
-    'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
+    'date': _now(),
     'repeat': repeat,
-    'command': ' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]]),
+    'command': _command(),
     'machine': _machine(),
     'results': results,
     'growth': _growth(results),
   }
+
+
+def _now():
+  return datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
+
+
+def _command():
+  return ' '.join(['python', 'benchmarks/run.py', *sys.argv[1:]])
 
 
 def _print_line(group, params, role, summary):
@@ -503,12 +544,23 @@ def main() -> None:
   out = pathlib.Path(args.out)
   previous = json.loads(out.read_text()) if out.exists() else {}
   if args.only and args.label in previous:
-    # Keep the other groups of an earlier run under the same label.
-    kept = [
-      r for r in previous[args.label]['results'] if r['group'] not in groups
-    ]
+    # Keep the other groups of an earlier run under the same label, and its
+    # date and command (each entry says when it was measured).
+    earlier = previous[args.label]
+    kept = [r for r in earlier['results'] if r['group'] not in groups]
+    for r in kept:
+      r.setdefault(
+        'measured',
+        {
+          'date': earlier['date'],
+          'command': earlier['command'],
+          'repeat': earlier['repeat'],
+        },
+      )
     report['results'] = kept + report['results']
     report['growth'] = _growth(report['results'])
+    for key in ('date', 'command', 'repeat'):
+      report[key] = earlier[key]
   previous[args.label] = report
   out.write_text(json.dumps(previous, indent=1) + '\n')
   print(f'wrote {out} ({args.label})')

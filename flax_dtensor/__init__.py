@@ -1,58 +1,69 @@
-"""flax_dtensor: logical-axis sharding and DTensor export for Flax NNX."""
+"""flax_dtensor: logical-axis sharding and DTensor export for Flax NNX.
 
-from flax_dtensor._check import CheckReport as CheckReport
-from flax_dtensor._check import Finding as Finding
-from flax_dtensor._check import check as check
-from flax_dtensor._errors import DTensorError as DTensorError
-from flax_dtensor._errors import (
-  DTensorInitializationError as DTensorInitializationError,
-)
-from flax_dtensor._errors import ExportError as ExportError
-from flax_dtensor._errors import (
-  FlaxCompatibilityError as FlaxCompatibilityError,
-)
-from flax_dtensor._errors import FlaxDTensorError as FlaxDTensorError
-from flax_dtensor._errors import LayoutFileError as LayoutFileError
-from flax_dtensor._errors import LogicalRulesError as LogicalRulesError
-from flax_dtensor._errors import MeshAxisTypeError as MeshAxisTypeError
-from flax_dtensor._errors import MeshError as MeshError
-from flax_dtensor._errors import NotAModelError as NotAModelError
-from flax_dtensor._errors import RuleTargetTypeError as RuleTargetTypeError
-from flax_dtensor._errors import (
-  ShardingResolutionError as ShardingResolutionError,
-)
-from flax_dtensor._errors import (
-  UnknownLogicalAxisError as UnknownLogicalAxisError,
-)
-from flax_dtensor._init import init as init
-from flax_dtensor._memory import MemoryReport as MemoryReport
-from flax_dtensor._memory import memory_report as memory_report
-from flax_dtensor._path_rules import PathRule as PathRule
-from flax_dtensor._placement import shard_module as shard_module
-from flax_dtensor._placement import shard_value as shard_value
-from flax_dtensor._placement import (
-  with_logical_constraint as with_logical_constraint,
-)
-from flax_dtensor._plan import PlanDiff as PlanDiff
-from flax_dtensor._plan import PlanEntry as PlanEntry
-from flax_dtensor._plan import ShardingPlan as ShardingPlan
-from flax_dtensor._plan import plan as plan
-from flax_dtensor._resolution import (
-  logical_to_mesh_axes as logical_to_mesh_axes,
-)
-from flax_dtensor._rules import LogicalRules as LogicalRules
-from flax_dtensor._rules import get_logical_axis_rules as get_logical_axis_rules
-from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
-from flax_dtensor._rules import propagate as propagate
-from flax_dtensor._rules import set_logical_axis_rules as set_logical_axis_rules
-from flax_dtensor._trees import gather_tree as gather_tree
-from flax_dtensor._trees import shard_tree as shard_tree
+The namespace is lazy (PEP 562): ``import flax_dtensor`` imports neither
+JAX nor Flax, so that the ``flax-dtensor`` command answers ``--help`` at
+once. The first public name used imports its module and, before that,
+installs the hook into Flax (`_hook.ensure_installed`), so the hook is in
+place before any rules object or function of flax_dtensor exists.
+"""
 
-# isort: split
-from flax_dtensor import _hook
+from __future__ import annotations
 
-_hook.install()
-_hook.check_routing()
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from flax_dtensor._check import CheckReport as CheckReport
+  from flax_dtensor._check import Finding as Finding
+  from flax_dtensor._check import check as check
+  from flax_dtensor._errors import DTensorError as DTensorError
+  from flax_dtensor._errors import (
+    DTensorInitializationError as DTensorInitializationError,
+  )
+  from flax_dtensor._errors import ExportError as ExportError
+  from flax_dtensor._errors import (
+    FlaxCompatibilityError as FlaxCompatibilityError,
+  )
+  from flax_dtensor._errors import FlaxDTensorError as FlaxDTensorError
+  from flax_dtensor._errors import LayoutFileError as LayoutFileError
+  from flax_dtensor._errors import LogicalRulesError as LogicalRulesError
+  from flax_dtensor._errors import MeshAxisTypeError as MeshAxisTypeError
+  from flax_dtensor._errors import MeshError as MeshError
+  from flax_dtensor._errors import NotAModelError as NotAModelError
+  from flax_dtensor._errors import RuleTargetTypeError as RuleTargetTypeError
+  from flax_dtensor._errors import (
+    ShardingResolutionError as ShardingResolutionError,
+  )
+  from flax_dtensor._errors import (
+    UnknownLogicalAxisError as UnknownLogicalAxisError,
+  )
+  from flax_dtensor._init import init as init
+  from flax_dtensor._memory import MemoryReport as MemoryReport
+  from flax_dtensor._memory import memory_report as memory_report
+  from flax_dtensor._path_rules import PathRule as PathRule
+  from flax_dtensor._placement import shard_module as shard_module
+  from flax_dtensor._placement import shard_value as shard_value
+  from flax_dtensor._placement import (
+    with_logical_constraint as with_logical_constraint,
+  )
+  from flax_dtensor._plan import PlanDiff as PlanDiff
+  from flax_dtensor._plan import PlanEntry as PlanEntry
+  from flax_dtensor._plan import ShardingPlan as ShardingPlan
+  from flax_dtensor._plan import plan as plan
+  from flax_dtensor._resolution import (
+    logical_to_mesh_axes as logical_to_mesh_axes,
+  )
+  from flax_dtensor._rules import LogicalRules as LogicalRules
+  from flax_dtensor._rules import (
+    get_logical_axis_rules as get_logical_axis_rules,
+  )
+  from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
+  from flax_dtensor._rules import propagate as propagate
+  from flax_dtensor._rules import (
+    set_logical_axis_rules as set_logical_axis_rules,
+  )
+  from flax_dtensor._trees import gather_tree as gather_tree
+  from flax_dtensor._trees import shard_tree as shard_tree
 
 __version__ = '0.1.0'
 
@@ -93,3 +104,59 @@ __all__ = (
   'shard_value',
   'with_logical_constraint',
 )
+
+# {public name: the private module that defines it}.
+_MODULES = {
+  'CheckReport': '_check',
+  'Finding': '_check',
+  'check': '_check',
+  'DTensorError': '_errors',
+  'DTensorInitializationError': '_errors',
+  'ExportError': '_errors',
+  'FlaxCompatibilityError': '_errors',
+  'FlaxDTensorError': '_errors',
+  'LayoutFileError': '_errors',
+  'LogicalRulesError': '_errors',
+  'MeshAxisTypeError': '_errors',
+  'MeshError': '_errors',
+  'NotAModelError': '_errors',
+  'RuleTargetTypeError': '_errors',
+  'ShardingResolutionError': '_errors',
+  'UnknownLogicalAxisError': '_errors',
+  'init': '_init',
+  'MemoryReport': '_memory',
+  'memory_report': '_memory',
+  'PathRule': '_path_rules',
+  'shard_module': '_placement',
+  'shard_value': '_placement',
+  'with_logical_constraint': '_placement',
+  'PlanDiff': '_plan',
+  'PlanEntry': '_plan',
+  'ShardingPlan': '_plan',
+  'plan': '_plan',
+  'logical_to_mesh_axes': '_resolution',
+  'LogicalRules': '_rules',
+  'get_logical_axis_rules': '_rules',
+  'logical_axis_rules': '_rules',
+  'propagate': '_rules',
+  'set_logical_axis_rules': '_rules',
+  'gather_tree': '_trees',
+  'shard_tree': '_trees',
+}
+
+
+def __getattr__(name: str) -> Any:
+  """Imports a public name on first use, the Flax hook installed first."""
+  module = _MODULES.get(name)
+  if module is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
+
+  _hook.ensure_installed()
+  value = getattr(importlib.import_module(f'{__name__}.{module}'), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted((*__all__, '__version__'))

@@ -363,7 +363,8 @@ def check(
       continue
     whole = (
       f'{_plan_view.shape_text(e)} ({_plan_view.human_bytes(e.bytes)}) '
-      f'is whole on each of the {result.num_devices} devices.'
+      'is whole on each of the '
+      f'{_plan_view.count(result.num_devices, "device")}.'
     )
     if (e.source or '').startswith('none'):
       findings.append(

@@ -3,12 +3,14 @@
 Flax places an annotated variable at creation with
 ``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec`` (and
 ``get_named_sharding``, ``as_abstract``, ``eval_shape``) with
-``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, at import, and
+``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, and
 two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
 annotated initializer computes only its shards (`_creation`), and
 ``Variable.set_value``. The wrappers take any arguments and defer to Flax
 unless our rules are in effect or our build (`building`) runs.
-`check_routing` proves at import that Flax still calls them. Two more
+`ensure_installed` installs them and proves (`check_routing`) that Flax
+still calls them, once per process, before the first public name of
+flax_dtensor is handed out (see the package's ``__getattr__``). Two more
 wrappers serve path rules: ``get_partition_spec`` lends ``get_var_pspec``
 each variable's path, and the module metaclass's call places, when the
 outermost ``nnx.Module`` constructor returns, the variables path rules
@@ -320,8 +322,33 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
   return module
 
 
+_install_lock = threading.Lock()
+_installed = False
+
+
+def ensure_installed() -> None:
+  """Installs the hook and checks Flax's routing, once per process.
+
+  Thread-safe and cheap after the first call. Called before any public name
+  of flax_dtensor is handed out, and by the modules that run flax_dtensor
+  code without going through that namespace (``flax_dtensor.dtensor``).
+
+  Raises:
+    FlaxCompatibilityError: If the installed Flax does not route creation
+      and pspec queries through the hook (see `check_routing`).
+  """
+  global _installed
+  if _installed:
+    return
+  with _install_lock:
+    if not _installed:
+      install()
+      check_routing()
+      _installed = True
+
+
 def install() -> None:
-  """Wraps Flax's functions; idempotent. Called at import."""
+  """Wraps Flax's functions; idempotent (see `ensure_installed`)."""
   if getattr(core_spmd.shard_value, _MARK, False):
     return
   flax_shard_value = core_spmd.shard_value

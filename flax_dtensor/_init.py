@@ -92,8 +92,9 @@ def init(
     The module, every variable placed on the mesh.
 
   Raises:
-    MeshError: If there is no concrete mesh, or a variable names another
-      mesh in its metadata.
+    MeshError: If there is no concrete mesh (the message says how to get
+      the devices a bigger mesh needs), or a variable names another mesh in
+      its metadata.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
     ShardingResolutionError: If a variable's axes cannot be resolved.
 
@@ -108,13 +109,22 @@ def init(
     >>> model.kernel.sharding.spec
     P('data', 'model')
   """
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise _errors.MeshError(
+      f'Expected a concrete mesh for `fdt.init`, got the abstract {mesh}. '
+      + (
+        _meshes.devices_hint(mesh)
+        or 'Pass `mesh=` a `jax.sharding.Mesh` (from jax.make_mesh).'
+      )
+    )
   with scope(mesh, rules):
     mesh_ = _meshes.mesh_for()
     if not isinstance(mesh_, Mesh):
+      hint = _meshes.devices_hint(mesh_)
       raise _errors.MeshError(
         'Expected a concrete mesh for `fdt.init`, but no mesh is set'
         + (f' (got the abstract {mesh_})' if mesh_ is not None else '')
-        + f'. {_placement.NO_MESH_MSG}'
+        + f'. {hint or _placement.NO_MESH_MSG}'
       )
     rules_ = _rules.rules_in_effect()
     leaves, treedef = jax.tree_util.tree_flatten(

@@ -7,6 +7,7 @@ placement, the Flax hook, `init`, `plan` and the DTensor export alike.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -91,6 +92,34 @@ def mesh_for(
 def axis_sizes(mesh: MeshLike) -> dict[str, int]:
   """``{axis name: size}`` of a mesh."""
   return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+DEVICES_MSG = (
+  'The mesh needs {needed} devices, and JAX has {have} ({backend}). On CPU, '
+  'make {needed} virtual devices before any other JAX call: '
+  "jax.config.update('jax_num_cpu_devices', {needed}) (or start Python "
+  'with XLA_FLAGS=--xla_force_host_platform_device_count={needed}), then '
+  'build the mesh with jax.make_mesh.'
+)
+
+
+def devices_hint(mesh: MeshLike | None) -> str:
+  """How to get the devices `mesh` needs, or '' if JAX has enough.
+
+  For the error of a function given an abstract mesh where it needs a
+  concrete one: often the concrete mesh could not be built, because
+  `jax.make_mesh` needs as many devices as the mesh has positions and a
+  laptop has one CPU device.
+  """
+  if mesh is None:
+    return ''
+  needed = math.prod(mesh.axis_sizes)
+  have = jax.device_count()
+  if needed <= have:
+    return ''
+  return DEVICES_MSG.format(
+    needed=needed, have=have, backend=jax.default_backend()
+  )
 
 
 def describe(mesh: MeshLike | None) -> str:

@@ -94,9 +94,12 @@ def apply_spec(
     raise _errors.MeshError(
       f'Expected a concrete mesh to place a concrete array'
       f'{_resolution.where(path)}; got the abstract {mesh} (from '
-      '`jax.sharding.use_abstract_mesh` or `jax.eval_shape`). Outside jit, '
-      'place arrays under `jax.set_mesh(mesh)` or pass `mesh=` a '
-      '`jax.sharding.Mesh`.'
+      '`jax.sharding.use_abstract_mesh` or `jax.eval_shape`). '
+      + (
+        _meshes.devices_hint(mesh)
+        or 'Outside jit, place arrays under `jax.set_mesh(mesh)` or pass '
+        '`mesh=` a `jax.sharding.Mesh`.'
+      )
     )
   if not _is_traced(x) and _is_placed(x, spec, mesh):
     return x  # Already there (created in its shards, see `_creation`).

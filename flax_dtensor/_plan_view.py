@@ -4,7 +4,10 @@ Paths are never cut. A table is used when every path fits whole beside the
 other columns; below that width each variable takes two lines, its path on
 the first. Fallbacks are grouped by reason under the table, with the
 variables each one affects. `blocks` draws which mesh position holds which
-block of one variable, for any number of dimensions.
+block of one variable, for any number of dimensions. The text helpers
+every printed view of the package shares live here too: sizes
+(`human_bytes`), counts (`count`) and paths broken only after a ``/``
+(`wrap_path`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import io
 import math
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import rich.box
@@ -45,13 +48,83 @@ def human_bytes(n: float) -> str:
   raise AssertionError('unreachable')
 
 
-def _count(n: int, noun: str) -> str:
+def count(n: int, noun: str) -> str:
+  """'1 device', '8 devices' (`noun` is singular and takes an 's')."""
   return f'{n} {noun}' + ('' if n == 1 else 's')
+
+
+def wrap_path(path: str, width: int) -> list[str]:
+  """`path` in lines of at most `width` columns, broken only after a '/'.
+
+  A component longer than `width` keeps its own line, whole: a path is
+  never cut inside a name.
+  """
+  lines = ['']
+  for part in re.findall(r'[^/]*/|[^/]+$', path):
+    if lines[-1] and len(lines[-1]) + len(part) > width:
+      lines.append('')
+    lines[-1] += part
+  return lines
 
 
 def terminal_width(default: int = 80) -> int:
   """The terminal's width, or ``COLUMNS``, or `default` when piped."""
   return shutil.get_terminal_size((default, 24)).columns
+
+
+def table_or_stacked(
+  columns: Sequence[str],
+  rows: Iterable[Sequence[str]],
+  width: int,
+  *,
+  paths: Sequence[str] = (),
+  right: Sequence[str] = (),
+  details: Callable[[Sequence[str]], list[str]] | None = None,
+) -> Any:
+  """A table of `rows` when it fits `width` unwrapped; else short lines.
+
+  Nothing is cut, or folded inside a word: in the stacked form each row's
+  first cell heads it on a line of its own, and each other cell follows on
+  its own line, labelled with its column (or the lines `details` makes of
+  the row). Cells of the `paths` columns are broken only after a '/'
+  (`wrap_path`); a cell holding several lines keeps them. `right` columns
+  are right-justified in the table.
+  """
+  rows = [list(row) for row in rows]
+  table = rich.table.Table()
+  for column in columns:
+    table.add_column(
+      column, no_wrap=True, justify='right' if column in right else 'left'
+    )
+  for row in rows:
+    table.add_row(*(rich.text.Text(c) for c in row))
+  if measure(table) <= width:
+    return table
+  label = max((len(c) for c in columns[1:]), default=0) + 2
+  items: list[Any] = []
+  for row in rows:
+    head = row[0]
+    for line in wrap_path(head, width) if columns[0] in paths else [head]:
+      items.append(rich.text.Text(line, style='bold'))
+    if details is not None:
+      items.extend(
+        rich.padding.Padding(rich.text.Text(line), (0, 0, 0, 2), expand=False)
+        for line in details(row)
+      )
+      continue
+    for column, cell in zip(columns[1:], row[1:], strict=True):
+      if not cell:
+        continue
+      if column in paths:
+        lines = wrap_path(cell, max(width - 2 - label, 1))
+      else:
+        lines = cell.split('\n')
+      for i, line in enumerate(lines):
+        text = (column if i == 0 else '').ljust(label) + line
+        items.append(
+          rich.padding.Padding(rich.text.Text(text), (0, 0, 0, 2), expand=False)
+        )
+  return rich.console.Group(*items)
 
 
 # What the views show
@@ -62,7 +135,7 @@ def mesh_text(plan: ShardingPlan) -> str:
   if not plan.mesh_axes:
     return 'no mesh (1 device)'
   axes = ', '.join(f'{k}={v}' for k, v in plan.mesh_axes.items())
-  return f'mesh {axes} ({plan.num_devices} devices)'
+  return f'mesh {axes} ({count(plan.num_devices, "device")})'
 
 
 def totals_text(plan: ShardingPlan) -> str:
@@ -182,7 +255,7 @@ def _console(file: io.StringIO, width: int) -> rich.console.Console:
   )
 
 
-def _measure(renderable: Any) -> int:
+def measure(renderable: Any) -> int:
   """The columns `renderable` needs to print without wrapping."""
   return _console(io.StringIO(), 100_000).measure(renderable).maximum
 
@@ -224,16 +297,16 @@ def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   groups = fallback_groups(entries)
   if not groups:
     return []
-  count = len({p for _, paths in groups for p in paths})
+  affected = len({p for _, paths in groups for p in paths})
   out: list[Any] = [
     rich.text.Text(
-      f'Fallbacks: {_count(len(groups), "reason")}, '
-      f'{_count(count, "variable")}',
+      f'Fallbacks: {count(len(groups), "reason")}, '
+      f'{count(affected, "variable")}',
       style='bold',
     )
   ]
   for reason, paths in groups:
-    n = _count(len(paths), 'variable')
+    n = count(len(paths), 'variable')
     out.append(
       rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
     )
@@ -278,7 +351,7 @@ def renderables(
     return out
   if plan.entries:
     table = _table(plan.entries)
-    fits = _measure(table) <= width
+    fits = measure(table) <= width
     out.append(table if fits else _stacked(plan.entries))
   out.extend(_fallbacks(plan.entries, list_paths=True))
   return out
@@ -440,7 +513,8 @@ def blocks_text(
     )
   )
   console.print(
-    f'{len(blocks)} blocks of {sum(map(len, blocks.values()))} mesh positions '
+    f'{count(len(blocks), "block")} of '
+    f'{count(sum(map(len, blocks.values())), "mesh position")} '
     f'({mesh_text_axes(mesh_axes)}); each block held by the positions listed'
   )
   if 1 <= len(split) <= 2:

@@ -210,8 +210,11 @@ class LogicalRules(tuple):
     raise AttributeError('LogicalRules is immutable.')
 
   def __reduce__(self):
+    # By the public name (see `__module__` below): unpickling goes through
+    # the package's namespace, which installs the Flax hook before these
+    # rules exist in the new process.
     return (
-      _rebuild,
+      self._unpickled,
       (
         tuple(self),
         self.unknown,
@@ -220,6 +223,25 @@ class LogicalRules(tuple):
         self.min_size,
         self.min_bytes,
       ),
+    )
+
+  @classmethod
+  def _unpickled(
+    cls,
+    pairs: Any,
+    unknown: Unknown,
+    strict: bool,
+    path_rules: Any = (),
+    min_size: int = 0,
+    min_bytes: int = 0,
+  ) -> LogicalRules:
+    return cls(
+      pairs,
+      unknown=unknown,
+      strict=strict,
+      path_rules=path_rules,
+      min_size=min_size,
+      min_bytes=min_bytes,
     )
 
   @property
@@ -426,8 +448,9 @@ class LogicalRules(tuple):
       document = yaml.safe_load(text)
     except yaml.YAMLError as e:
       raise _errors.LogicalRulesError(
-        f"{source} is not valid YAML: {e}. Expected MaxText's format, e.g. "
-        "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']]."
+        f'{source} is not valid YAML: {_yaml_problem(e)}. Expected '
+        "MaxText's format, e.g. logical_axis_rules: [['batch', 'data'], "
+        "['embed', 'fsdp']]."
       ) from e
     options: dict[str, Any] = {}
     if isinstance(document, Mapping):
@@ -456,20 +479,45 @@ class LogicalRules(tuple):
         f'{source}: expected a list of [logical_name, target] pairs; got '
         f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
       )
-    return cls(document, unknown=unknown, strict=strict, **options)
+    try:
+      return cls(document, unknown=unknown, strict=strict, **options)
+    except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
+      raise type(e)(f'{source}: {e}') from e
 
 
-def _rebuild(
-  pairs, unknown, strict, path_rules=(), min_size=0, min_bytes=0
-) -> LogicalRules:
-  return LogicalRules(
-    pairs,
-    unknown=unknown,
-    strict=strict,
-    path_rules=path_rules,
-    min_size=min_size,
-    min_bytes=min_bytes,
-  )
+def _yaml_problem(error: yaml.YAMLError) -> str:
+  """YAML's complaint on one line, with its line and column, once.
+
+  PyYAML's own text spans several lines, quotes the offending line and marks
+  the column with a caret; this keeps what and where, e.g. "line 2, column
+  1: expected ',' or ']', but got '<stream end>' (while parsing a flow
+  sequence started at line 1, column 22)".
+  """
+  problem = getattr(error, 'problem', None)
+  mark = getattr(error, 'problem_mark', None)
+  if not problem or mark is None:
+    return ' '.join(str(error).split())
+  text = f'line {mark.line + 1}, column {mark.column + 1}: {problem}'
+  context = getattr(error, 'context', None)
+  context_mark = getattr(error, 'context_mark', None)
+  if context:
+    text += f' ({context}'
+    if context_mark is not None:
+      text += (
+        f' started at line {context_mark.line + 1}, column '
+        f'{context_mark.column + 1}'
+      )
+    text += ')'
+  return text
+
+
+# Pickled, printed and documented as `flax_dtensor.LogicalRules`.
+LogicalRules.__module__ = 'flax_dtensor'
+
+
+def _rebuild(pairs, unknown, strict) -> LogicalRules:
+  """Unpickles rules pickled by flax_dtensor 0.1.0 (by this function)."""
+  return LogicalRules(pairs, unknown=unknown, strict=strict)
 
 
 RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]

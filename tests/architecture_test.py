@@ -120,3 +120,36 @@ def test_no_import_cycles():
 
   for node in sorted(edges):
     visit(node)
+
+
+def _lazy_namespace(init: pathlib.Path):
+  """(names imported under TYPE_CHECKING, module-level imports) of a lazy
+  package's ``__init__.py``: {name: module}, and the modules it imports."""
+  tree = ast.parse(init.read_text())
+  typed, eager = {}, set()
+  for node in tree.body:
+    if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+      for child in node.body:
+        assert isinstance(child, ast.ImportFrom), ast.unparse(child)
+        for alias in child.names:
+          assert alias.asname == alias.name, ast.unparse(child)
+          typed[alias.name] = child.module.rpartition('.')[2]
+    elif isinstance(node, ast.Import):
+      eager.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      eager.add(node.module)
+  return typed, eager
+
+
+def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
+  """`import flax_dtensor` and `import flax_dtensor.dtensor` run no import
+  of the package's modules (nor of JAX or Flax); what type checkers see
+  (the `TYPE_CHECKING` imports) is what `__getattr__` hands out."""
+  import flax_dtensor.dtensor as bridge
+
+  for package in (flax_dtensor, bridge):
+    init = pathlib.Path(package.__file__)
+    typed, eager = _lazy_namespace(init)
+    assert eager <= {'__future__', 'importlib', 'typing'}, (init, eager)
+    assert typed == package._MODULES, init
+    assert set(typed) == set(package.__all__), init

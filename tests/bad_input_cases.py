@@ -210,7 +210,7 @@ def _abstract_leftovers(ctx):
     )
 
 
-def _abstract_without_mesh(ctx):
+def _abstract_without_mesh(ctx, mesh=None):
   with jax.set_mesh(ctx.mesh):
     abstract = nnx.eval_shape(lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
   # The abstract shardings name an abstract mesh; no concrete one is given.
@@ -221,10 +221,30 @@ def _abstract_without_mesh(ctx):
       jax.ShapeDtypeStruct(
         value.shape,
         value.dtype,
-        sharding=NamedSharding(ctx.mesh.abstract_mesh, P()),
+        sharding=NamedSharding(mesh or ctx.mesh.abstract_mesh, P()),
       )
     )
   ctx.dt.restore_checkpoint(ctx.checkpoint, state)
+
+
+# A mesh of 16 positions, where JAX has 8 devices: what a laptop user gets
+# when `jax.make_mesh` cannot build the mesh (one CPU device).
+_TOO_BIG = jax.sharding.AbstractMesh((4, 4), ('data', 'model'))
+_TOO_BIG_MATCH = (
+  r'The mesh needs 16 devices, and JAX has 8 \(cpu\)\. On CPU, make 16 '
+  r"virtual devices .*jax\.config\.update\('jax_num_cpu_devices', 16\)"
+)
+_TOO_BIG_FIX = (
+  "Make the devices first: jax.config.update('jax_num_cpu_devices', N) "
+  'before any other JAX call (or XLA_FLAGS=--xla_force_host_platform_'
+  'device_count=N), then build the mesh with jax.make_mesh.'
+)
+
+
+def _shard_module_too_big(ctx):
+  with nnx.use_eager_sharding(False):
+    model = ctx.model()
+  fdt.shard_module(model, mesh=_TOO_BIG, rules=ctx.rules)
 
 
 CASES = [
@@ -426,6 +446,14 @@ CASES = [
   ),
   Case(
     'fdt.shard_module',
+    'an abstract mesh with more positions than devices',
+    fdt.MeshError,
+    _TOO_BIG_MATCH,
+    _TOO_BIG_FIX,
+    _shard_module_too_big,
+  ),
+  Case(
+    'fdt.shard_module',
     'a factory where a module is expected',
     fdt.NotAModelError,
     r'got function .*It is callable',
@@ -451,6 +479,16 @@ CASES = [
     r'Expected a concrete mesh for `fdt\.init`, but no mesh is set',
     'Use jax.set_mesh(mesh) or pass mesh=.',
     lambda ctx: fdt.init(nnx.Linear, 2, 4, rngs=nnx.Rngs(0), rules=ctx.rules),
+  ),
+  Case(
+    'fdt.init',
+    'an abstract mesh with more positions than devices',
+    fdt.MeshError,
+    r'Expected a concrete mesh for `fdt\.init`.*' + _TOO_BIG_MATCH,
+    _TOO_BIG_FIX,
+    lambda ctx: fdt.init(
+      nnx.Linear, 2, 4, rngs=nnx.Rngs(0), mesh=_TOO_BIG, rules=ctx.rules
+    ),
   ),
   Case(
     'fdt.init',
@@ -1020,6 +1058,15 @@ CASES = [
     r'has a sharding on an abstract mesh.*jax.set_mesh\(mesh\), or pass `mesh=`',
     'Call it under jax.set_mesh(mesh), or pass mesh=.',
     _abstract_without_mesh,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'an abstract target on a mesh with more positions than devices',
+    fdt.ExportError,
+    r'has a sharding on an abstract mesh.*' + _TOO_BIG_MATCH,
+    _TOO_BIG_FIX,
+    lambda ctx: _abstract_without_mesh(ctx, _TOO_BIG),
     tf=True,
   ),
   # SavedModels

@@ -11,9 +11,12 @@ this test process never initializes TF.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import typer
 from flax import nnx
 
 from flax_dtensor.cli import _command, _inputs
@@ -112,6 +116,14 @@ def ok(proc) -> str:
     f'exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}'
   )
   return proc.stdout
+
+
+def assert_fits(text: str, width: int, paths=()) -> None:
+  # Imported here: the command line loads this file as a user's model file,
+  # without tests/ on its path.
+  import output_util
+
+  output_util.assert_fits(text, width, paths)
 
 
 def bad_input(proc, *fragments: str) -> str:
@@ -229,11 +241,12 @@ def test_parse_mesh():
   [
     ('data2,model=4', "expected NAME=SIZE, got 'data2'"),
     ('data=2,,model=4', "got ''"),
-    ('data=0', 'sizes must be positive'),
-    ('data=-1', 'expected NAME=SIZE'),
+    ('data=0', "axis 'data' has size '0'; sizes must be positive integers"),
+    ('data=-1', "axis 'data' has size '-1'; sizes must be positive integers"),
+    ('data=two', "size 'two'; sizes must be positive integers"),
     ('data=2,data=4', "axis name\\(s\\) \\['data'\\] repeat"),
   ],
-  ids=['no-equals', 'empty-item', 'zero', 'negative', 'repeat'],
+  ids=['no-equals', 'empty-item', 'zero', 'negative', 'not-a-number', 'repeat'],
 )
 def test_parse_mesh_errors(text, match):
   with pytest.raises(_command.BadInputError, match=match):
@@ -384,7 +397,7 @@ def test_plan_respects_columns_and_keeps_paths_whole(columns):
   env = dict(os.environ, COLUMNS=columns)
   out = ok(run_cli('plan', DEMO_TARGET, env=env))
   lines = out.splitlines()
-  assert max(len(line.rstrip()) for line in lines) <= int(columns)
+  assert_fits(out, int(columns))
   starts = {line.split()[0] for line in lines if line.strip()}
   paths = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json', env=env)))
   for variable in paths['variables']:
@@ -625,7 +638,13 @@ def test_plan_bad_target(target, fragments):
 @pytest.mark.parametrize(
   'text, fragments',
   [
-    ('logical_axis_rules: [[unclosed', ['not valid YAML']),
+    (
+      'logical_axis_rules: [[unclosed',
+      [
+        "not valid YAML: line 1, column 31: expected ',' or ']'",
+        'parsing a flow sequence started at line 1, column 22)',
+      ],
+    ),
     ('rules: []', ['no `logical_axis_rules` key']),
     ('logical_axis_rules: [[embed, 3]]', ['expected a mesh axis name']),
     ('logical_axis_rules: [[embed]]', ['expected a (logical_name, target)']),
@@ -635,11 +654,14 @@ def test_plan_bad_target(target, fragments):
 def test_plan_malformed_rules(tmp_path, text, fragments):
   rules = tmp_path / 'rules.yaml'
   rules.write_text(text)
-  bad_input(
+  line = bad_input(
     run_cli('plan', DEMO_TARGET, '--rules', rules),
-    'Malformed rules file',
+    f"Malformed rules file: '{rules}'",
     *fragments,
   )
+  # Once, readably: no caret, no quoted line, one example of the format.
+  assert '^' not in line and line.count(str(rules)) == 1, line
+  assert line.count('e.g.') == 1, line
 
 
 def test_plan_missing_rules_file(tmp_path):
@@ -654,11 +676,11 @@ def test_plan_rules_missing_a_name(tmp_path):
   rules.write_text("logical_axis_rules: [['batch', 'data']]")
   message = bad_input(
     run_cli('plan', DEMO_TARGET, '--rules', rules),
-    'UnknownLogicalAxisError',
     'not mentioned by any rule at ',  # The variable's path follows.
     'to the rules file (--rules)',
   )
   assert 'unknown="replicate"' not in message  # Python's fix, not ours.
+  assert 'Error' not in message  # No class names (they are in --debug).
 
 
 def test_debug_shows_traceback():
@@ -775,7 +797,7 @@ def test_export_mesh_does_not_match_devices(tmp_path):
       '--out',
       tmp_path / 'out',
     ),
-    'needs 16 devices but JAX sees 8',
+    '--mesh data=4,model=4 needs 16 devices, but JAX has 8 (cpu)',
     '--cpu-devices 16',
   )
 
@@ -791,7 +813,7 @@ def test_demo_mesh_does_not_match_cpu_devices(tmp_path):
       '--out',
       tmp_path / 'demo',
     ),
-    'needs 16 devices but JAX sees 8',
+    'needs 16 devices, but JAX has 8',
   )
   assert not (tmp_path / 'demo').exists()
 
@@ -950,7 +972,7 @@ def test_export_and_inspect_user_factory(tmp_path):
   rules = tmp_path / 'rules.yaml'
   rules.write_text(USER_RULES)
   out = tmp_path / 'out'
-  ok(
+  stdout = ok(
     run_cli(
       'export',
       USER_TARGET,
@@ -962,8 +984,10 @@ def test_export_and_inspect_user_factory(tmp_path):
       rules,
       '--out',
       out,
+      env=dict(os.environ, COLUMNS='80'),
     )
   )
+  assert_fits(stdout, 80, [orbax, out / 'checkpoint'])
   report = check_checkpoint(out / 'checkpoint', tmp_path)
   assert report['missing'] == [] and report['extra'] == []
   assert report['max_abs_diff'] == 0.0
@@ -1115,28 +1139,62 @@ def test_inspect_shows_fused_dtensor_axes(fused_export):
 def test_inspect_at_80_columns_wraps_and_cuts_nothing(fused_export):
   narrow = dict(os.environ, COLUMNS='80')
   stdout = ok(run_cli('inspect', fused_export, env=narrow))
-  assert '…' not in stdout
-  assert max(len(line.rstrip()) for line in stdout.splitlines()) <= 80
-  # Cells wrapped over several lines join back into the whole value.
-  rows, current = {}, None
+  assert_fits(stdout, 80, [str(fused_export / 'checkpoint')])
+  # The table does not fit: each variable on a few whole lines.
+  lines = stdout.splitlines()
+  at = lines.index('fused')
+  assert lines[at + 1 : at + 4] == [
+    '  Param  (16, 4)  float32',
+    "  JAX      P(('data', 'model'), None) @ data=2,model=4",
+    '  DTensor  data+model,unsharded @ data+model=8',
+  ]
+  assert '  Param  (8, 4)  float16 (stored as float32)' in lines
+
+
+def test_inspect_of_an_earlier_manifest_reads_signatures_with_tf(
+  demo_export, tmp_path
+):
+  """A SavedModel whose manifest predates recorded signatures."""
+  _, out, _, proc = demo_export
+  ok(proc)
+  shutil.copytree(out / 'saved_model', tmp_path / 'saved_model')
+  manifest = tmp_path / 'saved_model' / 'assets' / 'flax_dtensor.json'
+  data = json.loads(manifest.read_text())
+  del data['signatures']
+  manifest.write_text(json.dumps(data))
+  stdout = ok(run_cli('inspect', tmp_path))
+  assert 'tokens: [None, 128] int32' in stdout  # From TensorFlow.
+  assert '24 variables' in stdout  # From the manifest.
+
+
+def test_inspect_without_a_manifest_reads_with_tensorflow(
+  fused_export, tmp_path
+):
+  """A checkpoint written by plain TF: names, shapes and stored dtypes."""
+  shutil.copytree(fused_export / 'checkpoint', tmp_path / 'checkpoint')
+  (tmp_path / 'checkpoint' / 'flax_dtensor.json').unlink()
+  wide = dict(os.environ, COLUMNS='200')
+  stdout = ok(run_cli('inspect', tmp_path, env=wide))
+  rows = {}
   for line in stdout.splitlines():
     cells = [c.strip() for c in line.split('│')[1:-1]]
-    if not cells:
-      continue
-    if cells[0]:
-      current = cells[0]
-      rows.setdefault(current, [''] * len(cells))
-    for i, c in enumerate(cells):
-      rows[current][i] += c
-  fused = [c.replace(' ', '') for c in rows['fused']]
-  assert fused[4] == "P(('data','model'),None)@data=2,model=4"
-  assert fused[5] == 'data+model,unsharded@data+model=8'
+    if cells and cells[0] in ('fused', 'single', 'half'):
+      rows[cells[0]] = cells[1:]
+  assert rows['fused'] == ['-', '(16, 4)', 'float32', '-', '-']
+  assert rows['half'] == ['-', '(8, 4)', 'float32', '-', '-']  # As stored.
+  assert 'No flax_dtensor.json: no layouts; read with TensorFlow.' in stdout
 
 
 @pytest.mark.parametrize(
   'text',
-  ['{not json', '{"variables": [1]}', '{"variables": {"fused": 3}}'],
-  ids=['json', 'list', 'record'],
+  [
+    '{not json',
+    '{"variables": [1]}',
+    '{"variables": {"fused": 3}}',
+    '{"format": "flax_dtensor.saved_model", "version": 3, "variables": [], '
+    '"checkpoint_prefix": "x", "files": {}, "signatures": {"s": 5}}',
+  ],
+  ids=['json', 'list', 'record', 'signature'],
 )
 def test_inspect_malformed_metadata(fused_export, tmp_path, text):
   shutil.copytree(fused_export / 'checkpoint', tmp_path / 'checkpoint')
@@ -1155,7 +1213,19 @@ def test_inspect_malformed_metadata(fused_export, tmp_path, text):
 
 def test_demo_trains_exports_and_verifies(tmp_path):
   out = tmp_path / 'demo'
-  stdout = ok(run_cli('demo', '--steps', '40', '--out', out, timeout=900))
+  narrow = dict(os.environ, COLUMNS='80')  # Piped, as in a CI log.
+  stdout = ok(
+    run_cli('demo', '--steps', '40', '--out', out, timeout=900, env=narrow)
+  )
+  # Piped: plain progress lines, nothing animated; 80 columns, no line
+  # ending in spaces, paths whole or broken after a '/'.
+  assert_fits(stdout, 80, [out / 'saved_model', out / 'summary.json'])
+  assert stdout.startswith(
+    'flax-dtensor demo on 8 devices (cpu), mesh data=2,model=4\n'
+    '40 steps of 16 sequences, seed 0\n'
+  )
+  steps = re.findall(r'^train step (\d+)/40  loss \d\.\d{3}  ', stdout, re.M)
+  assert steps[0] == '1' and steps[-1] == '40', stdout
   summary = json.loads((out / 'summary.json').read_text())
   assert summary['steps'] == 40 and len(summary['losses']) == 40
   assert summary['loss_first'] > 5.0  # ~ln(256): uniform over bytes.
@@ -1173,7 +1243,7 @@ def test_demo_trains_exports_and_verifies(tmp_path):
 @pytest.mark.parametrize(
   'args, fragments',
   [
-    (['plan'], ["Missing argument 'target'", "'flax-dtensor plan --help'"]),
+    (['plan'], ["Missing argument 'TARGET'", "'flax-dtensor plan --help'"]),
     (['plan', DEMO_TARGET, '--bogus'], ['No such option: --bogus']),
     (['nope'], ["No such command 'nope'", "'flax-dtensor --help'"]),
   ],
@@ -1191,3 +1261,109 @@ def test_no_arguments_shows_the_help():
   assert 'Usage: flax-dtensor' in out
   for command in ('demo', 'plan', 'export', 'inspect'):
     assert command in out
+
+
+# Answering at once: no JAX, Flax or TensorFlow for help and metadata
+# ------------------------------------------------------------------------------
+
+# Runs the CLI's `main` in this process for each argv, with JAX, Flax,
+# NumPy and TensorFlow made unimportable: any import of them fails.
+WITHOUT_HEAVY_LIBRARIES = """
+import contextlib, io, json, sys
+for name in ('jax', 'flax', 'numpy', 'tensorflow', 'optax', 'orbax'):
+  sys.modules[name] = None
+from flax_dtensor.cli import _app
+results = []
+for argv in json.loads(sys.argv[1]):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    try:
+      _app.main(argv)
+    except SystemExit as e:
+      results.append([e.code, out.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _without_heavy_libraries(*argvs):
+  out = run_python(WITHOUT_HEAVY_LIBRARIES, json.dumps(argvs))
+  return json.loads(out.splitlines()[-1])
+
+
+def test_help_and_version_need_no_jax_and_show_no_placeholders():
+  commands = ['demo', 'plan', 'export', 'inspect']
+  argvs = [['--help'], ['--version'], *([c, '--help'] for c in commands)]
+  results = _without_heavy_libraries(*argvs)
+  for argv, (code, text) in zip(argvs, results, strict=True):
+    assert code == 0, (argv, text)
+    assert_fits(text, 80)
+    for placeholder in ('<bool>', '<str>', '<int>', '<path>', '{', '}'):
+      assert placeholder not in text, (argv, placeholder, text)
+  (_, version), (_, plan_help) = results[1], results[3]
+  assert version.startswith('flax-dtensor 0.1.0\nPython 3.')
+  assert '\njax 0.10.2\n' in version and '\nflax 0.12.8\n' in version
+  assert plan_help.startswith('Usage: flax-dtensor plan [OPTIONS] TARGET\n')
+  assert '  --json ' in plan_help and '--mesh NAME=SIZE,...' in plan_help
+
+
+def test_inspect_reads_the_manifest_without_jax_or_tensorflow(demo_export):
+  _, out, _, proc = demo_export
+  ok(proc)
+  ((code, text),) = _without_heavy_libraries(['inspect', str(out)])
+  assert code == 0, text
+  assert '24 variables' in text and 'serving_default' in text
+  # What TensorFlow itself reads from the SavedModel: the same signature.
+  assert 'tokens: [None, 128] int32' in text
+  assert 'output_0: [None, 128, 256] float32' in text
+
+
+# One table of exit statuses (docs/cli.md), for every command
+# ------------------------------------------------------------------------------
+
+
+def _status_of(exception):
+  """The exit status and `error:` line `handle_errors` makes of it."""
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(typer.Exit) as exit_:
+    with _command.handle_errors(debug=True):  # Nothing redirected.
+      raise exception
+  lines = [x for x in err.getvalue().splitlines() if x.startswith('error: ')]
+  return exit_.value.exit_code, lines[-1] if lines else ''
+
+
+def test_exit_statuses_by_kind_of_failure():
+  import flax_dtensor as fdt
+
+  assert _status_of(_command.BadInputError('bad --mesh.')) == (
+    2,
+    'error: bad --mesh.',
+  )
+  code, line = _status_of(fdt.ExportError('The export is damaged.'))
+  assert (code, line) == (2, 'error: The export is damaged.')
+  code, line = _status_of(RuntimeError('an internal invariant broke'))
+  assert code == 3
+  assert line.startswith('error: unexpected failure: an internal invariant ')
+  assert 'please report it with the output of the same command run with ' in (
+    line
+  )
+  assert '`flax-dtensor --version`' in line
+  assert 'RuntimeError' not in line  # The class is in --debug's traceback.
+  assert _status_of(KeyboardInterrupt())[0] == 130
+
+
+def test_exit_statuses_of_every_command(demo_export, tmp_path):
+  """0 ok, 1 findings or differences, 2 bad input: each command, for real."""
+  _, out, _, proc = demo_export
+  assert proc.returncode == 0  # export: ok.
+  assert run_cli('inspect', out).returncode == 0
+  assert run_cli('plan', DEMO_TARGET, '--summary').returncode == 0
+  assert run_cli('plan', DEMO_TARGET, '--check').returncode == 1  # Findings.
+  for args in (
+    ['demo', '--mesh', 'data=-1'],
+    ['demo', '--out', THIS_FILE / 'sub'],  # Under a file.
+    ['plan', DEMO_TARGET, '--mesh', 'data=-1'],
+    ['export', DEMO_TARGET, '--checkpoint', tmp_path, '--out', tmp_path],
+    ['inspect', tmp_path],
+    ['nope'],
+  ):
+    assert run_cli(*args).returncode == 2, args

@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +121,61 @@ def test_training_bar_says_compiling_until_the_first_step_ends():
   assert first == 'compiling…'
   assert run._status(2.3456, 0, 0.0) == 'loss 2.346  measuring speed…'
   assert run._status(2.0, 5, 12345.6) == 'loss 2.000  12,346 tokens/s'
+
+
+def test_piped_progress_is_a_line_every_few_seconds():
+  import io
+
+  import rich.console
+
+  from flax_dtensor.demo import run
+
+  def progress(show):
+    buffer = io.StringIO()
+    console = rich.console.Console(file=buffer, width=80)  # Not a terminal.
+    clock = iter([0.0, 1.0, 4.0, 9.0, 12.0, 13.0, 25.0, 26.0]).__next__
+    with run._Progress(console, 7, show=show, every=10.0, clock=clock) as bar:
+      for step in range(7):
+        bar.update(step, 6.0 - step / 2, 1000.0 * step)
+    return buffer.getvalue().splitlines()
+
+  # After the first step, when 10 s have passed since the last line, and
+  # after the last step.
+  assert progress(show=True) == [
+    'train step 1/7  loss 6.000  compiled  1 s',
+    'train step 4/7  loss 4.500  3,000 tokens/s  12 s',
+    'train step 6/7  loss 3.500  5,000 tokens/s  25 s',
+    'train step 7/7  loss 3.000  6,000 tokens/s  26 s',
+  ]
+  assert progress(show=False) == []  # --quiet
+
+
+def test_summary_at_80_columns_keeps_paths_whole():
+  import io
+
+  import rich.console
+  from output_util import assert_fits
+
+  from flax_dtensor.demo import run
+
+  out = pathlib.Path('/tmp', *['a_rather_long_directory_name'] * 3, 'out')
+  files = {k: str(out / k) for k in ('orbax', 'checkpoint', 'saved_model')}
+  summary = {
+    'files': files,
+    'bytes': {k: 1_234_567 for k in files},
+    'seconds': {'build model + optimizer': 1.5, 'train (incl. compile)': 60.0},
+    'total_seconds': 61.5,
+    'losses': [5.5 - i / 100 for i in range(300)],
+    'loss_min': 2.51,
+    'max_abs_logits_diff': 2.9e-6,
+    'max_abs_logits': 8.3,
+    'held_out_shape': [8, 128],
+    'tf_subprocess': {'jax_imported': False},
+  }
+  buffer = io.StringIO()
+  console = rich.console.Console(file=buffer, width=80)
+  run._print_summary(console, summary, out)
+  text = '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
+  assert_fits(text, 80, [*files.values(), out / 'summary.json'])
+  assert '1.2 MiB' in text and '61.5' in text
+  assert '5.50 5.07 4.65 4.22 3.79 3.36 2.94 2.51' in text  # Eight, spread.

@@ -1,64 +1,65 @@
-"""Every Python block of the docs runs as written, page by page.
+"""Every code block of the docs runs as written, alone, where it is copied.
 
-A page's blocks run in order in one fresh process on 8 virtual CPU devices,
-in an empty directory, as a reader pasting them one after another would run
-them. Where a page's text names something a block takes as given (the
-reader's own model, a trained optimizer), `GIVEN` supplies it before that
-block; the names are the ones the page uses. A block that sets its own
-devices (`jax.config.update('jax_num_cpu_devices', ...)`) stands alone: it
-runs in a fresh process of its own, with no devices from the environment,
-as on a reader's laptop, followed by its check in `ALONE_CHECKS`. YAML
-blocks are parsed as rules. The README's blocks are run by readme_test.py,
-the notebooks by the docs build.
+Each Python block runs in a fresh process, in an empty directory, without
+the test suite's ``XLA_FLAGS``: on one CPU device unless the block sets its
+own (see `script_util`). A block whose first line is ``# Continues: NAME``
+runs after exactly the blocks it names; a block that another continues runs
+first in that one's process, so every block runs at least once. Where a
+block's result can be checked, `CHECKS` runs after it in the same process.
+YAML blocks are parsed as rules. The README's blocks are run by
+readme_test.py, the notebooks by the docs build.
 """
 
-import pathlib
-import re
+from __future__ import annotations
 
+import pathlib
+
+import multiprocess_util
 import pytest
 import script_util
 
 import flax_dtensor as fdt
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / 'docs'
-BLOCK = re.compile(r'^```(python|yaml)\n(.*?)^```', re.S | re.M)
-# A block that sets its own device count runs alone.
-ALONE = re.compile(r"^jax\.config\.update\('jax_num_cpu_devices'", re.M)
+PAGES = sorted(DOCS.glob('*.md'))
+BLOCKS = [b for page in PAGES for b in script_util.code_blocks(page)]
+CHAINS = script_util.chains(BLOCKS)
 
-_DEMO = """
-import jax, optax
-from flax import nnx
-import flax_dtensor as fdt
-from flax_dtensor.demo.model import make_model
-from flax_dtensor.demo.train import default_rules
-rules = default_rules()
-"""
-
-# {(page, block index): code run before that block}
-GIVEN = {
-  ('export_guide.md', 0): _DEMO,
-  ('export_guide.md', 1): (
-    'with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):\n'
-    '  optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)\n'
-    '  abstract_optimizer = nnx.eval_shape(\n'
-    '      lambda: nnx.Optimizer(make_model(), optax.adamw(1e-3),\n'
-    '                            wrt=nnx.Param))\n'
+# {block name: code run right after that block, checking what it did}.
+CHECKS = {
+  'concepts.md:embed-mlp': (
+    "assert layer.kernel[...].sharding.spec == jax.P('data', 'model')\n"
   ),
-}
-
-# {(page, n): code run after the n-th block of the page that stands alone,
-# checking what it did}
-ALONE_CHECKS = {
-  ('export_guide.md', 0): (
+  'concepts.md:fallback-rules': (
+    'import flax_dtensor as fdt\n'
+    "assert fdt.LogicalRules(rules).candidates('embed') == ('fsdp', 'data')\n"
+  ),
+  'export_guide.md:single-host': (
+    'import numpy as np\n'
+    'r = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))\n'
+    'for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):\n'
+    '  np.testing.assert_array_equal(np.asarray(r[path][...]),\n'
+    '                                np.asarray(v[...]))\n'
+    '  assert r[path][...].sharding.spec == v[...].sharding.spec, path\n'
+    'served = tf.saved_model.load("saved_model").signatures\n'
+    "assert list(served) == ['serving_default'], served\n"
+  ),
+  'export_guide.md:optimizer-state': (
+    "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
+    "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"
+  ),
+  'export_guide.md:multi-host': (
+    'print("PROCESS", jax.process_index(), jax.device_count())\n'
+  ),
+  'export_guide.md:way-back': (
     'import numpy as np\n'
     'want = np.asarray(layer.kernel[...]) * 2\n'
     'np.testing.assert_array_equal(np.asarray(back.kernel[...]), want)\n'
     'np.testing.assert_array_equal(\n'
     '    np.asarray(back.bias[...]), np.asarray(layer.bias[...]))\n'
     "assert back.kernel[...].sharding.spec == jax.P('model', 'data')\n"
-    'print("CHECKED")\n'
   ),
-  ('export_guide.md', 1): (
+  'export_guide.md:single-mesh': (
     'import numpy as np\n'
     'e = np.asarray(embed.embedding[...])\n'
     'k = np.asarray(head.kernel[...])\n'
@@ -73,9 +74,8 @@ ALONE_CHECKS = {
     'table = reader.get_tensor(\n'
     "    'state/embed/embedding/.ATTRIBUTES/VARIABLE_VALUE')\n"
     'np.testing.assert_array_equal(table, e)\n'
-    'print("CHECKED")\n'
   ),
-  ('export_guide.md', 2): (
+  'export_guide.md:saved-model-processes': (
     'import numpy as np\n'
     "loaded = tf.saved_model.load('saved_model')\n"
     'x = np.ones((3, 16), np.float32)\n'
@@ -83,32 +83,29 @@ ALONE_CHECKS = {
     'got = list(out.values())[0].numpy()\n'
     'want = np.asarray(model(jax.numpy.asarray(x)))\n'
     'np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)\n'
-    'print("CHECKED")\n'
   ),
-}
-
-# {page: code run after its blocks, checking what they did}
-CHECKS = {
-  'concepts.md': (
-    "assert layer.kernel[...].sharding.spec == jax.P('data', 'model')\n"
-    "assert fdt.LogicalRules(rules).candidates('embed') == ('fsdp', 'data')\n"
-    'print("CHECKED")\n'
-  ),
-  'export_guide.md': (
+  'path_rules.md:unannotated-model': (
     'import numpy as np\n'
-    'for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):\n'
-    '  r = nnx.to_flat_state(nnx.state(restored, nnx.Param))\n'
-    '  got = dict(r)[path]\n'
-    '  np.testing.assert_array_equal(np.asarray(got[...]),\n'
-    '                                np.asarray(v[...]))\n'
-    '  assert got[...].sharding.spec == v[...].sharding.spec, path\n'
-    "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
-    "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"
-    'print("CHECKED")\n'
+    "assert model.layers[0].up.kernel[...].sharding.spec == jax.P('data', "
+    "'model')\n"
+    "assert eager.layers[1].down.kernel[...].sharding.spec == jax.P('model', "
+    "'data')\n"
+    'for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(eager)):\n'
+    '  assert np.array_equal(np.asarray(a), np.asarray(b))\n'
   ),
-  'getting_started.md': (
+  'path_rules.md:shard-tree': (
+    "assert placed['embed']['embedding'].sharding.spec == jax.P('model', "
+    "'data')\n"
+    "assert not any(placed['layers'][0]['up']['bias'].sharding.spec)\n"
+  ),
+  'getting_started.md:shard-your-own-model': (
+    "assert model.up.kernel[...].sharding.spec == jax.P(None, 'model')\n"
+  ),
+  'getting_started.md:export': (
     'import numpy as np\n'
     "reader = tf.train.load_checkpoint('ckpt')\n"
+    'assert reader.get_variable_to_shape_map()[fdt_dt.checkpoint_key(\n'
+    "    'up/kernel')] == [512, 2048]\n"
     'loaded = tf.saved_model.load("sm")\n'
     'x = np.ones((2, 512), np.float32)\n'
     'with jax.set_mesh(mesh):\n'
@@ -116,111 +113,118 @@ CHECKS = {
     'got = list(loaded.signatures.values())[0](tf.constant(x))\n'
     'got = np.asarray(list(got.values())[0])\n'
     'np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)\n'
-    "assert model.up.kernel[...].sharding.spec == jax.P(None, 'model')\n"
-    'print("CHECKED")\n'
   ),
-  'golden_layouts.md': (
+  'golden_layouts.md:golden-in-python': (
     "assert changes.moved == ('embed/embedding', 'head/kernel'), changes\n"
     'assert changes.added == changes.removed == ()\n'
+  ),
+  'golden_layouts.md:golden-test': (
+    # The golden file the test compares with, as the CLI writes it.
+    'mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))\n'
+    'pathlib.Path("layout.json").write_text(fdt.plan(\n'
+    '    make_model, mesh=mesh, rules=default_rules()).to_json())\n'
     'test_layout_is_golden()\n'
-    'print("CHECKED")\n'
   ),
-  'path_rules.md': (
-    "assert model.layers[0].up.kernel[...].sharding.spec == jax.P('data', "
-    "'model')\n"
-    "assert eager.layers[1].down.kernel[...].sharding.spec == jax.P('model', "
-    "'data')\n"
-    'for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(eager)):\n'
-    '  assert np.array_equal(np.asarray(a), np.asarray(b))\n'
-    "assert placed['embed']['embedding'].sharding.spec == jax.P('model', "
-    "'data')\n"
-    "assert not any(placed['layers'][0]['up']['bias'].sharding.spec)\n"
-    'print("CHECKED")\n'
-  ),
-  'linting.md': (
+  'linting.md:check': (
     "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
     'assert "Did you mean \'model\'?" in str(report)\n'
-    'print("CHECKED")\n'
   ),
-  'memory.md': (
-    'assert report.estimated_arguments == report.xla["arguments"], report\n'
+  'memory.md:plan-with-optimizer': (
     'by = plan.bytes_per_device_by_category()\n'
     "assert by['optimizer'] >= 2 * by['params'] > 0, by\n"
-    'print("CHECKED")\n'
   ),
-  'cli.md': (
+  'memory.md:compiled-step': (
+    'assert report.estimated_arguments == report.xla["arguments"], report\n'
+  ),
+  'cli.md:orbax-checkpoint': (
     'import json\n'
     "meta = json.load(open('state/_CHECKPOINT_METADATA'))\n"
     "assert 'init_timestamp_nsecs' in meta, meta\n"
-    'print("CHECKED")\n'
   ),
 }
 
-
-def _blocks(page: str) -> list[tuple[str, str]]:
-  return BLOCK.findall((DOCS / page).read_text())
+DONE = 'BLOCK DONE'
 
 
-def _python(page: str, *, alone: bool) -> list[str]:
-  """The page's Python blocks that stand alone, or those that do not."""
-  return [
-    code
-    for kind, code in _blocks(page)
-    if kind == 'python' and bool(ALONE.search(code)) == alone
-  ]
-
-
-PAGES = sorted(
-  p.name for p in DOCS.glob('*.md') if _python(p.name, alone=False)
-)
-STANDALONE = [
-  (p.name, n)
-  for p in sorted(DOCS.glob('*.md'))
-  for n in range(len(_python(p.name, alone=True)))
-]
-
-
-def test_the_pages_with_code_are_found():
-  assert {
-    'concepts.md',
-    'export_guide.md',
-    'getting_started.md',
-    'cli.md',
-  } <= set(PAGES)
-  assert set(CHECKS) == set(PAGES), 'every page with code checks its result'
-  assert set(ALONE_CHECKS) == set(STANDALONE), 'every block alone checks too'
-
-
-@pytest.mark.parametrize('page', PAGES)
-def test_page_runs_as_written(tmp_path, page):
+def _script(chain: list[script_util.Block]) -> str:
   parts = []
-  python = _python(page, alone=False)
-  for i, code in enumerate(python):
-    parts.append(GIVEN.get((page, i), ''))
-    parts.append(code)
-  parts.append(CHECKS[page])
-  script = tmp_path / 'page.py'
-  script.write_text('\n'.join(parts))
-  run = script_util.run_script(script, tmp_path, timeout=600)
-  assert run.returncode == 0, f'{page}:\n{run.stderr[-4000:]}'
-  assert run.stdout.rstrip().endswith('CHECKED')
+  for block in chain:
+    parts += [block.code, CHECKS.get(block.name, '')]
+  return '\n'.join([*parts, f'print({DONE!r})\n'])
 
 
-@pytest.mark.parametrize('page, n', STANDALONE)
-def test_block_runs_alone(tmp_path, page, n):
-  code = _python(page, alone=True)[n]
-  script = tmp_path / 'block.py'
-  script.write_text(code + '\n' + ALONE_CHECKS[page, n])
-  run = script_util.run_script(
-    script, tmp_path, timeout=600, devices_from_env=False
+def _run(chain: list[script_util.Block], tmp: pathlib.Path):
+  """Runs a chain in a fresh directory: (exit status, stdout, stderr)."""
+  script = tmp / 'block.py'
+  code = _script(chain)
+  processes = chain[-1].processes
+  if processes == 1:
+    script.write_text(code)
+    run = script_util.run_script(script, tmp, timeout=600)
+    return run.returncode, run.stdout, run.stderr
+  # A block of a multi-process job: each process gets the environment of a
+  # local job (DTENSOR_*, free ports), the coordinator's address too.
+  script.write_text(
+    'import os\n'
+    + code.replace("'127.0.0.1:9000'", "os.environ['FDT_MP_COORDINATOR']")
   )
-  assert run.returncode == 0, f'{page} block {n}:\n{run.stderr[-4000:]}'
-  assert run.stdout.rstrip().endswith('CHECKED')
+  try:
+    outputs = multiprocess_util.run_workers(script, processes, timeout=600)
+  except multiprocess_util.WorkerError as e:
+    return 1, '', str(e)
+  return 0, '\n'.join(outputs), ''
 
 
-@pytest.mark.parametrize('page', sorted(p.name for p in DOCS.glob('*.md')))
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+  """Every chain's (exit status, stdout, stderr), two at a time."""
+  dirs = [tmp_path_factory.mktemp('block') for _ in CHAINS]
+  outcomes = script_util.run_all(
+    [
+      (lambda chain=chain, tmp=tmp: _run(chain, tmp))
+      for chain, tmp in zip(CHAINS, dirs, strict=True)
+    ]
+  )
+  return {
+    chain[-1].name: outcome
+    for chain, outcome in zip(CHAINS, outcomes, strict=True)
+  }
+
+
+@pytest.mark.parametrize(
+  'chain', CHAINS, ids=[' <- '.join(b.name for b in c[::-1]) for c in CHAINS]
+)
+def test_block_runs_alone(results, chain):
+  code, stdout, stderr = results[chain[-1].name]
+  assert code == 0, f'{chain[-1].name}:\n{stderr[-4000:]}'
+  assert stdout.rstrip().endswith(DONE), stdout[-2000:]
+
+
+def test_multi_host_block_runs_in_two_processes(results):
+  _, stdout, _ = results['export_guide.md:multi-host']
+  assert 'PROCESS 0 8' in stdout and 'PROCESS 1 8' in stdout, stdout
+
+
+def test_the_markers_hold():
+  """Labels are unique per page, every check names a block, and every
+  Python block runs in some chain."""
+  names = [b.name for b in BLOCKS if b.label]
+  assert len(names) == len(set(names)), names
+  python = {b.name for b in BLOCKS if b.language == 'python'}
+  assert set(CHECKS) <= python, set(CHECKS) - python
+  assert {b.name for chain in CHAINS for b in chain} == python
+  for block in BLOCKS:
+    for name in block.continues:
+      assert f'{block.page}:{name}' in names, (block.name, name)
+  # The pages this test was written for are all found.
+  assert {'concepts.md', 'export_guide.md', 'getting_started.md'} <= {
+    b.page for b in BLOCKS if b.language == 'python'
+  }
+
+
+@pytest.mark.parametrize('page', [p.name for p in PAGES])
 def test_yaml_rules_blocks_parse(page):
-  for kind, code in _blocks(page):
-    if kind == 'yaml' and 'logical_axis_rules' in code:
-      rules = fdt.LogicalRules.from_yaml_text(code)
-      assert len(rules) + len(rules.path_rules) == code.count('\n  - ')
+  for block in script_util.code_blocks(DOCS / page):
+    if block.language == 'yaml' and 'logical_axis_rules' in block.code:
+      rules = fdt.LogicalRules.from_yaml_text(block.code)
+      assert len(rules) + len(rules.path_rules) == block.code.count('\n  - ')

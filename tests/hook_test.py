@@ -39,9 +39,90 @@ def _mesh(types=(AxisType.Auto, AxisType.Auto), names=('data', 'model')):
 
 
 def test_routing_is_checked_at_import():
-  # `import flax_dtensor` ran the check; running it again proves the route.
+  # `fdt.LogicalRules` above installed the hook and ran the check; running
+  # it again proves the route.
   _hook.check_routing()
   assert getattr(core_spmd.shard_value, '__flax_dtensor_hook__', False)
+
+
+# The guarantee, in fresh processes: `import flax_dtensor` imports neither JAX
+# nor Flax; the first public name used installs the hook, before any rules
+# object of flax_dtensor exists. Rules under which Flax's own dict semantics
+# (the last rule for a name wins) and ours (the first that fits) differ, so
+# that a model built without the hook lands elsewhere.
+_GUARANTEE_PRELUDE = """
+import os, pickle, sys
+import jax
+jax.config.update('jax_num_cpu_devices', 8)
+from flax import nnx
+from flax.core import spmd
+
+def hooked():
+  return getattr(spmd.shard_value, '__flax_dtensor_hook__', False)
+
+def build():
+  init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+  return nnx.Linear(8, 16, kernel_init=init, use_bias=False, rngs=nnx.Rngs(0))
+
+RULES = [('embed', 'model'), ('embed', 'data'), ('mlp', None)]
+"""
+
+_FIRST_USE = (
+  _GUARANTEE_PRELUDE
+  + """
+assert not hooked()
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+  flax_spec = build().kernel[...].sharding.spec  # Flax's semantics: a dict.
+import flax_dtensor as fdt
+assert not hooked()
+with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):  # The first use.
+  assert hooked()
+  ours = build().kernel[...].sharding.spec
+print(flax_spec, ours)
+print(pickle.dumps(fdt.LogicalRules(RULES)).hex())
+"""
+)
+
+_UNPICKLE = (
+  _GUARANTEE_PRELUDE
+  + """
+assert not hooked()
+rules = pickle.loads(bytes.fromhex(sys.argv[1]))
+assert hooked()
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # Flax's context.
+  print(build().kernel[...].sharding.spec)
+"""
+)
+
+
+def _python(code, *args):
+  proc = subprocess.run(
+    [sys.executable, '-c', code, *args],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout.splitlines()
+
+
+def test_import_is_lazy_and_the_first_use_installs_the_hook():
+  code = (
+    'import sys\n'
+    "sys.modules['jax'] = sys.modules['flax'] = None  # Imports would fail.\n"
+    'import flax_dtensor\n'
+    "assert flax_dtensor.__version__ and 'LogicalRules' in dir(flax_dtensor)\n"
+    "print('lazy')\n"
+  )
+  assert _python(code) == ['lazy']
+  specs, pickled = _python(_FIRST_USE)
+  assert specs == "P('data', None) P('model', None)"
+  # Unpickled rules install the hook too: in a process that never named
+  # flax_dtensor, Flax's own context then applies flax_dtensor's semantics.
+  assert _python(_UNPICKLE, pickled) == ["P('model', None)"]
 
 
 def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):

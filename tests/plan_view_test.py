@@ -219,7 +219,7 @@ def test_show_draws_a_grid_and_lists_every_block(demo_plan):
   assert re.search(r'64:128\s+│\s+4\s+│\s+5\s+│\s+6\s+│\s+7\s+│', text)
   assert '[64:128, 3:4, :] -> 7' in text
   scale = demo_plan.show('final_norm/scale').render(80)
-  assert '1 blocks of 8 mesh positions' in scale
+  assert '1 block of 8 mesh positions' in scale
   assert '[:] -> 0,1,2,3,4,5,6,7' in scale
   assert demo_plan.show('head/kernel')._repr_html_().startswith('<pre>')
 

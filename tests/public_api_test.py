@@ -100,9 +100,15 @@ def _run(code, **env):
 
 
 def test_import_pulls_in_only_what_the_core_needs():
-  """No TensorFlow, no command-line libraries, no JAX backend at import."""
+  """No TensorFlow, no command-line libraries, no JAX backend at import.
+
+  `import flax_dtensor` imports nothing at all (a lazy namespace); the
+  first public name imports JAX and Flax, never TensorFlow.
+  """
   code = (
     'import sys, flax_dtensor, flax_dtensor.dtensor\n'
+    "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n"
+    'flax_dtensor.LogicalRules, flax_dtensor.dtensor.save_checkpoint\n'
     "banned = ('tensorflow', 'typer', 'orbax', 'matplotlib', 'keras')\n"
     "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned)\n"
     'assert not bad, bad\n'
@@ -118,10 +124,12 @@ def test_import_pulls_in_only_what_the_core_needs():
   assert proc.stdout.strip() == 'ok'
 
 
-def test_the_command_line_imports_no_tensorflow():
+def test_the_command_line_imports_neither_jax_nor_tensorflow():
+  """Each command imports JAX, Flax and TF when it runs, not before."""
   code = (
     'import sys, flax_dtensor.cli._app\n'
-    "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow')\n"
+    "heavy = ('tensorflow', 'jax', 'flax', 'numpy', 'orbax', 'optax')\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
     'assert not bad, bad\n'
     "print('ok')\n"
   )

@@ -378,6 +378,23 @@ def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
   ]
   serving = loaded.signatures['serving_default']
   assert {v.name for v in serving.variables} == {f'{k}:0' for k in names}
+  # The manifest records the signatures as TF reads them (what `inspect`
+  # shows without TensorFlow).
+  from flax_dtensor.dtensor import _manifest
+
+  (name,) = loaded.signatures
+  recorded = _manifest.read(sm).signatures
+  assert list(recorded) == [name]
+
+  def specs(structure):
+    return {
+      k: _manifest.TensorSpec(tuple(v.shape), v.dtype.name)
+      for k, v in structure.items()
+    }
+
+  assert recorded[name].inputs == specs(serving.structured_input_signature[1])
+  assert recorded[name].outputs == specs(serving.structured_outputs)
+  assert recorded[name].inputs['input_0'].shape == (None, 64)
   reader = tf.train.load_checkpoint(os.path.join(sm, 'variables', 'variables'))
   np.testing.assert_array_equal(
     reader.get_tensor(fdt_tf.checkpoint_key('up/kernel')),

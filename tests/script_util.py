@@ -1,38 +1,140 @@
-"""Runs a Python script as a reader would: a fresh process on 8 CPU devices."""
+"""The code blocks of the README and the docs, run as a reader runs them.
 
+A reader copies one block into a fresh file and runs it on a laptop: one
+CPU device, none of our environment variables. So each block runs in a
+fresh process without ``XLA_FLAGS``: a block that needs 8 devices sets them
+itself (``jax.config.update('jax_num_cpu_devices', 8)``, see
+docs/getting_started.md). The markers a page may use:
+
+- ``<!-- block: NAME -->`` on the line before a fence names the block.
+- ``# Continues: NAME[, NAME]`` as a block's first line: it runs after the
+  named blocks of the same page (and theirs), in that order.
+- ``# Run in each of the N processes ...`` as a block's first line: it runs
+  in N processes at once, each with the ``DTENSOR_*`` environment of a
+  multi-process job (docs/export_guide.md, multi host).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Callable, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_FENCE = re.compile(
+  r'^(?P<indent>[ ]*)```(?P<language>[\w-]*)[^\n]*\n(?P<code>.*?)^(?P=indent)```',
+  re.S | re.M,
+)
+_LABEL = re.compile(r'<!-- block: ([\w-]+) -->\s*$')
+_CONTINUES = re.compile(r'# Continues: ([\w-]+(?:, [\w-]+)*)$')
+_PROCESSES = re.compile(r'# Run in each of the (\d+) processes')
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One fenced code block of a page."""
+
+  page: str
+  line: int  # Of the opening fence, 1-based.
+  language: str
+  code: str
+  label: str | None
+  continues: tuple[str, ...]
+  processes: int
+
+  @property
+  def name(self) -> str:
+    return f'{self.page}:{self.label or self.line}'
+
+
+def code_blocks(path: pathlib.Path) -> list[Block]:
+  """Every fenced block of the Markdown file at `path`, in page order."""
+  text = path.read_text()
+  blocks = []
+  for m in _FENCE.finditer(text):
+    before = text[: m.start()].rstrip('\n').rsplit('\n', 1)[-1]
+    label = _LABEL.search(before)
+    code = textwrap.dedent(m['code'])
+    first = code.split('\n', 1)[0]
+    continues = _CONTINUES.match(first)
+    processes = _PROCESSES.match(first)
+    blocks.append(
+      Block(
+        page=path.name,
+        line=text.count('\n', 0, m.start()) + 1,
+        language=m['language'],
+        code=code,
+        label=label[1] if label else None,
+        continues=tuple(continues[1].split(', ')) if continues else (),
+        processes=int(processes[1]) if processes else 1,
+      )
+    )
+  return blocks
+
+
+def chains(blocks: Sequence[Block]) -> list[list[Block]]:
+  """The Python blocks as scripts: each with the blocks it continues first.
+
+  A block that another continues runs at the start of that one's script,
+  in a fresh process: as it would run alone.
+  """
+  python = [b for b in blocks if b.language == 'python']
+  by_label = {b.label: b for b in python if b.label}
+  continued = {name for b in python for name in b.continues}
+
+  def chain(block: Block) -> list[Block]:
+    out: list[Block] = []
+    for name in block.continues:
+      assert name in by_label, f'{block.name} continues unknown {name!r}'
+      out += [b for b in chain(by_label[name]) if b not in out]
+    return [*out, block]
+
+  return [chain(b) for b in python if b.label not in continued]
+
+
+def reader_env(**extra: str) -> dict[str, str]:
+  """A reader's environment: none of the test suite's device settings."""
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ('XLA_FLAGS', 'JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL')
+    and not k.startswith(('DTENSOR_', 'FDT_MP_'))
+  }
+  env['PYTHONPATH'] = os.pathsep.join(
+    [str(ROOT)] + [p for p in [os.environ.get('PYTHONPATH')] if p]
+  )
+  return {**env, **extra}
 
 
 def run_script(
   script: pathlib.Path,
   cwd: pathlib.Path,
   timeout: float,
-  *,
-  devices_from_env: bool = True,
+  env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-  """Runs `script` in `cwd` (bounded by `timeout`); returns the result.
-
-  With `devices_from_env=False` the environment gives JAX no virtual
-  devices (XLA_FLAGS unset, as on a reader's laptop): the script sets its
-  own with `jax.config.update('jax_num_cpu_devices', n)`.
-  """
-  env = {
-    **os.environ,
-    'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
-    'JAX_PLATFORMS': 'cpu',
-  }
-  if not devices_from_env:
-    del env['XLA_FLAGS']
+  """Runs `script` in `cwd` as a reader would (bounded by `timeout`)."""
   return subprocess.run(
     [sys.executable, str(script)],
     cwd=cwd,
     capture_output=True,
     text=True,
     timeout=timeout,
-    env=env,
+    env=reader_env() if env is None else env,
     stdin=subprocess.DEVNULL,
     check=False,
   )
+
+
+def run_all(
+  jobs: Sequence[Callable[[], subprocess.CompletedProcess]], workers: int = 2
+) -> list[subprocess.CompletedProcess]:
+  """Runs independent scripts `workers` at a time; results in order."""
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(lambda job: job(), jobs))

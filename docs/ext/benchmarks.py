@@ -187,9 +187,73 @@ def _from_tf_copied(r):
   return e.get('methods', {}).get('ours', {}).get('copied_bytes')
 
 
+def _cli(role, what='seconds'):
+  def value(r):
+    return _median(_find(r, 'cli', role), role, what)
+
+  return value
+
+
+def _cli_heavy(r):
+  method = _find(r, 'cli', 'help').get('methods', {}).get('help', {})
+  heavy = method.get('heavy_imports')
+  return None if heavy is None else len(heavy)
+
+
 # One row per target: (what, its value from a report, its format, the
 # target as text, whether a value meets it; None for context rows).
 TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
+  (
+    '`flax-dtensor --help`, a fresh process: time to answer',
+    _cli('help'),
+    ' ms',
+    '< 300 ms',
+    lambda v: v < 0.3,
+  ),
+  (
+    '`flax-dtensor --version`',
+    _cli('version'),
+    ' ms',
+    '< 300 ms',
+    lambda v: v < 0.3,
+  ),
+  (
+    '`flax-dtensor plan --help`',
+    _cli('plan_help'),
+    ' ms',
+    '< 300 ms',
+    lambda v: v < 0.3,
+  ),
+  (
+    "`flax-dtensor inspect` of the demo's export (checkpoint and SavedModel)",
+    _cli('inspect'),
+    ' ms',
+    '< 1 s',
+    lambda v: v < 1.0,
+  ),
+  (
+    '`--help`: of JAX, Flax, TensorFlow, NumPy, optax, Orbax, how many it '
+    'imports (`python -X importtime`)',
+    _cli_heavy,
+    '',
+    '0',
+    lambda v: v == 0,
+  ),
+  (
+    'a process that only imports JAX and Flax (what `--help` cost when the '
+    'package imported them)',
+    _cli('peer'),
+    ' ms',
+    '(the peer)',
+    None,
+  ),
+  (
+    'the bare interpreter, `python -c pass`',
+    _cli('floor'),
+    ' ms',
+    '(the floor)',
+    None,
+  ),
   (
     '`fdt.init`, 201M-param MLP stack: time ÷ unsharded creation',
     _init_time,
@@ -432,6 +496,8 @@ def _value(fn, report, fmt):
     return None, '—'
   if fmt == '':
     return v, f'{v:,}'
+  if fmt == ' ms':
+    return v, f'{v * 1000:,.0f} ms'
   return v, (f'{v:.2f}{fmt}' if fmt != ' s' else f'{v:.1f} s')
 
 
@@ -473,8 +539,22 @@ def _machine(report: dict[str, Any]) -> list[str]:
     f'memory, {m["devices"]}, Python {m["python"]}; {versions}. Each '
     f'number is the median of {report["repeat"]} fresh processes (5 for '
     'checkpoints) unless the table says otherwise; min and max are in the '
-    'JSON.',
+    'JSON.' + ''.join(_later_groups(report)),
     '',
+  ]
+
+
+def _later_groups(report: dict[str, Any]) -> list[str]:
+  """A sentence per group measured in a later run (``--only``)."""
+  later: dict[str, dict[str, Any]] = {}
+  for e in report['results']:
+    measured = e.get('measured')
+    if measured and measured['date'] != report['date']:
+      later.setdefault(e['group'], measured)
+  return [
+    f' The ``{group}`` group was measured {m["date"][:10]} with '
+    f'``{m["command"]}``, the median of {m["repeat"]} fresh processes.'
+    for group, m in sorted(later.items())
   ]
 
 

@@ -1,13 +1,95 @@
-"""The ``flax-dtensor`` application: its commands, and `main`."""
+"""The ``flax-dtensor`` application: its commands, ``--version``, and `main`.
+
+Importing it imports typer and the commands' modules only: JAX, Flax and
+TensorFlow are imported by a command when it runs. The help is click's
+plain text (no boxes, no padding), so it reads the same piped or in the
+docs, and costs no rich import.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import sys
 from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from flax_dtensor.cli import _command, demo, export, inspect, plan
+
+# What `--version` names, for bug reports: installed versions, read from
+# the packages' metadata (nothing is imported).
+_VERSIONS = (
+  'jax',
+  'jaxlib',
+  'flax',
+  'tensorflow-cpu',
+  'tensorflow',
+  'orbax-checkpoint',
+)
+
+
+def _versions() -> str:
+  """'flax-dtensor 0.1.0', then Python's and each library's, one a line."""
+  import flax_dtensor  # pylint: disable=g-import-not-at-top
+
+  lines = [
+    f'flax-dtensor {flax_dtensor.__version__}',
+    f'Python {platform.python_version()}',
+  ]
+  for name in _VERSIONS:
+    try:
+      lines.append(f'{name} {importlib.metadata.version(name)}')
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return '\n'.join(lines)
+
+
+def _print_version(value: bool) -> None:
+  if value:
+    print(_versions())
+    raise typer.Exit(_command.EXIT_OK)
+
+
+class _Command(typer.core.TyperCommand):
+  """A command whose help names its arguments as plain metavars.
+
+  Typer writes a required argument as ``{TARGET}`` in the usage line and
+  as ``TARGET <str>`` in the help; this writes ``TARGET`` (``[TARGET]``
+  when optional), as click and man pages do.
+  """
+
+  def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    pieces = [self.options_metavar] if self.options_metavar else []
+    for param in self.get_params(ctx):
+      if param.param_type_name == 'argument':
+        name = _argument_name(param)
+        pieces.append(name if param.required else f'[{name}]')
+      else:
+        pieces.extend(param.get_usage_pieces(ctx))
+    return pieces
+
+  def format_options(self, ctx: Any, formatter: Any) -> None:
+    args, opts = [], []
+    for param in self.get_params(ctx):
+      record = param.get_help_record(ctx)
+      if record is None:
+        continue
+      if param.param_type_name == 'argument':
+        args.append((_argument_name(param), record[1]))
+      else:
+        opts.append(record)
+    for title, records in (('Arguments', args), ('Options', opts)):
+      if records:
+        with formatter.section(title):
+          formatter.write_dl(records)
+
+
+def _argument_name(param: Any) -> str:
+  return param.metavar or param.name.upper()
+
 
 app = typer.Typer(
   name='flax-dtensor',
@@ -17,12 +99,28 @@ app = typer.Typer(
   ),
   add_completion=False,
   pretty_exceptions_enable=False,
+  rich_markup_mode=None,
   context_settings={'help_option_names': ['-h', '--help']},
 )
-app.command()(demo.demo)
-app.command()(plan.plan)
-app.command()(export.export)
-app.command()(inspect.inspect)
+
+
+@app.callback()
+def _options(
+  version: Annotated[
+    bool,
+    typer.Option(
+      '--version',
+      help='Print the versions of flax-dtensor and its libraries, and exit.',
+      callback=_print_version,
+      is_eager=True,
+    ),
+  ] = False,
+) -> None:
+  del version
+
+
+for _function in (demo.demo, plan.plan, export.export, inspect.inspect):
+  app.command(cls=_Command)(_function)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,15 +1,19 @@
 """What every command shares: its console, its errors, its exit statuses.
 
-`handle_errors` wraps a command's body: bad input (our own errors and
-`BadInputError`) ends with exit status 2 and one ``error:`` line, anything
-else with status 1; other libraries' output on stderr goes to a log
-(`own_messages_only`) unless ``--debug`` is given.
+`handle_errors` wraps a command's body and maps what ends it to the exit
+statuses of docs/cli.md: 0 ok, 1 findings or differences (`EXIT_FINDINGS`,
+like ``diff``), 2 bad input (our own errors and `BadInputError`: one
+``error:`` line), 3 an unexpected failure (a bug: where to report it).
+Other libraries' output on stderr goes to a log (`_own_messages_only`)
+unless ``--debug`` is given. Nothing here imports JAX, and rich only when a
+console is asked for, so that ``--help`` answers at once.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import os
 import pathlib
 import shutil
@@ -17,30 +21,70 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TextIO
 
-import rich.console
 import typer
 
+if TYPE_CHECKING:
+  import rich.console
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
-EXIT_FAILURE = 1
+EXIT_FAILURE = 3
 DEBUG_HELP = 'Show the traceback of an error.'
+REPORT_MSG = (
+  'This is a bug in flax-dtensor or a library it uses: please report it '
+  'with the output of the same command run with --debug, and of '
+  '`flax-dtensor --version`.'
+)
 
 
 class BadInputError(Exception):
   """Bad command-line input: exit status 2 and a one-line message."""
 
 
+class _TrimmedLines(io.TextIOBase):
+  """Writes to `target` without the spaces rich pads lines with."""
+
+  def __init__(self, target: TextIO):
+    self._target = target
+    self._pending = ''
+
+  def write(self, text: str) -> int:
+    lines = (self._pending + text).split('\n')
+    self._pending = lines.pop()
+    if lines:
+      self._target.write(''.join(line.rstrip() + '\n' for line in lines))
+    return len(text)
+
+  def flush(self) -> None:
+    if self._pending:  # A line still being written: as it is, so far.
+      self._target.write(self._pending)
+      self._pending = ''
+    self._target.flush()
+
+  def isatty(self) -> bool:
+    return False
+
+
 def console(*, stderr: bool = False) -> rich.console.Console:
+  """A console on stdout (or our stderr stream).
+
+  On a terminal it is rich's own. Piped or captured, it is COLUMNS wide if
+  set, else 80 (never a guess), and its lines carry no trailing spaces.
+  """
+  import rich.console  # pylint: disable=g-import-not-at-top
+
   from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
 
   file = _output.stream() if stderr else sys.stdout
-  console = rich.console.Console(file=file)
-  if not console.is_terminal:
-    # Piped or captured: COLUMNS if set, else 80 (never a guess).
-    console = rich.console.Console(
-      file=file, width=shutil.get_terminal_size((80, 24)).columns
+  out = rich.console.Console(file=file)
+  if not out.is_terminal:
+    out = rich.console.Console(
+      file=_TrimmedLines(file), width=shutil.get_terminal_size((80, 24)).columns
     )
-  return console
+  return out
 
 
 def one_line(text: str) -> str:
@@ -91,11 +135,32 @@ def _own_messages_only(debug: bool) -> Iterator[str | None]:
       own.close()
 
 
+def _message(e: BaseException) -> tuple[str, int]:
+  """The ``error:`` line's text and the exit status for `e`."""
+  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+
+  if isinstance(e, BadInputError):
+    return str(e), EXIT_BAD_INPUT
+  if isinstance(e, _errors.UnknownLogicalAxisError):
+    # The command line's fix, not the Python one.
+    rules = ', '.join(f'[{n!r}, null]' for n in e.names)
+    return (
+      f'{e.problem} Add a rule for each to the rules file (--rules), e.g. '
+      f'{rules} to replicate, or a mesh axis to shard over.',
+      EXIT_BAD_INPUT,
+    )
+  if isinstance(e, _errors.FlaxDTensorError):
+    return str(e), EXIT_BAD_INPUT
+  text = str(e).strip() or 'no message'
+  return f'unexpected failure: {text}', EXIT_FAILURE
+
+
 @contextlib.contextmanager
 def handle_errors(debug: bool) -> Iterator[None]:
   """Turns exceptions into one-line messages and exit statuses.
 
   Also keeps other libraries' output off stderr (see `_own_messages_only`).
+  The class of an exception shows only in the traceback of ``--debug``.
   """
   from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
 
@@ -109,30 +174,12 @@ def handle_errors(debug: bool) -> Iterator[None]:
       print('interrupted', file=_output.stream(), flush=True)
       raise typer.Exit(130) from None
     except Exception as e:  # pylint: disable=broad-except
-      from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
-
-      if isinstance(e, BadInputError):
-        message, status = str(e), EXIT_BAD_INPUT
-      elif isinstance(e, _errors.UnknownLogicalAxisError):
-        # The command line's fix, not the Python one.
-        rules = ', '.join(f'[{n!r}, null]' for n in e.names)
-        message = (
-          f'{type(e).__name__}: {e.problem} Add a rule for each to the rules '
-          f'file (--rules), e.g. {rules} to replicate, or a mesh axis to '
-          'shard over.'
-        )
-        status = EXIT_BAD_INPUT
-      elif isinstance(e, _errors.FlaxDTensorError):
-        message, status = f'{type(e).__name__}: {e}', EXIT_BAD_INPUT
-      else:
-        message = f'{type(e).__name__}: {e}'
-        if not debug:
-          message += ' (rerun with --debug for the traceback'
-          if log is not None:
-            keep_log = True
-            message += f"; other libraries' output is in {log}"
-          message += ')'
-        status = EXIT_FAILURE
+      message, status = _message(e)
+      if status == EXIT_FAILURE:
+        message = f'{message.rstrip(".")}. {REPORT_MSG}'
+        if log is not None:
+          keep_log = True
+          message += f" Other libraries' output is in {log}."
       if debug:
         traceback.print_exc()
       print(f'error: {one_line(message)}', file=_output.stream(), flush=True)
@@ -159,5 +206,7 @@ def disk_usage(path: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in path.rglob('*') if p.is_file())
 
 
-# Parsing
-# ------------------------------------------------------------------------------
+def exit_findings(found: Any) -> None:
+  """Exits with `EXIT_FINDINGS` when `found` (a report or diff) is true."""
+  if found:
+    raise typer.Exit(EXIT_FINDINGS)

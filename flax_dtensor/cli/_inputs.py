@@ -23,8 +23,10 @@ from flax_dtensor.cli._command import BadInputError
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
 DEFAULT_MESH = 'data=2,model=4'
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
-_MESH_ITEM = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=([0-9]+)$')
+_MESH_ITEM = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=(\S*)$')
 MESH_HELP = 'Mesh axes as NAME=SIZE pairs, e.g. data=2,model=4.'
+MESH_METAVAR = 'NAME=SIZE,...'
+RULES_METAVAR = 'RULES.yaml'
 RULES_HELP = (
   "A YAML rules file in MaxText's format (a logical_axis_rules list of "
   '(name, target) pairs), and path_rules for variables without logical '
@@ -58,11 +60,15 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
       raise BadInputError(
         f'Malformed --mesh {text!r}: expected NAME=SIZE, got {item!r}. {fix}'
       )
-    name, size = match.group(1), int(match.group(2))
-    if size < 1:
+    name, size_text = match.groups()
+    try:
+      size = int(size_text)
+    except ValueError:
+      size = None
+    if size is None or size < 1:
       raise BadInputError(
-        f'Malformed --mesh {text!r}: axis {name!r} has size {size}; sizes '
-        f'must be positive. {fix}'
+        f'Malformed --mesh {text!r}: axis {name!r} has size {size_text!r}; '
+        f'sizes must be positive integers. {fix}'
       )
     axes.append((name, size))
   names = [n for n, _ in axes]
@@ -146,6 +152,24 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
   return InputSpec(name, tuple(shape), dtype)
 
 
+def check_out(out: pathlib.Path) -> None:
+  """Checks that `out` is, or can be made, a directory; before any work.
+
+  Raises:
+    BadInputError: If `out`, or the nearest of its parents that exists, is
+      not a directory.
+  """
+  existing = out
+  while not existing.exists() and existing.parent != existing:
+    existing = existing.parent
+  if not existing.is_dir():
+    where = '' if existing == out else f' (its parent {str(existing)!r} is not)'
+    raise BadInputError(
+      f'--out {str(out)!r} is not a directory{where}. Pass a directory, '
+      'existing or to be created.'
+    )
+
+
 def load_rules(path: str | None) -> Any:
   """Reads a rules file (the demo rules when `path` is None).
 
@@ -166,10 +190,8 @@ def load_rules(path: str | None) -> Any:
   try:
     return train.load_rules(path)
   except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
-    raise BadInputError(
-      f'Malformed rules file {path!r}: {e} Fix the file, e.g. '
-      "logical_axis_rules: [['batch', 'data'], ['embed', null]]."
-    ) from e
+    # The message names the file, what is wrong where, and an example.
+    raise BadInputError(f'Malformed rules file: {e}') from e
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -279,13 +301,16 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
   """
   import jax  # pylint: disable=g-import-not-at-top
 
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+
   size = math.prod(s for _, s in axes)
   count = jax.device_count()
   if size != count:
     raise BadInputError(
-      f'--mesh {mesh_text} needs {size} devices but JAX sees {count} '
-      f'({jax.default_backend()}). Pass a mesh of {count} devices, or on CPU '
-      f'run on {size} virtual devices with --cpu-devices {size}.'
+      f'--mesh {mesh_text} needs {_plan_view.count(size, "device")}, but '
+      f'JAX has {count} ({jax.default_backend()}). Pass a mesh of '
+      f'{_plan_view.count(count, "device")}, or on CPU run on {size} '
+      f'virtual devices with --cpu-devices {size}.'
     )
   return jax.make_mesh(
     tuple(s for _, s in axes),
@@ -317,9 +342,12 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
 
   from flax_dtensor import (  # pylint: disable=g-import-not-at-top
     _errors,
+    _hook,
     _init,
     _rules,
   )
+
+  _hook.ensure_installed()  # Before the factory builds anything.
 
   # Built with unmentioned names replicated, so that a name the rules lack
   # is reported by the plan the caller makes next, with the variable's path

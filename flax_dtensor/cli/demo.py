@@ -14,25 +14,44 @@ DEFAULT_OUT = 'flax_dtensor_out'
 
 
 def demo(
-  steps: Annotated[int, typer.Option(min=1, help='Training steps.')] = 300,
+  steps: Annotated[
+    int, typer.Option(min=1, metavar='N', help='Training steps.')
+  ] = 300,
   mesh: Annotated[
-    str, typer.Option(help=_inputs.MESH_HELP)
+    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
   ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[str | None, typer.Option(help=_inputs.RULES_HELP)] = None,
+  rules: Annotated[
+    str | None,
+    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
+  ] = None,
   out: Annotated[
     pathlib.Path,
-    typer.Option(help='Output directory (created; its outputs replaced).'),
+    typer.Option(
+      metavar='DIR', help='Output directory (created; its outputs replaced).'
+    ),
   ] = pathlib.Path(DEFAULT_OUT),
-  seed: Annotated[int, typer.Option(help='Seed of init and data.')] = 0,
+  seed: Annotated[
+    int, typer.Option(metavar='N', help='Seed of init and data.')
+  ] = 0,
   batch_size: Annotated[
-    int, typer.Option(min=1, help='Sequences per step.')
+    int, typer.Option(min=1, metavar='N', help='Sequences per step.')
   ] = 16,
   cpu_devices: Annotated[
     int | None,
     typer.Option(
-      min=1, help=_inputs.CPU_DEVICES_HELP + ' Default: the size of --mesh.'
+      min=1,
+      metavar='N',
+      help=_inputs.CPU_DEVICES_HELP + ' Default: the size of --mesh.',
     ),
   ] = None,
+  quiet: Annotated[
+    bool,
+    typer.Option(
+      '--quiet',
+      '-q',
+      help='No training progress (a line every few seconds when piped).',
+    ),
+  ] = False,
   debug: Annotated[
     bool, typer.Option('--debug', help=_command.DEBUG_HELP)
   ] = False,
@@ -49,10 +68,7 @@ def demo(
     axes = _inputs.parse_mesh(mesh)
     rules_ = _inputs.load_rules(rules)
     _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
-    if out.exists() and not out.is_dir():
-      raise _command.BadInputError(
-        f'--out {str(out)!r} exists and is not a directory. Pass a directory.'
-      )
+    _inputs.check_out(out)
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train  # pylint: disable=g-import-not-at-top
@@ -68,4 +84,5 @@ def demo(
       seed=seed,
       batch_size=batch_size,
       console=_command.console(),
+      progress=not quiet,
     )

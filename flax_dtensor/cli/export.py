@@ -6,7 +6,6 @@ import pathlib
 import time
 from typing import Annotated
 
-import rich.table
 import typer
 
 from flax_dtensor.cli import _command, _inputs
@@ -16,6 +15,7 @@ def export(
   target: Annotated[
     str,
     typer.Argument(
+      metavar='TARGET',
       help='package.module:factory building the model (see `plan`).',
       show_default=False,
     ),
@@ -23,18 +23,22 @@ def export(
   checkpoint: Annotated[
     pathlib.Path,
     typer.Option(
+      metavar='DIR',
       help='Orbax checkpoint of nnx.state(model) to restore.',
       show_default=False,
     ),
   ],
   out: Annotated[
     pathlib.Path,
-    typer.Option(help='Output directory.', show_default=False),
+    typer.Option(metavar='DIR', help='Output directory.', show_default=False),
   ],
   mesh: Annotated[
-    str, typer.Option(help=_inputs.MESH_HELP)
+    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
   ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[str | None, typer.Option(help=_inputs.RULES_HELP)] = None,
+  rules: Annotated[
+    str | None,
+    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
+  ] = None,
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -44,6 +48,7 @@ def export(
   input_shape: Annotated[
     list[str] | None,
     typer.Option(
+      metavar='NAME:DIMS:DTYPE',
       help=(
         'NAME:DIMS:DTYPE of a positional input of the served method, e.g. '
         'x:1,128:int32; repeat for several inputs. The first dimension is '
@@ -58,7 +63,7 @@ def export(
     ),
   ] = False,
   method: Annotated[
-    str, typer.Option(help='The module method to serve.')
+    str, typer.Option(metavar='NAME', help='The module method to serve.')
   ] = '__call__',
   single_mesh: Annotated[
     bool,
@@ -76,7 +81,8 @@ def export(
     bool, typer.Option('--overwrite', help='Replace existing outputs.')
   ] = False,
   cpu_devices: Annotated[
-    int | None, typer.Option(min=1, help=_inputs.CPU_DEVICES_HELP)
+    int | None,
+    typer.Option(min=1, metavar='N', help=_inputs.CPU_DEVICES_HELP),
   ] = None,
   debug: Annotated[
     bool, typer.Option('--debug', help=_command.DEBUG_HELP)
@@ -111,10 +117,7 @@ def export(
 
     source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
-    if out.exists() and not out.is_dir():
-      raise _command.BadInputError(
-        f'--out {str(out)!r} exists and is not a directory. Pass a directory.'
-      )
+    _inputs.check_out(out)
     outputs = {'checkpoint': out / 'checkpoint'}
     if saved_model:
       outputs['saved_model'] = out / 'saved_model'
@@ -129,6 +132,7 @@ def export(
     import jax  # pylint: disable=g-import-not-at-top
 
     import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
+    from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
     from flax_dtensor.dtensor import _atomic  # pylint: disable=g-import-not-at-top
 
     mesh_ = _inputs.make_mesh(axes, mesh)
@@ -159,19 +163,24 @@ def export(
           input_signature=[s.tensor_spec() for s in specs],
           method=method,
         )
-    table = rich.table.Table(title='Exported', title_justify='left')
-    table.add_column('what', overflow='fold')
-    table.add_column('path', overflow='fold')
-    table.add_column('size', justify='right')
-    for name, path in outputs.items():
-      table.add_row(
-        name, str(path), _command.human_bytes(_command.disk_usage(path))
-      )
     console.print(
-      f'Restored {source} onto mesh {mesh} in {restored - start:.1f} s; '
-      f'exported in {time.perf_counter() - restored:.1f} s.',
+      f'Restored onto mesh {mesh} in {restored - start:.1f} s; exported in '
+      f'{time.perf_counter() - restored:.1f} s.',
       highlight=False,
+      markup=False,
     )
-    console.print(table)
+    rows = [('restored', str(source), '')] + [
+      (name, str(path), _command.human_bytes(_command.disk_usage(path)))
+      for name, path in outputs.items()
+    ]
+    console.print(
+      _plan_view.table_or_stacked(
+        ('what', 'path', 'size'),
+        rows,
+        console.width,
+        paths=('path',),
+        right=('size',),
+      )
+    )
     if relaid is not None:
-      console.print(str(relaid), highlight=False, soft_wrap=True)
+      console.print(str(relaid), highlight=False, markup=False, soft_wrap=True)

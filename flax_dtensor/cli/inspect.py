@@ -1,15 +1,18 @@
-"""``flax-dtensor inspect``: what an export holds, read with TensorFlow.
+"""``flax-dtensor inspect``: what an export holds, from its manifest.
 
-The tables show each variable's type, shape, dtype, JAX sharding and the
-DTensor layout it was written with, from the manifest (`_manifest.read`).
+Each variable's type, shape, dtype, JAX sharding and the DTensor layout it
+was written with, and a SavedModel's signatures, come from the manifest
+(`_manifest.read`), read without JAX or TensorFlow. Only an export without
+one (a checkpoint written by plain TensorFlow) is read with TensorFlow.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+from collections.abc import Sequence
 from typing import Annotated, Any
 
-import rich.table
 import typer
 
 from flax_dtensor import _specs
@@ -39,31 +42,35 @@ def sharding_texts(record: Any) -> tuple[str, str]:
     if record['kind'] == 'single_device':
       jax_text = 'one device'
     else:
-      spec = _specs.format_spec(_specs.from_axes(record['spec']))
-      jax_text = f'{spec} @ {_axes_text(record["mesh"])}'
+      spec = record['spec']
+      if not isinstance(spec, list) or not all(
+        isinstance(d, list) and all(isinstance(a, str) for a in d) for d in spec
+      ):
+        raise ValueError(f'spec {spec!r:.60}')
+      jax_text = f'{_specs.format_spec(spec)} @ {_axes_text(record["mesh"])}'
     layout = record['dtensor_layout']
     specs = ','.join(layout['sharding_specs']) or 'scalar'
     dtensor_text = f'{specs} @ {_axes_text(layout["mesh"])}'
-  except (KeyError, TypeError, ValueError) as e:
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
     raise _command.BadInputError(
       f'Malformed sharding record in flax_dtensor.json: {record!r:.200} '
-      f'({type(e).__name__}: {e}). Re-export the checkpoint.'
+      f'(it lacks or garbles {e}). Re-export the checkpoint.'
     ) from e
   return jax_text, dtensor_text
 
 
-def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
-  """{variable path text: manifest record}, or {} without a manifest."""
+def _read_manifest(path: pathlib.Path) -> Any:
+  """The manifest of the export in `path` itself, or None."""
   from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _manifest, _names  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _manifest  # pylint: disable=g-import-not-at-top
 
   try:
     manifest = _manifest.read(str(path))
   except _errors.ExportError as e:
     raise _command.BadInputError(str(e)) from e
-  if manifest is None or manifest.root != str(path.absolute()):
-    return {}
-  return {_names.path_text(r.path): r for r in manifest.records}
+  if manifest is None or manifest.root != os.path.abspath(path):
+    return None
+  return manifest
 
 
 _LAYOUT_CAPTION = (
@@ -72,54 +79,9 @@ _LAYOUT_CAPTION = (
   'axes a and b). From flax_dtensor.json.'
 )
 
-
-def inspect_checkpoint(path: pathlib.Path) -> rich.table.Table:
-  """A table of a DTensor checkpoint's variables, read with TensorFlow."""
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
-
-  tf = _tf.tf()
-  metadata = _read_manifest(path)
-  try:
-    reader = tf.train.load_checkpoint(str(path))
-  except Exception as e:
-    raise _command.BadInputError(
-      f'TensorFlow cannot read the checkpoint in {str(path)!r}: '
-      f'{_command.one_line(str(e))[:200]}. Pass a directory written by '
-      '`flax-dtensor export` or `flax-dtensor demo`.'
-    ) from e
-  shapes = reader.get_variable_to_shape_map()
-  dtypes = reader.get_variable_to_dtype_map()
-  rows = [
-    (dtensor.nnx_path(key), tuple(shapes[key]), dtypes[key].name)
-    for key in sorted(shapes)
-    if dtensor.nnx_path(key) is not None
-  ]
-  return _variables_table(
-    f'DTensor checkpoint {path}', rows, metadata, _LAYOUT_CAPTION
-  )
-
-
-def _variables_table(
-  title: str,
-  rows: list[tuple[Any, tuple[int, ...], str]],
-  metadata: dict[str, Any],
-  caption: str,
-) -> rich.table.Table:
-  """One row per (NNX path, shape, stored dtype), with the manifest's say."""
-  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
-
-  table = rich.table.Table(title=title, title_justify='left')
-  for column in _VARIABLE_COLUMNS:
-    # Narrow terminals wrap a cell; nothing is ever cut to an ellipsis.
-    table.add_column(column, overflow='fold')
-  for nnx_path, shape, stored in rows:
-    name = _names.path_text(nnx_path)
-    table.add_row(name, *_variable_row(metadata.get(name), shape, stored))
-  table.caption = f'{len(rows)} variables. {caption}'
-  return table
-
-
+# One row of the variables: (variable, type, shape, dtype, JAX sharding,
+# DTensor layout).
+Row = tuple[str, str, str, str, str, str]
 _VARIABLE_COLUMNS = (
   'variable',
   'type',
@@ -130,23 +92,118 @@ _VARIABLE_COLUMNS = (
 )
 
 
-def _variable_row(
-  record: Any, shape: tuple[int, ...], stored: str
-) -> tuple[str, ...]:
-  """type, shape, dtype, JAX sharding and DTensor layout cells."""
-  if record is None:
-    return ('-', str(shape), stored, '-', '-')
-  dtype = record.dtype
-  if dtype != stored:
-    dtype = f'{dtype} (stored as {stored})'
-  jax_text, dtensor_text = sharding_texts(record.sharding)
-  return (record.type, str(shape), dtype, jax_text, dtensor_text)
+def _manifest_rows(manifest: Any) -> list[Row]:
+  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+
+  rows = []
+  for record in sorted(manifest.records, key=lambda r: r.key):
+    dtype = record.dtype
+    if dtype != record.stored_dtype:
+      dtype = f'{dtype} (stored as {record.stored_dtype})'
+    jax_text, dtensor_text = sharding_texts(record.sharding)
+    rows.append(
+      (
+        _names.path_text(record.path),
+        record.type,
+        str(record.shape),
+        dtype,
+        jax_text,
+        dtensor_text,
+      )
+    )
+  return rows
 
 
-def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
-  """Tables of a SavedModel's signatures and variables, read with TF."""
+def _tf_rows(items: Any) -> list[Row]:
+  """Rows of (NNX path, shape, stored dtype) read by TF: no layouts."""
+  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+
+  return [
+    (_names.path_text(p), '-', str(tuple(shape)), dtype, '-', '-')
+    for p, shape, dtype in items
+  ]
+
+
+def inspect_checkpoint(path: pathlib.Path, width: int) -> list[Any]:
+  """What to print for a DTensor checkpoint: a title, its variables."""
+  manifest = _read_manifest(path)
+  if manifest is not None:
+    rows = _manifest_rows(manifest)
+    caption = _LAYOUT_CAPTION
+  else:
+    rows = _tf_rows(_read_with_tf(path))
+    caption = 'No flax_dtensor.json: no layouts; read with TensorFlow.'
+  return [
+    *_title('DTensor checkpoint', path, width),
+    *_variables(rows, width),
+    _caption(f'{_count(len(rows), "variable")}. {caption}'),
+  ]
+
+
+def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
+  from flax_dtensor.dtensor import _names, _tf  # pylint: disable=g-import-not-at-top
+
+  tf = _tf.tf()
+  try:
+    reader = tf.train.load_checkpoint(str(path))
+  except Exception as e:
+    raise _command.BadInputError(
+      f'TensorFlow cannot read the checkpoint in {str(path)!r}: '
+      f'{_command.one_line(str(e))[:200]}. Pass a directory written by '
+      '`flax-dtensor export` or `flax-dtensor demo`.'
+    ) from e
+  shapes = reader.get_variable_to_shape_map()
+  dtypes = reader.get_variable_to_dtype_map()
+  return [
+    (_names.nnx_path(key), shapes[key], dtypes[key].name)
+    for key in sorted(shapes)
+    if _names.nnx_path(key) is not None
+  ]
+
+
+def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
+  """What to print for a SavedModel: its signatures and its variables."""
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+
+  manifest = _read_manifest(path)
+  signatures = dict(manifest.signatures) if manifest is not None else {}
+  rows: list[Row] = []
+  if manifest is None or not signatures:
+    # No manifest, or one of an earlier flax_dtensor without signatures.
+    loaded_signatures, variables = _load_with_tf(path)
+    signatures = signatures or loaded_signatures
+    if manifest is None:
+      rows = _tf_rows(variables)
+  if manifest is not None:
+    rows = _manifest_rows(manifest)
+    caption = _LAYOUT_CAPTION.replace(
+      'flax_dtensor.json', 'assets/flax_dtensor.json'
+    )
+  else:
+    caption = 'No assets/flax_dtensor.json: no layouts.'
+  signature_rows = [
+    (
+      name,
+      '\n'.join(f'{k}: {t.text()}' for k, t in sorted(sig.inputs.items())),
+      '\n'.join(f'{k}: {t.text()}' for k, t in sorted(sig.outputs.items())),
+    )
+    for name, sig in sorted(signatures.items())
+  ]
+  return [
+    *_title('SavedModel', path, width, 'signatures'),
+    _plan_view.table_or_stacked(
+      ('signature', 'inputs', 'outputs'), signature_rows, width
+    ),
+    *_title('SavedModel', path, width, 'variables'),
+    *_variables(rows, width),
+    _caption(f'{_count(len(rows), "variable")}. {caption}'),
+  ]
+
+
+def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
+  """(signatures, [(NNX path, shape, dtype)]) of a SavedModel, read by TF."""
   from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _manifest, _tf  # pylint: disable=g-import-not-at-top
 
   tf = _tf.tf()
   try:
@@ -157,36 +214,75 @@ def inspect_saved_model(path: pathlib.Path) -> list[rich.table.Table]:
       f'{_command.one_line(str(e))[:200]}. Pass a directory written by '
       '`flax-dtensor export --saved-model` or `flax-dtensor demo`.'
     ) from e
-  signatures = rich.table.Table(
-    title=f'SavedModel {path}: signatures', title_justify='left'
-  )
-  for column in ('signature', 'inputs', 'outputs'):
-    signatures.add_column(column, overflow='fold')
 
-  def describe(specs: Any) -> str:
-    return '\n'.join(
-      f'{k}: {list(s.shape)} {s.dtype.name}' for k, s in sorted(specs.items())
-    )
+  def specs(structure: Any) -> dict[str, Any]:
+    return {
+      k: _manifest.TensorSpec(
+        None if s.shape.rank is None else tuple(s.shape), s.dtype.name
+      )
+      for k, s in structure.items()
+    }
 
-  for name, fn in sorted(loaded.signatures.items()):
-    signatures.add_row(
-      name,
-      describe(fn.structured_input_signature[1]),
-      describe(fn.structured_outputs),
+  signatures = {
+    name: _manifest.Signature(
+      specs(fn.structured_input_signature[1]), specs(fn.structured_outputs)
     )
-  metadata = _read_manifest(path)
-  rows = [
-    (nnx_path, tuple(v.shape), v.dtype.name)
-    for nnx_path, v in dtensor.flat_variables(loaded).items()
+    for name, fn in loaded.signatures.items()
+  }
+  variables = [
+    (p, tuple(v.shape), v.dtype.name)
+    for p, v in dtensor.flat_variables(loaded).items()
   ]
-  caption = (
-    _LAYOUT_CAPTION.replace('flax_dtensor.json', 'assets/flax_dtensor.json')
-    if metadata
-    else 'No assets/flax_dtensor.json: no layouts.'
-  )
+  return signatures, variables
+
+
+# Printing
+# ------------------------------------------------------------------------------
+
+
+def _count(n: int, noun: str) -> str:
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+
+  return _plan_view.count(n, noun)
+
+
+def _title(
+  what: str, path: pathlib.Path, width: int, part: str = ''
+) -> list[Any]:
+  """'WHAT PATH[: PART]' in bold; a long path on lines of its own."""
+  import rich.text  # pylint: disable=g-import-not-at-top
+
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+
+  suffix = f': {part}' if part else ''
+  text = f'{what} {path}{suffix}'
+  if len(text) <= width:
+    return [rich.text.Text(text, style='bold')]
+  lines = [what, *_plan_view.wrap_path(f'{path}{suffix}', width)]
+  return [rich.text.Text(line, style='bold') for line in lines]
+
+
+def _caption(text: str) -> Any:
+  import rich.text  # pylint: disable=g-import-not-at-top
+
+  return rich.text.Text(text, style='dim')
+
+
+def _variables(rows: Sequence[Row], width: int) -> list[Any]:
+  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+
+  def details(row: Sequence[str]) -> list[str]:
+    _, kind, shape, dtype, jax_text, dtensor_text = row
+    return [
+      f'{kind}  {shape}  {dtype}',
+      f'JAX      {jax_text}',
+      f'DTensor  {dtensor_text}',
+    ]
+
   return [
-    signatures,
-    _variables_table(f'SavedModel {path}: variables', rows, metadata, caption),
+    _plan_view.table_or_stacked(
+      _VARIABLE_COLUMNS, rows, width, paths=('variable',), details=details
+    )
   ]
 
 
@@ -194,6 +290,7 @@ def inspect(
   directory: Annotated[
     pathlib.Path,
     typer.Argument(
+      metavar='DIR',
       help=(
         'A directory written by `export` or `demo` (holding checkpoint/ '
         'and saved_model/), or one checkpoint or SavedModel directory.'
@@ -207,11 +304,13 @@ def inspect(
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 
-  Read with TensorFlow (plain TF, no JAX involved in reading). The layouts
-  (JAX PartitionSpec and mesh, and the DTensor layout written, whose mesh
-  axis a+b fuses JAX axes a and b) come from the flax_dtensor.json next to
-  a checkpoint, or in a SavedModel's assets; a SavedModel also shows its
-  serving signatures.
+  Everything comes from the manifest (flax_dtensor.json) an export writes
+  next to a checkpoint, or in a SavedModel's assets: the layouts (the JAX
+  PartitionSpec and mesh, and the DTensor layout written, whose mesh axis
+  a+b fuses JAX axes a and b) and a SavedModel's serving signatures. It is
+  read without JAX or TensorFlow; a checkpoint without one (written by
+  plain TensorFlow) is read with TensorFlow. The manifest is shown, not
+  checked: restoring verifies the data against it.
   """
   with _command.handle_errors(debug):
     if not directory.is_dir():
@@ -235,8 +334,6 @@ def inspect(
       )
     console = _command.console()
     for kind, path in found:
-      if kind == 'checkpoint':
-        console.print(inspect_checkpoint(path))
-      else:
-        for table in inspect_saved_model(path):
-          console.print(table)
+      view = inspect_checkpoint if kind == 'checkpoint' else inspect_saved_model
+      for item in view(path, console.width):
+        console.print(item, highlight=False)

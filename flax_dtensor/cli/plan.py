@@ -15,6 +15,7 @@ def plan(
   target: Annotated[
     str,
     typer.Argument(
+      metavar='TARGET',
       help=(
         'package.module:factory (or path/to/file.py:factory), a callable '
         f'returning an NNX module, e.g. {_inputs.DEMO_TARGET}.'
@@ -23,9 +24,12 @@ def plan(
     ),
   ],
   mesh: Annotated[
-    str, typer.Option(help=_inputs.MESH_HELP)
+    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
   ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[str | None, typer.Option(help=_inputs.RULES_HELP)] = None,
+  rules: Annotated[
+    str | None,
+    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
+  ] = None,
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
@@ -151,16 +155,14 @@ def plan(
         sys.stdout.write(report.to_json(indent=2) + '\n')
       else:
         _command.console().print(str(report), highlight=False, markup=False)
-      if report:
-        raise typer.Exit(_command.EXIT_FAILURE)
+      _command.exit_findings(report)
     elif golden_text is not None:
       from flax_dtensor import _plan  # pylint: disable=g-import-not-at-top
 
       golden = _plan.plan_from_json(golden_text, f'--diff {str(diff)!r}')
       changes = result.diff(golden)
       _command.console().print(str(changes), highlight=False, markup=False)
-      if changes:
-        raise typer.Exit(_command.EXIT_FAILURE)
+      _command.exit_findings(changes)
     elif json_output:
       sys.stdout.write(result.to_json(indent=2) + '\n')
     elif show is not None:

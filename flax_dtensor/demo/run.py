@@ -17,7 +17,7 @@ from typing import Any
 
 import rich.console
 import rich.progress
-import rich.table
+import rich.text
 
 from flax_dtensor import _plan_view
 
@@ -62,6 +62,78 @@ def _status(loss: float, step: int, rate: float) -> str:
   return f'loss {loss:.3f}  {rate:,.0f} tokens/s'
 
 
+PIPED_EVERY_SECONDS = 10.0
+"""Piped, a progress line is printed at most this often (and at the end)."""
+
+
+def progress_line(
+  step: int, steps: int, loss: float, rate: float, elapsed: float
+) -> str:
+  """'train step 40/300  loss 2.345  12,345 tokens/s  8 s' (piped output).
+
+  `step` counts from 0; the first step compiles, so it has no rate yet.
+  """
+  speed = 'compiled' if step == 0 else f'{rate:,.0f} tokens/s'
+  return (
+    f'train step {step + 1}/{steps}  loss {loss:.3f}  {speed}  {elapsed:.0f} s'
+  )
+
+
+class _Progress:
+  """Training progress: rich's bar on a terminal, plain lines when piped.
+
+  Piped (a log, CI, ``| tee``), nothing is animated: a `progress_line`
+  after the first step, then at most every `every` seconds, and after the
+  last step. With `show` false, nothing at all.
+  """
+
+  def __init__(
+    self,
+    console: rich.console.Console,
+    steps: int,
+    *,
+    show: bool,
+    every: float = PIPED_EVERY_SECONDS,
+    clock: Any = time.perf_counter,
+  ):
+    self._console = console
+    self._steps = steps
+    self._every = every
+    self._clock = clock
+    self._bar = _training_bar(console) if show and console.is_terminal else None
+    self._lines = show and not console.is_terminal
+    self._start = self._last = 0.0
+
+  def __enter__(self) -> _Progress:
+    self._start = self._clock()
+    self._last = -float('inf')
+    if self._bar is not None:
+      self._bar.__enter__()
+      # Until the first step ends there is neither a loss nor a rate.
+      self._task = self._bar.add_task(
+        'train', total=self._steps, status='compiling…'
+      )
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    if self._bar is not None:
+      self._bar.__exit__(*exc)
+
+  def update(self, step: int, loss: float, rate: float) -> None:
+    if self._bar is not None:
+      self._bar.update(self._task, advance=1, status=_status(loss, step, rate))
+    if not self._lines:
+      return
+    now = self._clock()
+    if step in (0, self._steps - 1) or now - self._last >= self._every:
+      self._last = now
+      self._console.print(
+        progress_line(step, self._steps, loss, rate, now - self._start),
+        highlight=False,
+        markup=False,
+      )
+
+
 def run(
   *,
   mesh: Any,
@@ -72,6 +144,7 @@ def run(
   seed: int = 0,
   batch_size: int = 16,
   console: rich.console.Console | None = None,
+  progress: bool = True,
 ) -> dict[str, Any]:
   """Trains the demo model on `mesh`, exports it, and checks it in TF.
 
@@ -90,6 +163,8 @@ def run(
     seed: Seed of init and data.
     batch_size: Sequences per step.
     console: Where to print (default: stdout).
+    progress: Whether to show the training's progress (a bar on a
+      terminal, a line every few seconds otherwise).
 
   Returns:
     The summary, also written to `out/summary.json`.
@@ -114,9 +189,14 @@ def run(
     f'{n}={s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True)
   )
   console.print(
-    f'[bold]flax-dtensor demo[/]: {jax.device_count()} '
-    f'{jax.default_backend()} devices, mesh {mesh_text}, {steps} steps, '
-    f'batch {batch_size}, seed {seed}',
+    f'[bold]flax-dtensor demo[/] on '
+    f'{_plan_view.count(jax.device_count(), "device")} '
+    f'({jax.default_backend()}), mesh {mesh_text}',
+    highlight=False,
+  )
+  console.print(
+    f'{_plan_view.count(steps, "step")} of '
+    f'{_plan_view.count(batch_size, "sequence")}, seed {seed}',
     highlight=False,
   )
 
@@ -132,9 +212,7 @@ def run(
     console.print(fdt.plan(model))
     tokens_per_step = batch_size * length
     with timer('train (incl. compile)'):
-      with _training_bar(console) as progress:
-        # Until the first step ends there is neither a loss nor a rate.
-        task = progress.add_task('train', total=steps, status='compiling…')
+      with _Progress(console, steps, show=progress) as bar:
         last = time.perf_counter()
         rate = 0.0
         for step in range(steps):
@@ -144,7 +222,7 @@ def run(
           current = tokens_per_step / max(now - last, 1e-9)
           # Smoothed; the first step (compilation) does not count.
           rate = current if step == 1 else 0.9 * rate + 0.1 * current
-          progress.update(task, advance=1, status=_status(loss, step, rate))
+          bar.update(step, loss, rate)
           last = now
     with timer('held-out logits (JAX)'):
       forward = nnx.jit(lambda m, x: m(x))
@@ -218,52 +296,51 @@ def next_batch(batches: Any) -> Any:
 def _print_summary(
   console: rich.console.Console, summary: dict[str, Any], out: pathlib.Path
 ) -> None:
-  files = rich.table.Table(title='Files written', title_justify='left')
-  files.add_column('what', overflow='fold')
-  files.add_column('path', overflow='fold')
-  files.add_column('size', justify='right')
   labels = {
     'orbax': 'Orbax checkpoint (JAX)',
     'checkpoint': 'DTensor checkpoint (TF)',
     'saved_model': 'SavedModel (TF serving)',
   }
-  for key, label in labels.items():
-    files.add_row(
+  files = [
+    (
       label,
       summary['files'][key],
       _plan_view.human_bytes(summary['bytes'][key]),
     )
-  files.add_row('summary', str(out / 'summary.json'), '')
-  timings = rich.table.Table(title='Timings', title_justify='left')
-  timings.add_column('phase', overflow='fold')
-  timings.add_column('seconds', justify='right')
-  for phase, seconds in summary['seconds'].items():
-    timings.add_row(phase, f'{seconds:.1f}')
-  timings.add_row('[bold]total', f'[bold]{summary["total_seconds"]:.1f}')
-  results = rich.table.Table(title='Results', title_justify='left')
-  results.add_column('measure', overflow='fold')
-  results.add_column('value', justify='right', overflow='fold')
+    for key, label in labels.items()
+  ]
+  files.append(('summary', str(out / 'summary.json'), ''))
+  timings = [(p, f'{s:.1f}') for p, s in summary['seconds'].items()]
+  timings.append(('total', f'{summary["total_seconds"]:.1f}'))
   losses = summary['losses']
-  results.add_row(
-    'train loss, first -> last (nats/byte)',
-    f'{losses[0]:.3f} -> {losses[-1]:.3f}',
-  )
-  results.add_row('train loss, minimum', f'{summary["loss_min"]:.3f}')
-  stride = max(1, len(losses) // 8)
-  results.add_row(
-    f'train loss every {stride} steps',
-    ' '.join(f'{x:.2f}' for x in losses[::stride]),
-  )
-  results.add_row(
-    'max |logits TF - logits JAX| (held-out batch '
-    f'{tuple(summary["held_out_shape"])})',
-    f'{summary["max_abs_logits_diff"]:.2e}',
-  )
-  results.add_row('max |logits JAX|', f'{summary["max_abs_logits"]:.2f}')
-  results.add_row(
-    'TF subprocess imported JAX',
-    str(summary['tf_subprocess']['jax_imported']),
-  )
-  console.print(files)
-  console.print(timings)
-  console.print(results)
+  # Eight losses, evenly spaced from the first step to the last.
+  points = sorted({round(i * (len(losses) - 1) / 7) for i in range(8)})
+  results = [
+    (
+      'train loss, first -> last',
+      f'{losses[0]:.3f} -> {losses[-1]:.3f} nats/byte',
+    ),
+    ('train loss, minimum', f'{summary["loss_min"]:.3f}'),
+    ('train loss over time', ' '.join(f'{losses[i]:.2f}' for i in points)),
+    (
+      'max |logits TF - JAX|',
+      f'{summary["max_abs_logits_diff"]:.2e} (held-out batch '
+      f'{tuple(summary["held_out_shape"])})',
+    ),
+    ('max |logits JAX|', f'{summary["max_abs_logits"]:.2f}'),
+    (
+      'TF process imported JAX',
+      str(summary['tf_subprocess']['jax_imported']),
+    ),
+  ]
+  width = console.width
+  for title, columns, rows, options in (
+    ('Files written', ('what', 'path', 'size'), files, {'paths': ('path',)}),
+    ('Timings', ('phase', 'seconds'), timings, {'right': ('seconds',)}),
+    ('Results', ('measure', 'value'), results, {}),
+  ):
+    console.print(rich.text.Text(title, style='bold'))
+    console.print(
+      _plan_view.table_or_stacked(columns, rows, width, **options),
+      highlight=False,
+    )

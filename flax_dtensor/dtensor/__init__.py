@@ -4,34 +4,50 @@ TensorFlow is an optional dependency (`pip install "flax-dtensor[tf]"`) and is
 imported only when one of these functions runs, never by
 `import flax_dtensor.dtensor`. Call `initialize()` once per process, before
 any other TensorFlow operation.
+
+The namespace is lazy, as the package's: importing a module of it (the
+command line's ``inspect`` reads the manifest) imports no JAX. The first
+public name used installs the Flax hook first.
 """
 
-from flax_dtensor.dtensor._arrays import array_to_dtensor as array_to_dtensor
-from flax_dtensor.dtensor._arrays import dtensor_to_array as dtensor_to_array
-from flax_dtensor.dtensor._checkpoint import save_checkpoint as save_checkpoint
-from flax_dtensor.dtensor._convert import flat_variables as flat_variables
-from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
-from flax_dtensor.dtensor._from_tf import from_tf_module as from_tf_module
-from flax_dtensor.dtensor._layouts import layout_for as layout_for
-from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
-from flax_dtensor.dtensor._names import checkpoint_key as checkpoint_key
-from flax_dtensor.dtensor._names import nnx_path as nnx_path
-from flax_dtensor.dtensor._restore import read_checkpoint as read_checkpoint
-from flax_dtensor.dtensor._restore import (
-  restore_checkpoint as restore_checkpoint,
-)
-from flax_dtensor.dtensor._saved_model import (
-  save_saved_model as save_saved_model,
-)
-from flax_dtensor.dtensor._single_mesh import (
-  RelaidVariable as RelaidVariable,
-)
-from flax_dtensor.dtensor._single_mesh import (
-  SingleMeshReport as SingleMeshReport,
-)
-from flax_dtensor.dtensor._topology import initialize as initialize
-from flax_dtensor.dtensor._topology import is_initialized as is_initialized
-from flax_dtensor.dtensor._topology import shutdown as shutdown
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from flax_dtensor.dtensor._arrays import (
+    array_to_dtensor as array_to_dtensor,
+  )
+  from flax_dtensor.dtensor._arrays import (
+    dtensor_to_array as dtensor_to_array,
+  )
+  from flax_dtensor.dtensor._checkpoint import (
+    save_checkpoint as save_checkpoint,
+  )
+  from flax_dtensor.dtensor._convert import flat_variables as flat_variables
+  from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
+  from flax_dtensor.dtensor._from_tf import from_tf_module as from_tf_module
+  from flax_dtensor.dtensor._layouts import layout_for as layout_for
+  from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
+  from flax_dtensor.dtensor._names import checkpoint_key as checkpoint_key
+  from flax_dtensor.dtensor._names import nnx_path as nnx_path
+  from flax_dtensor.dtensor._restore import read_checkpoint as read_checkpoint
+  from flax_dtensor.dtensor._restore import (
+    restore_checkpoint as restore_checkpoint,
+  )
+  from flax_dtensor.dtensor._saved_model import (
+    save_saved_model as save_saved_model,
+  )
+  from flax_dtensor.dtensor._single_mesh import (
+    RelaidVariable as RelaidVariable,
+  )
+  from flax_dtensor.dtensor._single_mesh import (
+    SingleMeshReport as SingleMeshReport,
+  )
+  from flax_dtensor.dtensor._topology import initialize as initialize
+  from flax_dtensor.dtensor._topology import is_initialized as is_initialized
+  from flax_dtensor.dtensor._topology import shutdown as shutdown
 
 __all__ = (
   'RelaidVariable',
@@ -53,3 +69,42 @@ __all__ = (
   'shutdown',
   'to_tf_module',
 )
+
+# {public name: the private module that defines it}.
+_MODULES = {
+  'array_to_dtensor': '_arrays',
+  'dtensor_to_array': '_arrays',
+  'save_checkpoint': '_checkpoint',
+  'flat_variables': '_convert',
+  'to_tf_module': '_convert',
+  'from_tf_module': '_from_tf',
+  'layout_for': '_layouts',
+  'mesh_to_dtensor': '_layouts',
+  'checkpoint_key': '_names',
+  'nnx_path': '_names',
+  'read_checkpoint': '_restore',
+  'restore_checkpoint': '_restore',
+  'save_saved_model': '_saved_model',
+  'RelaidVariable': '_single_mesh',
+  'SingleMeshReport': '_single_mesh',
+  'initialize': '_topology',
+  'is_initialized': '_topology',
+  'shutdown': '_topology',
+}
+
+
+def __getattr__(name: str) -> Any:
+  """Imports a public name on first use, the Flax hook installed first."""
+  module = _MODULES.get(name)
+  if module is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
+
+  _hook.ensure_installed()
+  value = getattr(importlib.import_module(f'{__name__}.{module}'), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(__all__)

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
@@ -201,6 +201,7 @@ def write_manifest(
   prefix: str,
   recs: tuple[_manifest.Record, ...],
   pool: concurrent.futures.Executor,
+  signatures: Mapping[str, _manifest.Signature] | None = None,
 ) -> None:
   """Hashes every file under `root` and writes the manifest (process 0)."""
   names = [
@@ -215,6 +216,7 @@ def write_manifest(
     prefix=prefix,
     files=_manifest.file_sums(root, names, pool),
     records=recs,
+    signatures=signatures or {},
   )
   _manifest.write(manifest)
 

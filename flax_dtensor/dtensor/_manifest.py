@@ -6,7 +6,9 @@ bytes) and every file of the export (size and a CRC-32 per 64 MiB chunk).
 `read` is the one reader (restore, `read_checkpoint` and the CLI use it);
 `verify_files` checks the files before TensorFlow reads them;
 `verify_index` checks the variables against TF's index; `verify_shards`
-checks values read back.
+checks values read back. Reading (`read`) imports neither JAX nor
+TensorFlow: the command line's ``inspect`` shows an export from its
+manifest alone.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import json
 import os
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-import jax
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors, _specs
-from flax_dtensor.dtensor import _dtypes, _names
+from flax_dtensor.dtensor import _names
+
+if TYPE_CHECKING:
+  import jax
 
 FILE = 'flax_dtensor.json'
 CHECKPOINT_FORMAT = 'flax_dtensor.checkpoint'
@@ -63,6 +65,27 @@ class Record:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """A serving input or output: its shape (None: any size) and dtype."""
+
+  shape: tuple[int | None, ...] | None  # None: unknown rank.
+  dtype: str
+
+  def text(self) -> str:
+    """'[None, 128] int32', as ``tf.TensorSpec`` shows shape and dtype."""
+    shape = '<unknown>' if self.shape is None else list(self.shape)
+    return f'{shape} {self.dtype}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """A SavedModel signature: named inputs and outputs."""
+
+  inputs: Mapping[str, TensorSpec]
+  outputs: Mapping[str, TensorSpec]
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
   """A parsed manifest.
 
@@ -73,6 +96,10 @@ class Manifest:
     prefix: The TF checkpoint prefix, relative to `root`.
     files: Relative path -> FileSum (empty for version 2).
     records: One per variable, in saved order.
+    signatures: A SavedModel's serving signatures, as TensorFlow reads them
+      from ``saved_model.pb``: name -> ``{'inputs': {name: TensorSpec},
+      'outputs': {...}}`` (empty for a checkpoint, or a SavedModel written
+      before they were recorded).
   """
 
   kind: str
@@ -81,6 +108,7 @@ class Manifest:
   prefix: str
   files: Mapping[str, FileSum]
   records: tuple[Record, ...]
+  signatures: Mapping[str, Signature] = dataclasses.field(default_factory=dict)
 
   @property
   def by_key(self) -> dict[str, Record]:
@@ -114,6 +142,8 @@ def sharding_record(
   []]` for `P(('data', 'model'), None)`); `dtensor_layout` is the layout it
   was written with (a fused DTensor axis 'data+model' of size 8 there).
   """
+  import jax  # pylint: disable=g-import-not-at-top
+
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
     kind = 'named'
@@ -138,6 +168,8 @@ def sharding_record(
 
 def _crc(data: Any) -> int:
   """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
 
@@ -163,7 +195,7 @@ def shard_checksums(
     for shard in value.addressable_shards:
       index = _index(shard.index, value.shape)
       if index not in seen:
-        seen[index] = _crc(np.asarray(shard.data))
+        seen[index] = _crc(shard.data)
     return sorted(seen.items())
 
   return [pool.submit(work, v) for v in values]
@@ -240,7 +272,25 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
       }
       for r in manifest.records
     ],
-  }
+  } | (
+    {
+      'signatures': {
+        name: {
+          side: {
+            k: {
+              'shape': None if t.shape is None else list(t.shape),
+              'dtype': t.dtype,
+            }
+            for k, t in sorted(getattr(sig, side).items())
+          }
+          for side in ('inputs', 'outputs')
+        }
+        for name, sig in sorted(manifest.signatures.items())
+      }
+    }
+    if manifest.signatures
+    else {}
+  )
 
 
 def write(manifest: Manifest) -> None:
@@ -384,7 +434,44 @@ def read(path: str) -> Manifest | None:
   keys = [r.key for r in records]
   if len(set(keys)) != len(keys):
     raise _malformed(file, 'two variables share a checkpoint key')
-  return Manifest(kind, version, root, prefix, files, records)
+  signatures = _signatures(raw.get('signatures', {}), file)
+  return Manifest(kind, version, root, prefix, files, records, signatures)
+
+
+def _signatures(raw: Any, file: str) -> dict[str, Signature]:
+  if not isinstance(raw, dict):
+    raise _malformed(file, f'`signatures` is {raw!r:.80}, expected a dict')
+  out = {}
+  for name, sig in raw.items():
+    if not isinstance(sig, dict):
+      raise _malformed(file, f'signature {name!r} is {sig!r:.80}')
+    sides = {}
+    for side in ('inputs', 'outputs'):
+      specs = sig.get(side)
+      if not isinstance(specs, dict):
+        raise _malformed(file, f'signature {name!r} has no {side} dict')
+      sides[side] = {k: _tensor_spec(v, file, name) for k, v in specs.items()}
+    out[str(name)] = Signature(**sides)
+  return out
+
+
+def _tensor_spec(raw: Any, file: str, signature: str) -> TensorSpec:
+  shape = raw.get('shape', ()) if isinstance(raw, dict) else ()
+  dtype = raw.get('dtype') if isinstance(raw, dict) else None
+  if not isinstance(dtype, str) or not (
+    shape is None
+    or (
+      isinstance(shape, list)
+      and all(
+        d is None or (isinstance(d, int) and not isinstance(d, bool))
+        for d in shape
+      )
+    )
+  ):
+    raise _malformed(
+      file, f'a tensor of signature {signature!r} is {raw!r:.80}'
+    )
+  return TensorSpec(None if shape is None else tuple(shape), dtype)
 
 
 # Verifying
@@ -457,6 +544,10 @@ def verify_index(
     ExportError: If a variable is missing on either side, or its shape or
       stored dtype differs.
   """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from flax_dtensor.dtensor import _dtypes  # pylint: disable=g-import-not-at-top
+
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
   problems = []
@@ -508,6 +599,9 @@ def verify_shards(
   Raises:
     ExportError: If a shard's bytes differ from what was saved.
   """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   if not record.shards:
     return
   if isinstance(value, jax.Array):
@@ -543,6 +637,8 @@ def _check_shard(
     slice(i0 - h0, i1 - h0)
     for (i0, i1), (h0, _) in zip(index, held, strict=True)
   )
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
   got = _crc(np.asarray(data)[local])
   if got != crc:
     raise _damaged(

@@ -318,7 +318,12 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     _output.announce(served.show, 'tracing and writing a SavedModel')
     _write_saved_model(tf_module, directory, serve_fn.get_concrete_function())
     _checkpoint.write_manifest(
-      directory, _manifest.SAVED_MODEL_FORMAT, PREFIX, recs, pool
+      directory,
+      _manifest.SAVED_MODEL_FORMAT,
+      PREFIX,
+      recs,
+      pool,
+      signatures=_written_signatures(directory),
     )
 
 
@@ -424,6 +429,39 @@ def _save_gathered(
       except Exception as e:  # Re-raised below, on every process.
         error = e
     _atomic.agree(error, 'Writing the SavedModel on process 0')
+
+
+def _written_signatures(directory: str) -> dict[str, _manifest.Signature]:
+  """The signatures of the SavedModel in `directory`, as TF will read them.
+
+  Read back from its ``saved_model.pb`` (names, shapes with None for a
+  polymorphic dimension, dtypes), so that the manifest shows exactly what
+  ``tf.saved_model.load(...).signatures`` gives, without TensorFlow.
+  """
+  tf = _tf.tf()
+  saved_model_pb2 = _tf.internal('tensorflow.core.protobuf.saved_model_pb2')
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(directory, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+
+  def spec(info: Any) -> _manifest.TensorSpec:
+    shape = info.tensor_shape
+    dims = (
+      None
+      if shape.unknown_rank
+      else tuple(None if d.size < 0 else int(d.size) for d in shape.dim)
+    )
+    return _manifest.TensorSpec(dims, tf.dtypes.as_dtype(info.dtype).name)
+
+  (graph,) = proto.meta_graphs
+  return {
+    name: _manifest.Signature(
+      inputs={k: spec(v) for k, v in sorted(sig.inputs.items())},
+      outputs={k: spec(v) for k, v in sorted(sig.outputs.items())},
+    )
+    for name, sig in graph.signature_def.items()
+    if not name.startswith('__')  # TF's internal '__saved_model_init_op'.
+  }
 
 
 def _tf_max_calling_convention() -> int | None:

@@ -84,8 +84,11 @@ def _own_sharding(
       raise _errors.ExportError(
         f'The target variable {entry.name!r} has a sharding on an abstract '
         f'mesh ({sharding.spec} on {sharding.mesh}): expected a concrete '
-        'mesh to place it on. Restore under jax.set_mesh(mesh), or pass '
-        '`mesh=`.'
+        'mesh to place it on. '
+        + (
+          _meshes.devices_hint(sharding.mesh)
+          or 'Restore under jax.set_mesh(mesh), or pass `mesh=`.'
+        )
       )
     if mesh.abstract_mesh != sharding.mesh:
       raise _errors.ExportError(

@@ -8,13 +8,18 @@ TensorFlow: every function of `flax_dtensor.dtensor` that needs it calls
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import glob
 import importlib
+import mmap
 import os
 import re
 import sys
 import tempfile
 import types
 from collections.abc import Iterator
+from typing import Any
 
 INSTALL_HINT = (
   'flax_dtensor.dtensor needs TensorFlow, which could not be imported. '
@@ -94,6 +99,73 @@ def _start_up_noise_dropped() -> Iterator[None]:
       if kept:
         sys.stderr.write(''.join(kept))
         sys.stderr.flush()
+
+
+# absl's `SetMinLogLevel(absl::LogSeverityAtLeast)`, as TF's framework
+# library exports it (in absl's versioned inline namespace, e.g. lts_20250814).
+_SET_MIN_LOG_LEVEL = re.compile(
+  rb'_ZN4absl(?:12lts_[0-9]{8})?14SetMinLogLevelENS[0-9]*_18LogSeverityAtLeastE'
+)
+_ERRORS_ONLY = 2  # TF_CPP_MIN_LOG_LEVEL's and absl's level of ERROR.
+_quiet_level: int | None = None
+
+
+def quiet_cpp_logs() -> int | None:
+  """Sets TF's C++ log level for the rest of the process, once TF is in.
+
+  TF reads ``TF_CPP_MIN_LOG_LEVEL`` when it is imported, so when the
+  program imported TensorFlow before flax_dtensor, setting the variable
+  later changes nothing: DTensor then logs a "cache key lookup missed" line
+  (INFO) for each function it compiles. TF logs through absl, whose level
+  can still be changed: this sets it to the user's own
+  ``TF_CPP_MIN_LOG_LEVEL`` if set (so ``TF_CPP_MIN_LOG_LEVEL=0`` keeps every
+  line), else to errors only. Errors are never hidden.
+
+  Returns:
+    The level set, or None when TF's framework library does not expose
+    absl's setter (another platform or build): TF's logging is left as it
+    is.
+  """
+  global _quiet_level
+  try:
+    level = int(os.environ.get('TF_CPP_MIN_LOG_LEVEL', _ERRORS_ONLY))
+  except ValueError:
+    level = _ERRORS_ONLY
+  if _quiet_level == level:
+    return level
+  setter = _absl_min_log_level_setter()
+  if setter is None:
+    return None
+  setter(ctypes.c_int(level))
+  _quiet_level = level
+  return level
+
+
+@functools.cache
+def _absl_min_log_level_setter() -> Any:
+  """absl's ``SetMinLogLevel`` in the TF framework library loaded, or None."""
+  root = os.path.dirname(tf().__file__)
+  for library in sorted(
+    glob.glob(os.path.join(root, 'libtensorflow_framework*'))
+  ):
+    try:
+      with (
+        open(library, 'rb') as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
+      ):
+        found = _SET_MIN_LOG_LEVEL.search(data)
+        name = found and bytes(found.group()).decode()
+      if not name:
+        continue
+      # RTLD_NOLOAD: the copy TF already loaded, never a second one.
+      loaded = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+      setter = getattr(loaded, name)
+    except (OSError, AttributeError, ValueError):
+      continue
+    setter.restype = None
+    setter.argtypes = [ctypes.c_int]
+    return setter
+  return None
 
 
 def dtensor() -> types.ModuleType:

@@ -52,6 +52,13 @@ def initialize(*, reset_context: bool = False) -> None:
   Call it once per process, before any other TensorFlow operation (TF fixes
   its devices the first time it runs anything). Calling it again is a no-op.
 
+  TensorFlow's C++ logging is kept to errors for the rest of the process
+  (unless ``TF_CPP_MIN_LOG_LEVEL`` says otherwise), also when the program
+  imported TensorFlow itself before: DTensor's "cache key lookup missed"
+  lines then stay away. TF's start-up lines are dropped when flax_dtensor
+  imports it; import TensorFlow after calling `initialize()` to keep them
+  away too.
+
   Args:
     reset_context: Escape hatch when TensorFlow already ran something: reset
       TF's context first. Every TF object created before (tensors, variables)
@@ -66,6 +73,7 @@ def initialize(*, reset_context: bool = False) -> None:
   """
   global _topology_checked
   dt = _tf.dtensor()
+  _tf.quiet_cpp_logs()
   with _lock:
     if _tf.accelerator_util().is_initialized():
       _check_topology()

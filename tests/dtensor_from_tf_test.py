@@ -171,10 +171,11 @@ def test_keras_optimizer_steps_arrive_in_jax(auto_mesh):
       optimizer.apply_gradients([(gradient(), variable)])
 
   steps(reference, x)
-  layout = dtensor.Layout.replicated(
-    dtensor.fetch_layout(kernel.read_value()).mesh, 2
-  )
-  steps(kernel, dtensor.copy_to_mesh(x, layout))
+  mesh = dtensor.fetch_layout(kernel.read_value()).mesh
+  # The optimizer's own variables (Adam's moments) go on the kernel's
+  # DTensor mesh, whatever mesh DTensor used last in this process.
+  with dtensor.default_mesh(mesh):
+    steps(kernel, dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, 2)))
   want = reference.numpy()
   assert not np.allclose(want, model.blocks['inp'].kernel.get_value())
   with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(RULES):

@@ -1059,8 +1059,9 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
       'read',
       r"TensorFlow failed to read the NNX variable '(v|w)' from the "
       r"checkpoint '.*/ckpt/ckpt': (OutOfRange|DataLoss)Error: .*Check that "
-      r'every data file of the checkpoint is complete and readable, or '
-      r're-export it\.$',
+      r'every data file of the checkpoint is complete and readable \(or that '
+      r'no other process rewrote it during the read\), or re-export it\. '
+      r'Nothing was restored: the target is unchanged\.$',
       'ckpt',
     ),
     (

@@ -220,7 +220,8 @@ def save_saved_model(
     ExportError: If it runs in several processes, `method` is not a method
       of `module`, `input_signature` has an entry of the wrong type or the
       wrong length of `polymorphic_shapes`, `directory` exists and
-      `overwrite` is false, or a variable cannot be exported.
+      `overwrite` is false, its parent is not writable, a variable cannot
+      be exported, or the disk is full (the bytes needed and free).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -305,6 +306,7 @@ def save_saved_model(
   tf_module.serve = serve_fn
   version = _calling_convention_version()
   with (
+    _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
     _tf_errors.translated(
       'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
     ),

@@ -106,6 +106,32 @@ def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
   assert sorted(os.listdir(run['root'])) == ['ckpt']
 
 
+def test_no_space_left_mid_save_leaves_the_previous_checkpoint():
+  """ENOSPC from a nearly full tmpfs, as TensorFlow writes the new data."""
+  run = fault_runs.no_space()
+  if 'unavailable' in run:
+    pytest.skip(f'no mount namespace here: {run["unavailable"]}')
+  assert run['restorable']  # The old version read back exactly, before.
+  name, message, chain = run['error']
+  assert name == 'ExportError'
+  path = os.path.join(run['fs'], 'ckpt')
+  match = re.match(
+    rf"Writing '{re.escape(path)}' failed: No space left on device: the "
+    r"export's variables alone take 64\.0 KiB \(65536 bytes\), and "
+    rf'[\d.]+ KiB \((\d+) bytes\) are free on the filesystem of '
+    rf"'{re.escape(run['fs'])}'\. The previous export at '{re.escape(path)}', "
+    r'if any, is unchanged, and the partial one was removed\. Free space or '
+    r'save elsewhere',
+    message,
+  )
+  assert match, message
+  # The bytes free, once the partial export is gone, as the OS counts them.
+  assert int(match[1]) == run['free'] < 65536
+  assert chain[-1] == 'ResourceExhaustedError'  # TF's words for ENOSPC.
+  assert run['listing'] == ['ckpt', 'filler']
+  assert run['after'] == run['before']
+
+
 def test_a_full_disk_is_measured_with_statvfs(tmp_path):
   """ENOSPC, for real: /dev/full refuses every write."""
   path = str(tmp_path / 'ckpt')

@@ -457,17 +457,24 @@ def _record(shape, shards):
   )
 
 
+@pytest.mark.parametrize('whole', [False, True])
 @pytest.mark.parametrize(
   'saved, held',
   [((2, 4), (4, 2)), ((4, 1), (1, 4)), ((2, 2), (2, 2)), ((8, 1), (2, 1))],
 )
-def test_a_process_reads_whole_saved_shards_and_cuts_its_slices(saved, held):
-  """The multi-process read plan, by values: read, check, then cut."""
+def test_a_process_reads_whole_saved_shards_and_cuts_its_slices(
+  saved, held, whole
+):
+  """The read plan, by values: read saved shards, check them, then cut."""
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
   record = _record(shape, tuple(_grid(shape, saved)))
-  needed = {index for index, _ in _grid(shape, held)[:3]}
-  slices = _host_read._to_read(shape, needed, False, record)
+  # Some slices of another layout (as a process of several holds), or the
+  # whole variable (as one process holding all of it does).
+  needed = (
+    {((0, 8), (0, 16))} if whole else {i for i, _ in _grid(shape, held)[:3]}
+  )
+  slices = _host_read._to_read(shape, needed, whole, record)
   read = {i: full[_host_read._within(i, ((0, 8), (0, 16)))] for i in slices}
   # Only saved shards, each whole, and only those meeting a held slice.
   assert set(slices) <= {index for index, _ in record.shards}

@@ -63,17 +63,15 @@ def _to_read(
 ) -> list[_manifest.Index]:
   """The slices to ask TF for, so that every byte placed can be checked.
 
-  The whole variable when this process holds all of it (TF reads an entry
-  whole in one pass). Otherwise, with a manifest, each saved shard that
-  meets a slice this process holds, whole: the manifest has a CRC of each
-  saved shard, not of arbitrary slices (and TF reads a stored slice whole
-  anyway to cut a part of it). Without one, just the slices held.
+  With a manifest, each saved shard that meets a slice this process holds,
+  whole: the manifest has a CRC of each saved shard, not of arbitrary
+  slices; TF reads a stored slice whole anyway to cut a part of it, and
+  returns each one contiguous, so it is hashed without a copy. Without a
+  manifest, the whole variable when this process holds all of it (TF reads
+  an entry in one pass), else the slices it holds.
   """
-  full = tuple((0, n) for n in shape)
-  if whole:
-    return [full]
   if record is None or not record.shards:
-    return sorted(needed)
+    return [tuple((0, n) for n in shape)] if whole else sorted(needed)
   return sorted(
     index
     for index, _ in record.shards
@@ -137,9 +135,8 @@ def _read(
     _layouts.normalize_index(index, shape)
     for index in sharding.addressable_devices_indices_map(shape).values()
   }
-  whole = sharding.is_fully_addressable or needed == {
-    tuple((0, n) for n in shape)
-  }
+  full = tuple((0, n) for n in shape)
+  whole = sharding.is_fully_addressable or needed == {full}
   record = manifest.by_key.get(entry.key) if manifest is not None else None
   slices = _to_read(shape, needed, whole, record)
   tf = _tf.tf()
@@ -149,7 +146,7 @@ def _read(
         prefix=prefix,
         tensor_names=[entry.key] * len(slices),
         shape_and_slices=[
-          '' if whole else _slice_spec(shape, i) for i in slices
+          '' if i == full else _slice_spec(shape, i) for i in slices
         ],
         dtypes=[tf.as_dtype(stored)] * len(slices),
       )

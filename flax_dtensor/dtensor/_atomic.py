@@ -72,10 +72,10 @@ def _host_label(host: str) -> str:
   return f'{safe[:31]}~{zlib.crc32(host.encode()):08x}'
 
 
-# token-pid-start-host, after the `.NAME.tmp-` (or `.old-`, staging) prefix.
+# token-pid-start-host: all of a name after `.NAME.tmp-` (`.old-`, staging).
 _TAG = re.compile(
   r'(?P<token>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<started>[0-9]+)-'
-  r'(?P<host>[A-Za-z0-9._~-]+)$'
+  r'(?P<host>[A-Za-z0-9._~-]+)'
 )
 
 
@@ -97,9 +97,15 @@ class Writer:
     return cls.on_this_host(os.getpid())
 
   @classmethod
-  def from_name(cls, path: str) -> Writer | None:
-    """The writer a temporary's name records; None for an older name."""
-    match = _TAG.search(os.path.basename(path))
+  def from_name(cls, path: str, prefix: str) -> Writer | None:
+    """The writer the name of `path` records after `prefix`, or None.
+
+    None for a name of an older version (`.NAME.tmp-` and 8 hex digits).
+    """
+    name = os.path.basename(path)
+    if not name.startswith(prefix):
+      return None
+    match = _TAG.fullmatch(name[len(prefix) :])
     if match is None:
       return None
     started = match['started']
@@ -176,9 +182,9 @@ def read_marker(directory: str) -> Marker | None:
   return None
 
 
-def owner(path: str) -> Writer | None:
+def owner(path: str, prefix: str) -> Writer | None:
   """Who writes the temporary `path`: its name says, else its marker."""
-  writer = Writer.from_name(path)
+  writer = Writer.from_name(path, prefix)
   if writer is None:
     marker = read_marker(path)
     writer = marker.writer if marker is not None else None
@@ -267,9 +273,13 @@ class _Temporary:
 
 def _temporaries(directory: str) -> list[_Temporary]:
   out = []
+  name = os.path.basename(directory)
   for path in siblings(directory):
+    infix = (
+      _TMP if os.path.basename(path).startswith(f'.{name}{_TMP}') else _OLD
+    )
+    writer = owner(path, f'.{name}{infix}')
     marker = read_marker(path)
-    writer = Writer.from_name(path) or (marker.writer if marker else None)
     complete = marker is not None and marker.state == COMPLETE
     out.append(_Temporary(path, writer, complete))
   return out
@@ -608,7 +618,7 @@ def staging_directory(parent: str) -> Iterator[str]:
   that dead writers left in `parent` are removed first.
   """
   for path in glob.glob(os.path.join(glob.escape(parent), _STAGING + '*')):
-    writer = owner(path)
+    writer = owner(path, _STAGING)
     if writer is not None and writer.alive(path) is False:
       _remove(path)
   path = os.path.join(parent, _STAGING + Writer.me().tag())

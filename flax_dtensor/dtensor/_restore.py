@@ -407,19 +407,19 @@ def restore_checkpoint(
   """Restores NNX variables from a checkpoint, sharded as the target says.
 
   Each process reads with TensorFlow's own checkpoint reader (plain TF ops
-  on the host; DTensor need not be initialized) the slices of each
-  variable its devices hold under the target's sharding, whatever the saved
-  layout: a whole variable in one pass when this process holds all of it,
-  else only its slices, so no host gathers a model sharded over processes.
-  JAX places one variable while TF reads the next. Before TensorFlow reads
-  anything, the files are checked against the manifest; after, every byte
-  read, before it is placed (so a file damaged or replaced during the
-  restore is refused too). The target is updated only once every variable
-  is read and checked, in every process: a failure leaves it unchanged.
-  Values are bit-exact to what was saved and never converted, unless
-  `convert_dtypes` is set. (To export
-  from the same process afterwards, call `initialize()` before this: TF
-  DTensor starts only before TF's first operation.)
+  on the host; DTensor need not be initialized) the saved shards that meet
+  the slices its devices hold under the target's sharding, whatever the
+  saved layout, and cuts its slices from them; so no host gathers a model
+  sharded over processes (onto another layout, a process may read more of
+  a variable than it holds). JAX places one variable while TF reads the
+  next. Before TensorFlow reads anything, the files are checked against the
+  manifest; after, every byte read, before it is placed (so a file damaged
+  or replaced during the restore is refused too). The target is updated
+  only once every variable is read and checked, in every process: a failure
+  leaves it unchanged. Values are bit-exact to what was saved and never
+  converted, unless `convert_dtypes` is set. (To export from the same
+  process afterwards, call `initialize()` before this: TF DTensor starts
+  only before TF's first operation.)
 
   The target's shardings: a variable annotated with logical axes is
   resolved by the rules in effect (`rules`, or the context's) on the mesh

@@ -10,10 +10,14 @@ model sharded over both; then they overwrite it with version 2, and process
   coordination service aborts (its heartbeat timeout, 10 s);
 - 'at-barrier': as soon as its own part of the manifest appears, its shards
   written, so process 0 is left waiting for it at our barrier, bounded by
-  FLAX_DTENSOR_PEER_TIMEOUT (the run sets it).
+  FLAX_DTENSOR_PEER_TIMEOUT (the run sets it);
+- 'in-restore': instead of overwriting, both restore version 1 into a
+  target of other values, and process 1 dies as its restore begins;
+  process 0 reads its part and then waits for process 1 to confirm its own.
 
 Either way process 0 must fail in our words, naming process 1, long before
-JAX's own heartbeat timeout (100 s) would abort it. Process 0 prints one
+JAX's own heartbeat timeout (100 s) would abort it; a restore must leave
+its target unchanged. Process 0 prints one
 JSON line starting with 'RESULT ', then leaves at once: at exit, JAX's
 shutdown would wait for the dead process until its heartbeat timeout.
 """
@@ -38,6 +42,7 @@ import flax_dtensor.dtensor as fdt_tf
 fdt_tf.initialize()  # Before any other TF op; starts the heartbeat.
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -79,12 +84,38 @@ def die_when(pattern):
   threading.Thread(target=watch, daemon=True).start()
 
 
+def restore(mesh, ckpt, out_dir):
+  """Process 1 dies as the restore begins; process 0 reports and leaves."""
+  other = jax.make_mesh((2, 4), ('model', 'data'))  # Another layout.
+  target = model(other, 7)
+  if jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+  result = {'process': 0, 'error': None}
+  try:
+    fdt_tf.restore_checkpoint(ckpt, target)
+  except fdt.ExportError as e:
+    result['error'] = str(e)
+  sevens = values(7)
+  result['unchanged'] = all(
+    np.array_equal(
+      np.asarray(shard.data), np.asarray(sevens[name])[shard.index]
+    )
+    for name, variable in target.items()
+    for shard in variable[...].addressable_shards
+  )
+  result['listing'] = sorted(os.listdir(out_dir))
+  print('RESULT ' + json.dumps(result), flush=True)
+  os._exit(0)
+
+
 def main():
   out_dir = sys.argv[1]
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   ckpt = os.path.join(out_dir, 'ckpt')
   fdt_tf.save_checkpoint(model(mesh, 1), ckpt)
   new = model(mesh, 2)
+  if sys.argv[2] == 'in-restore':
+    restore(mesh, ckpt, out_dir)
   if jax.process_index() == 1:
     tmp = os.path.join(out_dir, '.ckpt.tmp-*')
     if sys.argv[2] == 'in-write':

@@ -386,7 +386,7 @@ def unwritable() -> dict[str, Any]:
 
 @functools.cache
 def dead_peer(moment: str) -> dict[str, Any]:
-  """Process 1 of 2 killed mid-save at `moment` ('in-write', 'at-barrier').
+  """Process 1 of 2 killed at `moment` (see _mp_worker_dead_peer.py).
 
   Returns process 0's RESULT (its error, the listing after) and 'root',
   where the checkpoint is.

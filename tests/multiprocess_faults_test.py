@@ -3,11 +3,12 @@
 Two local processes (jax.distributed and DTensor on 127.0.0.1, see
 fault_runs.dead_peer and _mp_worker_dead_peer.py) save a checkpoint, then
 overwrite it; process 1 is killed mid-save, inside TensorFlow's collective
-write or at our barrier after its shards. Process 0 must raise our
-`ExportError` naming process 1, within TF DTensor's heartbeat timeout or
-FLAX_DTENSOR_PEER_TIMEOUT (10 s here) rather than hang until JAX's own
-heartbeat timeout aborts it (100 s), and the checkpoint must be the old
-version, whole, with nothing else left.
+write or at our barrier after its shards, or as a restore begins. Process
+0 must raise our `ExportError` naming process 1, within TF DTensor's
+heartbeat timeout or FLAX_DTENSOR_PEER_TIMEOUT (10 s here) rather than hang
+until JAX's own heartbeat timeout aborts it (100 s); the checkpoint must be
+the old version, whole, with nothing else left, and a restore's target
+unchanged.
 """
 
 import os
@@ -36,6 +37,20 @@ def _version(version):
   """The values _mp_worker_dead_peer.py saves as `version`."""
   base = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)
   return {(f'v{i}',): base + 1000 * version + i for i in range(8)}
+
+
+def test_a_dead_peer_in_a_restore_leaves_the_target_unchanged():
+  run = fault_runs.dead_peer('in-restore')
+  path = os.path.join(run['root'], 'ckpt')
+  assert run['error'] is not None, 'process 0 restored without process 1'
+  assert re.match(
+    rf"Process 1 of 2 stopped during the restore from '{re.escape(path)}': "
+    rf'{_WHY["at-barrier"]}\. The target was not changed\. Restart every '
+    r'process of the job',
+    run['error'],
+  ), run['error']
+  assert run['unchanged']
+  assert run['listing'] == ['ckpt']
 
 
 @pytest.mark.parametrize('moment', ['in-write', 'at-barrier'])

@@ -24,9 +24,9 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 pytestmark = pytest.mark.multiprocess
 
 _WHY = {
-  'in-write': r'TensorFlow lost it while writing the shards \(UnavailableError: '
-  r'.*task:1.*\)\. TF DTensor cancels every later TensorFlow operation of '
-  r'this process',
+  'in-write': r'TensorFlow lost it while writing the shards '
+  r'\(UnavailableError: .*task:1.*\)\. TF DTensor cancels every later '
+  r'TensorFlow operation of this process',
   'at-barrier': rf'no heartbeat from it for {fault_runs.PEER_TIMEOUT} s \(it '
   r'died, or hangs; FLAX_DTENSOR_PEER_TIMEOUT sets this bound, 60 s by '
   r'default\)',

@@ -620,6 +620,32 @@ def test_a_temporary_is_owned_from_the_moment_it_exists(
   _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=1))
 
 
+def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
+  """The command line's scratch directory: named by its writer too."""
+
+  def staging(pid):
+    path = tmp_path / (
+      '.flax_dtensor-staging-' + _atomic.Writer.on_this_host(pid).tag()
+    )
+    (path / 'checkpoint').mkdir(parents=True)
+    (path / 'checkpoint' / 'ckpt.index').write_text('partial')
+    return path.name
+
+  staging(_dead_pid())
+  live = staging(live_pid)
+  with _atomic.all_or_nothing(tmp_path, ['out'], overwrite=False) as staged:
+    os.mkdir(staged['out'])
+    (tmp_path / staged['out'] / 'a.txt').write_text('new')
+    # Its own scratch directory stays while it writes.
+    mine = os.path.basename(os.path.dirname(staged['out']))
+    assert _atomic.Writer.from_name(mine, '.flax_dtensor-staging-') == (
+      _atomic.Writer.me()
+    )
+    assert _listing(tmp_path) == sorted([live, mine])
+  assert _listing(tmp_path) == sorted([live, 'out'])
+  assert (tmp_path / 'out' / 'a.txt').read_text() == 'new'
+
+
 def test_temporaries_of_older_versions_are_judged_by_their_marker(
   explicit_mesh, tmp_path, live_pid
 ):

@@ -373,13 +373,17 @@ def checkpoint(
   mib: float,
   cache: str = 'hot',
   layouts: str = 'mixed',
+  target: str = 'saved',
 ) -> dict:
   """Writing and reading a checkpoint, and the raw bytes the same way.
 
   The limits write each distinct shard to its own file with NumPy (and
   fsync), read them back with NumPy, and for `raw_read_place` also place
   them on the devices as the restore does. `cache='cold'` evicts the files
-  from the page cache (``posix_fadvise``) before a read.
+  from the page cache (``posix_fadvise``) before a read. `target=
+  'transposed'` restores each array onto the mesh axes of its dimensions
+  swapped (`P('model', 'data')` for `P('data', 'model')`): no device then
+  holds a saved shard, and every byte read is cut and checked on the host.
   """
   jax = _jax()
   from flax import nnx
@@ -406,6 +410,17 @@ def checkpoint(
     abstract = jax.tree.map(
       lambda v: v, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
+    if target == 'transposed':
+      from jax.sharding import NamedSharding
+      from jax.sharding import PartitionSpec as P
+
+      for i, (_, spec) in enumerate(values):
+        variable = abstract[f'v{i}']
+        swapped = P(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+        value = variable.get_value()
+        variable.set_value(
+          jax.device_put(value, NamedSharding(value.sharding.mesh, swapped))
+        )
     shapes = [(a.shape, a.sharding) for a, _ in values]
     del state, values  # Only what the restore creates stays.
     if cache == 'cold':

@@ -20,6 +20,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+import fault_runs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,6 +246,89 @@ def _shard_module_too_big(ctx):
   with nnx.use_eager_sharding(False):
     model = ctx.model()
   fdt.shard_module(model, mesh=_TOO_BIG, rules=ctx.rules)
+
+
+def _recorded_text(message: str | None) -> None:
+  """Re-raises the ExportError text a fault run recorded."""
+  if message is None:
+    raise AssertionError('the fault run raised nothing')
+  raise fdt.ExportError(message)
+
+
+def _recorded(error: list[str] | None) -> None:
+  """Re-raises an error a fault run (fault_runs.py) recorded as [type, text]."""
+  if error is None:
+    raise AssertionError('the fault run raised nothing')
+  raise getattr(fdt, error[0], RuntimeError)(error[1])
+
+
+def _no_space(ctx):
+  """ENOSPC mid-save on a small tmpfs; else the same message from /dev/full.
+
+  The tmpfs needs a mount namespace (`unshare -rm`), which some systems
+  forbid; /dev/full refuses every write with ENOSPC everywhere, and the
+  message comes from the same function.
+  """
+  run = fault_runs.no_space()
+  if 'unavailable' not in run:
+    _recorded(run['error'])
+  from flax_dtensor.dtensor import _tf_errors
+
+  with _tf_errors.space_checked(str(ctx.tmp / 'full'), 2**20):
+    with open('/dev/full', 'w') as f:
+      f.write('x')
+      f.flush()
+
+
+def _in_progress(ctx):
+  """A temporary whose name says a live process (pid 1) writes it."""
+  from flax_dtensor.dtensor import _atomic
+
+  writer = _atomic.Writer.on_this_host(1)
+  path = ctx.tmp / 'busy'
+  (ctx.tmp / f'.busy.tmp-{writer.tag()}').mkdir()
+  ctx.dt.save_checkpoint(ctx.model(), path)
+
+
+def _file_parent(ctx):
+  (ctx.tmp / 'a_file').write_text('precious')
+  ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'a_file' / 'ckpt')
+
+
+def _bad_peer_timeout(ctx):
+  os.environ['FLAX_DTENSOR_PEER_TIMEOUT'] = 'soon'
+  try:
+    ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'timeout')
+  finally:
+    del os.environ['FLAX_DTENSOR_PEER_TIMEOUT']
+
+
+def _replaced_while_restoring(ctx):
+  """Another save swaps the checkpoint in after the files were checked."""
+  from flax_dtensor.dtensor import _manifest
+
+  path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'swapped')
+  with jax.set_mesh(ctx.mesh), fdt.logical_axis_rules(ctx.rules):
+    other = nnx.Linear(
+      8,
+      16,
+      kernel_init=_annotated(('embed', 'mlp')),
+      bias_init=nnx.initializers.ones,
+      rngs=nnx.Rngs(0),
+    )
+  other = ctx.dt.save_checkpoint(other, ctx.tmp / 'other')
+  real = _manifest.verify_files
+
+  def check_then_swap(manifest, pool):
+    real(manifest, pool)
+    os.rename(path, ctx.tmp / 'swapped-aside')
+    os.rename(other, path)
+
+  _manifest.verify_files = check_then_swap
+  try:
+    ctx.dt.restore_checkpoint(path, ctx.model())
+  finally:
+    _manifest.verify_files = real
 
 
 CASES = [
@@ -1067,6 +1151,104 @@ CASES = [
     r'has a sharding on an abstract mesh.*' + _TOO_BIG_MATCH,
     _TOO_BIG_FIX,
     lambda ctx: _abstract_without_mesh(ctx, _TOO_BIG),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'files replaced by another save during the restore',
+    fdt.ExportError,
+    r'is damaged: bias\[0:16\] read back with CRC-32 .*found in the bytes '
+    r'read, so the files may also have changed during the read.*Nothing was '
+    r'restored: the target is unchanged',
+    'Read again once the other save is done; restore from an intact copy.',
+    _replaced_while_restoring,
+    tf=True,
+  ),
+  # Faults of the machine
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a parent path that is a file',
+    fdt.ExportError,
+    r"The parent of export target .* is not a directory: '.*a_file' is a "
+    r'file',
+    'Choose a path inside a directory.',
+    _file_parent,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a parent directory this user may not write in (or read-only)',
+    fdt.ExportError,
+    r'Cannot write export target .*: its parent directory .* is not '
+    r'writable \(this process \(uid \d+\) may not write in it',
+    'Save in a directory you may write in, or change its permissions.',
+    lambda ctx: _recorded(
+      fault_runs.unwritable()['errors']['read-only parent']
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    "overwriting an export this user may not delete (someone else's)",
+    fdt.ExportError,
+    r'Cannot replace .* is not writable .*so the old export could not be '
+    r'deleted once the new one is in place',
+    'Save to a new directory, or have its owner remove it.',
+    lambda ctx: _recorded(fault_runs.unwritable()['errors']['not deletable']),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'another save to the same path in progress',
+    fdt.ExportError,
+    r'Another save to .* is in progress \(pid 1 on host .*Wait for it to '
+    r'finish, or save elsewhere',
+    'Wait for the other save, or save elsewhere.',
+    _in_progress,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'no space left on the disk (ENOSPC)',
+    fdt.ExportError,
+    r"failed: No space left on device: the export's variables alone take "
+    r'.* bytes\), and .* bytes\) are free on the filesystem of .*is '
+    r'unchanged, and the partial one was removed',
+    'Free space (an overwrite needs room for both versions) or save elsewhere.',
+    _no_space,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'a file-size limit reached mid-save (EFBIG, `ulimit -f`)',
+    fdt.ExportError,
+    r'failed: File too large: this process may write files of at most .*'
+    r'RLIMIT_FSIZE.*is unchanged, and the partial one was removed\. Raise '
+    r'the limit',
+    'Raise the limit (ulimit -f unlimited), then save again.',
+    lambda ctx: _recorded(fault_runs.full_disk()['attempts']['data']['error']),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'another process of a multi-process save died',
+    fdt.ExportError,
+    r'Process 1 of 2 stopped during the save to .*: no heartbeat from it '
+    r'for \d+ s .*FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*holds the '
+    r'previous checkpoint or the new one, whole',
+    'Restart every process of the job; set FLAX_DTENSOR_PEER_TIMEOUT for '
+    'another bound.',
+    lambda ctx: _recorded_text(fault_runs.dead_peer('at-barrier')['error']),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
+    'FLAX_DTENSOR_PEER_TIMEOUT that is not a number of seconds',
+    fdt.ExportError,
+    r'Expected FLAX_DTENSOR_PEER_TIMEOUT to be a positive number of '
+    r"seconds, got 'soon'",
+    'Set it to a number of seconds, e.g. 60, or unset it.',
+    _bad_peer_timeout,
     tf=True,
   ),
   # SavedModels

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -1097,8 +1098,9 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
       'read',
       r"TensorFlow failed to read the NNX variable '(v|w)' from the "
       r"checkpoint '.*/ckpt/ckpt': (OutOfRange|DataLoss)Error: .*Check that "
-      r'every data file of the checkpoint is complete and readable, or '
-      r're-export it\.$',
+      r'every data file of the checkpoint is complete and readable \(or that '
+      r'no other process rewrote it during the read\), or re-export it\. '
+      r'Nothing was restored: the target is unchanged\.$',
       'ckpt',
     ),
     (
@@ -1259,8 +1261,11 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
     with _atomic.atomic_directory(target, overwrite=True) as tmp:
       with open(os.path.join(tmp, 'new.txt'), 'w') as f:
         f.write('new')
-  assert re.fullmatch(r'\.out\.old-[0-9a-f]{8}', calls[0][1])
-  assert re.fullmatch(r'\.out\.tmp-[0-9a-f]{8}', calls[1][0])
+  # Both names say who writes them: token, pid, start time, host.
+  label = re.escape(_atomic._host_label(socket.gethostname()))
+  writer = rf'[0-9a-f]{{8}}-{os.getpid()}-\d+-{label}'
+  assert re.fullmatch(rf'\.out\.old-{writer}', calls[0][1])
+  assert re.fullmatch(rf'\.out\.tmp-{writer}', calls[1][0])
   assert _listing(tmp_path) == ['out']
   assert (target / 'old.txt').read_text() == 'old'
   assert sorted(os.listdir(target)) == ['flax_dtensor.json', 'old.txt']

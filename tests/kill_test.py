@@ -1,19 +1,29 @@
 """SIGKILL during an overwriting save: the old or the new checkpoint, whole.
 
-A child process overwrites a checkpoint with the other of two versions and
-is killed at a moment spread over the save (stratified: the i-th of N kills
-lands in the i-th slice of the save's duration). After each kill, the path
-must read back as one version exactly (the read finishes or undoes an
-interrupted swap), and after a last save nothing else may remain.
+A process overwrites a checkpoint with the other of two versions and is
+killed at a moment of the save chosen by its progress, as the test watches
+the files it writes: in its first milliseconds (before and while it creates
+its temporary directory), the instant the temporary appears, when a given
+share of the checkpoint's bytes is written, when the manifest appears, and
+during the final renames. After each kill, the path must read back as one
+version exactly (the read finishes or undoes an interrupted swap) with
+nothing else left beside it; the last kill's leftovers must be removed by
+the next save.
+
+Each save runs in a fresh process forked from one that imported JAX and
+TensorFlow once (single-threaded, so forking is safe): a kill costs a
+process start without the imports.
 """
 
 import contextlib
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -22,39 +32,161 @@ import pytest
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-KILLS = 24
-SETUP_TIMEOUT = 240
+SETUP_TIMEOUT = 300
 SHAPE = (8, 16, 2048)  # 1 MiB of float32 per variable.
 NAMES = [f'v{i}' for i in range(24)]
+# Kills by kind: ('ms', d) d milliseconds after the save is asked for;
+# ('tmp', 0) when its temporary appears; ('bytes', f) when it holds that
+# share of a checkpoint's bytes; ('manifest', 0) when the manifest appears;
+# ('swap', 0) once the new checkpoint is renamed in (or the old aside).
+MOMENTS = (
+  [('ms', d) for d in (0, 1, 2, 3, 5, 8, 12, 20)]
+  + [('tmp', 0)] * 8
+  + [('bytes', f) for f in (0.05, 0.25, 0.5, 0.75, 0.95)]
+  + [('manifest', 0)] * 3
+  + [('swap', 0)] * 4
+)
+# The kinds whose kill always finds the save unfinished: after them, at
+# least a whole TF write is left to do.
+MID_SAVE = {'tmp', 'bytes'}
 
-CHILD = textwrap.dedent(
+ZYGOTE = textwrap.dedent(
   f"""
   import os, sys, time
   import jax, jax.numpy as jnp, numpy as np
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
   from flax_dtensor import dtensor as fdt_tf
+  from flax_dtensor.dtensor import _tf
 
-  fdt_tf.initialize()
-  mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  path = sys.argv[1]
-  base = np.arange(np.prod({SHAPE}), dtype=np.float32).reshape({SHAPE})
-  models = {{
-    version: nnx.Dict({{
-      name: nnx.Param(jax.device_put(base + 1000 * version + i,
-                                     NamedSharding(mesh, P('data', 'model'))))
-      for i, name in enumerate({NAMES!r})
-    }})
-    for version in (1, 2)
-  }}
-  jax.block_until_ready(nnx.state(models))
-  print('READY', flush=True)
-  model = models[int(sys.stdin.readline())]
-  start = time.perf_counter()
-  fdt_tf.save_checkpoint(model, path, overwrite=True)
-  print('DONE', time.perf_counter() - start, flush=True)
+  _tf.tf()  # Imported once here; each save runs in a fork of this process.
+  threads = len(os.listdir('/proc/self/task'))
+  assert threads == 1, f'{{threads}} threads: forking would be unsafe'
+
+  def save(path):
+    jax.config.update('jax_num_cpu_devices', 8)
+    fdt_tf.initialize()
+    mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    base = np.arange(np.prod({SHAPE}), dtype=np.float32).reshape({SHAPE})
+    sharding = NamedSharding(mesh, P('data', 'model'))
+    models = {{
+      version: nnx.Dict({{
+        name: nnx.Param(jax.device_put(base + 1000 * version + i, sharding))
+        for i, name in enumerate({NAMES!r})
+      }})
+      for version in (1, 2, 3)
+    }}
+    jax.block_until_ready(nnx.state(models))
+    print('READY', os.getpid(), flush=True)
+    model = models[int(sys.stdin.readline())]
+    start = time.perf_counter()
+    fdt_tf.save_checkpoint(model, path, overwrite=True)
+    print('DONE', time.perf_counter() - start, flush=True)
+
+  print('ZYGOTE', flush=True)
+  for command in iter(sys.stdin.readline, ''):
+    if command != 'fork\\n':
+      continue  # A version its process was killed too soon to read.
+    pid = os.fork()
+    if pid == 0:
+      try:
+        save(sys.argv[1])
+      finally:
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print('EXIT', pid, status, flush=True)
   """
 )
+
+
+class Zygote:
+  """The process that forks one saving process per kill."""
+
+  def __init__(self, script, path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+    env.update(OPENBLAS_NUM_THREADS='1', OMP_NUM_THREADS='1')
+    self.proc = subprocess.Popen(
+      [sys.executable, str(script), str(path)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    self.lines = queue.Queue()
+    self.finished = threading.Event()  # The saving process is done.
+    self.errors = []
+    self.reader = threading.Thread(target=self._read, daemon=True)
+    self.reader.start()
+    self.drain = threading.Thread(target=self._drain, daemon=True)
+    self.drain.start()
+    self.child = None
+    self.expect('ZYGOTE')
+
+  def _read(self):
+    for line in self.proc.stdout:
+      words = line.split()
+      if words and words[0] in ('DONE', 'EXIT'):
+        self.finished.set()
+      self.lines.put(words)
+    self.finished.set()
+    self.lines.put(None)
+
+  def _drain(self):
+    for line in self.proc.stderr:
+      self.errors.append(line)
+
+  def expect(self, word, timeout=SETUP_TIMEOUT):
+    try:
+      line = self.lines.get(timeout=timeout)
+    except queue.Empty:
+      line = None
+    if not line or line[0] != word:
+      if line is None:  # The zygote died: all it said.
+        self.drain.join(timeout=60)
+      raise AssertionError(
+        f'expected {word}, got {line} (zygote exit {self.proc.poll()}): '
+        + ''.join(self.errors)[-3000:]
+      )
+    return line
+
+  def send(self, text):
+    self.proc.stdin.write(text + '\n')
+    self.proc.stdin.flush()
+
+  def fork(self):
+    """A new saving process, ready: its pid."""
+    self.finished.clear()
+    self.send('fork')
+    self.child = int(self.expect('READY')[1])
+    return self.child
+
+  def reap(self):
+    """Waits for the saving process's end (it was killed or finished)."""
+    while (line := self.expect_any())[0] != 'EXIT':
+      pass
+    self.child = None
+    return line
+
+  def expect_any(self):
+    line = self.lines.get(timeout=SETUP_TIMEOUT)
+    if line is None:
+      raise AssertionError(f'zygote died: {"".join(self.errors)[-3000:]}')
+    return line
+
+  def kill_child(self):
+    if self.child is not None:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(self.child, signal.SIGKILL)
+
+  def close(self):
+    self.kill_child()
+    self.proc.kill()
+    self.proc.wait(timeout=60)
+    self.reader.join(timeout=60)
+    self.drain.join(timeout=60)
+    for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+      pipe.close()
 
 
 def _expected(version):
@@ -62,88 +194,114 @@ def _expected(version):
   return {(name,): base + 1000 * version + i for i, name in enumerate(NAMES)}
 
 
-@contextlib.contextmanager
-def _spawn(script, path):
-  """A child ready to save at `path`; killed and closed after."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  with subprocess.Popen(
-    [sys.executable, str(script), str(path)],
-    stdin=subprocess.PIPE,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    env=env,
-  ) as proc:
-    try:
-      _wait_for(proc, 'READY', SETUP_TIMEOUT)
-      yield proc
-    finally:
-      proc.kill()
-      proc.wait(timeout=60)
-
-
-def _go(proc, version):
-  proc.stdin.write(f'{version}\n')
-  proc.stdin.flush()
-
-
-def _wait_for(proc, word, timeout):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    line = proc.stdout.readline()
-    if line.startswith(word):
-      return line
-    if not line and proc.poll() is not None:
-      break
-  proc.kill()
-  proc.wait(timeout=60)
-  raise AssertionError(
-    f'child did not print {word}: {proc.stderr.read()[-3000:]}'
-  )
-
-
 def _version_of(read):
   """Which version the checkpoint holds, checking every byte."""
   assert set(read) == set(_expected(1)), sorted(read)
-  for version in (1, 2):
+  for version in (1, 2, 3):
     if all(np.array_equal(read[k], v) for k, v in _expected(version).items()):
       return version
-  raise AssertionError('the checkpoint is neither version, or mixes both')
+  raise AssertionError('the checkpoint is no version, or mixes them')
+
+
+def _progress(root):
+  """(temporaries, old ones aside, bytes in the temporaries, a manifest)."""
+  temporaries, olds, written, manifest = [], [], 0, False
+  with contextlib.suppress(FileNotFoundError):
+    for entry in os.scandir(root):
+      if entry.name.startswith('.ckpt.tmp-'):
+        temporaries.append(entry.path)
+      elif entry.name.startswith('.ckpt.old-'):
+        olds.append(entry.path)
+  for tmp in temporaries:
+    for directory, _, files in os.walk(tmp):
+      for name in files:
+        manifest |= name == 'flax_dtensor.json' and directory == tmp
+        with contextlib.suppress(FileNotFoundError):
+          written += os.stat(os.path.join(directory, name)).st_size
+  return temporaries, olds, written, manifest
+
+
+def _kill_at(zygote, root, moment, version, total):
+  """Asks for a save, kills it at `moment`; whether the moment was seen."""
+  kind, amount = moment
+  asked = time.monotonic()
+  zygote.send(str(version))
+  seen_tmp = False
+  while not zygote.finished.is_set():
+    if time.monotonic() - asked > SETUP_TIMEOUT:
+      raise AssertionError(f'no progress towards {kind}')
+    if kind == 'ms':
+      if time.monotonic() - asked >= amount / 1000:
+        break
+      continue
+    temporaries, olds, written, manifest = _progress(root)
+    seen_tmp |= bool(temporaries)
+    if (
+      (kind == 'tmp' and temporaries)
+      or (kind == 'bytes' and written >= amount * total)
+      or (kind == 'manifest' and manifest)
+      or (kind == 'swap' and (olds or (seen_tmp and not temporaries)))
+    ):
+      break
+    time.sleep(0.0001)
+  else:
+    zygote.kill_child()
+    zygote.reap()
+    return False
+  zygote.kill_child()
+  zygote.reap()
+  return True
 
 
 def test_sigkill_during_overwriting_saves(tmp_path):
-  script = tmp_path / 'child.py'
-  script.write_text(CHILD)
+  script = tmp_path / 'zygote.py'
+  script.write_text(ZYGOTE)
   root = tmp_path / 'root'
   root.mkdir()
   path = root / 'ckpt'
-  # A first save, whole: the old version, and the save's duration.
-  with _spawn(script, path) as proc:
-    _go(proc, 1)
-    duration = float(_wait_for(proc, 'DONE', SETUP_TIMEOUT).split()[1])
-  assert _version_of(fdt_tf.read_checkpoint(path)) == 1
-  rng = random.Random(0)
-  seen = {'old': 0, 'new': 0}
-  interrupted = 0
-  current = 1
-  for i in range(KILLS):
-    version = 3 - current
-    with _spawn(script, path) as proc:
-      moment = (i + rng.random()) / KILLS * 1.1 * duration
-      _go(proc, version)
-      time.sleep(moment)
-      proc.send_signal(signal.SIGKILL)
-      proc.wait(timeout=60)
-    leftovers = [n for n in os.listdir(root) if n != 'ckpt']
-    interrupted += bool(leftovers) or not path.exists()
-    current = _version_of(fdt_tf.read_checkpoint(path))
-    seen['new' if current == version else 'old'] += 1
-  # Kills landed mid-save, and both outcomes occurred.
-  assert interrupted >= KILLS // 4, (interrupted, seen)
-  assert seen['old'] and seen['new'], seen
-  # The next save removes whatever the killed writers left.
-  with _spawn(script, path) as proc:
-    _go(proc, 3 - current)
-    _wait_for(proc, 'DONE', SETUP_TIMEOUT)
-  assert os.listdir(root) == ['ckpt']
-  assert _version_of(fdt_tf.read_checkpoint(path)) == 3 - current
+  zygote = Zygote(script, path)
+  try:
+    # A first save, whole: the old version, and its size.
+    zygote.fork()
+    zygote.send('1')
+    zygote.expect('DONE')
+    zygote.reap()
+    total = sum(f.stat().st_size for f in path.iterdir())
+    assert _version_of(fdt_tf.read_checkpoint(path)) == 1
+    moments = list(MOMENTS)
+    random.Random(0).shuffle(moments)
+    moments.append(('bytes', 0.5))  # Its leftovers go to the last save.
+    seen = {'old': 0, 'new': 0}
+    interrupted, aimed_mid_save = 0, 0
+    current = 1
+    for i, moment in enumerate(moments):
+      version = 3 - current
+      zygote.fork()
+      hit = _kill_at(zygote, root, moment, version, total)
+      leftovers = [n for n in os.listdir(root) if n != 'ckpt']
+      stopped = bool(leftovers) or not path.exists()
+      interrupted += stopped
+      if hit and moment[0] in MID_SAVE:
+        aimed_mid_save += 1
+        # Killed with a whole TF write still to do: the save was stopped.
+        assert stopped, (moment, os.listdir(root))
+      if i == len(moments) - 1:
+        break
+      current = _version_of(fdt_tf.read_checkpoint(path))
+      seen['new' if current == version else 'old'] += 1
+      # The read recovered what the kill left: nothing else remains.
+      assert os.listdir(root) == ['ckpt'], (moment, os.listdir(root))
+    # Kills landed mid-save, and both outcomes occurred.
+    assert aimed_mid_save >= 8, aimed_mid_save
+    assert interrupted >= len(moments) // 3, (interrupted, seen)
+    assert seen['old'] and seen['new'], seen
+    # The next save removes whatever the last killed writer left.
+    assert stopped, os.listdir(root)
+    zygote.fork()
+    zygote.send('3')
+    zygote.expect('DONE')
+    zygote.reap()
+    assert os.listdir(root) == ['ckpt']
+    assert _version_of(fdt_tf.read_checkpoint(path)) == 3
+  finally:
+    zygote.close()

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -101,6 +101,7 @@ def run_workers(
   timeout: float = 300,
   devices_per_process: int = 4,
   env: Mapping[str, str] | None = None,
+  may_die: Collection[int] = (),
 ) -> list[str]:
   """Runs `script_path` in `num_processes` local processes; returns outputs.
 
@@ -111,6 +112,8 @@ def run_workers(
     timeout: Seconds for the whole run; then every process is killed.
     devices_per_process: CPU devices of each process.
     env: Extra environment variables for every worker.
+    may_die: Processes whose death (any exit status) does not fail the
+      run: a test kills them on purpose, and the others go on.
 
   Returns:
     Each process's combined stdout and stderr, by process id.
@@ -144,7 +147,7 @@ def run_workers(
               stdin=subprocess.DEVNULL,
             )
           )
-      failure = _wait(procs, timeout)
+      failure = _wait(procs, timeout, may_die)
     finally:
       for p in procs:
         if p.poll() is None:
@@ -163,15 +166,23 @@ def run_workers(
   return outputs
 
 
-def _wait(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> str:
+def _wait(
+  procs: Sequence[subprocess.Popen[bytes]],
+  timeout: float,
+  may_die: Collection[int] = (),
+) -> str:
   """Waits for all processes; returns '' or why the run failed."""
   deadline = time.monotonic() + timeout
   while True:
     codes = [p.poll() for p in procs]
-    failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+    failed = [
+      i for i, c in enumerate(codes) if c not in (None, 0) and i not in may_die
+    ]
     if failed:
       return f'worker(s) {failed} failed; killed the others'
-    if all(c == 0 for c in codes):
+    if all(
+      c == 0 or (c is not None and i in may_die) for i, c in enumerate(codes)
+    ):
       return ''
     if time.monotonic() > deadline:
       running = [i for i, c in enumerate(codes) if c is None]

@@ -319,7 +319,9 @@ def test_os_errors_are_ours(explicit_mesh, tmp_path, monkeypatch):
 def test_permission_errors_are_ours_even_for_root(explicit_mesh, tmp_path):
   """A path through a file: the OS refuses whoever asks."""
   (tmp_path / 'a_file').write_text('x')
-  with pytest.raises(fdt.ExportError, match=r'parent directory .* not exist'):
+  with pytest.raises(
+    fdt.ExportError, match=r"is not a directory: '.*a_file' is a file"
+  ):
     fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'a_file' / 'c')
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
   os.remove(os.path.join(path, 'flax_dtensor.json'))
@@ -563,29 +565,124 @@ def test_a_kill_between_the_renames_is_recovered_by_a_save(
   assert _listing(tmp_path) == ['c']
 
 
-def test_stale_temporaries_are_removed_live_ones_kept(explicit_mesh, tmp_path):
+@pytest.fixture
+def live_pid():
+  """The pid of a process that lives through the test (another writer)."""
+  proc = subprocess.Popen(
+    [sys.executable, '-c', 'import time; time.sleep(600)']
+  )
+  try:
+    yield proc.pid
+  finally:
+    proc.kill()
+    proc.wait(timeout=60)
+
+
+def _named(directory, infix, pid, host=None):
+  """A temporary's path whose name says its writer (as saves name them)."""
+  writer = _atomic.Writer.on_this_host(pid)
+  if host is not None:
+    writer = _atomic.Writer(pid, host, None)
+  name = f'.{os.path.basename(directory)}{infix}{writer.tag()}'
+  path = os.path.join(os.path.dirname(directory), name)
+  os.mkdir(path)
+  with open(os.path.join(path, 'ckpt.data-00000-of-00001'), 'w') as f:
+    f.write('partial')
+  return os.path.basename(path)
+
+
+def test_a_temporary_is_owned_from_the_moment_it_exists(
+  explicit_mesh, tmp_path, live_pid
+):
+  """Its name says who writes it: no marker needed to judge it."""
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  dead = [
+    _named(path, '.tmp-', _dead_pid()),  # Killed before any marker.
+    _named(path, '.old-', _dead_pid()),  # Killed between the renames.
+  ]
+  other_host = _named(path, '.tmp-', _dead_pid(), host='another-host')
+  # A pid reused by a live process: another start time, so dead.
+  reused = _atomic.Writer(live_pid, _atomic.Writer.me().host, '1')
+  os.mkdir(tmp_path / f'.c.tmp-{reused.tag()}')
+  # A failed save of this very process, not being written any more.
+  dead.append(_named(path, '.tmp-', os.getpid()))
+  assert set(dead) <= set(_listing(tmp_path))
+  fdt_tf.save_checkpoint(_model(explicit_mesh, seed=1), path, overwrite=True)
+  assert _listing(tmp_path) == sorted([other_host, 'c'])
+  # A live writer is never disturbed, whatever its temporary holds.
+  live = _named(path, '.tmp-', live_pid)
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf'Another save to .* is in progress \(pid {live_pid} on host',
+  ):
+    fdt_tf.save_checkpoint(_model(explicit_mesh), path, overwrite=True)
+  assert _listing(tmp_path) == sorted([other_host, live, 'c'])
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=1))
+
+
+def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
+  """The command line's scratch directory: named by its writer too."""
+
+  def staging(pid):
+    path = tmp_path / (
+      '.flax_dtensor-staging-' + _atomic.Writer.on_this_host(pid).tag()
+    )
+    (path / 'checkpoint').mkdir(parents=True)
+    (path / 'checkpoint' / 'ckpt.index').write_text('partial')
+    return path.name
+
+  staging(_dead_pid())
+  live = staging(live_pid)
+  with _atomic.all_or_nothing(tmp_path, ['out'], overwrite=False) as staged:
+    os.mkdir(staged['out'])
+    (tmp_path / staged['out'] / 'a.txt').write_text('new')
+    # Its own scratch directory stays while it writes.
+    mine = os.path.basename(os.path.dirname(staged['out']))
+    assert _atomic.Writer.from_name(mine, '.flax_dtensor-staging-') == (
+      _atomic.Writer.me()
+    )
+    assert _listing(tmp_path) == sorted([live, mine])
+  assert _listing(tmp_path) == sorted([live, 'out'])
+  assert (tmp_path / 'out' / 'a.txt').read_text() == 'new'
+
+
+def test_temporaries_of_older_versions_are_judged_by_their_marker(
+  explicit_mesh, tmp_path, live_pid
+):
+  """Names without the writer: the marker (or its half-written copy) says."""
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
   for name, kwargs in [
     ('.c.tmp-00000001', {}),  # Dead writer.
     ('.c.old-00000002', {}),  # Dead writer.
     ('.c.tmp-00000003', {'host': 'another-host'}),  # Unknown: kept.
+    ('.c.tmp-00000006', {'pid': live_pid}),  # Live: kept.
   ]:
     os.mkdir(tmp_path / name)
     (tmp_path / name / 'ckpt.index').write_text('partial')
     _mark(tmp_path / name, _atomic.WRITING, **kwargs)
   os.mkdir(tmp_path / '.c.tmp-00000004')  # Killed before its marker: empty.
-  fdt_tf.save_checkpoint(_model(explicit_mesh, seed=1), path, overwrite=True)
-  assert _listing(tmp_path) == ['.c.tmp-00000003', 'c']
-  # A live writer (this very process) is never disturbed.
-  os.mkdir(tmp_path / '.c.tmp-00000005')
-  _mark(tmp_path / '.c.tmp-00000005', _atomic.WRITING, pid=os.getpid())
+  # Killed while renaming its marker into place: the copy says who.
+  os.mkdir(tmp_path / '.c.tmp-00000007')
+  _mark(tmp_path / '.c.tmp-00000007', _atomic.WRITING)
+  os.rename(
+    tmp_path / '.c.tmp-00000007' / _atomic.MARKER,
+    tmp_path / '.c.tmp-00000007' / (_atomic.MARKER + '.new'),
+  )
+  # Unmarked and not empty: nothing says whose, so it is kept.
+  os.mkdir(tmp_path / '.c.tmp-00000008')
+  (tmp_path / '.c.tmp-00000008' / 'ckpt.index').write_text('partial')
   with pytest.raises(
     fdt.ExportError,
-    match=rf'Another save to .* is in progress \(pid {os.getpid()}',
+    match=rf'Another save to .* is in progress \(pid {live_pid}',
   ):
-    fdt_tf.save_checkpoint(_model(explicit_mesh), path, overwrite=True)
-  assert '.c.tmp-00000005' in _listing(tmp_path)
-  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh, seed=1))
+    fdt_tf.save_checkpoint(_model(explicit_mesh, seed=1), path, overwrite=True)
+  _same(fdt_tf.read_checkpoint(path), _model(explicit_mesh))
+  assert _listing(tmp_path) == [
+    '.c.tmp-00000003',
+    '.c.tmp-00000006',
+    '.c.tmp-00000008',
+    'c',
+  ]
 
 
 def test_the_parent_directory_is_synced_after_the_rename(

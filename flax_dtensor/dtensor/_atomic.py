@@ -1,10 +1,13 @@
 """Atomic export directories: complete or absent, and nothing left behind.
 
-An export is written into a hidden, marked sibling (`MARKER`: the writer's
-pid, host and start time) and renamed into place; an old export is renamed
-aside first. `recover` finishes what a killed writer left; `check_replaceable`
-refuses to overwrite what this package did not write. In a multi-process
-run, process 0 does the filesystem work and the others wait at barriers.
+An export is written into a hidden sibling whose name says who writes it
+(`Writer`: host, pid and process start time) and renamed into place; an
+old export is renamed aside first, under a name that says the same. So a
+temporary is owned from the instant it exists: `recover` removes what dead
+writers left, whatever moment they died at, and finishes an interrupted
+swap. `check_writable` and `check_replaceable` refuse, before any byte is
+written, places this process cannot write and what this package did not
+write. In a multi-process run, process 0 does the filesystem work.
 """
 
 from __future__ import annotations
@@ -14,29 +17,36 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import _manifest
+from flax_dtensor.dtensor import _manifest, _peers
 
+# Marks a temporary complete (all files written and flushed): its writer's
+# identity and `COMPLETE`. Not part of the export.
 MARKER = '.flax_dtensor-writer.json'
 _TMP = '.tmp-'
 _OLD = '.old-'
+_STAGING = '.flax_dtensor-staging-'
+# States a marker can hold. Only COMPLETE is written now; temporaries
+# written by flax_dtensor before names carried the writer hold the others.
 WRITING, COMPLETE, REPLACED = 'writing', 'complete', 'replaced'
 
-# Broadcast status codes (process 0 decides, every process acts alike).
-_OK, _EXISTS, _FAILED = 0, 1, 2
+# Temporaries this process is writing now (a pid alone cannot tell them
+# apart from ones a failed save of this same process left).
+_active: set[str] = set()
 
 
-# Markers and liveness
+# Writers and liveness
 # ------------------------------------------------------------------------------
 
 
@@ -49,24 +59,77 @@ def _start_time(pid: int) -> str | None:
     return None
 
 
+def _host_label(host: str) -> str:
+  """`host` as it appears in a name: itself, or a prefix and its CRC.
+
+  Names keep `[A-Za-z0-9.-]` and at most 40 characters as they are; any
+  other host name gets a `~` and a CRC-32 of the whole name, so two hosts
+  never share a label by truncation.
+  """
+  safe = re.sub(r'[^A-Za-z0-9.-]', '_', host)
+  if safe == host and 0 < len(host) <= 40:
+    return host
+  return f'{safe[:31]}~{zlib.crc32(host.encode()):08x}'
+
+
+# token-pid-start-host: all of a name after `.NAME.tmp-` (`.old-`, staging).
+_TAG = re.compile(
+  r'(?P<token>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<started>[0-9]+)-'
+  r'(?P<host>[A-Za-z0-9._~-]+)'
+)
+
+
 @dataclasses.dataclass(frozen=True)
-class Marker:
-  """Who writes (or wrote) a directory, and how far they got."""
+class Writer:
+  """Who writes (or wrote) a temporary directory."""
 
   pid: int
-  host: str
-  started: str | None
-  state: str
+  host: str  # A host name or its label (`_host_label`).
+  started: str | None  # The process start time, if known.
 
   @classmethod
-  def mine(cls, state: str) -> Marker:
-    pid = os.getpid()
-    return cls(pid, socket.gethostname(), _start_time(pid), state)
+  def on_this_host(cls, pid: int) -> Writer:
+    """The process `pid` of this host, as a name records it."""
+    return cls(pid, _host_label(socket.gethostname()), _start_time(pid))
 
-  def alive(self) -> bool | None:
-    """True or False on this host; None (unknown) for another host."""
-    if self.host != socket.gethostname():
+  @classmethod
+  def me(cls) -> Writer:
+    return cls.on_this_host(os.getpid())
+
+  @classmethod
+  def from_name(cls, path: str, prefix: str) -> Writer | None:
+    """The writer the name of `path` records after `prefix`, or None.
+
+    None for a name of an older version (`.NAME.tmp-` and 8 hex digits).
+    """
+    name = os.path.basename(path)
+    if not name.startswith(prefix):
       return None
+    match = _TAG.fullmatch(name[len(prefix) :])
+    if match is None:
+      return None
+    started = match['started']
+    return cls(
+      int(match['pid']), match['host'], None if started == '0' else started
+    )
+
+  def tag(self) -> str:
+    """A fresh name suffix saying who writes: token-pid-start-host."""
+    return f'{secrets.token_hex(4)}-{self.pid}-{self.started or 0}-{self.host}'
+
+  def alive(self, path: str | None = None) -> bool | None:
+    """True or False on this host; None (unknown) for another host.
+
+    `path`, a temporary of this process, is alive while this process
+    writes it.
+    """
+    if _host_label(self.host) != _host_label(socket.gethostname()):
+      return None
+    if self.pid == os.getpid() and self.started in (
+      None,
+      _start_time(self.pid),
+    ):
+      return path is None or path in _active
     try:
       os.kill(self.pid, 0)
     except ProcessLookupError:
@@ -80,24 +143,52 @@ class Marker:
     return f'pid {self.pid} on host {self.host}'
 
 
+@dataclasses.dataclass(frozen=True)
+class Marker:
+  """A temporary's marker file: its writer, and how far it got."""
+
+  writer: Writer
+  state: str
+
+
 def write_marker(directory: str, state: str) -> None:
   path = os.path.join(directory, MARKER)
+  me = Writer.me()
   with open(path + '.new', 'w') as f:
-    json.dump(dataclasses.asdict(Marker.mine(state)), f)
+    json.dump(
+      {'pid': me.pid, 'host': me.host, 'started': me.started, 'state': state},
+      f,
+    )
     f.flush()
     os.fsync(f.fileno())
   os.replace(path + '.new', path)
 
 
 def read_marker(directory: str) -> Marker | None:
-  try:
-    with open(os.path.join(directory, MARKER)) as f:
-      raw = json.load(f)
-    return Marker(
-      int(raw['pid']), str(raw['host']), raw.get('started'), str(raw['state'])
-    )
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+  """The marker of `directory`, else its half-written `.new`, else None."""
+  for name in (MARKER, MARKER + '.new'):
+    try:
+      with open(os.path.join(directory, name)) as f:
+        raw = json.load(f)
+      started = raw.get('started')
+      writer = Writer(
+        int(raw['pid']),
+        str(raw['host']),
+        None if started is None else str(started),
+      )
+      return Marker(writer, str(raw['state']))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+      continue
+  return None
+
+
+def owner(path: str, prefix: str) -> Writer | None:
+  """Who writes the temporary `path`: its name says, else its marker."""
+  writer = Writer.from_name(path, prefix)
+  if writer is None:
+    marker = read_marker(path)
+    writer = marker.writer if marker is not None else None
+  return writer
 
 
 def _fsync_dir(path: str) -> None:
@@ -135,7 +226,7 @@ def _fsync_tree(path: str) -> None:
 
 def _sibling(directory: str, infix: str) -> str:
   parent, name = os.path.split(directory)
-  return os.path.join(parent, f'.{name}{infix}{secrets.token_hex(4)}')
+  return os.path.join(parent, f'.{name}{infix}{Writer.me().tag()}')
 
 
 def siblings(directory: str) -> list[str]:
@@ -169,13 +260,39 @@ def _remove(path: str) -> None:
   os.rmdir(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Temporary:
+  path: str
+  writer: Writer | None  # None: an unmarked temporary of an older name.
+  complete: bool
+
+  @property
+  def alive(self) -> bool | None:
+    return None if self.writer is None else self.writer.alive(self.path)
+
+
+def _temporaries(directory: str) -> list[_Temporary]:
+  out = []
+  name = os.path.basename(directory)
+  for path in siblings(directory):
+    infix = (
+      _TMP if os.path.basename(path).startswith(f'.{name}{_TMP}') else _OLD
+    )
+    writer = owner(path, f'.{name}{infix}')
+    marker = read_marker(path)
+    complete = marker is not None and marker.state == COMPLETE
+    out.append(_Temporary(path, writer, complete))
+  return out
+
+
 def recover(directory: str, *, writing: bool) -> None:
   """Finishes or undoes what a killed writer left at `directory`.
 
   If `directory` is missing and a dead writer left a complete new export,
   it is moved into place; else a renamed-aside old export is moved back.
   Temporaries of dead writers on this host are removed, never those of a
-  live writer. Call on process 0 only.
+  live writer (or of another host, whose liveness cannot be known here).
+  Call on process 0 only.
 
   Args:
     directory: The export directory.
@@ -185,57 +302,53 @@ def recover(directory: str, *, writing: bool) -> None:
     ExportError: If another writer is alive, or the export is missing and
       only another host's writer could say where it is.
   """
-  temporaries = [(p, read_marker(p)) for p in siblings(directory)]
-  live = [(p, m) for p, m in temporaries if m is not None and m.alive()]
-  unknown = [
-    (p, m) for p, m in temporaries if m is not None and m.alive() is None
-  ]
+  temporaries = _temporaries(directory)
+  live = [t for t in temporaries if t.alive is True]
+  unknown = [t for t in temporaries if t.writer is not None and t.alive is None]
   exists = os.path.lexists(directory)
   changed = False
   if live and (writing or not exists):
-    path, marker = live[0]
     raise _errors.ExportError(
-      f'Another save to {directory!r} is in progress ({marker.describe()}, '
-      f'writing {path!r}). Wait for it to finish, or save elsewhere.'
+      f'Another save to {directory!r} is in progress '
+      f'({live[0].writer.describe()}, writing {live[0].path!r}). Wait for it '
+      'to finish, or save elsewhere.'
     )
-  if live:
-    return
-  if not exists:
-    complete = [
-      p
-      for p, m in temporaries
-      if _TMP in p and m is not None and m.state == COMPLETE
+  if not exists and not live:
+    complete = [t for t in temporaries if _TMP in t.path and t.complete]
+    old = [
+      t for t in temporaries if _OLD in t.path and _manifest.locate(t.path)
     ]
-    old = [p for p, m in temporaries if _OLD in p and _manifest.locate(p)]
     chosen = (complete or old or [None])[-1]
     if chosen is None and unknown:
       raise _errors.ExportError(
         f'{directory!r} does not exist, and a writer on another host left '
-        f'{[p for p, _ in unknown]!r}. Check that host; a complete export '
+        f'{[t.path for t in unknown]!r}. Check that host; a complete export '
         'there holds its flax_dtensor.json and can be renamed into place.'
       )
     if chosen is not None:
-      os.rename(chosen, directory)
+      os.rename(chosen.path, directory)
       with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(directory, MARKER))
-      temporaries = [(p, m) for p, m in temporaries if p != chosen]
+      temporaries.remove(chosen)
       changed = True
   stray = read_marker(directory) if os.path.isdir(directory) else None
-  if stray is not None and stray.alive() is False:
-    os.remove(os.path.join(directory, MARKER))
-  for path, marker in temporaries:
-    if marker is None:
+  if stray is not None and stray.writer.alive() is False:
+    for name in (MARKER, MARKER + '.new'):
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, name))
+  for t in temporaries:
+    if t.writer is None:
       with contextlib.suppress(OSError):
-        os.rmdir(path)  # Only an empty one: the writer died at once.
+        os.rmdir(t.path)  # Only an empty one: whose it was, nothing says.
         changed = True
-    elif marker.alive() is False:
-      _remove(path)
+    elif t.alive is False:
+      _remove(t.path)
       changed = True
   if changed:
     _fsync_dir(os.path.dirname(directory))
 
 
-# Overwriting only what is ours
+# Where we may write, and overwriting only what is ours
 # ------------------------------------------------------------------------------
 
 
@@ -243,13 +356,93 @@ def _is_within(path: str, ancestor: str) -> bool:
   return path == ancestor or path.startswith(ancestor.rstrip(os.sep) + os.sep)
 
 
+def _who_may_write(path: str) -> str:
+  """Why this process cannot write in the directory `path`, for messages."""
+  try:
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+      return 'it is on a read-only filesystem'
+    info = os.stat(path)
+  except OSError as e:
+    return f'it cannot be inspected ({e.strerror})'
+  return (
+    f'this process (uid {os.geteuid()}) may not write in it (owner uid '
+    f'{info.st_uid}, mode {stat.filemode(info.st_mode)})'
+  )
+
+
+def check_writable(directory: str) -> None:
+  """Raises unless this process can create `directory`'s temporaries.
+
+  Checked before anything is written: the parent is an existing directory
+  this process may create and rename entries in (permissions, a read-only
+  filesystem). `os.access` answers for the real user, root included.
+
+  Raises:
+    ExportError: Naming the parent, what it is, and the fix.
+  """
+  parent = os.path.dirname(directory)
+  if not os.path.lexists(parent):
+    raise _errors.ExportError(
+      f'The parent directory of export target {directory!r} does not '
+      'exist; create it first.'
+    )
+  if not os.path.isdir(parent):
+    what = 'a file' if os.path.isfile(parent) else 'not a directory either'
+    raise _errors.ExportError(
+      f'The parent of export target {directory!r} is not a directory: '
+      f'{parent!r} is {what}. Expected a path inside a directory; choose '
+      'another path.'
+    )
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise _errors.ExportError(
+      f'Cannot write export target {directory!r}: its parent directory '
+      f'{parent!r} is not writable ({_who_may_write(parent)}). An export is '
+      'written beside its target and renamed into place, so the parent '
+      'must be writable: choose a directory you may write in, or change its '
+      'permissions.'
+    )
+
+
+def _check_removable(directory: str) -> None:
+  """Raises unless this process can rename `directory` and delete it all."""
+  parent = os.path.dirname(directory)
+  try:
+    parent_info, info = os.stat(parent), os.lstat(directory)
+  except OSError:
+    return
+  euid = os.geteuid()
+  if parent_info.st_mode & stat.S_ISVTX and euid not in (
+    0,
+    info.st_uid,
+    parent_info.st_uid,
+  ):
+    raise _errors.ExportError(
+      f'Cannot replace {directory!r}: it belongs to uid {info.st_uid}, and '
+      f'its parent {parent!r} has the sticky bit, so only its owner may '
+      'rename it. Save to a new directory, or ask its owner to remove it.'
+    )
+  for root, dirs, _ in os.walk(directory):
+    for path in [root] + [os.path.join(root, d) for d in dirs]:
+      if not os.path.islink(path) and not os.access(path, os.W_OK | os.X_OK):
+        raise _errors.ExportError(
+          f'Cannot replace {directory!r}: {path!r} is not writable '
+          f'({_who_may_write(path)}), so the old export could not be deleted '
+          'once the new one is in place. Save to a new directory, or ask '
+          'its owner to change its permissions or remove it.'
+        )
+
+
 def check_replaceable(directory: str) -> None:
   """Raises unless `directory` is an export this package wrote (or empty).
 
+  Also raises if this process could not remove it after writing the new
+  one (someone else's directory).
+
   Raises:
     ExportError: For the filesystem root, the home directory, the current
-      directory or one of its ancestors, a file or symlink, or a non-empty
-      directory without a flax_dtensor manifest.
+      directory or one of its ancestors, a file or symlink, a non-empty
+      directory without a flax_dtensor manifest, or one this process may not
+      delete.
   """
   real = os.path.realpath(directory)
   cwd = os.path.realpath(os.getcwd())
@@ -282,6 +475,7 @@ def check_replaceable(directory: str) -> None:
       'SavedModel directory with its flax_dtensor.json), or an empty '
       'directory. Choose a new directory for the export.'
     )
+  _check_removable(directory)
 
 
 # The atomic write
@@ -295,79 +489,49 @@ def _exists_message(directory: str) -> str:
   )
 
 
-def sync(name: str) -> None:
-  """A barrier of every process (a no-op in one process)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f'flax_dtensor:{name}')
-
-
-def broadcast(values: tuple[int, int]) -> tuple[int, int]:
-  """Process 0's `values` on every process."""
-  if jax.process_count() == 1:
-    return values
-  out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
-  return int(out[0]), int(out[1])
-
-
-# The most bytes of process 0's error message every process raises.
-_MESSAGE_BYTES = 2048
-
-
-def agree(error: Exception | None, what: str) -> None:
-  """Every process raises if process 0 failed; process 0 its own error.
-
-  For work process 0 does alone while the others wait: its outcome, and
-  the start of its message, are broadcast, so that no process goes on to a
-  collective that another has left.
-
-  Raises:
-    ExportError: On the other processes, if process 0 failed.
-  """
-  if jax.process_count() == 1:
-    if error is not None:
-      raise error
-    return
-  data = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
-  if error is not None:
-    text = f'{type(error).__name__}: {error}'.encode()[:_MESSAGE_BYTES]
-    data[0] = 1
-    data[1 : 1 + len(text)] = np.frombuffer(text, np.uint8)
-  data = np.asarray(multihost_utils.broadcast_one_to_all(data))
-  if jax.process_index() == 0:
-    if error is not None:
-      raise error
-    return
-  if data[0]:
-    message = bytes(data[1:]).rstrip(b'\0').decode('utf-8', 'replace')
-    raise _errors.ExportError(
-      f'{what} failed: {message.rstrip(".")}. Every process stops here: fix '
-      "the cause (process 0's log has the details) and run the export again."
-    )
-
-
 def _move_into_place(tmp: str, directory: str) -> None:
-  """Renames `tmp` to `directory`, an existing export aside first."""
+  """Renames `tmp` to `directory`, an existing export aside first.
+
+  Killed at any point, `recover` finds the old export (aside, under a name
+  that says this process wrote it), the complete new one, or both.
+  """
   parent = os.path.dirname(directory)
   write_marker(tmp, COMPLETE)
   _fsync_dir(tmp)
   old = None
   if os.path.lexists(directory):
     old = _sibling(directory, _OLD)
-    write_marker(directory, REPLACED)
+    _active.add(old)
     os.rename(directory, old)
   try:
-    os.rename(tmp, directory)
-  except BaseException:
-    if old is not None:
-      os.rename(old, directory)  # Put the previous export back.
-      os.remove(os.path.join(directory, MARKER))
-    raise
-  os.remove(os.path.join(directory, MARKER))
-  _fsync_dir(directory)
-  _fsync_dir(parent)
-  if old is not None:
-    _remove(old)
+    try:
+      os.rename(tmp, directory)
+    except BaseException:
+      if old is not None:
+        os.rename(old, directory)  # Put the previous export back.
+      raise
+    os.remove(os.path.join(directory, MARKER))
+    _fsync_dir(directory)
     _fsync_dir(parent)
+    if old is not None:
+      _remove(old)
+      _fsync_dir(parent)
+  finally:
+    _active.discard(old)
+
+
+def _prepare(directory: str, overwrite: bool) -> str:
+  """Process 0's part before writing: checks, recovery; the temporary."""
+  check_writable(directory)
+  recover(directory, writing=True)
+  if os.path.lexists(directory):
+    if not overwrite:
+      raise _errors.ExportError(_exists_message(directory))
+    check_replaceable(directory)
+  tmp = _sibling(directory, _TMP)
+  _active.add(tmp)
+  os.mkdir(tmp)
+  return tmp
 
 
 @contextlib.contextmanager
@@ -382,12 +546,12 @@ def atomic_directory(
 
   Yields:
     The path of an empty temporary directory to write into (the same path on
-    every process). Its marker file is not part of the export.
+    every process).
 
   Raises:
     ExportError: If `directory` exists and `overwrite` is false, is not an
-      export of this package, its parent does not exist, or another save to
-      it is in progress.
+      export of this package, its parent does not exist or is not writable,
+      another save to it is in progress, or another process stopped.
 
   Example:
     >>> import os, tempfile
@@ -398,92 +562,74 @@ def atomic_directory(
     ['a.txt']
   """
   directory = os.path.abspath(os.fspath(directory))
-  parent = os.path.dirname(directory)
   lead = jax.process_index() == 0
-  status, token, error = _OK, 0, None
+  tmp, error = None, None
   if lead:
     try:
-      if not os.path.isdir(parent):
-        raise _errors.ExportError(
-          f'The parent directory of export target {directory!r} does not '
-          'exist; create it first.'
-        )
-      recover(directory, writing=True)
-      if os.path.lexists(directory):
-        if not overwrite:
-          status = _EXISTS
-        else:
-          check_replaceable(directory)
-      if status == _OK:
-        token = secrets.randbits(31)
-        tmp = os.path.join(
-          parent, f'.{os.path.basename(directory)}{_TMP}{token:08x}'
-        )
-        os.mkdir(tmp)
-        write_marker(tmp, WRITING)
-    except (_errors.ExportError, OSError) as e:
-      status, error = _FAILED, e
-  status, token = broadcast((status, token))
-  if status == _EXISTS:
-    raise _errors.ExportError(_exists_message(directory))
-  if status == _FAILED:
-    if isinstance(error, _errors.ExportError):
-      raise error
-    raise _errors.ExportError(
-      f'Preparing to write {directory!r} failed'
-      + (f': {type(error).__name__}: {error}' if error else ' on process 0')
-      + '. Check the path and its permissions.'
-    ) from error
-  tmp = os.path.join(parent, f'.{os.path.basename(directory)}{_TMP}{token:08x}')
+      tmp = _prepare(directory, overwrite)
+    except _errors.ExportError as e:
+      error = e
+    except OSError as e:
+      error = _errors.ExportError(
+        f'Preparing to write {directory!r} failed: {type(e).__name__}: '
+        f'{e}. Check the path and its permissions.'
+      )
+      error.__cause__ = e
+  shared = _peers.share({'tmp': tmp, 'error': error and str(error)})
+  if error is not None:
+    raise error
+  if shared['error'] is not None:
+    raise _errors.ExportError(shared['error'])
+  tmp = shared['tmp']
   try:
-    sync('atomic-start')
     yield tmp
-    sync('atomic-written')
-    error, status = None, _OK
+    _peers.sync('atomic-written')
+    outcome: dict[str, Any] = {}
+    error = None
     if lead:
       try:
         _fsync_tree(tmp)
         _move_into_place(tmp, directory)
       except Exception as e:  # Re-raised below, after telling the others.
-        error, status = e, _FAILED
-    status, _ = broadcast((status, 0))
+        error, outcome = e, {'error': f'{type(e).__name__}: {e}'}
+    outcome = _peers.share(outcome)
     if error is not None:
       raise error
-    if status != _OK:
+    if 'error' in outcome:
       raise _errors.ExportError(
-        f'Process 0 could not move the finished export into {directory!r}; '
-        'see its log for the cause.'
+        f'Process 0 could not move the finished export into {directory!r}: '
+        f'{outcome["error"]}'
       )
   except BaseException:
     if lead:
       with contextlib.suppress(OSError):
         _remove(tmp)
     raise
-
-
-_STAGING = '.flax_dtensor-staging-'
+  finally:
+    _active.discard(tmp)
 
 
 @contextlib.contextmanager
 def staging_directory(parent: str) -> Iterator[str]:
-  """A marked scratch directory in `parent`, removed on exit (one process).
+  """A scratch directory in `parent`, named by its writer, removed on exit.
 
   For commands that write several exports and move them into place only
-  when all are complete (`commit`). Scratch directories that dead writers
-  left in `parent` are removed first.
+  when all are complete (`commit`); one process only. Scratch directories
+  that dead writers left in `parent` are removed first.
   """
   for path in glob.glob(os.path.join(glob.escape(parent), _STAGING + '*')):
-    marker = read_marker(path)
-    if marker is not None and marker.alive() is False:
+    writer = owner(path, _STAGING)
+    if writer is not None and writer.alive(path) is False:
       _remove(path)
-  path = os.path.join(parent, _STAGING + secrets.token_hex(4))
-  os.mkdir(path)
+  path = os.path.join(parent, _STAGING + Writer.me().tag())
+  _active.add(path)
   try:
-    write_marker(path, WRITING)
+    os.mkdir(path)
     yield path
   finally:
     with contextlib.suppress(OSError):
       _remove(path)
+    _active.discard(path)
 
 
 def commit(staged: str, directory: str, *, overwrite: bool) -> None:
@@ -493,6 +639,7 @@ def commit(staged: str, directory: str, *, overwrite: bool) -> None:
     ExportError: If `directory` exists and `overwrite` is false, or it is
       not an export of this package.
   """
+  check_writable(directory)
   recover(directory, writing=True)
   if os.path.lexists(directory):
     if not overwrite:
@@ -513,9 +660,17 @@ def all_or_nothing(
   it. One process only.
   """
   parent = os.path.abspath(parent)
+  names = list(names)
   created = not os.path.exists(parent)
+  if created:
+    check_writable(parent)
   os.makedirs(parent, exist_ok=True)
   try:
+    for name in names:
+      target = os.path.join(parent, name)
+      check_writable(target)
+      if os.path.lexists(target) and overwrite:
+        check_replaceable(target)
     with staging_directory(parent) as staging:
       staged = {name: os.path.join(staging, name) for name in names}
       yield staged
@@ -529,22 +684,26 @@ def all_or_nothing(
 
 
 def recover_for_reading(directory: str) -> None:
-  """`recover` before a read, on process 0; the others wait for it."""
-  error: Any = None
+  """`recover` before a read, on process 0; the others wait for it.
+
+  Raises:
+    ExportError: If recovering fails (e.g. another writer is alive and the
+      export is missing), or another process stopped.
+  """
+  error: BaseException | None = None
   if jax.process_index() == 0:
     try:
       recover(directory, writing=False)
-    except (_errors.ExportError, OSError) as e:
+    except OSError as e:
+      error = _errors.ExportError(
+        f'Checking {directory!r} for an interrupted save failed: {e}. '
+        'Check the path and its permissions.'
+      )
+      error.__cause__ = e
+    except _errors.ExportError as e:
       error = e
-  status, _ = broadcast((_FAILED if error else _OK, 0))
-  if isinstance(error, OSError):
-    raise _errors.ExportError(
-      f'Checking {directory!r} for an interrupted save failed: {error}. '
-      'Check the path and its permissions.'
-    ) from error
+  message = _peers.share(str(error) if error is not None else None)
   if error is not None:
     raise error
-  if status != _OK:
-    raise _errors.ExportError(
-      f'Process 0 could not recover {directory!r}; see its log for the cause.'
-    )
+  if message is not None:
+    raise _errors.ExportError(message)

@@ -28,6 +28,7 @@ from flax_dtensor.dtensor import (
   _manifest,
   _names,
   _paths,
+  _peers,
   _selection,
   _single_mesh,
   _tf,
@@ -117,10 +118,18 @@ def _write_tf_checkpoint(
         [tensors[j] for j in indices],
       )
     except tf.errors.OpError as e:
+      cause = _tf_errors.cause(e)
+      stopped = _tf_errors.stopped_tasks(cause, jax.process_index())
+      if stopped:
+        raise _peers.stopped(
+          stopped[0],
+          'TensorFlow lost it while writing the shards '
+          f'({_tf_errors.describe(cause)}). ' + TF_POISONED_MSG,
+        ) from e
       raise _errors.ExportError(
         'TensorFlow failed to write the NNX variables '
         f'{_selection.names(entries[j] for j in indices)} (one DTensor mesh) '
-        f'to {prefix!r}: {_tf_errors.describe(e)}. {WRITE_FIX} '
+        f'to {prefix!r}: {_tf_errors.describe(cause)}. {WRITE_FIX} '
         + TF_POISONED_MSG
       ) from e
     prefixes.append(prefix)
@@ -181,7 +190,7 @@ def gather_shards(
   path = os.path.join(directory, _PART.format(jax.process_index()))
   with open(path, 'w') as f:
     json.dump([[[list(map(list, i)), c] for i, c in v] for v in mine], f)
-  _atomic.sync('manifest-parts')
+  _peers.sync('manifest-parts')
   if jax.process_index() != 0:
     return None
   merged: list[dict[Any, int]] = [{} for _ in mine]
@@ -270,10 +279,11 @@ def save_checkpoint(
   By default every variable but RNG state is saved.
 
   The directory appears atomically, complete or not at all, even if the
-  process is killed: a later save or restore at the same path finishes or
-  undoes an interrupted overwrite and removes what a dead writer left.
-  `overwrite=True` replaces only an export of this package (or an empty
-  directory).
+  process is killed or the disk is full: a later save or restore at the
+  same path finishes or undoes an interrupted overwrite and removes what a
+  dead writer left. `overwrite=True` replaces only an export of this
+  package (or an empty directory). A place this process cannot write is
+  refused before anything is written.
 
   With `single_mesh=True` every variable is written from the one DTensor
   mesh mirroring the JAX mesh, as `to_tf_module(..., single_mesh=True)`
@@ -283,7 +293,9 @@ def save_checkpoint(
   written; `restore_checkpoint` places by the target, as always.
 
   In a multi-process run every process must call this with the same
-  arguments (see the export guide for the recipe).
+  arguments (see the export guide for the recipe). If another process dies
+  or hangs, this raises within `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by
+  default) of its last heartbeat, naming it.
 
   Args:
     module_or_state: An NNX module, graph node (`nnx.Optimizer`) or
@@ -309,9 +321,12 @@ def save_checkpoint(
       not called.
     NotAModelError: If `module_or_state` is not an NNX module or state.
     ExportError: If `directory` is a URL, exists and `overwrite` is false,
-      is not an export of this package, its parent does not exist, no
-      variable is selected, a variable cannot be exported (e.g. uint64), or
-      writing fails (the message names the cause and the fix).
+      is not an export of this package (or one this user may not delete),
+      its parent does not exist or is not writable, no variable is
+      selected, a variable cannot be exported (e.g. uint64), the disk is
+      full (the bytes needed and free), another process of the run stopped
+      or failed, or writing fails (the message names the cause and the
+      fix).
 
   Example:
     >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP
@@ -323,7 +338,15 @@ def save_checkpoint(
     module_or_state, include, exclude, what='module_or_state'
   )
   show = _convert.show_progress(progress, len(entries))
-  with _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX):
+  nbytes = sum(e.nbytes for e in entries)
+  with (
+    _tf_errors.space_checked(directory, nbytes),
+    _peers.session(
+      f'the save to {directory!r}',
+      f'{directory!r} holds the previous checkpoint or the new one, whole.',
+    ),
+    _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
+  ):
     values = [_selection.to_jax_array(e) for e in entries]
     report = None
     if single_mesh:
@@ -341,7 +364,6 @@ def save_checkpoint(
       _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
       concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
     ):
-      nbytes = sum(e.nbytes for e in entries)
       _output.announce(
         show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
       )

@@ -1,9 +1,9 @@
 """Reading checkpoint slices on the host and placing them onto devices.
 
 Each process asks TF's checkpoint reader (RestoreV2 on the host CPU) for the
-slices its own devices hold, and JAX places them. TF reads ahead in worker
-threads while JAX places in the calling thread, and the workers check each
-placed shard's CRC against the manifest.
+slices its own devices hold, checks every byte read against the manifest's
+shard CRCs, and JAX places them. TF reads and checks ahead in worker
+threads while JAX places in the calling thread.
 """
 
 from __future__ import annotations
@@ -40,54 +40,68 @@ def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
   return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
 
 
-def _pieces(
-  prefix: str,
-  entry: _selection.Entry,
-  sharding: jax.sharding.Sharding,
-  stored: np.dtype,
-) -> dict[_manifest.Index, np.ndarray]:
-  """The slices this process's devices hold, read by TF into host memory.
+def _overlap(a: _manifest.Index, b: _manifest.Index) -> _manifest.Index | None:
+  out = tuple(
+    (max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True)
+  )
+  return out if all(lo < hi for lo, hi in out) or not out else None
 
-  Reads the whole variable when this process holds all of it (a single
-  process, or a replicated variable): TF reads an entry whole in one pass
-  and checks its own CRC-32C. Otherwise only this process's slices, so no
-  host reads the full model. Thread-safe: each call is one TF op.
+
+def _to_read(
+  shape: tuple[int, ...],
+  needed: set[_manifest.Index],
+  whole: bool,
+  record: _manifest.Record | None,
+) -> list[_manifest.Index]:
+  """The slices to ask TF for, so that every byte placed can be checked.
+
+  With a manifest, each saved shard that meets a slice this process holds,
+  whole: the manifest has a CRC of each saved shard, not of arbitrary
+  slices; TF reads a stored slice whole anyway to cut a part of it, and
+  returns each one contiguous, so it is hashed without a copy. Without a
+  manifest, the whole variable when this process holds all of it (TF reads
+  an entry in one pass), else the slices it holds.
   """
-  shape = tuple(entry.shape)
-  indices = {
-    _layouts.normalize_index(index, shape)
-    for index in sharding.addressable_devices_indices_map(shape).values()
-  }
-  whole = sharding.is_fully_addressable or indices == {
-    tuple((0, n) for n in shape)
-  }
-  ordered = [()] if whole else sorted(indices)
-  tf = _tf.tf()
-  try:
-    with tf.device('/CPU:0'):
-      read = tf.raw_ops.RestoreV2(
-        prefix=prefix,
-        tensor_names=[entry.key] * len(ordered),
-        shape_and_slices=[
-          '' if whole else _slice_spec(shape, i) for i in ordered
-        ],
-        dtypes=[tf.as_dtype(stored)] * len(ordered),
-      )
-  except tf.errors.OpError as e:
-    raise _errors.ExportError(
-      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
-      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
-      'data file of the checkpoint is complete and readable, or re-export it.'
-    ) from e
-  if whole:
-    value = _arrays.tensor_numpy(read[0])
-    return {
-      index: value[tuple(slice(a, b) for a, b in index)] for index in indices
-    }
-  return {
-    index: _arrays.tensor_numpy(t)
-    for index, t in zip(ordered, read, strict=True)
-  }
+  if record is None or not record.shards:
+    return [tuple((0, n) for n in shape)] if whole else sorted(needed)
+  return sorted(
+    index
+    for index, _ in record.shards
+    if any(_overlap(index, n) is not None for n in needed)
+  )
+
+
+def _within(
+  part: _manifest.Index, origin: _manifest.Index
+) -> tuple[slice, ...]:
+  """The slice `part` of an array, in a block that starts at `origin`."""
+  return tuple(
+    slice(p0 - o0, p1 - o0)
+    for (p0, p1), (o0, _) in zip(part, origin, strict=True)
+  )
+
+
+def _cut(
+  read: dict[_manifest.Index, np.ndarray],
+  index: _manifest.Index,
+  dtype: np.dtype,
+) -> np.ndarray:
+  """The slice `index` of a variable, from the (checked) slices read."""
+  if index in read:
+    return read[index]
+  for held, data in read.items():
+    if _overlap(index, held) == index:
+      return data[_within(index, held)]
+  out = np.empty([b - a for a, b in index], dtype)
+  filled = 0
+  for held, data in read.items():
+    part = _overlap(index, held)
+    if part is not None:
+      out[_within(part, index)] = data[_within(part, held)]
+      filled += int(np.prod([b - a for a, b in part], dtype=np.int64))
+  # Internal: the slices read are the saved shards meeting `index`.
+  assert filled == out.size, (index, sorted(read))
+  return out
 
 
 def _read(
@@ -95,13 +109,54 @@ def _read(
   entry: _selection.Entry,
   kind: tuple[np.dtype, np.dtype],
   sharding: jax.sharding.Sharding,
+  manifest: _manifest.Manifest | None,
 ) -> dict[_manifest.Index, np.ndarray]:
-  """`_pieces` in the saved dtype (widened on save; exact both ways)."""
+  """The slices this process's devices hold, read by TF and checked.
+
+  TF reads (`_to_read`) on the host; the values go back to the saved dtype
+  (widened on save; exact both ways) and every byte is checked against the
+  manifest (`_manifest.verify_read`) before the slices the devices hold are
+  cut from them. So no host reads the full model when a variable is
+  sharded over processes, though a process may read more of a variable
+  than it holds when the layout differs from the saved one. Thread-safe:
+  one TF op per call.
+  """
   stored, saved = kind
-  pieces = _pieces(prefix, entry, sharding, stored)
-  if stored != saved:
-    pieces = {i: p.astype(saved) for i, p in pieces.items()}
-  return pieces
+  shape = tuple(entry.shape)
+  needed = {
+    _layouts.normalize_index(index, shape)
+    for index in sharding.addressable_devices_indices_map(shape).values()
+  }
+  full = tuple((0, n) for n in shape)
+  whole = sharding.is_fully_addressable or needed == {full}
+  record = manifest.by_key.get(entry.key) if manifest is not None else None
+  slices = _to_read(shape, needed, whole, record)
+  tf = _tf.tf()
+  try:
+    with tf.device('/CPU:0'):
+      tensors = tf.raw_ops.RestoreV2(
+        prefix=prefix,
+        tensor_names=[entry.key] * len(slices),
+        shape_and_slices=[
+          '' if i == full else _slice_spec(shape, i) for i in slices
+        ],
+        dtypes=[tf.as_dtype(stored)] * len(slices),
+      )
+  except tf.errors.OpError as e:
+    raise _errors.ExportError(
+      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
+      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
+      'data file of the checkpoint is complete and readable (or that no '
+      'other process rewrote it during the read), or re-export it. Nothing '
+      'was restored: the target is unchanged.'
+    ) from e
+  read = {}
+  for index, t in zip(slices, tensors, strict=True):
+    value = _arrays.tensor_numpy(t)
+    read[index] = value.astype(saved) if stored != saved else value
+  if record is not None:
+    _manifest.verify_read(manifest, record, read)
+  return {index: _cut(read, index, saved) for index in needed}
 
 
 def place(
@@ -219,31 +274,25 @@ def read_placed(
       a plain TF checkpoint.
     advance: Called with 1 after each variable is placed (progress).
   """
-  records = manifest.by_key if manifest is not None else {}
   arrays: list[jax.Array] = []
-  # TF reads the next variables in worker threads while JAX places this
-  # one here (JAX's configuration, such as 64-bit types, is this thread's)
-  # and the workers check the CRCs of those already placed. Both release
-  # the GIL; at most AHEAD host copies exist at once.
+  # TF reads and the CRCs are checked for the next variables in worker
+  # threads while JAX places this one here (JAX's configuration, such as
+  # 64-bit types, is this thread's). Both release the GIL; at most AHEAD
+  # host copies exist at once.
   with concurrent.futures.ThreadPoolExecutor(AHEAD) as pool:
 
     def submit(i: int) -> concurrent.futures.Future:
-      return pool.submit(_read, prefix, entries[i], kinds[i], shardings[i])
+      return pool.submit(
+        _read, prefix, entries[i], kinds[i], shardings[i], manifest
+      )
 
     reads = {i: submit(i) for i in range(min(AHEAD, len(entries)))}
-    checks = []
     for i, e in enumerate(entries):
       pieces = reads.pop(i).result()
       if i + AHEAD < len(entries):
         reads[i + AHEAD] = submit(i + AHEAD)
       array = place(pieces, tuple(e.shape), shardings[i])
       del pieces
-      if e.key in records:
-        checks.append(
-          pool.submit(_manifest.verify_shards, manifest, records[e.key], array)
-        )
       arrays.append(_target.as_target(array, e, kinds[i][1]))
       advance(1)
-    for check in checks:
-      check.result()
   return arrays

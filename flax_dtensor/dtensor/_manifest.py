@@ -5,10 +5,10 @@ dtype, stored dtype, shape, layout, and a CRC-32 of each saved shard's
 bytes) and every file of the export (size and a CRC-32 per 64 MiB chunk).
 `read` is the one reader (restore, `read_checkpoint` and the CLI use it);
 `verify_files` checks the files before TensorFlow reads them;
-`verify_index` checks the variables against TF's index; `verify_shards`
-checks values read back. Reading (`read`) imports neither JAX nor
-TensorFlow: the command line's ``inspect`` shows an export from its
-manifest alone.
+`verify_index` checks the variables against TF's index; `verify_read`
+checks every value read back, and `_crc` is the one hash of values.
+Reading (`read`) imports neither JAX nor TensorFlow: the command line's
+``inspect`` shows an export from its manifest alone.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from flax_dtensor.dtensor import _names
 
 if TYPE_CHECKING:
   import jax
+  import numpy as np
 
 FILE = 'flax_dtensor.json'
 CHECKPOINT_FORMAT = 'flax_dtensor.checkpoint'
@@ -478,10 +479,21 @@ def _tensor_spec(raw: Any, file: str, signature: str) -> TensorSpec:
 # ------------------------------------------------------------------------------
 
 
-def _damaged(manifest: Manifest, problems: list[str]) -> _errors.ExportError:
+def _damaged(
+  manifest: Manifest, problems: list[str], *, read: bool = False
+) -> _errors.ExportError:
   shown = '; '.join(problems[:4]) + (
     f'; and {len(problems) - 4} more' if len(problems) > 4 else ''
   )
+  if read:
+    return _errors.ExportError(
+      f'The export at {manifest.root!r} is damaged: {shown} (expected what '
+      f'its manifest {manifest.location} records; found in the bytes read, '
+      'so the files may also have changed during the read). Nothing was '
+      'restored: the target is unchanged. Restore from an intact copy, or '
+      're-export it; if another process was saving to that path, read again '
+      'once it is done.'
+    )
   return _errors.ExportError(
     f'The export at {manifest.root!r} is damaged: {shown} (expected what its '
     f'manifest {manifest.location} records). Nothing was read into '
@@ -584,37 +596,49 @@ def verify_index(
     raise _damaged(manifest, problems)
 
 
-def verify_shards(
+def verify_read(
   manifest: Manifest,
   record: Record,
-  value: Any,
+  read: Mapping[Index, np.ndarray],
 ) -> None:
-  """Checks the CRC of each saved shard found whole in `value`.
+  """Checks every byte TF read of one variable against the saved CRCs.
 
-  `value` is a numpy array (the whole variable) or a jax.Array, in the
-  saved dtype. A saved shard is checked when one addressable shard of
-  `value` contains it; with another layout, the rest were covered by
-  `verify_files`.
+  This is the one check of values: whatever happened to the files after
+  `verify_files` (a byte flipped, a file truncated, the whole export
+  replaced by another save), a restore places only bytes that match what
+  was saved. `read` maps each global slice TF returned to its host array,
+  in the saved dtype: the whole variable, or whole saved shards. Each saved
+  shard found in a slice is hashed (`_crc`) and compared; a slice that the
+  recorded shards do not cover whole is refused too. A record without
+  shard CRCs (manifest version 2) is not checked.
 
   Raises:
-    ExportError: If a shard's bytes differ from what was saved.
+    ExportError: If a shard's bytes differ from what was saved, or the
+      recorded shards leave part of a slice read unchecked.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
   if not record.shards:
     return
-  if isinstance(value, jax.Array):
-    pieces = [
-      (_index(s.index, value.shape), s.data) for s in value.addressable_shards
-    ]
-  else:
-    pieces = [(tuple((0, n) for n in np.shape(value)), value)]
-  for index, crc in record.shards:
-    for held, data in pieces:
+  for held, data in read.items():
+    checked = 0
+    for index, crc in record.shards:
       if contains(held, index):
         _check_shard(manifest, record, index, crc, data, held)
-        break
+        checked += _volume(index)
+    if checked != _volume(held):
+      raise _damaged(
+        manifest,
+        [
+          f'the shards recorded for {_names.path_text(record.path)} do not '
+          f'cover [{_slices(held)}], so its bytes cannot be checked'
+        ],
+        read=True,
+      )
+
+
+def _volume(index: Index) -> int:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
 
 def contains(held: Index, index: Index) -> bool:
@@ -647,6 +671,7 @@ def _check_shard(
         f'{_names.path_text(record.path)}[{_slices(index)}] read back '
         f'with CRC-32 {got:08x}, recorded {crc:08x}'
       ],
+      read=True,
     )
 
 

@@ -2,10 +2,10 @@
 
 Before TensorFlow reads anything, the files are checked against the
 manifest (sizes and CRCs) and TF's index against its records (keys, shapes,
-dtypes); after reading, each saved shard's CRC. So a damaged or foreign
-checkpoint is refused in our own words, and never breaks TF for the
-checkpoints that follow. A checkpoint without a manifest (written by plain
-TF) is read as it is, with no dtype conversion unless asked for.
+dtypes); after reading, every byte read, by the saved shards' CRCs. So a
+damaged or foreign checkpoint is refused in our own words, and never breaks
+TF for the checkpoints that follow. A checkpoint without a manifest (written
+by plain TF) is read as it is, with no dtype conversion unless asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -31,6 +31,7 @@ from flax_dtensor.dtensor import (
   _manifest,
   _names,
   _paths,
+  _peers,
   _selection,
   _target,
   _tf,
@@ -123,7 +124,7 @@ def read_checkpoint(
 
   Plain TensorFlow suffices (DTensor need not be initialized). With the
   checkpoint's manifest (`flax_dtensor.json`), the files are checked before
-  TF reads them and every saved shard after, and widened dtypes are
+  TF reads them and every byte read after, and widened dtypes are
   narrowed back exactly (a float8 or bfloat16 array comes back as an
   `ml_dtypes` numpy array). Without one (a checkpoint written by plain TF),
   each array is returned as stored: nothing is ever cast. RNG keys come
@@ -150,7 +151,8 @@ def read_checkpoint(
     (16, 32)
   """
   path = _paths.local(directory, 'checkpoint directory')
-  _atomic.recover_for_reading(path)
+  with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
+    _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
   reader, shapes, _ = _reader(prefix, manifest)
   records = manifest.by_key if manifest is not None else {}
@@ -166,7 +168,9 @@ def read_checkpoint(
         saved = _dtypes.from_name(record.dtype, manifest.where)
         if value.dtype != saved:
           value = value.astype(saved)
-        _manifest.verify_shards(manifest, record, value)
+        _manifest.verify_read(
+          manifest, record, {tuple((0, n) for n in value.shape): value}
+        )
       out[nnx_path] = value
   return _names.PathDict(
     sorted(
@@ -228,16 +232,19 @@ def restore_checkpoint(
   """Restores NNX variables from a checkpoint, sharded as the target says.
 
   Each process reads with TensorFlow's own checkpoint reader (plain TF ops
-  on the host; DTensor need not be initialized) the slices of each
-  variable its devices hold under the target's sharding, whatever the saved
-  layout: a whole variable in one pass when this process holds all of it,
-  else only its slices, so no host gathers a model sharded over processes.
-  JAX places one variable while TF reads the next. Before TensorFlow reads
-  anything, the files are checked against the manifest; after, every saved
-  shard found whole in a device's buffer. Values are bit-exact to what was
-  saved and never converted, unless `convert_dtypes` is set. (To export
-  from the same process afterwards, call `initialize()` before this: TF
-  DTensor starts only before TF's first operation.)
+  on the host; DTensor need not be initialized) the saved shards that meet
+  the slices its devices hold under the target's sharding, whatever the
+  saved layout, and cuts its slices from them; so no host gathers a model
+  sharded over processes (onto another layout, a process may read more of
+  a variable than it holds). JAX places one variable while TF reads the
+  next. Before TensorFlow reads anything, the files are checked against the
+  manifest; after, every byte read, before it is placed (so a file damaged
+  or replaced during the restore is refused too). The target is updated
+  only once every variable is read and checked, in every process: a failure
+  leaves it unchanged. Values are bit-exact to what was saved and never
+  converted, unless `convert_dtypes` is set. (To export from the same
+  process afterwards, call `initialize()` before this: TF DTensor starts
+  only before TF's first operation.)
 
   The target's shardings: a variable annotated with logical axes is
   resolved by the rules in effect (`rules`, or the context's) on the mesh
@@ -281,11 +288,13 @@ def restore_checkpoint(
 
   Raises:
     NotAModelError: If `target` is not an NNX module or state.
-    ExportError: If `directory` holds no checkpoint or a damaged one, the
-      checkpoint lacks a selected variable, holds one the target lacks,
-      holds it with another shape or dtype, an abstract target would keep
-      abstract variables, an abstract sharding has no concrete mesh, or
-      TensorFlow fails to read.
+    ExportError: If `directory` holds no checkpoint or a damaged one (also
+      when its files change during the restore), the checkpoint lacks a
+      selected variable, holds one the target lacks, holds it with another
+      shape or dtype, an abstract target would keep abstract variables, an
+      abstract sharding has no concrete mesh, TensorFlow fails to read, or
+      another process of the run stopped or failed. The target is then
+      unchanged.
     UnknownLogicalAxisError: If the rules do not mention a logical axis of
       an annotated variable.
     ShardingResolutionError: If an annotated variable's logical axes cannot
@@ -299,6 +308,28 @@ def restore_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   rules_ = _rules.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
+  with _peers.session(
+    f'the restore from {path!r}', 'The target was not changed.'
+  ):
+    arrays = _read_all(
+      path, target, entries, mesh, rules_, allow_extra, convert_dtypes, progress
+    )
+    # Every process has its part, or none changes its target.
+    _peers.sync('restored')
+  return _target.fill(target, entries, arrays, rng_seed)
+
+
+def _read_all(
+  path: str,
+  target: Any,
+  entries: Sequence[_selection.Entry],
+  mesh: jax.sharding.Mesh | None,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  allow_extra: bool,
+  convert_dtypes: bool,
+  progress: bool | None,
+) -> list[jax.Array]:
+  """The restore's reading: checks, then every entry read and placed."""
   _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
   _, shapes, dtypes = _reader(prefix, manifest)
@@ -312,7 +343,7 @@ def restore_checkpoint(
     for h in _target.check_held(entries, held, source, convert_dtypes)
   ]
   show = _convert.show_progress(progress, len(entries))
-  shardings = _target.target_shardings(entries, mesh, rules_)
+  shardings = _target.target_shardings(entries, mesh, rules)
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   with (
     _translated(prefix),
@@ -326,4 +357,4 @@ def restore_checkpoint(
     arrays = _host_read.read_placed(
       prefix, entries, kinds, shardings, manifest, advance
     )
-  return _target.fill(target, entries, arrays, rng_seed)
+  return arrays

@@ -33,6 +33,7 @@ from flax_dtensor.dtensor import (
   _dtypes,
   _manifest,
   _paths,
+  _peers,
   _selection,
   _single_mesh,
   _tf,
@@ -175,10 +176,11 @@ def save_saved_model(
     ExportError: If `method` is not a method of `module`,
       `input_signature` has an entry of the wrong type or the wrong length
       of `polymorphic_shapes`, `directory` exists and `overwrite` is false,
-      a variable cannot be exported, `max_gather_bytes` is not a
-      non-negative int, or, in a multi-process run, the variables take more
-      than `max_gather_bytes` or process 0 failed to write (on every
-      process).
+      its parent is not writable, a variable cannot be exported,
+      `max_gather_bytes` is not a non-negative int, the disk is full (the
+      bytes needed and free), or, in a multi-process run, the variables take
+      more than `max_gather_bytes`, another process stopped, or process 0
+      failed to write (on every process).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -198,8 +200,11 @@ def save_saved_model(
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   show = _convert.show_progress(progress, len(entries))
   served = _Served(selected, method, specs, polymorphic, platforms, show)
-  with _tf_errors.translated(
-    'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
+  with (
+    _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
+    _tf_errors.translated(
+      'Writing the SavedModel', directory, _checkpoint.WRITE_FIX
+    ),
   ):
     if jax.process_count() > 1:
       _save_gathered(
@@ -415,12 +420,18 @@ def _save_gathered(
 
   Every check that can refuse runs on every process before anything moves
   (the same inputs give the same answer everywhere); what fails on process
-  0 alone is broadcast, so every process raises together.
+  0 alone is shared (`_peers.agree`), so every process raises together.
   """
   for e in entries:
     _selection.to_jax_array(e)  # Concrete, and over every process.
   _check_gather_size(module, max_gather_bytes)
-  with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+  with (
+    _peers.session(
+      f'the SavedModel export to {directory!r}',
+      f'{directory!r} holds the previous export or the new one, whole.',
+    ),
+    _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+  ):
     local = _gathered(module)
     error = None
     if local is not None:
@@ -428,7 +439,7 @@ def _save_gathered(
         _write(local, tmp, served)
       except Exception as e:  # Re-raised below, on every process.
         error = e
-    _atomic.agree(error, 'Writing the SavedModel on process 0')
+    _peers.agree(error, 'Writing the SavedModel on process 0')
 
 
 def _written_signatures(directory: str) -> dict[str, _manifest.Signature]:

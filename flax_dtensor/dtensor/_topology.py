@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor import _peers, _tf
 
 NOT_INITIALIZED_MSG = (
   'TF DTensor is not initialized: expected flax_dtensor.dtensor.initialize() '
@@ -72,6 +72,7 @@ def initialize(*, reset_context: bool = False) -> None:
     ImportError: If TensorFlow is not installed.
   """
   global _topology_checked
+  _peers.start()  # So that the other processes can tell this one lives.
   dt = _tf.dtensor()
   _tf.quiet_cpp_logs()
   with _lock:

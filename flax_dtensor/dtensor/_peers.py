@@ -1,0 +1,371 @@
+"""The other processes of a multi-process save or restore, waited for boundedly.
+
+A save or restore meets the other processes at a few points (`sync`) and
+hears process 0's decisions (`share`), through the key-value store of JAX's
+coordination service, never through device collectives. Every process beats
+a heartbeat there, so a process that stops (killed, or hung) is named in an
+`ExportError` after `peer_timeout()` seconds of silence, and a process that
+fails tells the others at once; nobody waits for a dead peer forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import distributed  # The client; JAX has no public accessor.
+from jax.experimental import multihost_utils
+
+from flax_dtensor import _errors
+
+TIMEOUT_ENV = 'FLAX_DTENSOR_PEER_TIMEOUT'
+"""Seconds of silence after which another process counts as stopped."""
+DEFAULT_TIMEOUT = 60.0
+_ROOT = 'flax_dtensor'
+# How long one blocking read of the store lasts before the heartbeats and
+# failures are looked at again (at most; a tenth of the timeout if less).
+_SLICE = 1.0
+
+
+def peer_timeout() -> float:
+  """The bound, in seconds: `FLAX_DTENSOR_PEER_TIMEOUT`, else 60.
+
+  Raises:
+    ExportError: If the variable is set to anything but a positive number.
+  """
+  raw = os.environ.get(TIMEOUT_ENV)
+  if raw is None or not raw.strip():
+    return DEFAULT_TIMEOUT
+  try:
+    value = float(raw)
+  except ValueError:
+    value = float('nan')
+  if not value > 0 or value == float('inf'):
+    raise _errors.ExportError(
+      f'Expected {TIMEOUT_ENV} to be a positive number of seconds, got '
+      f'{raw!r}. Set it to e.g. 60, or unset it for the default '
+      f'({DEFAULT_TIMEOUT:g} s).'
+    )
+  return value
+
+
+def _client() -> Any:
+  """JAX's distributed client, or None (one process, or no service)."""
+  if jax.process_count() == 1:
+    return None
+  return distributed.global_state.client
+
+
+# Heartbeats
+# ------------------------------------------------------------------------------
+
+
+def _beat_key(process: int) -> str:
+  return f'{_ROOT}/beat/{process}'
+
+
+class _Heart:
+  """This process's heartbeat: a counter in the store, bumped in a thread."""
+
+  def __init__(self) -> None:
+    self.lock = threading.Lock()
+    self.thread: threading.Thread | None = None
+    self.stop = threading.Event()
+
+  def start(self, client: Any) -> None:
+    with self.lock:
+      if self.thread is not None and self.thread.is_alive():
+        return
+      self.stop.clear()
+      self.thread = threading.Thread(
+        target=self._run,
+        args=(client, jax.process_index()),
+        name='flax_dtensor-heartbeat',
+        daemon=True,
+      )
+      self.thread.start()
+
+  def _run(self, client: Any, process: int) -> None:
+    count = 0
+    while True:
+      count += 1
+      try:
+        client.key_value_set(
+          _beat_key(process), str(count), allow_overwrite=True
+        )
+        interval = min(5.0, max(0.1, peer_timeout() / 10))
+      except Exception:  # The service is gone (shutdown), or a bad setting.
+        return
+      if self.stop.wait(interval):
+        return
+
+  def halt(self) -> None:
+    self.stop.set()
+    thread = self.thread
+    if thread is not None:
+      thread.join(timeout=10)
+
+
+_heart = _Heart()
+# Before JAX's client goes away at exit, the thread stops using it.
+atexit.register(_heart.halt)
+
+
+def start() -> None:
+  """Starts this process's heartbeat (idempotent; multi-process runs only).
+
+  `initialize()` and every save or restore call it, so a peer that has
+  started flax_dtensor is judged by its heartbeat from then on.
+  """
+  client = _client()
+  if client is not None:
+    _heart.start(client)
+
+
+# Sessions: one save or restore, met at barriers
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Session:
+  """One multi-process operation: its key prefix and what it is doing."""
+
+  client: Any
+  prefix: str
+  what: str
+  aftermath: str
+  rounds: int = 0
+
+  def key(self, name: str) -> str:
+    self.rounds += 1
+    return f'{self.prefix}/{self.rounds}-{name}'
+
+
+class _Sessions(threading.local):
+  current: _Session | None = None
+
+
+_local = _Sessions()
+_counter = iter(range(1, 2**63))
+# Process 0: the key prefixes of sessions not yet deleted.
+_unswept: list[str] = []
+
+
+def _new_session(client: Any, what: str, aftermath: str) -> _Session:
+  session = _Session(client, f'{_ROOT}/s{next(_counter)}', what, aftermath)
+  if jax.process_index() == 0:
+    _unswept.append(session.prefix)
+  return session
+
+
+def _stopped(session: _Session, process: int, why: str) -> _errors.ExportError:
+  return _errors.ExportError(
+    f'Process {process} of {jax.process_count()} stopped during '
+    f'{session.what}: {why}. {session.aftermath} Restart every process of '
+    'the job, then try again.'
+  )
+
+
+def stopped(process: int, why: str) -> _errors.ExportError:
+  """The error naming `process` as stopped, in this operation's words."""
+  current = _local.current or _Session(None, '', 'an export', '')
+  return _stopped(current, process, why)
+
+
+def _failed(session: _Session, process: int, message: str) -> Exception:
+  return _errors.ExportError(
+    f'Process {process} of {jax.process_count()} failed during '
+    f'{session.what}, so this process stops too. {session.aftermath} '
+    f'Its error: {message}'
+  )
+
+
+def _wait(session: _Session, key: str, watched: list[int]) -> str:
+  """The value at `key` once set; ExportError if a watched process stops.
+
+  Reads the store in slices; between them, raises as soon as a process of
+  the session reported a failure, or a watched process's heartbeat has not
+  changed for `peer_timeout()` seconds.
+  """
+  client = session.client
+  timeout = peer_timeout()
+  slice_ms = max(1, int(min(_SLICE, timeout / 10) * 1000))
+  began = time.monotonic()
+  seen: dict[int, tuple[str | None, float]] = {
+    p: (None, began) for p in watched
+  }
+  while True:
+    try:
+      try:
+        return client.blocking_key_value_get(key, slice_ms)
+      except jax.errors.JaxRuntimeError as e:
+        if 'DEADLINE_EXCEEDED' not in str(e):
+          raise
+      failures = client.key_value_dir_get(f'{session.prefix}/failed/')
+      beats = {}
+      for p in watched:
+        try:
+          beats[p] = client.key_value_try_get(_beat_key(p))
+        except jax.errors.JaxRuntimeError as e:
+          if 'NOT_FOUND' not in str(e):
+            raise
+          beats[p] = None  # It has not started beating.
+    except jax.errors.JaxRuntimeError as e:
+      # The coordination service runs in process 0.
+      raise _stopped(
+        session,
+        0,
+        f"JAX's coordination service, which runs in process 0, is "
+        f'unreachable ({e})',
+      ) from e
+    if failures:
+      name, message = sorted(failures)[0]
+      raise _failed(session, int(name.rsplit('/', 1)[1]), message)
+    now = time.monotonic()
+    for p, (last, since) in seen.items():
+      if beats[p] != last:
+        seen[p] = (beats[p], now)
+      elif now - since > timeout:
+        raise _stopped(
+          session,
+          p,
+          f'no heartbeat from it for {timeout:g} s (it died, or hangs; '
+          f'{TIMEOUT_ENV} sets this bound, {DEFAULT_TIMEOUT:g} s by default)',
+        )
+
+
+def _sweep(client: Any, current: str) -> None:
+  """Deletes the keys of earlier sessions: every process has left them."""
+  for prefix in _unswept:
+    if prefix != current:
+      with contextlib.suppress(jax.errors.JaxRuntimeError):
+        client.key_value_delete(prefix)
+  _unswept[:] = [current]
+
+
+@contextlib.contextmanager
+def session(what: str, aftermath: str) -> Iterator[None]:
+  """Groups this thread's `sync` and `share` calls into one operation.
+
+  Every process must enter the same sessions in the same order (as they
+  call the same functions). If the block raises, the other processes hear
+  of it at their next wait, and raise too, rather than wait for this one.
+  A session inside a session is part of it.
+
+  Args:
+    what: The operation, for messages ('the save to /ckpt').
+    aftermath: What a failure leaves, one sentence for messages.
+  """
+  peer_timeout()  # A bad setting is an error in a single process too.
+  client = _client()
+  if client is None or _local.current is not None:
+    yield
+    return
+  start()
+  _local.current = _new_session(client, what, aftermath)
+  try:
+    yield
+  except BaseException as e:
+    with contextlib.suppress(Exception):
+      client.key_value_set(
+        f'{_local.current.prefix}/failed/{jax.process_index()}',
+        f'{type(e).__name__}: {e}',
+        allow_overwrite=True,
+      )
+    raise
+  finally:
+    _local.current = None
+
+
+def _current() -> _Session:
+  if _local.current is not None:
+    return _local.current
+  return _new_session(_client(), 'an export', '')
+
+
+def sync(name: str) -> None:
+  """Returns once every process got here (a no-op in one process).
+
+  Each process reports to process 0, which waits for all and then lets
+  them go; a process that stopped or failed is named in an ExportError on
+  every process.
+
+  Raises:
+    ExportError: If a process stops (no heartbeat for `peer_timeout()` s)
+      or fails before getting here.
+  """
+  if jax.process_count() == 1:
+    return
+  if _client() is None:
+    multihost_utils.sync_global_devices(f'flax_dtensor:{name}')
+    return
+  session = _current()
+  base = session.key(name)
+  me, client = jax.process_index(), session.client
+  if me != 0:
+    client.key_value_set(f'{base}/at/{me}', '')
+    error = json.loads(_wait(session, f'{base}/go', [0]))
+    if error:
+      raise _errors.ExportError(error)
+    return
+  try:
+    for p in range(1, jax.process_count()):
+      _wait(session, f'{base}/at/{p}', [p])
+  except _errors.ExportError as e:
+    client.key_value_set(f'{base}/go', json.dumps(str(e)))
+    raise
+  client.key_value_set(f'{base}/go', json.dumps(None))
+  _sweep(client, session.prefix)
+
+
+def share(value: Any) -> Any:
+  """Process 0's `value` (JSON-able) on every process.
+
+  Raises:
+    ExportError: If process 0 stops or fails before sharing it.
+  """
+  if jax.process_count() == 1:
+    return value
+  if _client() is None:  # Without JAX's service: two broadcasts.
+    raw = json.dumps(value).encode() if jax.process_index() == 0 else b''
+    size = multihost_utils.broadcast_one_to_all(np.int64(len(raw)))
+    data = np.zeros(int(size), np.uint8)
+    data[: len(raw)] = np.frombuffer(raw, np.uint8)
+    out = multihost_utils.broadcast_one_to_all(data)
+    return json.loads(np.asarray(out).tobytes().decode())
+  session = _current()
+  key = session.key('share')
+  if jax.process_index() == 0:
+    session.client.key_value_set(key, json.dumps(value))
+    return value
+  return json.loads(_wait(session, key, [0]))
+
+
+def agree(error: Exception | None, what: str) -> None:
+  """Every process raises if process 0 failed; process 0 its own error.
+
+  For work process 0 does alone while the others wait (`share`): its
+  outcome and message reach every process, so that no process goes on to a
+  collective that another has left, and a process 0 that stops is named
+  after `peer_timeout()` seconds.
+
+  Raises:
+    ExportError: On the other processes, if process 0 failed or stopped.
+  """
+  message = share(None if error is None else f'{type(error).__name__}: {error}')
+  if error is not None:
+    raise error
+  if message is not None:
+    raise _errors.ExportError(
+      f'{what} failed: {message.rstrip(".")}. Every process stops here: fix '
+      "the cause (process 0's log has the details) and run the export again."
+    )

@@ -1,0 +1,415 @@
+"""Real faults, each met once per test session in processes of its own.
+
+- `full_disk`: a process whose file size is limited (`RLIMIT_FSIZE`, the
+  write fails with EFBIG, no mount or root needed) saves over a checkpoint;
+  the limit lands on the manifest, on TensorFlow's data files, and on a
+  SavedModel.
+- `no_space`: a process saves over a checkpoint on a small, nearly full
+  tmpfs (ENOSPC), mounted in a mount namespace of its own (`unshare -rm`,
+  where the system allows unprivileged user namespaces).
+- `unwritable`: saves into a read-only parent directory, a parent that is a
+  file, and over exports this user may not delete. Run as root, the process
+  drops to user `nobody` after its setup (root may write anywhere).
+- `dead_peer`: two processes save one checkpoint, and one of them is killed
+  mid-save.
+
+Each returns what the processes reported; `faults_test.py` and
+`multiprocess_faults_test.py` check what each fault left on disk, and
+`bad_input_cases.py` shows the messages on the troubleshooting page. So
+nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from typing import Any
+
+import multiprocess_util
+
+TIMEOUT = 400
+NOBODY = 65534
+
+_FULL_DISK = textwrap.dedent(
+  """
+  import hashlib, json, os, resource, signal, sys
+  import jax
+  jax.config.update('jax_num_cpu_devices', 8)
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flax_dtensor import dtensor as fdt_tf
+  from flax_dtensor.dtensor import _tf
+
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  root = sys.argv[1]
+  path = os.path.join(root, 'ckpt')
+
+  def model(version):
+    # Many small variables: the manifest is the biggest file.
+    s = NamedSharding(mesh, P('data', 'model'))
+    return nnx.Dict({
+      f'layer{i}': nnx.Param(jax.device_put(
+          jnp.full((8, 64), 1000 * version + i, jnp.float32), s))
+      for i in range(32)})
+
+  def files():
+    out = {}
+    for d, _, names in os.walk(root):
+      for n in names:
+        with open(os.path.join(d, n), 'rb') as f:
+          out[os.path.relpath(os.path.join(d, n), root)] = (
+              hashlib.sha256(f.read()).hexdigest())
+    return out
+
+  fdt_tf.save_checkpoint(model(1), path)
+  sizes = {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
+  manifest = sizes.pop('flax_dtensor.json')
+  out = {'before': files(), 'manifest_bytes': manifest,
+         'other_bytes': max(sizes.values()), 'attempts': {}}
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+  def attempt(name, limit, save):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+      save()
+      error = None
+    except Exception as e:
+      chain, c = [], e
+      while c is not None:
+        chain.append([type(c).__name__, getattr(c, 'errno', None)])
+        c = c.__cause__
+      error = [type(e).__name__, str(e), chain]
+    finally:
+      resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    out['attempts'][name] = {'limit': limit, 'error': error,
+                             'listing': sorted(os.listdir(root)),
+                             'files': files()}
+
+  # Between the largest file TF writes and the manifest: only the
+  # manifest's write fails.
+  attempt('manifest', (manifest + max(sizes.values())) // 2,
+          lambda: fdt_tf.save_checkpoint(model(2), path, overwrite=True))
+  tf = _tf.tf()
+  attempt('saved_model', 4096, lambda: fdt_tf.save_saved_model(
+      nnx.Linear(16, 16, rngs=nnx.Rngs(0)), os.path.join(root, 'sm'),
+      input_signature=[tf.TensorSpec([None, 16])]))
+  # Last: TF DTensor cancels every later TF op of a process whose sharded
+  # write failed.
+  attempt('data', 4096,
+          lambda: fdt_tf.save_checkpoint(model(2), path, overwrite=True))
+  print('RESULT ' + json.dumps(out))
+  """
+)
+
+_NO_SPACE = textwrap.dedent(
+  """
+  import hashlib, json, os, subprocess, sys
+  import jax
+  jax.config.update('jax_num_cpu_devices', 8)
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flax_dtensor import dtensor as fdt_tf
+
+  fs = os.path.join(sys.argv[1], 'fs')
+  os.mkdir(fs)
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=4m', 'tmpfs', fs],
+                 check=True)
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  path = os.path.join(fs, 'ckpt')
+
+  def model(version):
+    s = NamedSharding(mesh, P('data', 'model'))
+    return nnx.Dict({
+      f'layer{i}': nnx.Param(jax.device_put(
+          jnp.full((8, 64), 1000 * version + i, jnp.float32), s))
+      for i in range(32)})
+
+  def files():
+    out = {}
+    for d, _, names in os.walk(path):
+      for n in names:
+        with open(os.path.join(d, n), 'rb') as f:
+          out[n] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+  fdt_tf.save_checkpoint(model(1), path)
+  read = fdt_tf.read_checkpoint(path)
+  restorable = all(
+      np.array_equal(read[(f'layer{i}',)], np.full((8, 64), 1000 + i))
+      for i in range(32))
+  before = files()
+  # Fill the filesystem up to 24 KiB: less than the new version's data.
+  info = os.statvfs(fs)
+  with open(os.path.join(fs, 'filler'), 'wb') as f:
+    f.write(b'\\0' * (info.f_bavail * info.f_frsize - 24 * 1024))
+  error = None
+  try:
+    fdt_tf.save_checkpoint(model(2), path, overwrite=True)
+  except Exception as e:
+    chain, c = [], e
+    while c is not None:
+      chain.append(type(c).__name__)
+      c = c.__cause__
+    error = [type(e).__name__, str(e), chain]
+  info = os.statvfs(fs)
+  print('RESULT ' + json.dumps({
+      'restorable': restorable, 'before': before, 'after': files(),
+      'listing': sorted(os.listdir(fs)), 'error': error, 'fs': fs,
+      'free': info.f_bavail * info.f_frsize}))
+  """
+)
+
+_UNWRITABLE = textwrap.dedent(
+  """
+  import json, os, sys
+  import jax
+  jax.config.update('jax_num_cpu_devices', 8)
+  from flax import nnx
+  from flax_dtensor import dtensor as fdt_tf
+  from flax_dtensor.dtensor import _atomic, _tf
+
+  fdt_tf.initialize()
+  tf = _tf.tf()
+  base = sys.argv[1]
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  spec = [tf.TensorSpec([None, 4])]
+  at = lambda *p: os.path.join(base, *p)
+  for name in ('ro', 'open', 'sticky'):
+    os.mkdir(at(name))
+  with open(at('a_file'), 'w') as f:
+    f.write('precious')
+  # Set up as this user; these saves also load every module a save needs.
+  fdt_tf.save_checkpoint(model, at('open', 'ckpt'))
+  fdt_tf.save_checkpoint(model, at('sticky', 'ckpt'))
+  fdt_tf.save_saved_model(model, at('sm'), input_signature=spec)
+  os.chmod(at('ro'), 0o555)
+  os.chmod(at('open'), 0o777)
+  os.chmod(at('sticky'), 0o1777)
+  root = os.geteuid() == 0
+  if root:  # Root may write anywhere: become another user.
+    os.setgroups([])
+    os.setgid(int(sys.argv[2]))
+    os.setuid(int(sys.argv[2]))
+  else:  # The export is this user's: make it undeletable instead.
+    os.chmod(at('open', 'ckpt'), 0o555)
+  print('READY', flush=True)
+  sys.stdin.readline()  # The parent has taken its snapshot.
+  attempts = {
+    'read-only parent': lambda: fdt_tf.save_checkpoint(model, at('ro', 'c')),
+    'read-only parent, SavedModel': lambda: fdt_tf.save_saved_model(
+        model, at('ro', 'sm'), input_signature=spec),
+    'read-only parent, export command': lambda: _atomic.all_or_nothing(
+        at('ro', 'out'), ['checkpoint'], overwrite=False).__enter__(),
+    'parent is a file': lambda: fdt_tf.save_checkpoint(
+        model, at('a_file', 'c')),
+    'not deletable': lambda: fdt_tf.save_checkpoint(
+        model, at('open', 'ckpt'), overwrite=True),
+  }
+  if root:  # Only another user can own it.
+    attempts['sticky parent'] = lambda: fdt_tf.save_checkpoint(
+        model, at('sticky', 'ckpt'), overwrite=True)
+  errors = {}
+  for name, attempt in attempts.items():
+    try:
+      attempt()
+      errors[name] = None
+    except Exception as e:
+      errors[name] = [type(e).__name__, str(e)]
+  print('RESULT ' + json.dumps({'uid': os.geteuid(), 'errors': errors}))
+  """
+)
+
+
+def _env() -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  env['JAX_PLATFORMS'] = 'cpu'
+  env['PYTHONPATH'] = os.pathsep.join(
+    [str(multiprocess_util.REPO_ROOT)]
+    + [p for p in [os.environ.get('PYTHONPATH')] if p]
+  )
+  return env
+
+
+def _scratch(prefix: str) -> str:
+  """A directory every user may enter, removed at exit."""
+  path = tempfile.mkdtemp(prefix=prefix)
+  os.chmod(path, 0o755)
+  atexit.register(_remove_tree, path)
+  return path
+
+
+def _remove_tree(path: str) -> None:
+  """Removes `path`, first making what the faults locked writable again."""
+  for root, dirs, _ in os.walk(path):
+    for d in dirs:
+      os.chmod(os.path.join(root, d), 0o755)
+  shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(script: str, *args: str) -> tuple[dict[str, Any], str]:
+  """Runs `script`; returns its RESULT line's JSON and its whole stdout."""
+  proc = subprocess.run(
+    [sys.executable, '-c', script, *args],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=_env(),
+    cwd=multiprocess_util.REPO_ROOT,
+    check=False,
+  )
+  lines = [
+    line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
+  ]
+  if proc.returncode != 0 or not lines:
+    raise RuntimeError(
+      f'exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+    )
+  return json.loads(lines[-1][len('RESULT ') :]), proc.stdout
+
+
+def snapshot(root: str) -> dict[str, list[Any]]:
+  """Every entry under `root`: [type, mode, owner, size, SHA-256 of files]."""
+  out = {}
+  for directory, dirs, files in os.walk(root):
+    for name in dirs + files:
+      path = os.path.join(directory, name)
+      info = os.lstat(path)
+      digest = None
+      if stat.S_ISREG(info.st_mode):
+        with open(path, 'rb') as f:
+          digest = hashlib.sha256(f.read()).hexdigest()
+      out[os.path.relpath(path, root)] = [
+        stat.filemode(info.st_mode),
+        info.st_uid,
+        info.st_size if digest else 0,
+        digest,
+      ]
+  return out
+
+
+@functools.cache
+def full_disk() -> dict[str, Any]:
+  """The full-disk run: {'root', 'before', 'attempts': {name: ...}, ...}."""
+  root = _scratch('fdt_full_disk_')
+  out, _ = _run(_FULL_DISK, root)
+  out['root'] = root
+  return out
+
+
+def _can_unshare() -> str | None:
+  """Why `unshare -rm` cannot run here, or None if it can."""
+  if shutil.which('unshare') is None:
+    return 'the unshare command is not installed'
+  probe = subprocess.run(
+    ['unshare', '-rm', 'true'], capture_output=True, text=True, check=False
+  )
+  if probe.returncode != 0:
+    return f'unshare -rm fails here: {probe.stderr.strip()}'
+  return None
+
+
+@functools.cache
+def no_space() -> dict[str, Any]:
+  """The ENOSPC run, or {'unavailable': why} without mount namespaces."""
+  why = _can_unshare()
+  if why is not None:
+    return {'unavailable': why}
+  root = _scratch('fdt_no_space_')
+  proc = subprocess.run(
+    ['unshare', '-rm', sys.executable, '-c', _NO_SPACE, root],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=_env(),
+    cwd=multiprocess_util.REPO_ROOT,
+    check=False,
+  )
+  lines = [
+    line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
+  ]
+  if proc.returncode != 0 or not lines:
+    raise RuntimeError(
+      f'exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+    )
+  return json.loads(lines[-1][len('RESULT ') :])
+
+
+@functools.cache
+def unwritable() -> dict[str, Any]:
+  """The unwritable-places run: {'base', 'uid', 'errors', 'before', ...}.
+
+  'before' is the tree as the child left it after its setup, 'after' as it
+  is once the child is gone.
+  """
+  base = _scratch('fdt_unwritable_')
+  before: dict[str, Any] = {}
+  proc = subprocess.Popen(
+    [sys.executable, '-c', _UNWRITABLE, base, str(NOBODY)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=_env(),
+    cwd=base,
+  )
+  try:
+    line = proc.stdout.readline()
+    if line.strip() == 'READY':
+      before = snapshot(base)
+    out, err = proc.communicate('go\n', timeout=TIMEOUT)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=60)
+  lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
+  if proc.returncode != 0 or not lines or not before:
+    raise RuntimeError(f'exit {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}')
+  result = json.loads(lines[-1][len('RESULT ') :])
+  result.update(base=base, before=before, after=snapshot(base))
+  return result
+
+
+@functools.cache
+def dead_peer(moment: str) -> dict[str, Any]:
+  """Process 1 of 2 killed at `moment` (see _mp_worker_dead_peer.py).
+
+  Returns process 0's RESULT (its error, the listing after) and 'root',
+  where the checkpoint is.
+  """
+  root = _scratch('fdt_dead_peer_')
+  outputs = multiprocess_util.run_workers(
+    pathlib.Path(__file__).resolve().parent / '_mp_worker_dead_peer.py',
+    2,
+    args=[root, moment],
+    timeout=TIMEOUT,
+    env={'FLAX_DTENSOR_PEER_TIMEOUT': str(PEER_TIMEOUT)},
+    may_die=[1],
+  )
+  lines = [
+    line for line in outputs[0].splitlines() if line.startswith('RESULT ')
+  ]
+  if not lines:
+    raise RuntimeError(f'process 0 printed no result:\n{outputs[0][-5000:]}')
+  result = json.loads(lines[-1][len('RESULT ') :])
+  result['root'] = root
+  return result
+
+
+# The dead-peer run's bound: well above a live process's heartbeat interval
+# (a tenth of it) on a loaded machine, well below JAX's own 100 s.
+PEER_TIMEOUT = 10

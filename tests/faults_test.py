@@ -1,0 +1,515 @@
+"""Faults a real cluster has, met for real: full disks, unwritable places,
+files that change while a restore reads them.
+
+A full disk is a process with a file-size limit (`RLIMIT_FSIZE`: a write
+past it fails with EFBIG, as ENOSPC would, without root or a mount); an
+unwritable place is met as user `nobody` when the tests run as root (see
+fault_runs.py, which runs each fault once per session). Each fault must
+leave the previous export bit for bit, no temporary, and our `ExportError`
+saying what happened and what to do.
+"""
+
+import dataclasses
+import errno
+import os
+import re
+import threading
+
+import fault_runs
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+tf = pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+from flax_dtensor.dtensor import _host_read, _manifest, _tf_errors  # noqa: E402
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _dtensor_initialized():
+  fdt_tf.initialize()
+
+
+# A full disk
+# ------------------------------------------------------------------------------
+
+_EFBIG = (
+  r"Writing '{path}' failed: File too large: this process may write files "
+  r'of at most [\d.]+ KiB \({limit} bytes\), its RLIMIT_FSIZE \(`ulimit -f`\); '
+  r"the export's variables alone take [\d.]+ KiB \({needed} bytes\), and .* "
+  r"bytes\) are free on the filesystem of '{root}'\. The previous export at "
+  r"'{path}', if any, is unchanged, and the partial one was removed\. Raise "
+  r'the limit'
+)
+
+
+@pytest.mark.parametrize(
+  'where, needed, cause',
+  [
+    ('manifest', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
+    ('data', 32 * 8 * 64 * 4, ['OutOfRangeError', None]),
+    ('saved_model', 16 * 16 * 4 + 16 * 4, ['OutOfRangeError', None]),
+  ],
+)
+def test_a_full_disk_leaves_the_previous_checkpoint_bit_for_bit(
+  where, needed, cause
+):
+  run = fault_runs.full_disk()
+  attempt = run['attempts'][where]
+  if where == 'manifest':  # The limit lands on the manifest alone.
+    assert run['other_bytes'] < attempt['limit'] < run['manifest_bytes']
+  name, message, chain = attempt['error']
+  assert name == 'ExportError'
+  target = 'sm' if where == 'saved_model' else 'ckpt'
+  pattern = _EFBIG.format(
+    path=re.escape(os.path.join(run['root'], target)),
+    root=re.escape(run['root']),
+    limit=attempt['limit'],
+    needed=needed,
+  )
+  assert re.match(pattern, message), message
+  # The write really failed with the OS's EFBIG (TF reports it as an
+  # OutOfRangeError naming the OS's words).
+  assert chain[-1] == cause, chain
+  # Nothing changed: no temporary, every file of the old checkpoint intact.
+  assert attempt['listing'] == ['ckpt']
+  assert attempt['files'] == run['before']
+
+
+def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
+  run = fault_runs.full_disk()
+  path = os.path.join(run['root'], 'ckpt')
+  expected = {
+    (f'layer{i}',): np.full((8, 64), 1000 + i, np.float32) for i in range(32)
+  }
+  read = fdt_tf.read_checkpoint(path)
+  assert set(read) == set(expected)
+  for key, value in expected.items():
+    np.testing.assert_array_equal(read[key], value)
+  # Restored onto another layout too.
+  sharding = NamedSharding(explicit_mesh, P('model', 'data'))
+  target = nnx.Dict(
+    {
+      k[0]: nnx.Param(jax.device_put(jnp.zeros((8, 64)), sharding))
+      for k in read
+    }
+  )
+  fdt_tf.restore_checkpoint(path, target)
+  for key, value in expected.items():
+    np.testing.assert_array_equal(np.asarray(target[key[0]][...]), value)
+  assert sorted(os.listdir(run['root'])) == ['ckpt']
+
+
+def test_no_space_left_mid_save_leaves_the_previous_checkpoint():
+  """ENOSPC from a nearly full tmpfs, as TensorFlow writes the new data."""
+  run = fault_runs.no_space()
+  if 'unavailable' in run:
+    pytest.skip(f'no mount namespace here: {run["unavailable"]}')
+  assert run['restorable']  # The old version read back exactly, before.
+  name, message, chain = run['error']
+  assert name == 'ExportError'
+  path = os.path.join(run['fs'], 'ckpt')
+  match = re.match(
+    rf"Writing '{re.escape(path)}' failed: No space left on device: the "
+    r"export's variables alone take 64\.0 KiB \(65536 bytes\), and "
+    rf'[\d.]+ KiB \((\d+) bytes\) are free on the filesystem of '
+    rf"'{re.escape(run['fs'])}'\. The previous export at '{re.escape(path)}', "
+    r'if any, is unchanged, and the partial one was removed\. Free space or '
+    r'save elsewhere',
+    message,
+  )
+  assert match, message
+  # The bytes free, once the partial export is gone, as the OS counts them.
+  assert int(match[1]) == run['free'] < 65536
+  assert chain[-1] == 'ResourceExhaustedError'  # TF's words for ENOSPC.
+  assert run['listing'] == ['ckpt', 'filler']
+  assert run['after'] == run['before']
+
+
+def test_a_full_disk_is_measured_with_statvfs(tmp_path):
+  """ENOSPC, for real: /dev/full refuses every write."""
+  path = str(tmp_path / 'ckpt')
+  with pytest.raises(fdt.ExportError) as raised:
+    with _tf_errors.space_checked(path, 3 * 2**30):
+      with open('/dev/full', 'w') as f:
+        f.write('x')
+        f.flush()
+  message = str(raised.value)
+  match = re.match(
+    rf"Writing '{re.escape(path)}' failed: No space left on device: the "
+    r"export's variables alone take 3\.0 GiB \(3221225472 bytes\), and "
+    rf'[\d.]+ \w+ \((\d+) bytes\) are free on the filesystem of '
+    rf"'{re.escape(str(tmp_path))}'\. The previous export .* is unchanged.*"
+    r'Free space or save elsewhere: an overwrite needs room for the old '
+    r'export and the new one',
+    message,
+  )
+  assert match, message
+  info = os.statvfs(tmp_path)
+  # The bytes free are the filesystem's, as statvfs counts them for users
+  # (others may write meanwhile: within 1 GiB).
+  assert abs(int(match[1]) - info.f_bavail * info.f_frsize) < 2**30
+  assert isinstance(raised.value.__cause__, OSError)
+  assert raised.value.__cause__.errno == errno.ENOSPC
+
+
+def test_other_errors_are_not_taken_for_a_full_disk(tmp_path):
+  with pytest.raises(PermissionError):
+    with _tf_errors.space_checked(str(tmp_path / 'c'), 1):
+      raise PermissionError(errno.EACCES, 'Permission denied')
+
+
+# Unwritable places
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'case, pattern',
+  [
+    (
+      'read-only parent',
+      r"Cannot write export target '{base}/ro/c': its parent directory "
+      r"'{base}/ro' is not writable \(this process \(uid {uid}\) may not "
+      r'write in it \(owner uid \d+, mode dr-xr-xr-x\)\)\. .*choose a '
+      r'directory you may write in',
+    ),
+    (
+      'read-only parent, SavedModel',
+      r"Cannot write export target '{base}/ro/sm': its parent directory "
+      r"'{base}/ro' is not writable",
+    ),
+    (
+      'read-only parent, export command',
+      r"Cannot write export target '{base}/ro/out': its parent directory "
+      r"'{base}/ro' is not writable",
+    ),
+    (
+      'parent is a file',
+      r"The parent of export target '{base}/a_file/c' is not a directory: "
+      r"'{base}/a_file' is a file",
+    ),
+    (
+      'not deletable',
+      r"Cannot replace '{base}/open/ckpt': '{base}/open/ckpt' is not "
+      r'writable \(this process \(uid {uid}\) may not write in it .*\), so '
+      r'the old export could not be deleted once the new one is in place',
+    ),
+  ],
+)
+def test_unwritable_places_are_refused_before_any_byte_is_written(
+  case, pattern
+):
+  run = fault_runs.unwritable()
+  # As root, the run drops to `nobody`: root may write anywhere.
+  assert run['uid'] == (fault_runs.NOBODY if os.geteuid() == 0 else os.getuid())
+  name, message = run['errors'][case]
+  assert name == 'ExportError'
+  expected = pattern.format(base=re.escape(run['base']), uid=run['uid'])
+  assert re.match(expected, message), message
+  # Nothing changed anywhere: no temporary, no file, no mode.
+  assert run['after'] == run['before']
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason='needs a second user')
+def test_an_export_in_a_sticky_directory_is_its_owners():
+  run = fault_runs.unwritable()
+  name, message = run['errors']['sticky parent']
+  assert name == 'ExportError'
+  assert re.match(
+    rf"Cannot replace '{re.escape(run['base'])}/sticky/ckpt': it belongs to "
+    r'uid 0, and its parent .* has the sticky bit, so only its owner may '
+    r'rename it',
+    message,
+  ), message
+  assert run['after'] == run['before']
+
+
+# Damage while a restore reads
+# ------------------------------------------------------------------------------
+
+
+class Blocks(nnx.Module):
+  """A plain NNX stack: a list of layers and a BatchNorm (sharded by hand)."""
+
+  def __init__(self, mesh, spec, value, rngs, norm=None):
+    sharding = NamedSharding(mesh, spec)
+    self.blocks = nnx.List(
+      [
+        nnx.Param(
+          jax.device_put(
+            jnp.arange(128, dtype=jnp.float32).reshape(8, 16) + value + i,
+            sharding,
+          )
+        )
+        for i in range(3)
+      ]
+    )
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    norm = value if norm is None else norm
+    self.norm.mean[...] = jnp.full((16,), norm, jnp.float32)
+
+
+def _values(module):
+  return {
+    p: np.asarray(v.get_value())
+    for p, v in nnx.to_flat_state(nnx.state(module))
+  }
+
+
+def _after_the_check(monkeypatch, damage):
+  """Runs `damage` once the files passed the manifest check, before TF reads.
+
+  That is the moment the check cannot see: what changes after it must
+  still be refused.
+  """
+  real = _manifest.verify_files
+
+  def check_then_damage(manifest, pool):
+    real(manifest, pool)
+    damage()
+
+  monkeypatch.setattr(_manifest, 'verify_files', check_then_damage)
+
+
+def _first_data_file(path):
+  """The data file of the first device's shards (blocks' values)."""
+  (name,) = [n for n in os.listdir(path) if n.startswith('ckpt.data-00000-')]
+  return os.path.join(path, name)
+
+
+def _flip(path):
+  data = _first_data_file(path)
+  with open(data, 'r+b') as f:
+    f.seek(64)
+    byte = f.read(1)
+    f.seek(64)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _truncate(path):
+  data = _first_data_file(path)
+  os.truncate(data, os.path.getsize(data) // 2)
+
+
+@pytest.mark.parametrize(
+  'damage, match',
+  [
+    (_flip, r'DataLossError: .*Checksum does not match'),
+    (_truncate, r'(OutOfRange|DataLoss)Error'),
+  ],
+  ids=['flipped', 'truncated'],
+)
+def test_a_file_damaged_after_the_check_is_refused(
+  explicit_mesh, tmp_path, monkeypatch, damage, match
+):
+  saved = Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0))
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'c')
+  target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
+  before = _values(target)
+  _after_the_check(monkeypatch, lambda: damage(path))
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf'TensorFlow failed to read the NNX variable .*{match}.*Nothing '
+    r'was restored: the target is unchanged',
+  ):
+    fdt_tf.restore_checkpoint(path, target)
+  after = _values(target)
+  assert after.keys() == before.keys()
+  for key, value in before.items():
+    np.testing.assert_array_equal(after[key], value)
+
+
+@pytest.mark.parametrize('read', ['restore', 'read_checkpoint'])
+def test_a_checkpoint_replaced_during_a_restore_is_refused(
+  explicit_mesh, tmp_path, monkeypatch, read
+):
+  """Another save swaps the directory after the check: TF sees no fault.
+
+  The versions differ only in sharded values, and the restore is onto
+  another layout, so no device holds a saved shard whole: only a check of
+  every byte read sees the change.
+  """
+  path = fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0)), tmp_path / 'c'
+  )
+  other = fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 2.0, nnx.Rngs(0), norm=1.0),
+    tmp_path / 'o',
+  )
+
+  def swap():
+    os.rename(path, tmp_path / 'aside')
+    os.rename(other, path)
+
+  target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
+  before = _values(target)
+  _after_the_check(monkeypatch, swap)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32 '
+    r'[0-9a-f]{8}, recorded [0-9a-f]{8} \(expected what its manifest '
+    r'flax_dtensor.json records; found in the bytes read, so the files may '
+    r'also have changed during the read\)\. Nothing was restored: the '
+    r'target is unchanged',
+  ):
+    if read == 'restore':
+      fdt_tf.restore_checkpoint(path, target)
+    else:
+      fdt_tf.read_checkpoint(path)
+  for key, value in _values(target).items():
+    np.testing.assert_array_equal(value, before[key])
+  # TensorFlow alone reads the swapped-in checkpoint without complaint.
+  key = fdt_tf.checkpoint_key(('blocks', 0))
+  (value,) = tf.raw_ops.RestoreV2(
+    prefix=os.path.join(path, 'ckpt'),
+    tensor_names=[key],
+    shape_and_slices=[''],
+    dtypes=[tf.float32],
+  )
+  np.testing.assert_array_equal(
+    value.numpy(), np.arange(128, dtype=np.float32).reshape(8, 16) + 2.0
+  )
+
+
+def test_restores_while_another_thread_swaps_the_checkpoint(
+  explicit_mesh, tmp_path
+):
+  """Each restore gets one version exactly, or our error; never a mix."""
+  versions = {
+    v: Blocks(explicit_mesh, P('data', 'model'), v, nnx.Rngs(0))
+    for v in (1.0, 2.0)
+  }
+  expected = {v: _values(m) for v, m in versions.items()}
+  path = str(tmp_path / 'c')
+  spare = str(tmp_path / 'spare')
+  fdt_tf.save_checkpoint(versions[1.0], path)
+  fdt_tf.save_checkpoint(versions[2.0], spare)
+  stop = threading.Event()
+
+  def swap_forever():
+    while not stop.is_set():
+      os.rename(path, tmp_path / 'moving')
+      os.rename(spare, path)
+      os.rename(tmp_path / 'moving', spare)
+
+  swapper = threading.Thread(target=swap_forever, daemon=True)
+  swapper.start()
+  outcomes = []
+  try:
+    for _ in range(12):
+      target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
+      sentinel = _values(target)
+      try:
+        fdt_tf.restore_checkpoint(path, target)
+      except fdt.ExportError as e:
+        assert re.search(
+          r'damaged|failed to read|holds no TF checkpoint', str(e)
+        )
+        got = _values(target)
+        assert all(np.array_equal(got[k], sentinel[k]) for k in got)
+        outcomes.append('refused')
+        continue
+      got = _values(target)
+      same = [
+        v
+        for v, want in expected.items()
+        if all(np.array_equal(got[k], want[k]) for k in want)
+      ]
+      assert len(same) == 1, 'a mix of both versions'
+      outcomes.append(same[0])
+  finally:
+    stop.set()
+    swapper.join(timeout=60)
+  assert len(outcomes) == 12
+
+
+def _grid(shape, blocks):
+  """The saved shards of a `blocks` grid over `shape`: [(index, 0)]."""
+  steps = [n // b for n, b in zip(shape, blocks, strict=True)]
+  out = []
+  for i in np.ndindex(*blocks):
+    out.append(
+      (
+        tuple((k * s, (k + 1) * s) for k, s in zip(i, steps, strict=True)),
+        0,
+      )
+    )
+  return out
+
+
+def _record(shape, shards):
+  return _manifest.Record(
+    path=('w',),
+    key='w',
+    type='Param',
+    dtype='float32',
+    stored_dtype='float32',
+    shape=shape,
+    key_impl=None,
+    sharding=None,
+    shards=shards,
+  )
+
+
+@pytest.mark.parametrize('whole', [False, True])
+@pytest.mark.parametrize(
+  'saved, held',
+  [((2, 4), (4, 2)), ((4, 1), (1, 4)), ((2, 2), (2, 2)), ((8, 1), (2, 1))],
+)
+def test_a_process_reads_whole_saved_shards_and_cuts_its_slices(
+  saved, held, whole
+):
+  """The read plan, by values: read saved shards, check them, then cut."""
+  shape = (8, 16)
+  full = np.arange(128, dtype=np.float32).reshape(shape)
+  record = _record(shape, tuple(_grid(shape, saved)))
+  # Some slices of another layout (as a process of several holds), or the
+  # whole variable (as one process holding all of it does).
+  needed = (
+    {((0, 8), (0, 16))} if whole else {i for i, _ in _grid(shape, held)[:3]}
+  )
+  slices = _host_read._to_read(shape, needed, whole, record)
+  read = {i: full[_host_read._within(i, ((0, 8), (0, 16)))] for i in slices}
+  # Only saved shards, each whole, and only those meeting a held slice.
+  assert set(slices) <= {index for index, _ in record.shards}
+  for index in slices:
+    assert any(_host_read._overlap(index, n) for n in needed)
+  for index in needed:
+    cut = _host_read._cut(read, index, np.dtype(np.float32))
+    np.testing.assert_array_equal(
+      cut, full[_host_read._within(index, ((0, 8), (0, 16)))]
+    )
+
+
+def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
+  shape = (8, 16)
+  full = np.arange(128, dtype=np.float32).reshape(shape)
+  shards = tuple(
+    (index, _manifest._crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
+    for index, _ in _grid(shape, (2, 2))
+  )
+  manifest = _manifest.Manifest(
+    _manifest.CHECKPOINT_FORMAT, 3, str(tmp_path), 'ckpt', {}, ()
+  )
+  record = _record(shape, shards)
+  whole = {((0, 8), (0, 16)): full}
+  _manifest.verify_read(manifest, record, whole)  # Every byte checked.
+  partial = dataclasses.replace(record, shards=shards[:-1])
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'the shards recorded for w do not cover \[0:8, 0:16\], so its '
+    r'bytes cannot be checked',
+  ):
+    _manifest.verify_read(manifest, partial, whole)
+  changed = full.copy()
+  changed[7, 15] += 1
+  with pytest.raises(
+    fdt.ExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
+  ):
+    _manifest.verify_read(manifest, record, {((0, 8), (0, 16)): changed})

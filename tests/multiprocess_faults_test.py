@@ -1,0 +1,75 @@
+"""A process killed in a two-process save: the other fails, bounded, in words.
+
+Two local processes (jax.distributed and DTensor on 127.0.0.1, see
+fault_runs.dead_peer and _mp_worker_dead_peer.py) save a checkpoint, then
+overwrite it; process 1 is killed mid-save, inside TensorFlow's collective
+write or at our barrier after its shards, or as a restore begins. Process
+0 must raise our `ExportError` naming process 1, within TF DTensor's
+heartbeat timeout or FLAX_DTENSOR_PEER_TIMEOUT (10 s here) rather than hang
+until JAX's own heartbeat timeout aborts it (100 s); the checkpoint must be
+the old version, whole, with nothing else left, and a restore's target
+unchanged.
+"""
+
+import os
+import re
+
+import fault_runs
+import numpy as np
+import pytest
+
+pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+
+pytestmark = pytest.mark.multiprocess
+
+_WHY = {
+  'in-write': r'TensorFlow lost it while writing the shards '
+  r'\(UnavailableError: .*task:1.*\)\. TF DTensor cancels every later '
+  r'TensorFlow operation of this process',
+  'at-barrier': rf'no heartbeat from it for {fault_runs.PEER_TIMEOUT} s \(it '
+  r'died, or hangs; FLAX_DTENSOR_PEER_TIMEOUT sets this bound, 60 s by '
+  r'default\)',
+}
+
+
+def _version(version):
+  """The values _mp_worker_dead_peer.py saves as `version`."""
+  base = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)
+  return {(f'v{i}',): base + 1000 * version + i for i in range(8)}
+
+
+def test_a_dead_peer_in_a_restore_leaves_the_target_unchanged():
+  run = fault_runs.dead_peer('in-restore')
+  path = os.path.join(run['root'], 'ckpt')
+  assert run['error'] is not None, 'process 0 restored without process 1'
+  assert re.match(
+    rf"Process 1 of 2 stopped during the restore from '{re.escape(path)}': "
+    rf'{_WHY["at-barrier"]}\. The target was not changed\. Restart every '
+    r'process of the job',
+    run['error'],
+  ), run['error']
+  assert run['unchanged']
+  assert run['listing'] == ['ckpt']
+
+
+@pytest.mark.parametrize('moment', ['in-write', 'at-barrier'])
+def test_a_dead_peer_is_named_and_the_checkpoint_stays_whole(moment):
+  run = fault_runs.dead_peer(moment)
+  assert run['process'] == 0
+  path = os.path.join(run['root'], 'ckpt')
+  assert run['error'] is not None, 'process 0 saved without process 1'
+  assert re.match(
+    rf"Process 1 of 2 stopped during the save to '{re.escape(path)}': "
+    rf'{_WHY[moment]}.*{re.escape(repr(path))} holds the previous checkpoint '
+    r'or the new one, whole\. Restart every process of the job',
+    run['error'],
+  ), run['error']
+  # Process 0 removed its temporary before reporting.
+  assert run['listing'] == ['ckpt']
+  read = fdt_tf.read_checkpoint(path)
+  expected = _version(1)
+  assert set(read) == set(expected)
+  for key, value in expected.items():
+    np.testing.assert_array_equal(read[key], value)
+  assert os.listdir(run['root']) == ['ckpt']

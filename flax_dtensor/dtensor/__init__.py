@@ -12,8 +12,9 @@ public name used installs the Flax hook first.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flax_dtensor import _lazy
 
 if TYPE_CHECKING:
   from flax_dtensor.dtensor._arrays import (
@@ -93,17 +94,7 @@ _MODULES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-  """Imports a public name on first use, the Flax hook installed first."""
-  module = _MODULES.get(name)
-  if module is None:
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-  from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
-
-  _hook.ensure_installed()
-  value = getattr(importlib.import_module(f'{__name__}.{module}'), name)
-  globals()[name] = value
-  return value
+__getattr__ = _lazy.module_getattr(__name__, _MODULES, globals())
 
 
 def __dir__() -> list[str]:

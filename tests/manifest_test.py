@@ -32,6 +32,8 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor import _manifest, _restore  # noqa: E402
 
 MANIFEST = _manifest.FILE
+VERSION = _manifest.VERSION
+CHECKSUM = _manifest.READABLE[VERSION]  # The key of per-entry checksums.
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -199,7 +201,7 @@ def _set(key, value):
 def _shape_bomb(meta, root, theirs):
   record = meta['variables'][0]
   record['shape'] = [10**13, 1]
-  record['shards'] = [{'index': [[0, 10**13], [0, 1]], 'crc32': 0}]
+  record['shards'] = [{'index': [[0, 10**13], [0, 1]], CHECKSUM: 0}]
 
 
 def _no_shards(meta, root, theirs):
@@ -241,7 +243,11 @@ CRAFTED = [
     _version(2),
     r'its version is 2;.*version 2, without checksums, is not read',
   ),
-  ('version 3.0', _version(3.0), r'its version is 3\.0;'),
+  (
+    'version as a float',
+    _version(float(VERSION)),
+    rf'its version is {float(VERSION)};',
+  ),
   ('version true', _version(True), r'its version is True;'),
   (
     'shards symlinked to another checkpoint',
@@ -269,7 +275,11 @@ CRAFTED = [
   ('NUL', _set('checkpoint_prefix', 'ck\0pt'), 'a NUL character'),
   ('backslash', _set('checkpoint_prefix', '..\\ckpt'), 'a backslash'),
   ('prefix a number', _set('checkpoint_prefix', 5), 'it is a int'),
-  ('checksum crc32c', _set('checksum', 'md5'), "version 3 uses 'crc32'"),
+  (
+    'another checksum',
+    _set('checksum', 'md5'),
+    f"version {VERSION} uses '{CHECKSUM}'",
+  ),
   (
     'shape bomb',
     _shape_bomb,
@@ -301,7 +311,7 @@ CRAFTED = [
     r'shard index .* is not one \[start, stop\] pair per dimension of '
     r'\(8, 16\)',
   ),
-  ('crc a string', None, r'the crc32 of a shard is .*expected an int'),
+  ('crc a string', None, rf'the {CHECKSUM} of a shard is .*expected an int'),
   ('path missing', None, r'a variable path is None'),
   ('dtype a list', None, r'the dtype of .* is \[1\]'),
 ]
@@ -315,14 +325,14 @@ def _field_edit(case):
     if case == 'negative size':
       files[first]['bytes'] = -1
     elif case == 'crc too big':
-      files[first]['crc32'] = [2**32]
+      files[first][CHECKSUM] = [2**32]
     elif case == 'negative shape':
       var['shape'] = [-8, 16]
     elif case == 'shard out of shape':
       var['shape'] = [8, 16]
       var['shards'][0]['index'] = [[0, 9], [16, 0]]
     elif case == 'crc a string':
-      var['shards'][0]['crc32'] = '12'
+      var['shards'][0][CHECKSUM] = '12'
     elif case == 'path missing':
       del var['path']
     elif case == 'dtype a list':
@@ -604,3 +614,28 @@ def test_an_intact_saved_model_reads_back_exactly(saved_model, monkeypatch):
     np.testing.assert_array_equal(
       arrays[('layers', i, 'kernel')], np.asarray(layer.kernel[...])
     )
+
+
+def test_a_checkpoint_state_file_naming_elsewhere_is_refused(
+  saved, tmp_path, monkeypatch
+):
+  """Without a manifest, TF's `checkpoint` file may not lead out either."""
+  base, mine, theirs, mesh = saved
+  root = os.path.join(base, tmp_path.name)
+  shutil.copytree(mine, root)
+  os.remove(os.path.join(root, MANIFEST))
+  for name in os.listdir(root):
+    if name.startswith('ckpt.'):
+      os.remove(os.path.join(root, name))
+  with open(os.path.join(root, 'checkpoint'), 'w') as f:
+    f.write(f'model_checkpoint_path: "{theirs}/ckpt"\n')
+  match = (
+    r"The checkpoint state file of .* names the prefix '.*/theirs/ckpt', and "
+    r'it resolves to .*, outside the export\. A checkpoint directory is read '
+    'only inside itself'
+  )
+  with _watched(monkeypatch, base, root):
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.restore_checkpoint(root, _model(mesh, 1))
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.read_checkpoint(root)

@@ -654,13 +654,11 @@ def confinement_problems(manifest: Manifest) -> list[str]:
   directory there as a checkpoint directory, following its ``checkpoint``
   file anywhere). Nothing is opened: only names and links are looked at.
   """
-  problems = []
-  root = manifest.root
-  for name in (manifest.prefix, *sorted(manifest.files)):
-    escape = _paths.escape_problem(root, name)
-    if escape is not None:
-      problems.append(f'{name} is refused: {escape}')
-  prefix = os.path.join(root, manifest.prefix)
+  problems = [
+    f'{name} is refused: {escape}'
+    for name, escape in _escapes(manifest).items()
+  ]
+  prefix = os.path.join(manifest.root, manifest.prefix)
   if os.path.lexists(prefix):
     problems.append(
       f'the checkpoint prefix {manifest.prefix} is a file or directory on '
@@ -700,19 +698,31 @@ def confinement_problems(manifest: Manifest) -> list[str]:
   return problems
 
 
+def _escapes(manifest: Manifest) -> dict[str, str]:
+  """{name: why} of the prefix and files resolving outside the export."""
+  out = {}
+  for name in (manifest.prefix, *sorted(manifest.files)):
+    escape = _paths.escape_problem(manifest.root, name)
+    if escape is not None:
+      out[name] = escape
+  return out
+
+
 def problems_of(
   manifest: Manifest, pool: concurrent.futures.Executor
 ) -> list[str]:
   """Everything wrong with an export's files against its manifest.
 
-  First where they are (`confinement_problems`): if that fails, no file is
-  opened. Then every file's size and chunk checksums.
+  First where they are (`confinement_problems`); then the size and chunk
+  checksums of every file, except those resolving outside the export: they
+  are never opened.
   """
   problems = confinement_problems(manifest)
-  if problems:
-    return problems
+  outside = _escapes(manifest)
   jobs = []
   for name, expected in sorted(manifest.files.items()):
+    if name in outside:
+      continue
     path = os.path.join(manifest.root, name)
     try:
       size = os.path.getsize(path)

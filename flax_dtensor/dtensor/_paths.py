@@ -101,4 +101,7 @@ def escape_problem(root: str, name: str) -> str | None:
   real = os.path.realpath(os.path.join(root, name))
   if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
     return None
-  return f'it resolves to {real!r}, outside the export (a symbolic link)'
+  lexical = os.path.normpath(os.path.join(os.path.abspath(root), name))
+  if lexical.startswith(os.path.abspath(root).rstrip(os.sep) + os.sep):
+    return f'it resolves to {real!r}, outside the export (a symbolic link)'
+  return f'it resolves to {real!r}, outside the export'

@@ -308,8 +308,13 @@ CRAFTED = [
   (
     'shard out of shape',
     None,
-    r'shard index .* is not one \[start, stop\] pair per dimension of '
+    r'is damaged: the shards recorded for dense/kernel do not fit its shape '
     r'\(8, 16\)',
+  ),
+  (
+    'shard index reversed',
+    None,
+    r'the shard index \[\[4, 0\]\] is not a list of \[start, stop\] pairs',
   ),
   ('crc a string', None, rf'the {CHECKSUM} of a shard is .*expected an int'),
   ('path missing', None, r'a variable path is None'),
@@ -329,8 +334,10 @@ def _field_edit(case):
     elif case == 'negative shape':
       var['shape'] = [-8, 16]
     elif case == 'shard out of shape':
-      var['shape'] = [8, 16]
-      var['shards'][0]['index'] = [[0, 9], [16, 0]]
+      var = next(v for v in meta['variables'] if v['path'][-1] == 'kernel')
+      var['shards'][0]['index'] = [[0, 9], [0, 16]]
+    elif case == 'shard index reversed':
+      var['shards'][0]['index'] = [[4, 0]]
     elif case == 'crc a string':
       var['shards'][0][CHECKSUM] = '12'
     elif case == 'path missing':

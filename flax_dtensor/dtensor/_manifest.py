@@ -369,17 +369,15 @@ def _checksum(value: Any, what: str, file: str) -> int:
   return value
 
 
-def _shard(raw: Any, shape: tuple[int, ...], checksum: str, file: str) -> Any:
+def _shard(raw: Any, checksum: str, file: str) -> Any:
   if not isinstance(raw, dict) or not isinstance(raw.get('index'), list):
     raise _malformed(file, f'a shard record is {raw!r:.80}')
   index = tuple(_int_list(d, 'a shard index', file) for d in raw['index'])
-  if len(index) != len(shape) or not all(
-    len(d) == 2 and d[0] <= d[1] for d in index
-  ):
+  if not all(len(d) == 2 and d[0] <= d[1] for d in index):
     raise _malformed(
       file,
-      f'the shard index {raw["index"]!r:.80} is not one [start, stop] pair '
-      f'per dimension of {shape}',
+      f'the shard index {raw["index"]!r:.80} is not a list of [start, stop] '
+      'pairs',
     )
   crc = _checksum(raw.get(checksum), f'the {checksum} of a shard', file)
   return tuple(index), crc
@@ -430,7 +428,7 @@ def _record(raw: Any, file: str, checksum: str) -> Record:
     shape=shape,
     key_impl=text['key_impl'],
     sharding=raw.get('sharding'),
-    shards=tuple(_shard(s, shape, checksum, file) for s in shards),
+    shards=tuple(_shard(s, checksum, file) for s in shards),
   )
 
 
@@ -803,6 +801,14 @@ def verify_index(
       problems.append(
         f'{name} has shape {tuple(shapes[key])} in the data, {r.shape} in '
         'the manifest'
+      )
+    elif not all(
+      len(index) == len(r.shape)
+      and all(b <= n for (_, b), n in zip(index, r.shape, strict=True))
+      for index, _ in r.shards
+    ):
+      problems.append(
+        f'the shards recorded for {name} do not fit its shape {r.shape}'
       )
     stored = np.dtype(dtypes[key].as_numpy_dtype)
     if stored.name != r.stored_dtype:

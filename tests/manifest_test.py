@@ -9,9 +9,11 @@ hook sees every `open`) or handed to TensorFlow as a prefix (a spy on our
 own call site).
 """
 
+import concurrent.futures
 import contextlib
 import json
 import os
+import pathlib
 import shutil
 import sys
 
@@ -29,6 +31,8 @@ import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+from flax_dtensor.cli import _command  # noqa: E402
+from flax_dtensor.cli import inspect as inspect_command  # noqa: E402
 from flax_dtensor.dtensor import _manifest, _restore  # noqa: E402
 
 MANIFEST = _manifest.FILE
@@ -506,7 +510,7 @@ def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
   shutil.copytree(mine, root)
   original = _meta(root)
   expected = _values(_model(mesh, 0))
-  outcomes = {'refused': 0, 'read': 0, 'restored': 0}
+  outcomes = {'refused': 0, 'read': 0, 'restored': 0, 'not listed': 0}
 
   @hypothesis.settings(
     max_examples=500,
@@ -521,6 +525,15 @@ def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
     with open(os.path.join(root, MANIFEST), 'wb') as f:
       f.write(text)
     restore = data.draw(st.booleans())
+    # What the command line reads: the listing, and --verify's checks.
+    with _watched(monkeypatch, base, root):
+      try:
+        inspect_command.inspect_checkpoint(pathlib.Path(root), 80)
+        manifest = _manifest.read(root)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+          _manifest.problems_of(manifest, pool)
+      except (_command.BadInputError, fdt.ExportError):
+        outcomes['not listed'] += 1
     try:
       with _watched(monkeypatch, base, root):
         if restore:
@@ -545,6 +558,7 @@ def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
   # fatal.
   assert outcomes['refused'] > 100, outcomes
   assert outcomes['read'] + outcomes['restored'] > 20, outcomes
+  assert outcomes['not listed'] >= outcomes['refused'] // 2, outcomes
 
 
 # A SavedModel's manifest (assets/flax_dtensor.json)

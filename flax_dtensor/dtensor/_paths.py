@@ -72,7 +72,7 @@ def name_problem(name: Any) -> str | None:
   where the path leads on disk.
   """
   if not isinstance(name, str):
-    return f'it is a {type(name).__name__}, not a string'
+    return f'it is not a string but a {type(name).__name__}'
   if not name:
     return 'it is empty'
   if '\0' in name:

@@ -3,8 +3,10 @@
 It records every variable (its exact NNX path, checkpoint key, NNX type,
 dtype, stored dtype, shape, layout, and a CRC-32 of each saved shard's
 bytes) and every file of the export (size and a CRC-32 per 64 MiB chunk).
-`read` is the one reader (restore, `read_checkpoint` and the CLI use it);
-`verify_files` checks the files before TensorFlow reads them;
+`read` is the one reader (restore, `read_checkpoint` and the CLI use it),
+strict about the document's shape and the paths it names;
+`verify_files` checks where the files lead and their bytes before
+TensorFlow reads them (`problems_of` lists what is wrong, for `--verify`);
 `verify_index` checks the variables against TF's index; `verify_read`
 checks every value read back, and `_crc` is the one hash of values.
 Reading (`read`) imports neither JAX nor TensorFlow: the command line's

@@ -197,6 +197,74 @@ def _damaged_data(ctx):
   ctx.dt.restore_checkpoint(path, ctx.model())
 
 
+def _crafted(ctx, name, edit):
+  """A copy of the checkpoint whose manifest `edit(meta, root)` changed."""
+  import shutil
+
+  root = str(ctx.tmp / name)
+  shutil.copytree(ctx.checkpoint, root)
+  file = os.path.join(root, 'flax_dtensor.json')
+  with open(file) as f:
+    meta = json.load(f)
+  text = edit(meta, root)
+  with open(file, 'w') as f:
+    f.write(json.dumps(meta) if text is None else text)
+  return root
+
+
+def _prefix_outside(ctx):
+  def edit(meta, root):
+    meta['checkpoint_prefix'] = '../ckpt/ckpt'
+    meta['files'] = {f'../ckpt/{n}': s for n, s in meta['files'].items()}
+
+  ctx.dt.restore_checkpoint(_crafted(ctx, 'outside', edit), ctx.model())
+
+
+def _linked_out(ctx):
+  def edit(meta, root):
+    index = os.path.join(root, 'ckpt.index')
+    os.remove(index)
+    os.symlink(os.path.join(ctx.checkpoint, 'ckpt.index'), index)
+
+  ctx.dt.restore_checkpoint(_crafted(ctx, 'linked', edit), ctx.model())
+
+
+def _unlisted(ctx):
+  def edit(meta, root):
+    data = sorted(n for n in meta['files'] if '.data-' in n)
+    del meta['files'][data[0]]
+
+  ctx.dt.read_checkpoint(_crafted(ctx, 'unlisted', edit))
+
+
+def _version_2(ctx):
+  def edit(meta, root):
+    meta['version'] = 2
+
+  ctx.dt.read_checkpoint(_crafted(ctx, 'v2', edit))
+
+
+def _deeply_nested(ctx):
+  path = _crafted(ctx, 'deep', lambda meta, root: '[' * 10**5 + ']' * 10**5)
+  ctx.dt.restore_checkpoint(path, ctx.model())
+
+
+def _duplicate_keys(ctx):
+  def edit(meta, root):
+    return json.dumps(meta).replace('{"format"', '{"version": 2, "format"', 1)
+
+  ctx.dt.read_checkpoint(_crafted(ctx, 'duplicate', edit))
+
+
+def _state_file_outside(ctx):
+  root = ctx.tmp / 'stateful'
+  root.mkdir()
+  (root / 'checkpoint').write_text(
+    f'model_checkpoint_path: "{ctx.checkpoint}/ckpt"\n'
+  )
+  ctx.dt.read_checkpoint(root)
+
+
 def _abstract_leftovers(ctx):
   class WithDropout(nnx.Module):
     def __init__(self, rngs):
@@ -1065,6 +1133,72 @@ CASES = [
     r'is damaged: bias has shape \(16,\) in the data, \(1, 2\) in the manifest',
     'Restore an intact copy, or re-export.',
     _edited_manifest,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a manifest naming files outside its directory (../, /abs)',
+    fdt.ExportError,
+    r"the checkpoint_prefix '\.\./ckpt/ckpt' is refused: it has a `\.\.` "
+    'component',
+    'Use only checkpoints whose manifest names paths inside them; re-export.',
+    _prefix_outside,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a checkpoint file that is a symbolic link out of the directory',
+    fdt.ExportError,
+    r'is damaged: ckpt\.index is refused: it resolves to .*, outside the '
+    r'export \(a symbolic link\)',
+    'Copy the real files into the directory (cp -L), or re-export.',
+    _linked_out,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    'a data file on disk that the manifest does not list',
+    fdt.ExportError,
+    r'is damaged: .*ckpt\.data-\S+ is on disk but not in the manifest',
+    'Restore an intact copy, or re-export.',
+    _unlisted,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    'a version-2 manifest (no checksums)',
+    fdt.ExportError,
+    r'its version is 2;.*version 2, without checksums, is not read: re-save',
+    'Re-save the model with save_checkpoint or save_saved_model.',
+    _version_2,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a deeply nested manifest',
+    fdt.ExportError,
+    r'is not a valid flax_dtensor manifest: it nests deeper than Python',
+    'Restore an intact copy, or re-export.',
+    _deeply_nested,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    'a manifest with a key twice in one object',
+    fdt.ExportError,
+    r"is not a valid flax_dtensor manifest: ValueError: the key 'version' "
+    'appears twice',
+    'Restore an intact copy, or re-export.',
+    _duplicate_keys,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.read_checkpoint',
+    "a TF 'checkpoint' file naming a checkpoint elsewhere",
+    fdt.ExportError,
+    r'The checkpoint state file of .* names the prefix .*outside the export',
+    'Pass the prefix itself if you trust that checkpoint.',
+    _state_file_outside,
     tf=True,
   ),
   Case(

@@ -1317,6 +1317,110 @@ def test_inspect_reads_the_manifest_without_jax_or_tensorflow(demo_export):
   assert 'output_0: [None, 128, 256] float32' in text
 
 
+VERIFY_WITHOUT_JAX = """
+import contextlib, io, json, sys
+from flax_dtensor.cli import _app
+results = []
+for argv in json.loads(sys.argv[1]):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    try:
+      _app.main(argv)
+    except SystemExit as e:
+      results.append([e.code, out.getvalue()])
+heavy = [m for m in ('jax', 'tensorflow', 'numpy') if m in sys.modules]
+print(json.dumps([results, heavy]))
+"""
+
+
+def _damaged_copies(out, tmp):
+  """Copies of the demo export, each broken in one way; name -> directory."""
+  copies = {}
+
+  def copy(name):
+    copies[name] = tmp / name
+    shutil.copytree(out, copies[name], symlinks=True)
+    return copies[name]
+
+  copy('intact')
+  ckpt = copy('flipped') / 'checkpoint'
+  data = sorted(ckpt.glob('ckpt.data-*'))[0]
+  raw = bytearray(data.read_bytes())
+  raw[100] ^= 0xFF
+  data.write_bytes(bytes(raw))
+  ckpt = copy('unlisted') / 'checkpoint'
+  (ckpt / 'ckpt.data-00000-of-00002').write_bytes(b'x')
+  ckpt = copy('linked') / 'checkpoint'
+  (ckpt / 'ckpt.index').unlink()
+  (ckpt / 'ckpt.index').symlink_to(out / 'checkpoint' / 'ckpt.index')
+  assets = copy('deep') / 'saved_model' / 'assets' / 'flax_dtensor.json'
+  assets.write_text('[' * 100_000 + ']' * 100_000)
+  ckpt = copy('downgraded') / 'checkpoint'
+  meta = json.loads((ckpt / 'flax_dtensor.json').read_text())
+  meta['version'] = 2
+  (ckpt / 'flax_dtensor.json').write_text(json.dumps(meta))
+  ckpt = copy('escaping') / 'checkpoint'
+  meta = json.loads((ckpt / 'flax_dtensor.json').read_text())
+  meta['checkpoint_prefix'] = '../../intact/checkpoint/ckpt'
+  (ckpt / 'flax_dtensor.json').write_text(json.dumps(meta))
+  (copy('unmanifested') / 'checkpoint' / 'flax_dtensor.json').unlink()
+  return copies
+
+
+def test_inspect_verify_exit_statuses_without_jax_or_tensorflow(
+  demo_export, tmp_path
+):
+  """0 intact, 1 damaged (each problem listed), 2 malformed; no JAX, no TF."""
+  _, out, _, proc = demo_export
+  ok(proc)
+  copies = _damaged_copies(out, tmp_path)
+  argvs = [['inspect', '--verify', str(d)] for d in copies.values()]
+  results, heavy = json.loads(
+    run_python(VERIFY_WITHOUT_JAX, json.dumps(argvs)).splitlines()[-1]
+  )
+  assert heavy == []
+  got = dict(zip(copies, results, strict=True))
+  code, text = got['intact']
+  assert code == 0, text
+  assert text.count('\nintact: ') == 2
+  assert 'intact: 11 files, 1.8 MiB, checked against flax_dtensor.json' in text
+  assert '12 files, 1.9 MiB, checked against assets/flax_dtensor.json' in text
+  code, text = got['flipped']
+  assert code == 1, text
+  assert re.search(
+    r'- ckpt\.data-00000-of-00009 bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, '
+    r'recorded [0-9a-f]{8}\)',
+    ' '.join(text.split()),
+  ), text
+  assert '\ndamaged: 1 problem\n' in text and '\nintact: ' in text
+  code, text = got['unlisted']
+  assert code == 1, text
+  assert (
+    '- ckpt.data-00000-of-00002 is on disk but not in the manifest'
+    in ' '.join(text.split())
+  )
+  code, text = got['linked']
+  assert code == 1, text
+  assert re.search(
+    r'- ckpt\.index is refused: it resolves to .*/out/checkpoint/ckpt\.index\'?, '
+    r'outside the export \(a symbolic link\)',
+    ' '.join(text.split()),
+  ), text
+  for name in ('deep', 'downgraded', 'escaping', 'unmanifested'):
+    code, text = got[name]
+    assert code == 2, (name, text)
+  # The messages, from the command line itself; without --verify too.
+  bad_input(
+    run_cli('inspect', copies['deep']),
+    'is not a valid flax_dtensor manifest: it nests deeper than Python parses',
+  )
+  bad_input(
+    run_cli('inspect', '--verify', copies['downgraded']),
+    'its version is 2; this flax_dtensor reads version',
+    'version 2, without checksums, is not read',
+  )
+
+
 # One table of exit statuses (docs/cli.md), for every command
 # ------------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@
 It records every variable (its exact NNX path, checkpoint key, NNX type,
 dtype, stored dtype, shape, layout, and a CRC-32 of each saved shard's
 bytes) and every file of the export (size and a CRC-32 per 64 MiB chunk).
-`read` is the one reader (restore, `read_checkpoint` and the CLI use it);
-`verify_files` checks the files before TensorFlow reads them;
+`read` is the one reader (restore, `read_checkpoint` and the CLI use it),
+strict about the document's shape and the paths it names;
+`verify_files` checks where the files lead and their bytes before
+TensorFlow reads them (`problems_of` lists what is wrong, for `--verify`);
 `verify_index` checks the variables against TF's index; `verify_read`
 checks every value read back, and `_crc` is the one hash of values.
 Reading (`read`) imports neither JAX nor TensorFlow: the command line's
@@ -17,12 +19,13 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors, _specs
-from flax_dtensor.dtensor import _names
+from flax_dtensor.dtensor import _names, _paths
 
 if TYPE_CHECKING:
   import jax
@@ -31,9 +34,17 @@ if TYPE_CHECKING:
 FILE = 'flax_dtensor.json'
 CHECKPOINT_FORMAT = 'flax_dtensor.checkpoint'
 SAVED_MODEL_FORMAT = 'flax_dtensor.saved_model'
-# 3: exact paths, per-shard and per-file checksums (2: a path-keyed dict of
-# records with structured shardings; still read, without checksums).
+# 3: exact paths, per-shard and per-file checksums.
 VERSION = 3
+# The versions read, each with the name of its checksum: the key of the
+# per-file and per-shard checksums, and the manifest's `checksum`. Version 2
+# (no checksums) was never released, and is refused.
+READABLE = {3: 'crc32'}
+# What a manifest may be: at most this large, and nested this deep.
+MAX_BYTES = 256 * 2**20
+MAX_DEPTH = 64
+# Sizes, shapes and offsets are below this; checksums are 32-bit.
+_MAX_INT = 2**63
 CHUNK_BYTES = 64 * 2**20
 # Where a SavedModel keeps the manifest.
 SAVED_MODEL_ASSETS = 'assets'
@@ -95,7 +106,7 @@ class Manifest:
     version: The format version read.
     root: The export directory the manifest describes.
     prefix: The TF checkpoint prefix, relative to `root`.
-    files: Relative path -> FileSum (empty for version 2).
+    files: Relative path -> FileSum.
     records: One per variable, in saved order.
     signatures: A SavedModel's serving signatures, as TensorFlow reads them
       from ``saved_model.pb``: name -> ``{'inputs': {name: TensorSpec},
@@ -339,99 +350,227 @@ def _malformed(file: str, problem: str) -> _errors.ExportError:
   )
 
 
-def _int_list(value: Any, what: str, file: str) -> tuple[int, ...]:
+def _int_list(
+  value: Any, what: str, file: str, *, bound: int = _MAX_INT
+) -> tuple[int, ...]:
   if not isinstance(value, list) or not all(
-    isinstance(v, int) and not isinstance(v, bool) for v in value
+    isinstance(v, int) and not isinstance(v, bool) and 0 <= v < bound
+    for v in value
   ):
-    raise _malformed(file, f'{what} is {value!r:.80}, expected a list of ints')
+    raise _malformed(
+      file, f'{what} is {value!r:.80}, expected a list of ints in [0, {bound})'
+    )
   return tuple(value)
 
 
-def _record(raw: Any, file: str, path: _names.Path | None = None) -> Record:
+def _checksum(value: Any, what: str, file: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise _malformed(file, f'{what} is {value!r:.80}, expected an int')
+  if not 0 <= value < 2**32:
+    raise _malformed(file, f'{what} is {value}, not a 32-bit checksum')
+  return value
+
+
+def _shard(raw: Any, checksum: str, file: str) -> Any:
+  if not isinstance(raw, dict) or not isinstance(raw.get('index'), list):
+    raise _malformed(file, f'a shard record is {raw!r:.80}')
+  index = tuple(_int_list(d, 'a shard index', file) for d in raw['index'])
+  if not all(len(d) == 2 and d[0] <= d[1] for d in index):
+    raise _malformed(
+      file,
+      f'the shard index {raw["index"]!r:.80} is not a list of [start, stop] '
+      'pairs',
+    )
+  crc = _checksum(raw.get(checksum), f'the {checksum} of a shard', file)
+  return tuple(index), crc
+
+
+def _record(raw: Any, file: str, checksum: str) -> Record:
   if not isinstance(raw, dict):
     raise _malformed(file, f'a variable record is {raw!r:.80}')
-  try:
-    if path is None:
-      path = tuple(raw['path'])
-    for key in path:
-      if isinstance(key, bool) or not isinstance(key, int | str):
-        raise TypeError(f'path {list(path)!r}')
-    key = raw.get('key') or _names.checkpoint_key(path)
-    dtype, stored = raw['dtype'], raw.get('stored_dtype', raw['dtype'])
-    if not isinstance(dtype, str) or not isinstance(stored, str):
-      raise TypeError('dtype')
-    shards = tuple(
-      (
-        tuple(tuple(_int_list(d, 'a shard index', file)) for d in s['index']),
-        int(s['crc32']),
+  path = raw.get('path')
+  if (
+    not isinstance(path, list)
+    or not path
+    or not all(
+      isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool))
+      for k in path
+    )
+  ):
+    raise _malformed(file, f'a variable path is {path!r:.80}')
+  path = tuple(path)
+  text = {}
+  for name in ('key', 'type', 'dtype', 'stored_dtype', 'key_impl'):
+    value = raw.get(name)
+    if not isinstance(value, str) and not (
+      value is None and name in ('key', 'type', 'stored_dtype', 'key_impl')
+    ):
+      raise _malformed(
+        file, f'the {name} of {list(path)!r:.80} is {value!r:.80}'
       )
-      for s in raw.get('shards', ())
-    )
-    return Record(
-      path=path,
-      key=str(key),
-      type=str(raw.get('type', '-')),
-      dtype=dtype,
-      stored_dtype=stored,
-      shape=_int_list(raw['shape'], 'a shape', file),
-      key_impl=raw.get('key_impl'),
-      sharding=raw.get('sharding'),
-      shards=shards,
-    )
-  except (KeyError, TypeError, ValueError) as e:
+    text[name] = value
+  shape = _int_list(raw.get('shape'), 'a shape', file)
+  shards = raw.get('shards', [])
+  if not isinstance(shards, list):
     raise _malformed(
-      file, f'a variable record lacks or garbles {e}: {raw!r:.120}'
+      file, f'the shards of {list(path)!r:.80} are {shards!r:.80}'
+    )
+  try:
+    key = text['key'] or _names.checkpoint_key(path)
+  except (TypeError, ValueError) as e:
+    raise _malformed(
+      file, f'the path {list(path)!r:.80} is invalid: {e}'
     ) from e
+  return Record(
+    path=path,
+    key=key,
+    type=text['type'] or '-',
+    dtype=text['dtype'],
+    stored_dtype=text['stored_dtype'] or text['dtype'],
+    shape=shape,
+    key_impl=text['key_impl'],
+    sharding=raw.get('sharding'),
+    shards=tuple(_shard(s, checksum, file) for s in shards),
+  )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise ValueError(f'the key {key!r:.80} appears twice in one object')
+    out[key] = value
+  return out
+
+
+def _no_constant(name: str) -> Any:
+  raise ValueError(f'{name} is not a JSON number')
+
+
+def _depth(value: Any) -> int:
+  """How deep `value` nests (iteratively: a deep one breaks no stack)."""
+  deepest = 0
+  todo = [(value, 1)]
+  while todo:
+    item, depth = todo.pop()
+    if isinstance(item, dict | list):
+      deepest = max(deepest, depth)
+      if depth > MAX_DEPTH:
+        break
+      items = item.values() if isinstance(item, dict) else item
+      todo.extend((v, depth + 1) for v in items)
+  return deepest
+
+
+def _load(file: str) -> Any:
+  """The JSON document in `file`, strictly parsed, or our error."""
+  try:
+    with open(file, 'rb') as f:
+      size = os.fstat(f.fileno()).st_size
+      if size > MAX_BYTES:
+        raise _malformed(
+          file, f'it has {size} bytes, more than a manifest ({MAX_BYTES})'
+        )
+      data = f.read(MAX_BYTES + 1)
+  except OSError as e:
+    raise _malformed(file, f'{type(e).__name__}: {e}') from e
+  if len(data) > MAX_BYTES:
+    raise _malformed(file, f'it has more than {MAX_BYTES} bytes')
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise _malformed(
+      file, f'it is not UTF-8 ({e.reason} at byte {e.start})'
+    ) from None
+  try:
+    raw = json.loads(
+      text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant
+    )
+  except RecursionError:
+    raise _malformed(file, 'it nests deeper than Python parses') from None
+  except ValueError as e:
+    raise _malformed(file, f'{type(e).__name__}: {e!s:.200}') from e
+  if _depth(raw) > MAX_DEPTH:
+    raise _malformed(file, f'it nests more than {MAX_DEPTH} levels deep')
+  return raw
+
+
+def _confined_name(name: Any, what: str, file: str) -> str:
+  problem = _paths.name_problem(name)
+  if problem is not None:
+    raise _malformed(
+      file,
+      f'{what} {name!r:.120} is refused: {problem} (a manifest names paths '
+      'relative to its export, normalized, without `..`, inside it)',
+    )
+  return name
 
 
 def read(path: str) -> Manifest | None:
   """The manifest of the export at `path` (directory or prefix), or None.
 
+  Reads only the manifest file, and only once it resolves inside its
+  export. Every path it names (the checkpoint prefix, each file) must be
+  relative, normalized and free of `..`; `verify_files` checks where they
+  lead on disk.
+
   Raises:
-    ExportError: If the file is unreadable or not a valid manifest.
+    ExportError: If the file is unreadable or not a valid manifest, or it
+      resolves outside its export (a symbolic link).
   """
   found = locate(path)
   if found is None:
     return None
   root, file = found
-  try:
-    with open(file) as f:
-      raw = json.load(f)
-  except (OSError, ValueError) as e:
-    raise _malformed(file, f'{type(e).__name__}: {e}') from e
+  escape = _paths.escape_problem(root, os.path.relpath(file, root))
+  if escape is not None:
+    raise _malformed(file, f'the manifest itself is refused: {escape}')
+  raw = _load(file)
   if not isinstance(raw, dict):
     raise _malformed(file, f'the document is a {type(raw).__name__}')
   kind = raw.get('format')
   if kind not in (CHECKPOINT_FORMAT, SAVED_MODEL_FORMAT):
-    raise _malformed(file, f'its format is {kind!r}')
+    raise _malformed(file, f'its format is {kind!r:.80}')
   version = raw.get('version')
-  if version not in (2, VERSION):
+  if isinstance(version, bool) or not isinstance(version, int):
+    version = repr(version)[:80]
+  if version not in READABLE:
+    readable = ', '.join(map(str, READABLE))
     raise _malformed(
-      file, f'its version is {version!r}; this flax_dtensor reads 2 and 3'
+      file,
+      f'its version is {version}; this flax_dtensor reads version '
+      f'{readable} (version 2, without checksums, is not read: re-save the '
+      'model with save_checkpoint or save_saved_model)',
     )
-  prefix = raw.get('checkpoint_prefix')
-  if not isinstance(prefix, str):
-    raise _malformed(file, 'it has no checkpoint_prefix')
+  checksum = READABLE[version]
+  if raw.get('checksum', checksum) != checksum:
+    raise _malformed(
+      file,
+      f'its checksum is {raw.get("checksum")!r:.80}; version {version} '
+      f'uses {checksum!r}',
+    )
+  prefix = _confined_name(
+    raw.get('checkpoint_prefix'), 'the checkpoint_prefix', file
+  )
   variables = raw.get('variables')
-  if version == 2:
-    if not isinstance(variables, dict):
-      raise _malformed(file, '`variables` is not a dict of records')
-    records = tuple(
-      _record(v, file, _names.parse_path(name)) for name, v in variables.items()
+  if not isinstance(variables, list):
+    raise _malformed(file, '`variables` is not a list of records')
+  records = tuple(_record(v, file, checksum) for v in variables)
+  raw_files = raw.get('files')
+  if not isinstance(raw_files, dict):
+    raise _malformed(file, '`files` is not a dict')
+  files = {}
+  for name, s in raw_files.items():
+    _confined_name(name, 'the file', file)
+    size = s.get('bytes') if isinstance(s, dict) else None
+    if isinstance(size, bool) or not isinstance(size, int):
+      raise _malformed(file, f'the record of file {name!r} is {s!r:.80}')
+    sums = _int_list(
+      s.get(checksum), f'the {checksum} of {name}', file, bound=2**32
     )
-    files: dict[str, FileSum] = {}
-  else:
-    if not isinstance(variables, list):
-      raise _malformed(file, '`variables` is not a list of records')
-    records = tuple(_record(v, file) for v in variables)
-    raw_files = raw.get('files')
-    if not isinstance(raw_files, dict):
-      raise _malformed(file, '`files` is not a dict')
-    files = {}
-    for name, s in raw_files.items():
-      if not isinstance(s, dict) or not isinstance(s.get('bytes'), int):
-        raise _malformed(file, f'the record of file {name!r} is {s!r:.80}')
-      files[name] = FileSum(s['bytes'], _int_list(s.get('crc32'), name, file))
+    if not 0 <= size < _MAX_INT:
+      raise _malformed(file, f'file {name!r} has {size} bytes')
+    files[name] = FileSum(size, sums)
   keys = [r.key for r in records]
   if len(set(keys)) != len(keys):
     raise _malformed(file, 'two variables share a checkpoint key')
@@ -501,15 +640,89 @@ def _damaged(
   )
 
 
-def verify_files(manifest: Manifest, pool: concurrent.futures.Executor) -> None:
-  """Checks every recorded file's size and CRCs, before TF reads any.
+_DATA = re.compile(r'\.data-(\d{5})-of-(\d{5})$')
 
-  Raises:
-    ExportError: Naming every missing, resized or changed file.
+
+def confinement_problems(manifest: Manifest) -> list[str]:
+  """What breaks the rules of where an export's files may be, on disk.
+
+  Every file the manifest lists must resolve inside the export (a symbolic
+  link may point inside it, not out of it). TensorFlow's reader opens
+  ``PREFIX.index`` and ``PREFIX.data-I-of-N`` for I < N: the manifest must
+  list the index and every data file of one N, no other file on disk may
+  match the prefix, and the prefix itself must not exist (TF would read a
+  directory there as a checkpoint directory, following its ``checkpoint``
+  file anywhere). Nothing is opened: only names and links are looked at.
   """
-  problems: list[str] = []
+  problems = [
+    f'{name} is refused: {escape}'
+    for name, escape in _escapes(manifest).items()
+  ]
+  prefix = os.path.join(manifest.root, manifest.prefix)
+  if os.path.lexists(prefix):
+    problems.append(
+      f'the checkpoint prefix {manifest.prefix} is a file or directory on '
+      'disk (TensorFlow would read it as a checkpoint directory)'
+    )
+  base = os.path.basename(manifest.prefix)
+  if f'{manifest.prefix}.index' not in manifest.files:
+    problems.append(f'the manifest does not list {manifest.prefix}.index')
+  counts = set()
+  shards = set()
+  for name in manifest.files:
+    if name.startswith(f'{manifest.prefix}.data-'):
+      match = _DATA.search(name[len(manifest.prefix) :])
+      if match is None or match.start() != 0:
+        problems.append(f'{name} is not a TF data file name')
+        continue
+      shards.add(int(match.group(1)))
+      counts.add(int(match.group(2)))
+  if len(counts) > 1 or (counts and shards != set(range(max(counts)))):
+    problems.append(
+      f'the data files listed for {manifest.prefix} are not one complete '
+      f'set (shards {sorted(shards)} of {sorted(counts)})'
+    )
+  directory = os.path.dirname(prefix)
+  try:
+    present = os.listdir(directory)
+  except OSError:
+    present = []
+  for entry in sorted(present):
+    if entry.startswith(f'{base}.index') or entry.startswith(f'{base}.data-'):
+      name = os.path.join(os.path.dirname(manifest.prefix), entry)
+      if name not in manifest.files:
+        problems.append(
+          f'{name} is on disk but not in the manifest (TensorFlow may read '
+          'it unverified)'
+        )
+  return problems
+
+
+def _escapes(manifest: Manifest) -> dict[str, str]:
+  """{name: why} of the prefix and files resolving outside the export."""
+  out = {}
+  for name in (manifest.prefix, *sorted(manifest.files)):
+    escape = _paths.escape_problem(manifest.root, name)
+    if escape is not None:
+      out[name] = escape
+  return out
+
+
+def problems_of(
+  manifest: Manifest, pool: concurrent.futures.Executor
+) -> list[str]:
+  """Everything wrong with an export's files against its manifest.
+
+  First where they are (`confinement_problems`); then the size and chunk
+  checksums of every file, except those resolving outside the export: they
+  are never opened.
+  """
+  problems = confinement_problems(manifest)
+  outside = _escapes(manifest)
   jobs = []
   for name, expected in sorted(manifest.files.items()):
+    if name in outside:
+      continue
     path = os.path.join(manifest.root, name)
     try:
       size = os.path.getsize(path)
@@ -543,8 +756,19 @@ def verify_files(manifest: Manifest, pool: concurrent.futures.Executor) -> None:
         f'{name} bytes {i * CHUNK_BYTES}..{(i + 1) * CHUNK_BYTES} changed '
         f'(CRC-32 {got:08x}, recorded {crc:08x})'
       )
+  return sorted(set(problems), key=problems.index)
+
+
+def verify_files(manifest: Manifest, pool: concurrent.futures.Executor) -> None:
+  """Checks where every file is, then its size and CRCs, before TF reads.
+
+  Raises:
+    ExportError: Naming every file outside the export, unlisted, missing,
+      resized or changed.
+  """
+  problems = problems_of(manifest, pool)
   if problems:
-    raise _damaged(manifest, sorted(set(problems), key=problems.index))
+    raise _damaged(manifest, problems)
 
 
 def verify_index(
@@ -580,6 +804,14 @@ def verify_index(
         f'{name} has shape {tuple(shapes[key])} in the data, {r.shape} in '
         'the manifest'
       )
+    elif not all(
+      len(index) == len(r.shape)
+      and all(b <= n for (_, b), n in zip(index, r.shape, strict=True))
+      for index, _ in r.shards
+    ):
+      problems.append(
+        f'the shards recorded for {name} do not fit its shape {r.shape}'
+      )
     stored = np.dtype(dtypes[key].as_numpy_dtype)
     if stored.name != r.stored_dtype:
       problems.append(
@@ -609,15 +841,13 @@ def verify_read(
   was saved. `read` maps each global slice TF returned to its host array,
   in the saved dtype: the whole variable, or whole saved shards. Each saved
   shard found in a slice is hashed (`_crc`) and compared; a slice that the
-  recorded shards do not cover whole is refused too. A record without
-  shard CRCs (manifest version 2) is not checked.
+  recorded shards do not cover whole (a record without shards, too) is
+  refused.
 
   Raises:
     ExportError: If a shard's bytes differ from what was saved, or the
       recorded shards leave part of a slice read unchecked.
   """
-  if not record.shards:
-    return
   for held, data in read.items():
     checked = 0
     for index, crc in record.shards:

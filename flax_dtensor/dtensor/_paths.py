@@ -55,3 +55,53 @@ def local(path: Any, what: str) -> str:
       f'Expected a {what}, got an empty path. Supported: {SUPPORTED}.'
     )
   return os.path.abspath(text)
+
+
+# Paths an export names (its manifest's checkpoint prefix and files)
+# ------------------------------------------------------------------------------
+
+_DRIVE = re.compile(r'^[A-Za-z]:')
+
+
+def name_problem(name: Any) -> str | None:
+  """Why `name` is not a relative, normalized path below its root, or None.
+
+  The rules: a non-empty str of '/'-separated components, none of them
+  empty, '.' or '..'; no NUL character, no backslash, no leading '/', no
+  drive letter. Only the text is checked here: `escape_problem` checks
+  where the path leads on disk.
+  """
+  if not isinstance(name, str):
+    return f'it is not a string but a {type(name).__name__}'
+  if not name:
+    return 'it is empty'
+  if '\0' in name:
+    return 'it contains a NUL character'
+  if _DRIVE.match(name):
+    return 'it starts with a drive letter'
+  if name.startswith('/') or os.path.isabs(name):
+    return 'it is absolute'
+  if '\\' in name:
+    return 'it contains a backslash'
+  parts = name.split('/')
+  if '..' in parts:
+    return 'it has a `..` component'
+  if '.' in parts or '' in parts:
+    return 'it is not normalized'
+  return None
+
+
+def escape_problem(root: str, name: str) -> str | None:
+  """Why `root`/`name` resolves outside `root` on disk, or None.
+
+  Symbolic links are followed (`os.path.realpath`): a link whose target
+  stays inside the root is allowed, one that leaves it is not.
+  """
+  top = os.path.realpath(root)
+  real = os.path.realpath(os.path.join(root, name))
+  if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+    return None
+  lexical = os.path.normpath(os.path.join(os.path.abspath(root), name))
+  if lexical.startswith(os.path.abspath(root).rstrip(os.sep) + os.sep):
+    return f'it resolves to {real!r}, outside the export (a symbolic link)'
+  return f'it resolves to {real!r}, outside the export'

@@ -87,10 +87,22 @@ def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
     ):
       prefix = tf.train.latest_checkpoint(path)
     if prefix is not None and os.path.exists(prefix + '.index'):
+      _check_state_prefix(path, prefix)
       return prefix, None
   elif os.path.exists(path + '.index'):
     return path, None
   raise _no_checkpoint(path)
+
+
+def _check_state_prefix(directory: str, prefix: str) -> None:
+  """Refuses a `checkpoint` state file naming a prefix outside `directory`."""
+  escape = _paths.escape_problem(directory, os.path.relpath(prefix, directory))
+  if escape is not None:
+    raise _errors.ExportError(
+      f'The checkpoint state file of {directory!r} names the prefix '
+      f'{prefix!r}, and {escape}. A checkpoint directory is read only '
+      'inside itself: if you trust that checkpoint, pass its prefix itself.'
+    )
 
 
 def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:

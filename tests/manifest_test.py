@@ -1,0 +1,676 @@
+"""A checkpoint from elsewhere reads nothing outside itself.
+
+Crafted manifests (paths out of the export, links out of it, files TF would
+read unverified, a downgrade to no checksums, malformed documents of every
+shape) each meet our `ExportError` before TensorFlow opens anything; and a
+property test mutates a valid manifest: every outcome is our error or an
+exact restore, and no file outside the export is opened by Python (an audit
+hook sees every `open`) or handed to TensorFlow as a prefix (a spy on our
+own call site).
+"""
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+tf = pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+from flax_dtensor.cli import _command  # noqa: E402
+from flax_dtensor.cli import inspect as inspect_command  # noqa: E402
+from flax_dtensor.dtensor import _manifest, _restore  # noqa: E402
+
+MANIFEST = _manifest.FILE
+VERSION = _manifest.VERSION
+CHECKSUM = _manifest.READABLE[VERSION]  # The key of per-entry checksums.
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _dtensor_initialized():
+  fdt_tf.initialize()
+
+
+def _model(mesh, seed):
+  """A plain dict of layers: a sharded kernel, a bias, a BatchNorm."""
+  key = jax.random.key(seed)
+  return nnx.Dict(
+    dense=nnx.Dict(
+      kernel=nnx.Param(
+        jax.device_put(
+          jax.random.normal(key, (8, 16)),
+          NamedSharding(mesh, P('data', 'model')),
+        )
+      ),
+      bias=nnx.Param(jnp.arange(16, dtype=jnp.float32) + seed),
+    ),
+    norm=nnx.BatchNorm(16, rngs=nnx.Rngs(seed)),
+  )
+
+
+def _values(tree):
+  return {
+    path: np.asarray(v.get_value())
+    for path, v in nnx.to_flat_state(nnx.state(tree))
+  }
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  """(root of everything, checkpoint 'mine', another one 'theirs', mesh)."""
+  base = tmp_path_factory.mktemp('confined')
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  mine = fdt_tf.save_checkpoint(_model(mesh, 0), base / 'mine')
+  theirs = fdt_tf.save_checkpoint(_model(mesh, 7), base / 'theirs')
+  return base, str(mine), str(theirs), mesh
+
+
+def _meta(directory):
+  with open(os.path.join(directory, MANIFEST)) as f:
+    return json.load(f)
+
+
+def _write(directory, meta):
+  with open(os.path.join(directory, MANIFEST), 'w') as f:
+    json.dump(meta, f)
+
+
+# What Python opens, and what our code hands TensorFlow
+# ------------------------------------------------------------------------------
+
+_opened: list[str] | None = None  # None: not recording (hooks stay for good).
+
+
+def _audit(event, args):
+  if _opened is not None and event == 'open' and args:
+    path = args[0]
+    if isinstance(path, str | bytes | os.PathLike):
+      _opened.append(os.path.realpath(os.fsdecode(path)))
+
+
+sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def _watched(monkeypatch, base, root):
+  """Asserts that nothing under `base` outside `root` is opened or read."""
+  global _opened
+  prefixes = []
+  real = _restore._reader
+
+  def spy(prefix, manifest):
+    prefixes.append(prefix)
+    return real(prefix, manifest)
+
+  monkeypatch.setattr(_restore, '_reader', spy)
+  _opened = []
+  try:
+    yield
+  finally:
+    opened, _opened = _opened, None
+    monkeypatch.setattr(_restore, '_reader', real)
+  top = os.path.realpath(base) + os.sep
+  inside = os.path.realpath(root) + os.sep
+  for path in opened:
+    if path.startswith(top):
+      assert path.startswith(inside), f'opened {path} outside {root}'
+  for prefix in prefixes:
+    real_prefix = os.path.realpath(prefix)
+    assert real_prefix.startswith(inside), f'TF was handed {prefix}'
+
+
+# Crafted manifests
+# ------------------------------------------------------------------------------
+
+
+def _prefix_elsewhere(absolute):
+  def edit(meta, root, theirs):
+    other = _meta(theirs)
+    where = theirs if absolute else os.path.relpath(theirs, root)
+    meta.update(other)
+    meta['checkpoint_prefix'] = os.path.join(where, other['checkpoint_prefix'])
+    meta['files'] = {
+      os.path.join(where, n): s for n, s in other['files'].items()
+    }
+
+  return edit
+
+
+def _symlinked_shards(meta, root, theirs):
+  meta.clear()
+  meta.update(_meta(theirs))
+  for name in os.listdir(theirs):
+    if name.startswith('ckpt.'):
+      os.remove(os.path.join(root, name))
+      os.symlink(os.path.join(theirs, name), os.path.join(root, name))
+
+
+def _version(n):
+  def edit(meta, root, theirs):
+    meta['version'] = n
+
+  return edit
+
+
+def _downgraded(meta, root, theirs):
+  """Version 2's shape: no checksums at all, and a prefix elsewhere."""
+  _prefix_elsewhere(absolute=False)(meta, root, theirs)
+  meta['version'] = 2
+  meta['variables'] = {
+    '/'.join(map(str, r['path'])): {
+      k: v for k, v in r.items() if k not in ('path', 'shards')
+    }
+    for r in meta['variables']
+  }
+  for key in ('files', 'checksum', 'chunk_bytes'):
+    del meta[key]
+
+
+def _unlisted_data(meta, root, theirs):
+  data = [n for n in meta['files'] if '.data-' in n]
+  del meta['files'][data[0]]
+
+
+def _prefix_is_a_directory(meta, root, theirs):
+  # TF reads a prefix that is a directory as one: its `checkpoint` file may
+  # name any checkpoint on the machine.
+  os.mkdir(os.path.join(root, 'sub'))
+  with open(os.path.join(root, 'sub', 'checkpoint'), 'w') as f:
+    f.write(f'model_checkpoint_path: "{theirs}/ckpt"\n')
+  meta['checkpoint_prefix'] = 'sub'
+  meta['files'] = {
+    n.replace('ckpt.', 'sub.'): s for n, s in meta['files'].items()
+  }
+  for name in os.listdir(root):
+    if name.startswith('ckpt.'):
+      os.rename(
+        os.path.join(root, name),
+        os.path.join(root, name.replace('ckpt.', 'sub.')),
+      )
+
+
+def _manifest_linked_out(meta, root, theirs):
+  os.remove(os.path.join(root, MANIFEST))
+  os.symlink(os.path.join(theirs, MANIFEST), os.path.join(root, MANIFEST))
+  return 'linked'
+
+
+def _set(key, value):
+  def edit(meta, root, theirs):
+    meta[key] = value
+
+  return edit
+
+
+def _shape_bomb(meta, root, theirs):
+  record = meta['variables'][0]
+  record['shape'] = [10**13, 1]
+  record['shards'] = [{'index': [[0, 10**13], [0, 1]], CHECKSUM: 0}]
+
+
+def _no_shards(meta, root, theirs):
+  for record in meta['variables']:
+    record['shards'] = []
+
+
+def _text(text):
+  def edit(meta, root, theirs):
+    return text
+
+  return edit
+
+
+def _deep(meta, root, theirs):
+  return '[' * 100_000 + ']' * 100_000
+
+
+def _huge_file(meta, root, theirs):
+  with open(os.path.join(root, MANIFEST), 'wb') as f:
+    f.truncate(_manifest.MAX_BYTES + 1)  # Sparse: no bytes written.
+  return 'written'
+
+
+_REFUSED = r'Nothing was read into TensorFlow'
+CRAFTED = [
+  (
+    '../ prefix',
+    _prefix_elsewhere(absolute=False),
+    r"checkpoint_prefix '\.\./theirs/ckpt' is refused: it has a `\.\.`",
+  ),
+  (
+    'absolute prefix',
+    _prefix_elsewhere(absolute=True),
+    r"checkpoint_prefix '/.*/theirs/ckpt' is refused: it is absolute",
+  ),
+  (
+    'version 2',
+    _downgraded,
+    r'its version is 2;.*version 2, without checksums, is not read',
+  ),
+  (
+    'version as a float',
+    _version(float(VERSION)),
+    rf'its version is {float(VERSION)};',
+  ),
+  ('version true', _version(True), r'its version is True;'),
+  (
+    'shards symlinked to another checkpoint',
+    _symlinked_shards,
+    r'ckpt\.\S+ is refused: it resolves to .*/theirs/ckpt\S+, outside the '
+    r'export \(a symbolic link\).*' + _REFUSED,
+  ),
+  (
+    'a data file not listed',
+    _unlisted_data,
+    r'ckpt\.data-\S+ is on disk but not in the manifest.*' + _REFUSED,
+  ),
+  (
+    'prefix is a directory',
+    _prefix_is_a_directory,
+    r'the checkpoint prefix sub is a file or directory on disk',
+  ),
+  (
+    'manifest linked out',
+    _manifest_linked_out,
+    r'the manifest itself is refused: it resolves to .*/theirs/',
+  ),
+  ('file named ./ckpt', _set('checkpoint_prefix', './ckpt'), 'not normalized'),
+  ('drive letter', _set('checkpoint_prefix', 'C:ckpt'), 'a drive letter'),
+  ('NUL', _set('checkpoint_prefix', 'ck\0pt'), 'a NUL character'),
+  ('backslash', _set('checkpoint_prefix', '..\\ckpt'), 'a backslash'),
+  ('prefix a number', _set('checkpoint_prefix', 5), 'not a string but'),
+  (
+    'another checksum',
+    _set('checksum', 'md5'),
+    f"version {VERSION} uses '{CHECKSUM}'",
+  ),
+  (
+    'shape bomb',
+    _shape_bomb,
+    r'has shape \(.*\) in the data, \(10000000000000, 1\) in the manifest',
+  ),
+  (
+    'no shards recorded',
+    _no_shards,
+    r'the shards recorded for \S+ do not cover',
+  ),
+  ('deep nesting', _deep, 'nests deeper than Python parses'),
+  (
+    'nesting past the limit',
+    _text('[' * 65 + ']' * 65),
+    'nests more than 64 levels deep',
+  ),
+  ('duplicate keys', _text('{"a": 1, "a": 2}'), "the key 'a' appears twice"),
+  ('NaN', _text('{"version": NaN}'), 'NaN is not a JSON number'),
+  ('Infinity', _text('{"version": -Infinity}'), 'Infinity is not a JSON'),
+  ('huge number', _text('{"version": 1' + '0' * 5000 + '}'), 'ValueError'),
+  ('not UTF-8', _text(b'{"format": "\xff"}'), 'it is not UTF-8'),
+  ('huge file', _huge_file, 'bytes, more than a manifest'),
+  ('negative size', None, r'has -1 bytes'),
+  ('crc too big', None, r'expected a list of ints in \[0, 4294967296\)'),
+  ('negative shape', None, r'a shape is \[-8, 16\]'),
+  (
+    'shard out of shape',
+    None,
+    r'is damaged: the shards recorded for dense/kernel do not fit its shape '
+    r'\(8, 16\)',
+  ),
+  (
+    'shard index reversed',
+    None,
+    r'the shard index \[\[4, 0\]\] is not a list of \[start, stop\] pairs',
+  ),
+  ('crc a string', None, rf'the {CHECKSUM} of a shard is .*expected an int'),
+  ('path missing', None, r'a variable path is None'),
+  ('dtype a list', None, r'the dtype of .* is \[1\]'),
+]
+
+
+def _field_edit(case):
+  def edit(meta, root, theirs):
+    files = meta['files']
+    first = sorted(files)[0]
+    var = meta['variables'][0]
+    if case == 'negative size':
+      files[first]['bytes'] = -1
+    elif case == 'crc too big':
+      files[first][CHECKSUM] = [2**32]
+    elif case == 'negative shape':
+      var['shape'] = [-8, 16]
+    elif case == 'shard out of shape':
+      var = next(v for v in meta['variables'] if v['path'][-1] == 'kernel')
+      var['shards'][0]['index'] = [[0, 9], [0, 16]]
+    elif case == 'shard index reversed':
+      var['shards'][0]['index'] = [[4, 0]]
+    elif case == 'crc a string':
+      var['shards'][0][CHECKSUM] = '12'
+    elif case == 'path missing':
+      del var['path']
+    elif case == 'dtype a list':
+      var['dtype'] = [1]
+
+  return edit
+
+
+def _craft(saved, tmp_path, edit):
+  base, mine, theirs, _ = saved
+  root = os.path.join(base, tmp_path.name)
+  shutil.copytree(mine, root)
+  meta = _meta(root)
+  text = edit(meta, root, theirs)
+  if text is None:
+    _write(root, meta)
+  elif isinstance(text, str | bytes) and text not in ('linked', 'written'):
+    mode = 'wb' if isinstance(text, bytes) else 'w'
+    with open(os.path.join(root, MANIFEST), mode) as f:
+      f.write(text)
+  return root
+
+
+@pytest.mark.parametrize(
+  ('edit', 'match'),
+  [(e or _field_edit(name), m) for name, e, m in CRAFTED],
+  ids=[c[0] for c in CRAFTED],
+)
+def test_a_crafted_manifest_is_refused(
+  saved, tmp_path, monkeypatch, edit, match
+):
+  base, _, _, mesh = saved
+  root = _craft(saved, tmp_path, edit)
+  target = _model(mesh, 1)
+  before = _values(target)
+  with _watched(monkeypatch, base, root):
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.restore_checkpoint(root, target)
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.read_checkpoint(root)
+  after = _values(target)
+  assert before.keys() == after.keys()
+  for path, value in before.items():
+    np.testing.assert_array_equal(after[path], value)
+
+
+def test_links_inside_the_export_are_followed(saved, tmp_path, monkeypatch):
+  """A link whose target stays in the export is allowed, and verified."""
+  base, mine, _, mesh = saved
+  root = os.path.join(base, tmp_path.name)
+  shutil.copytree(mine, root)
+  data = sorted(n for n in os.listdir(root) if n.startswith('ckpt.data-'))[0]
+  os.mkdir(os.path.join(root, 'store'))
+  os.rename(os.path.join(root, data), os.path.join(root, 'store', data))
+  os.symlink(os.path.join('store', data), os.path.join(root, data))
+  target = _model(mesh, 1)
+  with _watched(monkeypatch, base, root):
+    fdt_tf.restore_checkpoint(root, target)
+  expected = _values(_model(mesh, 0))
+  got = _values(target)
+  for path, value in expected.items():
+    np.testing.assert_array_equal(got[path], value)
+
+
+def test_an_intact_checkpoint_restores_under_watch(saved, monkeypatch):
+  """The watch itself: what restore opens is inside, and values are exact."""
+  base, mine, _, mesh = saved
+  target = _model(mesh, 1)
+  with _watched(monkeypatch, base, mine):
+    fdt_tf.restore_checkpoint(mine, target)
+  assert _opened is None
+  expected = _values(_model(mesh, 0))
+  for path, value in _values(target).items():
+    np.testing.assert_array_equal(value, expected[path])
+
+
+def test_the_watch_sees_a_python_open_outside(saved, monkeypatch):
+  """The audit hook is no formality: an open of a file outside is caught."""
+  base, mine, theirs, _ = saved
+  with pytest.raises(AssertionError, match='outside'):
+    with _watched(monkeypatch, base, mine):
+      with open(os.path.join(theirs, MANIFEST), 'rb'):
+        pass
+
+
+# Mutations of a valid manifest
+# ------------------------------------------------------------------------------
+
+EVIL = [
+  '../theirs/ckpt',
+  '../theirs/ckpt.index',
+  '/etc/passwd',
+  'ckpt/../ckpt',
+  './ckpt',
+  'ckpt\0',
+  'C:ckpt',
+  'ckpt.data-00000-of-00001',
+  'ckpt.index',
+  'ckpt',
+  '',
+  'a\\b',
+]
+_LEAVES = (
+  st.none()
+  | st.booleans()
+  | st.integers(-(2**70), 2**70)
+  | st.sampled_from([0, 1, -1, 2, 3, 16, 2**32, 2**63, 10**13])
+  | st.floats(allow_nan=True, allow_infinity=True)
+  | st.text(max_size=6)
+  | st.sampled_from(EVIL)
+)
+_JSON = st.recursive(
+  _LEAVES,
+  lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c),
+  max_leaves=5,
+)
+
+
+@st.composite
+def _mutated(draw, meta):
+  """A valid manifest with one to three changes, as the bytes to write."""
+  meta = json.loads(json.dumps(meta))
+  for _ in range(draw(st.integers(1, 3))):
+    parent, key = None, None
+    node = meta
+    while isinstance(node, dict | list) and node and draw(st.booleans()):
+      keys = list(node) if isinstance(node, dict) else range(len(node))
+      parent, key = node, draw(st.sampled_from(list(keys)))
+      node = node[key]
+    if parent is None:
+      continue
+    op = draw(
+      st.sampled_from(['replace', 'delete', 'path', 'number', 'rename'])
+    )
+    if op == 'delete':
+      del parent[key]
+    elif op == 'path':
+      parent[key] = draw(st.sampled_from(EVIL))
+    elif op == 'number' and isinstance(node, int):
+      parent[key] = node + draw(st.sampled_from([-1, 1, -node - 1, 10**13]))
+    elif op == 'rename' and isinstance(parent, dict):
+      parent[draw(st.sampled_from(EVIL))] = parent.pop(key)
+    else:
+      parent[key] = draw(_JSON)
+  text = json.dumps(meta).encode()
+  damage = draw(st.sampled_from(['none'] * 6 + ['dup', 'cut', 'bytes', 'deep']))
+  if damage == 'dup':
+    text = text.replace(b'{"format"', b'{"version": 2, "format"', 1)
+  elif damage == 'cut':
+    text = text[: draw(st.integers(0, len(text)))]
+  elif damage == 'bytes':
+    at = draw(st.integers(0, len(text)))
+    text = text[:at] + draw(st.binary(min_size=1, max_size=4)) + text[at:]
+  elif damage == 'deep':
+    text = b'{"variables": ' + b'[' * 5000 + b']' * 5000 + b'}'
+  return text
+
+
+def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
+  saved, tmp_path_factory, monkeypatch
+):
+  base, mine, _, mesh = saved
+  root = os.path.join(base, tmp_path_factory.mktemp('mutated', True).name)
+  shutil.copytree(mine, root)
+  original = _meta(root)
+  expected = _values(_model(mesh, 0))
+  outcomes = {'refused': 0, 'read': 0, 'restored': 0, 'not listed': 0}
+
+  @hypothesis.settings(
+    max_examples=500,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+  )
+  @hypothesis.given(st.data())
+  def check(data):
+    text = data.draw(_mutated(original))
+    with open(os.path.join(root, MANIFEST), 'wb') as f:
+      f.write(text)
+    restore = data.draw(st.booleans())
+    # What the command line reads: the listing, and --verify's checks.
+    with _watched(monkeypatch, base, root):
+      try:
+        inspect_command.inspect_checkpoint(pathlib.Path(root), 80)
+        manifest = _manifest.read(root)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+          _manifest.problems_of(manifest, pool)
+      except (_command.BadInputError, fdt.ExportError):
+        outcomes['not listed'] += 1
+    try:
+      with _watched(monkeypatch, base, root):
+        if restore:
+          target = _model(mesh, 1)
+          fdt_tf.restore_checkpoint(root, target)
+          got = _values(target)
+        else:
+          arrays = fdt_tf.read_checkpoint(root)
+          got = {
+            path: arrays[path[:-1] if path[-1] == 'value' else path]
+            for path in expected
+          }
+    except fdt.ExportError:
+      outcomes['refused'] += 1
+      return
+    outcomes['restored' if restore else 'read'] += 1
+    for path, value in expected.items():
+      np.testing.assert_array_equal(got[path], value)
+
+  check()
+  # Both outcomes happen: the mutations are neither all harmless nor all
+  # fatal.
+  assert outcomes['refused'] > 100, outcomes
+  assert outcomes['read'] + outcomes['restored'] > 20, outcomes
+  assert outcomes['not listed'] >= outcomes['refused'] // 2, outcomes
+
+
+# A SavedModel's manifest (assets/flax_dtensor.json)
+# ------------------------------------------------------------------------------
+
+
+class _Net(nnx.Module):
+  def __init__(self):
+    self.layers = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in (0, 1)])
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = layer(x)
+    return x
+
+
+@pytest.fixture(scope='module')
+def saved_model(saved):
+  base = saved[0]
+  return base, str(
+    fdt_tf.save_saved_model(
+      _Net(),
+      base / 'sm',
+      input_signature=[tf.TensorSpec([None, 4], tf.float32)],
+    )
+  )
+
+
+def _assets(root):
+  return os.path.join(root, 'assets', MANIFEST)
+
+
+@pytest.mark.parametrize(
+  'how', ['../ prefix', 'manifest linked out', 'assets linked out']
+)
+def test_a_crafted_saved_model_manifest_is_refused(
+  saved, saved_model, tmp_path, monkeypatch, how
+):
+  base, sm = saved_model
+  root = os.path.join(base, tmp_path.name)
+  shutil.copytree(sm, root, symlinks=True)
+  theirs = saved[2]
+  if how == '../ prefix':
+    with open(_assets(root)) as f:
+      meta = json.load(f)
+    meta['checkpoint_prefix'] = os.path.relpath(
+      os.path.join(theirs, 'ckpt'), root
+    )
+    with open(_assets(root), 'w') as f:
+      json.dump(meta, f)
+    match = r"checkpoint_prefix '\.\./theirs/ckpt' is refused: it has a `\.\.`"
+  elif how == 'manifest linked out':
+    os.remove(_assets(root))
+    os.symlink(os.path.join(theirs, MANIFEST), _assets(root))
+    match = r'the manifest itself is refused: it resolves to .*/theirs/'
+  else:
+    outside = os.path.join(base, f'{tmp_path.name}-assets')
+    shutil.move(os.path.join(root, 'assets'), outside)
+    os.symlink(outside, os.path.join(root, 'assets'))
+    match = r'the manifest itself is refused: it resolves to .*-assets/'
+  with _watched(monkeypatch, base, root):
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.restore_checkpoint(root, _Net())
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.read_checkpoint(root)
+
+
+def test_an_intact_saved_model_reads_back_exactly(saved_model, monkeypatch):
+  base, sm = saved_model
+  with _watched(monkeypatch, base, sm):
+    arrays = fdt_tf.read_checkpoint(sm)
+  net = _Net()
+  for i, layer in enumerate(net.layers):
+    np.testing.assert_array_equal(
+      arrays[('layers', i, 'kernel')], np.asarray(layer.kernel[...])
+    )
+
+
+def test_a_checkpoint_state_file_naming_elsewhere_is_refused(
+  saved, tmp_path, monkeypatch
+):
+  """Without a manifest, TF's `checkpoint` file may not lead out either."""
+  base, mine, theirs, mesh = saved
+  root = os.path.join(base, tmp_path.name)
+  shutil.copytree(mine, root)
+  os.remove(os.path.join(root, MANIFEST))
+  for name in os.listdir(root):
+    if name.startswith('ckpt.'):
+      os.remove(os.path.join(root, name))
+  with open(os.path.join(root, 'checkpoint'), 'w') as f:
+    f.write(f'model_checkpoint_path: "{theirs}/ckpt"\n')
+  match = (
+    r"The checkpoint state file of .* names the prefix '.*/theirs/ckpt', and "
+    r'it resolves to .*, outside the export\. A checkpoint directory is read '
+    'only inside itself'
+  )
+  with _watched(monkeypatch, base, root):
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.restore_checkpoint(root, _model(mesh, 1))
+    with pytest.raises(fdt.ExportError, match=match):
+      fdt_tf.read_checkpoint(root)

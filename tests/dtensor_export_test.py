@@ -1030,7 +1030,8 @@ def test_restore_checks_the_metadata(tmp_path):
       with pytest.raises(
         fdt.ExportError,
         match=r"flax_dtensor.json' is not a valid flax_dtensor manifest.*"
-        r'move the file away',
+        r'inspect --verify PATH.*move the file away only for a checkpoint '
+        r'you trust',
       ):
         read()
   with open(meta_path, 'w') as f:

@@ -345,8 +345,10 @@ def _malformed(file: str, problem: str) -> _errors.ExportError:
   return _errors.ExportError(
     f'{file!r} is not a valid flax_dtensor manifest: {problem}. Expected the '
     'JSON file save_checkpoint or save_saved_model writes. Re-export the '
-    'checkpoint; to read the TF checkpoint without it (no checks of the '
-    'data, no dtype information), move the file away.'
+    'checkpoint, or get an intact copy (`flax-dtensor inspect --verify '
+    'PATH` checks one). Without its manifest the checkpoint reads as plain '
+    'TF data, with no checks of the data and no dtype information: move '
+    'the file away only for a checkpoint you trust.'
   )
 
 

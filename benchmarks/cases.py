@@ -446,11 +446,8 @@ def checkpoint(
   elif method == 'save_async':
     fdt_tf.save_checkpoint(state, path, blocking=False).wait()
   elif method == 'host_copy':
-    copies = [
-      np.array(s.data, copy=True)
-      for a, _ in values
-      for s in a.addressable_shards
-    ]
+    # The state copied to host memory: each distinct shard once.
+    copies = [np.array(shard, copy=True) for _, _, shard in shards]
     del copies
   elif method.startswith('orbax_'):
     tree = abstract if method == 'orbax_restore' else state

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
@@ -27,6 +28,8 @@ from flax_dtensor.dtensor import (
   _atomic,
   _background,
   _convert,
+  _host_read,
+  _layouts,
   _manifest,
   _names,
   _paths,
@@ -427,13 +430,30 @@ def save_checkpoint(
 
 
 def _snapshot(values: Sequence[jax.Array]) -> list[jax.Array]:
-  """Copies of `values`, in new buffers, complete when this returns.
+  """Copies of `values` in host buffers of their own, complete on return.
 
-  On CPU the buffers are host memory, so the state is on the host; the
-  caller may then donate or overwrite the originals.
+  Each distinct shard is copied once with NumPy into an aligned buffer,
+  which JAX on CPU then uses as the device buffer of every device holding
+  that shard, without another copy (other platforms copy it back to the
+  device). The caller may then donate or overwrite the originals.
   """
-  copies = [jax.device_put(v, v.sharding, may_alias=False) for v in values]
-  return jax.block_until_ready(copies)
+  out = []
+  for v in values:
+    shards = v.addressable_shards
+    copies: dict[Any, np.ndarray] = {}
+    buffers = []
+    for s in shards:
+      index = _layouts.normalize_index(s.index, v.shape)
+      if index not in copies:
+        data = np.asarray(s.data)
+        copies[index] = _host_read.aligned_empty(data.shape, data.dtype)
+        np.copyto(copies[index], data)
+      buffers.append(copies[index])
+    placed = jax.device_put(buffers, [s.device for s in shards])
+    out.append(
+      jax.make_array_from_single_device_arrays(v.shape, v.sharding, placed)
+    )
+  return jax.block_until_ready(out)
 
 
 def _prepare(

@@ -402,8 +402,10 @@ def checkpoint(
     for i, (a, _) in enumerate(values)
     for index, s in {str(s.index): s for s in a.addressable_shards}.items()
   ]
-  reads = method in ('restore', 'raw_read', 'raw_read_place')
+  reads = method in ('restore', 'raw_read', 'raw_read_place', 'orbax_restore')
   if reads:
+    if method == 'orbax_restore':
+      _orbax('orbax_save', state, os.path.join(root, 'orbax'), 0.0)
     fdt_tf.save_checkpoint(state, path)
     for k, (_, _, shard) in enumerate(shards):
       _write(os.path.join(root, f'raw{k}'), shard)
@@ -437,6 +439,19 @@ def checkpoint(
     fd = os.open(root, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+  elif method == 'save_async_stall':
+    handle = fdt_tf.save_checkpoint(state, path, blocking=False)
+    seconds = time.perf_counter() - start
+    handle.wait()
+  elif method == 'save_async':
+    fdt_tf.save_checkpoint(state, path, blocking=False).wait()
+  elif method == 'host_copy':
+    # The state copied to host memory: each distinct shard once.
+    copies = [np.array(shard, copy=True) for _, _, shard in shards]
+    del copies
+  elif method.startswith('orbax_'):
+    tree = abstract if method == 'orbax_restore' else state
+    seconds = _orbax(method, tree, path, start)
   elif method == 'tf_write':
     tf = sys.modules['tensorflow']
     tf.train.Checkpoint(fdt_tf.to_tf_module(state)).write(path)
@@ -462,7 +477,8 @@ def checkpoint(
       jax.block_until_ready(placed)
   else:
     raise ValueError(method)
-  seconds = time.perf_counter() - start
+  if method not in ('save_async_stall', 'orbax_async_stall'):
+    seconds = time.perf_counter() - start
   import shutil
 
   shutil.rmtree(root, ignore_errors=True)
@@ -472,6 +488,50 @@ def checkpoint(
     'rss_peak_mib': _rss_mib(),
     'bytes': nbytes,
   }
+
+
+def _orbax(method: str, state, path: str, start: float) -> float:
+  """orbax-checkpoint's save or restore of `state`; the seconds measured.
+
+  `orbax_save` is its synchronous `Checkpointer`; `orbax_async` is
+  `StandardCheckpointer.save` then `wait_until_finished()`, and
+  `orbax_async_stall` the time until that save returns. Orbax does not
+  fsync the files it writes: `orbax_save_fsync` adds the flush ours does.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  orbax = os.path.join(os.path.dirname(path), 'orbax')
+  tree = nnx.to_pure_dict(state)
+  if method in ('orbax_save', 'orbax_save_fsync'):
+    ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(
+      orbax, args=ocp.args.StandardSave(tree)
+    )
+    if method == 'orbax_save_fsync':
+      for directory, _, names in os.walk(orbax):
+        for name in [*names, '.']:
+          fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+          os.fsync(fd)
+          os.close(fd)
+  elif method in ('orbax_async', 'orbax_async_stall'):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(orbax, tree)
+    stall = time.perf_counter() - start
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    if method == 'orbax_async_stall':
+      return stall
+  elif method == 'orbax_restore':
+    abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      tree,
+    )
+    restored = ocp.StandardCheckpointer().restore(orbax, abstract)
+    jax.block_until_ready(restored)
+  else:
+    raise ValueError(method)
+  return time.perf_counter() - start
 
 
 # The way back from TensorFlow

@@ -71,6 +71,32 @@ _RESTORE = {
   'limit': 'raw_read',
   'limit_place': 'raw_read_place',
 }
+# Against orbax-checkpoint, the same 512 MiB state in one run. Orbax does
+# not fsync what it writes: `peer_fsync` adds the flush ours does.
+_VS_ORBAX_SAVE = {
+  'ours': 'save',
+  'ours_async': 'save_async',
+  'limit': 'raw_write',
+  'peer': 'orbax_save',
+  'peer_fsync': 'orbax_save_fsync',
+  'peer_async': 'orbax_async',
+}
+_VS_ORBAX_SAVE_RATIOS = [
+  ('ours', 'limit'),
+  ('ours', 'peer'),
+  ('ours', 'peer_fsync'),
+  ('ours_async', 'peer_async'),
+]
+_VS_ORBAX_STALL = {
+  'ours': 'save_async_stall',
+  'limit': 'host_copy',
+  'peer': 'orbax_async_stall',
+}
+_VS_ORBAX_RESTORE = {
+  'ours': 'restore',
+  'limit_place': 'raw_read_place',
+  'peer': 'orbax_restore',
+}
 
 
 # The command line: each command in a fresh process, against the bare
@@ -232,6 +258,33 @@ def _full():
       for layouts in ('mixed', 'sharded')
     ],
     'cli': [_CLI_CASE],
+    'vs_orbax': [
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+        _VS_ORBAX_SAVE,
+        _VS_ORBAX_SAVE_RATIOS,
+        repeat=5,
+        note='save (ours flushes; orbax does not, peer_fsync adds it)',
+      ),
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+        _VS_ORBAX_STALL,
+        [('ours', 'limit'), ('peer', 'limit')],
+        repeat=5,
+        note='what an asynchronous save stalls the caller for, against a '
+        'host copy of every shard',
+      ),
+      _case(
+        'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+        _VS_ORBAX_RESTORE,
+        [('ours', 'limit_place'), ('ours', 'peer')],
+        repeat=5,
+        note='restore against reading the unique bytes and placing them',
+      ),
+    ],
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -271,6 +324,18 @@ def _quick():
       _case(
         'checkpoint', {'arrays': 8, 'mib': 1}, _RESTORE, [('ours', 'limit')]
       ),
+    ],
+    'vs_orbax': [
+      _case('checkpoint', {'arrays': 8, 'mib': 1}, methods, [('ours', 'limit')])
+      for methods in (_VS_ORBAX_SAVE, _VS_ORBAX_STALL)
+    ]
+    + [
+      _case(
+        'checkpoint',
+        {'arrays': 8, 'mib': 1},
+        _VS_ORBAX_RESTORE,
+        [('ours', 'limit_place')],
+      )
     ],
     'single_mesh': [
       _case(

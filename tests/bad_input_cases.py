@@ -1377,6 +1377,31 @@ CASES = [
   ),
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
+    '`blocking=False` in a multi-process run',
+    fdt.ExportError,
+    r'save_checkpoint\(\.\.\., blocking=False\) runs in one process only, '
+    r'but this run has 2 processes \(saving to .*\)\. Pass blocking=True',
+    'Save with blocking=True (the default) in a multi-process run.',
+    lambda ctx: _recorded_text(
+      fault_runs.dead_peer('at-barrier')['async_error']
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.SaveHandle',
+    'a file-size limit reached by a background save (raised by `wait()`)',
+    fdt.ExportError,
+    r'failed: File too large: this process may write files of at most .*'
+    r'RLIMIT_FSIZE.*is unchanged, and the partial one was removed\. Raise '
+    r'the limit',
+    'Raise the limit (ulimit -f unlimited), then save again.',
+    lambda ctx: _recorded(
+      fault_runs.full_disk()['attempts']['manifest_async']['error']
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_checkpoint',
     'FLAX_DTENSOR_PEER_TIMEOUT that is not a number of seconds',
     fdt.ExportError,
     r'Expected FLAX_DTENSOR_PEER_TIMEOUT to be a positive number of '

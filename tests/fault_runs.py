@@ -101,6 +101,10 @@ _FULL_DISK = textwrap.dedent(
   # manifest's write fails.
   attempt('manifest', (manifest + max(sizes.values())) // 2,
           lambda: fdt_tf.save_checkpoint(model(2), path, overwrite=True))
+  # The same, saved in the background: `wait()` raises what the save did.
+  attempt('manifest_async', (manifest + max(sizes.values())) // 2,
+          lambda: fdt_tf.save_checkpoint(
+              model(2), path, overwrite=True, blocking=False).wait())
   tf = _tf.tf()
   attempt('saved_model', 4096, lambda: fdt_tf.save_saved_model(
       nnx.Linear(16, 16, rngs=nnx.Rngs(0)), os.path.join(root, 'sm'),

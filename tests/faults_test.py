@@ -53,6 +53,7 @@ _EFBIG = (
   'where, needed, cause',
   [
     ('manifest', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
+    ('manifest_async', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
     ('data', 32 * 8 * 64 * 4, ['OutOfRangeError', None]),
     ('saved_model', 16 * 16 * 4 + 16 * 4, ['OutOfRangeError', None]),
   ],
@@ -62,7 +63,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_bit_for_bit(
 ):
   run = fault_runs.full_disk()
   attempt = run['attempts'][where]
-  if where == 'manifest':  # The limit lands on the manifest alone.
+  if where.startswith('manifest'):  # The limit lands on the manifest alone.
     assert run['other_bytes'] < attempt['limit'] < run['manifest_bytes']
   name, message, chain = attempt['error']
   assert name == 'ExportError'

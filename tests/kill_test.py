@@ -8,7 +8,8 @@ share of the checkpoint's bytes is written, when the manifest appears, and
 during the final renames. After each kill, the path must read back as one
 version exactly (the read finishes or undoes an interrupted swap) with
 nothing else left beside it; the last kill's leftovers must be removed by
-the next save.
+the next save. Every other save runs in the background
+(`blocking=False`, then `wait()`): the same guarantees hold.
 
 Each save runs in a fresh process forked from one that imported JAX and
 TensorFlow once (single-threaded, so forking is safe): a kill costs a
@@ -78,9 +79,13 @@ ZYGOTE = textwrap.dedent(
     }}
     jax.block_until_ready(nnx.state(models))
     print('READY', os.getpid(), flush=True)
-    model = models[int(sys.stdin.readline())]
+    version, mode = sys.stdin.readline().split()
+    model = models[int(version)]
     start = time.perf_counter()
-    fdt_tf.save_checkpoint(model, path, overwrite=True)
+    if mode == 'async':
+      fdt_tf.save_checkpoint(model, path, overwrite=True, blocking=False).wait()
+    else:
+      fdt_tf.save_checkpoint(model, path, overwrite=True)
     print('DONE', time.perf_counter() - start, flush=True)
 
   print('ZYGOTE', flush=True)
@@ -221,11 +226,11 @@ def _progress(root):
   return temporaries, olds, written, manifest
 
 
-def _kill_at(zygote, root, moment, version, total):
+def _kill_at(zygote, root, moment, version, mode, total):
   """Asks for a save, kills it at `moment`; whether the moment was seen."""
   kind, amount = moment
   asked = time.monotonic()
-  zygote.send(str(version))
+  zygote.send(f'{version} {mode}')
   seen_tmp = False
   while not zygote.finished.is_set():
     if time.monotonic() - asked > SETUP_TIMEOUT:
@@ -263,7 +268,7 @@ def test_sigkill_during_overwriting_saves(tmp_path):
   try:
     # A first save, whole: the old version, and its size.
     zygote.fork()
-    zygote.send('1')
+    zygote.send('1 blocking')
     zygote.expect('DONE')
     zygote.reap()
     total = sum(f.stat().st_size for f in path.iterdir())
@@ -277,7 +282,8 @@ def test_sigkill_during_overwriting_saves(tmp_path):
     for i, moment in enumerate(moments):
       version = 3 - current
       zygote.fork()
-      hit = _kill_at(zygote, root, moment, version, total)
+      mode = 'async' if i % 2 else 'blocking'
+      hit = _kill_at(zygote, root, moment, version, mode, total)
       leftovers = [n for n in os.listdir(root) if n != 'ckpt']
       stopped = bool(leftovers) or not path.exists()
       interrupted += stopped
@@ -298,7 +304,7 @@ def test_sigkill_during_overwriting_saves(tmp_path):
     # The next save removes whatever the last killed writer left.
     assert stopped, os.listdir(root)
     zygote.fork()
-    zygote.send('3')
+    zygote.send('3 async')
     zygote.expect('DONE')
     zygote.reap()
     assert os.listdir(root) == ['ckpt']

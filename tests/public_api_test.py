@@ -48,6 +48,7 @@ EXPECTED = (
 # flax_dtensor.dtensor, the TensorFlow bridge.
 EXPECTED_DTENSOR = (
   'RelaidVariable',
+  'SaveHandle',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',

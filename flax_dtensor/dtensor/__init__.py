@@ -23,6 +23,7 @@ if TYPE_CHECKING:
   from flax_dtensor.dtensor._arrays import (
     dtensor_to_array as dtensor_to_array,
   )
+  from flax_dtensor.dtensor._background import SaveHandle as SaveHandle
   from flax_dtensor.dtensor._checkpoint import (
     save_checkpoint as save_checkpoint,
   )
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = (
   'RelaidVariable',
+  'SaveHandle',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
@@ -75,6 +77,7 @@ __all__ = (
 _MODULES = {
   'array_to_dtensor': '_arrays',
   'dtensor_to_array': '_arrays',
+  'SaveHandle': '_background',
   'save_checkpoint': '_checkpoint',
   'flat_variables': '_convert',
   'to_tf_module': '_convert',

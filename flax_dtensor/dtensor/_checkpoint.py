@@ -10,6 +10,7 @@ with a CRC-32 of every shard (hashed while TF writes) and of every file.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -18,13 +19,17 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import (
   _atomic,
+  _background,
   _convert,
+  _host_read,
+  _layouts,
   _manifest,
   _names,
   _paths,
@@ -46,6 +51,11 @@ _PART = 'flax_dtensor.part-{}.json'
 TF_POISONED_MSG = (
   'TF DTensor cancels every later TensorFlow operation of this process '
   'after such an error: restart the process once the cause is fixed.'
+)
+ASYNC_MULTIPROCESS_MSG = (
+  'save_checkpoint(..., blocking=False) runs in one process only, but '
+  'this run has {} processes (saving to {!r}). Pass blocking=True (the '
+  'default) in a multi-process run.'
 )
 WRITE_FIX = (
   'Check the disk space, the permissions and the path (on several hosts: a '
@@ -240,6 +250,7 @@ def save_checkpoint(
   overwrite: bool = False,
   progress: bool | None = None,
   single_mesh: Literal[False] = False,
+  blocking: Literal[True] = True,
 ) -> str: ...
 
 
@@ -253,7 +264,22 @@ def save_checkpoint(
   overwrite: bool = False,
   progress: bool | None = None,
   single_mesh: Literal[True],
+  blocking: Literal[True] = True,
 ) -> tuple[str, _single_mesh.SingleMeshReport]: ...
+
+
+@overload
+def save_checkpoint(
+  module_or_state: Any,
+  directory: str | os.PathLike[str],
+  *,
+  include: filterlib.Filter = ...,
+  exclude: filterlib.Filter = ...,
+  overwrite: bool = False,
+  progress: bool | None = None,
+  single_mesh: bool = False,
+  blocking: Literal[False],
+) -> _background.SaveHandle: ...
 
 
 def save_checkpoint(
@@ -265,7 +291,8 @@ def save_checkpoint(
   overwrite: bool = False,
   progress: bool | None = None,
   single_mesh: bool = False,
-) -> str | tuple[str, _single_mesh.SingleMeshReport]:
+  blocking: bool = True,
+) -> str | tuple[str, _single_mesh.SingleMeshReport] | _background.SaveHandle:
   """Writes NNX variables as a TF checkpoint of DTensor variables.
 
   Each process writes only its own shards, straight from the JAX buffers
@@ -292,6 +319,17 @@ def save_checkpoint(
   variables on one mesh find one layout. The manifest records the layouts
   written; `restore_checkpoint` places by the target, as always.
 
+  With `blocking=False` this returns a `SaveHandle` once the state is
+  copied (to new buffers in host memory on CPU): the caller may then
+  overwrite or donate its arrays, and the checkpoint holds the values of
+  the call. Writing, checking, flushing and the final rename run on a
+  thread of their own; `handle.wait()` raises what a blocking save would.
+  A path that cannot be written, an existing directory without
+  `overwrite` and an empty selection are still refused at the call. A
+  save to a path waits for a pending save to the same path, and the
+  interpreter waits for pending saves at exit. Asynchronous saves run in
+  one process only (a multi-process run saves with `blocking=True`).
+
   In a multi-process run every process must call this with the same
   arguments (see the export guide for the recipe). If another process dies
   or hangs, this raises within `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by
@@ -310,11 +348,14 @@ def save_checkpoint(
     progress: Show a progress bar; None shows one from 16 variables when
       stderr is a terminal.
     single_mesh: Write every variable from one DTensor mesh (see above).
+    blocking: Return once the checkpoint is complete on disk (the default);
+      if false, once the state is copied, with a `SaveHandle`.
 
   Returns:
     The absolute path of the checkpoint directory; with `single_mesh=True`,
     the pair `(path, report)`, where the `SingleMeshReport` lists each
-    variable JAX moved and why.
+    variable JAX moved and why. With `blocking=False`, a `SaveHandle`
+    whose `result()` is that value.
 
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
@@ -326,7 +367,9 @@ def save_checkpoint(
       selected, a variable cannot be exported (e.g. uint64), the disk is
       full (the bytes needed and free), another process of the run stopped
       or failed, or writing fails (the message names the cause and the
-      fix).
+      fix); with `blocking=False`, errors found while writing are raised
+      by the handle's `wait()` and `result()`, and `blocking=False` in a
+      multi-process run is refused.
 
   Example:
     >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP
@@ -334,57 +377,147 @@ def save_checkpoint(
     ...   checkpoint_key('linear/kernel'))
   """
   directory = _paths.local(directory, 'checkpoint directory')
+  if not blocking and jax.process_count() > 1:
+    raise _errors.ExportError(
+      ASYNC_MULTIPROCESS_MSG.format(jax.process_count(), directory)
+    )
   entries = _selection.select(
     module_or_state, include, exclude, what='module_or_state'
   )
+  _background.wait_for(directory)
   show = _convert.show_progress(progress, len(entries))
   nbytes = sum(e.nbytes for e in entries)
-  with (
-    _tf_errors.space_checked(directory, nbytes),
-    _peers.session(
-      f'the save to {directory!r}',
-      f'{directory!r} holds the previous checkpoint or the new one, whole.',
-    ),
-    _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
-  ):
-    values = [_selection.to_jax_array(e) for e in entries]
-    report = None
-    if single_mesh:
-      values, report = _single_mesh.onto_one_mesh(entries, values)
-    tensors = [
-      _convert.to_dtensor(e, widen=True, value=v)
-      for e, v in _convert.progress(
-        zip(entries, values, strict=True),
-        show=show,
-        total=len(entries),
-        desc='flax_dtensor: to DTensor',
-      )
-    ]
+  if blocking:
     with (
-      _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
-      concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+      _tf_errors.space_checked(directory, nbytes),
+      _peers.session(
+        f'the save to {directory!r}',
+        f'{directory!r} holds the previous checkpoint or the new one, whole.',
+      ),
+      _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
     ):
-      _output.announce(
-        show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
+      entries, values, tensors, report = _prepare(
+        entries, single_mesh=single_mesh, show=show, snapshot=False
       )
-      start = time.perf_counter()
-      hashing = _manifest.shard_checksums(values, pool)
-      _write_tf_checkpoint(entries, tensors, tmp)
-      # The disk flushes what TF wrote while the CRCs read it back from the
-      # page cache; the directory's final flush then finds little to do.
-      with concurrent.futures.ThreadPoolExecutor(1) as flusher:
-        flushed = flusher.submit(_atomic.flush_files, tmp)
-        shards = gather_shards(hashing, tmp)
-        if shards is not None:
-          write_manifest(
-            tmp,
-            _manifest.CHECKPOINT_FORMAT,
-            PREFIX,
-            records(entries, values, tensors, shards),
-            pool,
-          )
-        flushed.result()
-      _output.announce(
-        show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
-      )
-  return (directory, report) if single_mesh else directory
+      with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+        _write(entries, values, tensors, tmp, directory, show)
+    return (directory, report) if single_mesh else directory
+  with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
+    entries, values, tensors, report = _prepare(
+      entries, single_mesh=single_mesh, show=show, snapshot=True
+    )
+  # Entered here, so that a path that cannot be written is refused at the
+  # call; left on the writing thread, which moves the result into place.
+  stack = contextlib.ExitStack()
+  tmp = stack.enter_context(
+    _atomic.atomic_directory(directory, overwrite=overwrite)
+  )
+
+  def work() -> str | tuple[str, _single_mesh.SingleMeshReport]:
+    with (
+      _tf_errors.space_checked(directory, nbytes),
+      _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
+      stack,
+    ):
+      _write(entries, values, tensors, tmp, directory, show)
+    return (directory, report) if single_mesh else directory
+
+  try:
+    return _background.start(directory, work)
+  except BaseException:
+    stack.close()
+    raise
+
+
+def _snapshot(values: Sequence[jax.Array]) -> list[jax.Array]:
+  """Copies of `values` in host buffers of their own, complete on return.
+
+  Each distinct shard is copied once with NumPy into an aligned buffer,
+  which JAX on CPU then uses as the device buffer of every device holding
+  that shard, without another copy (other platforms copy it back to the
+  device). The caller may then donate or overwrite the originals.
+  """
+  out = []
+  for v in values:
+    shards = v.addressable_shards
+    copies: dict[Any, np.ndarray] = {}
+    buffers = []
+    for s in shards:
+      index = _layouts.normalize_index(s.index, v.shape)
+      if index not in copies:
+        data = np.asarray(s.data)
+        copies[index] = _host_read.aligned_empty(data.shape, data.dtype)
+        np.copyto(copies[index], data)
+      buffers.append(copies[index])
+    placed = jax.device_put(buffers, [s.device for s in shards])
+    out.append(
+      jax.make_array_from_single_device_arrays(v.shape, v.sharding, placed)
+    )
+  return jax.block_until_ready(out)
+
+
+def _prepare(
+  entries: list[_selection.Entry],
+  *,
+  single_mesh: bool,
+  show: bool,
+  snapshot: bool,
+) -> tuple[
+  list[_selection.Entry],
+  list[jax.Array],
+  list[Any],
+  _single_mesh.SingleMeshReport | None,
+]:
+  """The arrays to write and their DTensors (views of them)."""
+  values = [_selection.to_jax_array(e) for e in entries]
+  report = None
+  if single_mesh:
+    values, report = _single_mesh.onto_one_mesh(entries, values)
+  if snapshot:
+    values = _snapshot(values)
+  tensors = [
+    _convert.to_dtensor(e, widen=True, value=v)
+    for e, v in _convert.progress(
+      zip(entries, values, strict=True),
+      show=show,
+      total=len(entries),
+      desc='flax_dtensor: to DTensor',
+    )
+  ]
+  return entries, values, tensors, report
+
+
+def _write(
+  entries: Sequence[_selection.Entry],
+  values: Sequence[jax.Array],
+  tensors: Sequence[Any],
+  tmp: str,
+  directory: str,
+  show: bool,
+) -> None:
+  """Writes the checkpoint and its manifest into the temporary `tmp`."""
+  nbytes = sum(e.nbytes for e in entries)
+  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
+    _output.announce(
+      show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
+    )
+    start = time.perf_counter()
+    hashing = _manifest.shard_checksums(values, pool)
+    _write_tf_checkpoint(entries, tensors, tmp)
+    # The disk flushes what TF wrote while the CRCs read it back from the
+    # page cache; the directory's final flush then finds little to do.
+    with concurrent.futures.ThreadPoolExecutor(1) as flusher:
+      flushed = flusher.submit(_atomic.flush_files, tmp)
+      shards = gather_shards(hashing, tmp)
+      if shards is not None:
+        write_manifest(
+          tmp,
+          _manifest.CHECKPOINT_FORMAT,
+          PREFIX,
+          records(entries, values, tensors, shards),
+          pool,
+        )
+      flushed.result()
+    _output.announce(
+      show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
+    )

@@ -198,7 +198,7 @@ def _local(index: _manifest.Index, held: _manifest.Index) -> tuple[slice, ...]:
 _ALIGNMENT = 64
 
 
-def _aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
   """An uninitialized array whose data starts on a `_ALIGNMENT` boundary."""
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
@@ -220,7 +220,7 @@ def slice_of(
     if _manifest.contains(held, index):
       return data[_local(index, held)]
   first = next(iter(pieces.values()))
-  out = _aligned_empty([b - a for a, b in index], first.dtype)
+  out = aligned_empty([b - a for a, b in index], first.dtype)
   covered = 0
   for held, data in pieces.items():
     overlap = tuple(

@@ -24,6 +24,7 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output, _rules, _variables
 from flax_dtensor.dtensor import (
   _atomic,
+  _background,
   _checkpoint,
   _convert,
   _dtypes,
@@ -163,6 +164,7 @@ def read_checkpoint(
     (16, 32)
   """
   path = _paths.local(directory, 'checkpoint directory')
+  _background.wait_for(path)  # A save of this process to it finishes first.
   with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
     _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
@@ -342,6 +344,7 @@ def _read_all(
   progress: bool | None,
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
+  _background.wait_for(path)  # A save of this process to it finishes first.
   _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
   _, shapes, dtypes = _reader(prefix, manifest)

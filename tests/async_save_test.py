@@ -1,0 +1,225 @@
+"""Saves in the background: the values of the call, errors at `wait()`, exit.
+
+`save_checkpoint(..., blocking=False)` returns a `SaveHandle` once the state
+is copied. The checkpoint must hold the values of the call even when the
+caller overwrites or donates its arrays right after; a pending save must
+finish when the interpreter exits; a second save to the same path waits for
+the first. The full disk (tests/faults_test.py) and the kills
+(tests/kill_test.py) cover background saves too.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+tf = pytest.importorskip('tensorflow')
+fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
+
+import multiprocess_util  # noqa: E402
+
+TIMEOUT = 300
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _dtensor_initialized():
+  fdt_tf.initialize()
+
+
+class Stack(nnx.Module):
+  """Plain NNX, not the demo's style: a list of layers and a BatchNorm."""
+
+  def __init__(self, mesh, rngs):
+    init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ('embed', 'mlp')
+    )
+    with fdt.logical_axis_rules([('embed', 'data'), ('mlp', 'model')]):
+      with jax.set_mesh(mesh):
+        self.layers = nnx.List(
+          [nnx.Linear(16, 16, kernel_init=init, rngs=rngs) for _ in range(3)]
+        )
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = jax.nn.relu(layer(x))
+    return self.norm(x)
+
+
+def _values(model):
+  return {
+    path: np.array(v.get_value())
+    for path, v in nnx.to_flat_state(
+      nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
+    )
+  }
+
+
+def _assert_holds(path, expected):
+  read = fdt_tf.read_checkpoint(path)
+  assert set(read) == set(expected)
+  for key, value in expected.items():
+    np.testing.assert_array_equal(read[key], value, err_msg=str(key))
+
+
+def test_holds_the_values_of_the_call_after_an_update(auto_mesh, tmp_path):
+  model = Stack(auto_mesh, nnx.Rngs(0))
+  expected = _values(model)
+  kernel = model.layers[0].kernel
+  assert kernel.get_value().sharding.spec == P('data', 'model')
+  handle = fdt_tf.save_checkpoint(model, tmp_path / 'c', blocking=False)
+  assert isinstance(handle, fdt_tf.SaveHandle)
+  # The caller moves on at once: every parameter changes in place.
+  nnx.update(
+    model,
+    jax.tree.map(lambda x: x + 100, nnx.state(model, nnx.Param)),
+  )
+  assert float(kernel.get_value()[0, 0]) == expected[('layers', 0, 'kernel')][
+    0, 0
+  ] + np.float32(100)
+  assert handle.result() == str(tmp_path / 'c')
+  assert handle.done()
+  _assert_holds(tmp_path / 'c', expected)
+  # And the restore places them as the model's own arrays are placed.
+  fresh = Stack(auto_mesh, nnx.Rngs(1))
+  fdt_tf.restore_checkpoint(tmp_path / 'c', fresh)
+  assert fresh.layers[0].kernel.get_value().sharding.spec == P('data', 'model')
+  for key, value in _values(fresh).items():
+    np.testing.assert_array_equal(value, expected[key])
+
+
+def test_holds_the_values_of_the_call_after_a_donating_step(
+  explicit_mesh, tmp_path
+):
+  model = nnx.Dict(
+    w=nnx.Param(
+      jax.device_put(
+        jnp.arange(8 * 32, dtype=jnp.float32).reshape(8, 32),
+        NamedSharding(explicit_mesh, P('data', 'model')),
+      )
+    ),
+    h=nnx.Param(
+      jax.device_put(
+        jnp.arange(8, dtype=jnp.float16), NamedSharding(explicit_mesh, P())
+      )
+    ),
+  )
+  expected = _values(model)
+  graphdef, state = nnx.split(model)
+  handle = fdt_tf.save_checkpoint(state, tmp_path / 'c', blocking=False)
+
+  @jax.jit
+  def step(state):
+    return jax.tree.map(lambda x: x * 0 - 1, state)
+
+  donating = jax.jit(step, donate_argnums=0)
+  old = jax.tree.leaves(state)
+  state = donating(state)
+  # The step took the buffers: the originals are gone.
+  assert all(x.is_deleted() for x in old)
+  assert all(bool(jnp.all(x == -1)) for x in jax.tree.leaves(state))
+  handle.wait()
+  _assert_holds(tmp_path / 'c', expected)
+  assert nnx.merge(graphdef, state) is not None
+
+
+def test_a_second_save_to_the_path_waits_for_the_first(explicit_mesh, tmp_path):
+  def model(version):
+    return nnx.Dict(
+      w=nnx.Param(
+        jax.device_put(
+          jnp.full((8, 8), version, jnp.float32),
+          NamedSharding(explicit_mesh, P('data', 'model')),
+        )
+      )
+    )
+
+  path = tmp_path / 'c'
+  first = fdt_tf.save_checkpoint(model(1), path, blocking=False)
+  second = fdt_tf.save_checkpoint(
+    model(2), path, overwrite=True, blocking=False
+  )
+  # The second call returned only once the first save had finished.
+  assert first.done()
+  first.wait()
+  second.wait()
+  _assert_holds(path, {('w',): np.full((8, 8), 2, np.float32)})
+  assert os.listdir(tmp_path) == ['c']
+  # A blocking save waits for a pending one too.
+  third = fdt_tf.save_checkpoint(model(3), path, overwrite=True, blocking=False)
+  fdt_tf.save_checkpoint(model(4), path, overwrite=True)
+  assert third.done()
+  _assert_holds(path, {('w',): np.full((8, 8), 4, np.float32)})
+
+
+def test_refusals_come_at_the_call(explicit_mesh, tmp_path):
+  model = nnx.Dict(
+    w=nnx.Param(
+      jax.device_put(
+        jnp.ones((8, 8)), NamedSharding(explicit_mesh, P('data', 'model'))
+      )
+    )
+  )
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
+  with pytest.raises(fdt.ExportError, match='already exists'):
+    fdt_tf.save_checkpoint(model, path, blocking=False)
+  with pytest.raises(
+    fdt.ExportError, match='No NNX variable of module_or_state matched'
+  ):
+    fdt_tf.save_checkpoint(
+      model, tmp_path / 'd', include=nnx.BatchStat, blocking=False
+    )
+  with pytest.raises(fdt.ExportError, match='parent'):
+    fdt_tf.save_checkpoint(model, tmp_path / 'no' / 'd', blocking=False)
+  assert sorted(os.listdir(tmp_path)) == ['c']
+
+
+_EXIT = textwrap.dedent(
+  """
+  import sys
+  import jax
+  jax.config.update('jax_num_cpu_devices', 8)
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  model = nnx.Dict({
+    f'v{i}': nnx.Param(jax.device_put(
+        jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256) * (i + 1),
+        NamedSharding(mesh, P('data', 'model'))))
+    for i in range(8)})
+  fdt_tf.save_checkpoint(model, sys.argv[1], blocking=False)
+  """
+)
+
+
+def test_exit_waits_for_a_pending_save(tmp_path):
+  path = tmp_path / 'c'
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  env['PYTHONPATH'] = str(multiprocess_util.REPO_ROOT)
+  proc = subprocess.run(
+    [sys.executable, '-c', _EXIT, str(path)],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=env,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'cannot schedule new futures' not in proc.stderr
+  assert os.listdir(tmp_path) == ['c']
+  base = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+  _assert_holds(path, {(f'v{i}',): base * (i + 1) for i in range(8)})

@@ -162,6 +162,37 @@ def test_a_second_save_to_the_path_waits_for_the_first(explicit_mesh, tmp_path):
   _assert_holds(path, {('w',): np.full((8, 8), 4, np.float32)})
 
 
+def test_a_read_of_the_path_waits_for_a_pending_save(explicit_mesh, tmp_path):
+  sharding = NamedSharding(explicit_mesh, P('data', 'model'))
+
+  def model(version):
+    return nnx.Dict(
+      w=nnx.Param(
+        jax.device_put(jnp.full((8, 8), version, jnp.float32), sharding)
+      )
+    )
+
+  path = tmp_path / 'c'
+  fdt_tf.save_checkpoint(model(1), path)
+  pending = fdt_tf.save_checkpoint(
+    model(2), path, overwrite=True, blocking=False
+  )
+  # The restore reads the new version whole, never the old one or a mix.
+  target = model(7)
+  fdt_tf.restore_checkpoint(path, target)
+  assert pending.done()
+  np.testing.assert_array_equal(
+    np.asarray(target['w'].get_value()), np.full((8, 8), 2, np.float32)
+  )
+  assert target['w'].get_value().sharding == sharding
+  pending = fdt_tf.save_checkpoint(
+    model(3), path, overwrite=True, blocking=False
+  )
+  read = fdt_tf.read_checkpoint(path)
+  assert pending.done()
+  np.testing.assert_array_equal(read[('w',)], np.full((8, 8), 3, np.float32))
+
+
 def test_refusals_come_at_the_call(explicit_mesh, tmp_path):
   model = nnx.Dict(
     w=nnx.Param(

@@ -28,7 +28,12 @@ import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor import _host_read, _manifest, _tf_errors  # noqa: E402
+from flax_dtensor.dtensor import (  # noqa: E402
+  _host_read,
+  _manifest,
+  _restore,
+  _tf_errors,
+)
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -378,6 +383,107 @@ def test_a_checkpoint_replaced_during_a_restore_is_refused(
   )
 
 
+def test_a_manifest_that_vanishes_once_found_is_a_read_failure(
+  explicit_mesh, tmp_path, monkeypatch
+):
+  """Not "not a valid manifest": the export moved away while it was read."""
+  path = fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0)), tmp_path / 'c'
+  )
+  real = _manifest.locate
+
+  def locate_then_move(where):
+    found = real(where)
+    if os.path.isdir(path):
+      os.rename(path, tmp_path / 'moved')
+    return found
+
+  monkeypatch.setattr(_manifest, 'locate', locate_then_move)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"failed to read the manifest '.*c/flax_dtensor\.json': it "
+    r'vanished after it was found \(No such file or directory\)\. Expected '
+    r'the export to stay in place while it is read; another process may '
+    r'be replacing it\. Retry once that write is done\.',
+  ):
+    fdt_tf.read_checkpoint(path)
+
+
+def test_an_unreadable_manifest_is_a_read_failure(
+  explicit_mesh, tmp_path, monkeypatch
+):
+  path = fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0)), tmp_path / 'c'
+  )
+
+  # Tests run as root, whom chmod does not stop: the OS's refusal is raised
+  # where the manifest is opened.
+  def refuse(file, *args, **kwargs):
+    raise PermissionError(13, 'Permission denied', file)
+
+  monkeypatch.setattr(_manifest, 'open', refuse, raising=False)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"failed to read the manifest '.*flax_dtensor\.json': "
+    r'PermissionError: .*Permission denied.*Expected a readable file\. '
+    r'Check the path and its permissions\.',
+  ):
+    fdt_tf.read_checkpoint(path)
+
+
+@pytest.mark.parametrize('read', ['restore', 'read_checkpoint'])
+def test_a_plain_checkpoint_replaced_during_a_read_is_refused(
+  explicit_mesh, tmp_path, monkeypatch, read
+):
+  """Without a manifest there are no CRCs: the files' identity is checked."""
+  path = str(tmp_path / 'c')
+  other = str(tmp_path / 'o')
+  fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0)), path
+  )
+  fdt_tf.save_checkpoint(
+    Blocks(explicit_mesh, P('data', 'model'), 2.0, nnx.Rngs(0)), other
+  )
+  for where in (path, other):
+    os.remove(os.path.join(where, 'flax_dtensor.json'))
+  real = _restore._identity
+  swaps = []
+
+  def identity_then_swap(prefix):
+    # The read notes which files it starts from; then they are replaced.
+    found = real(prefix)
+    if not swaps:
+      os.rename(path, tmp_path / 'aside')
+      os.rename(other, path)
+      swaps.append(prefix)
+    return found
+
+  monkeypatch.setattr(_restore, '_identity', identity_then_swap)
+  target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
+  before = _values(target)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"The checkpoint '.*c/ckpt' changed while it was read \(its files "
+    r'are not the ones it had when the read began\), so what was read may '
+    r'mix two versions\. Nothing was restored: the target is unchanged\. '
+    r'Expected the checkpoint to stay in place while it is read; retry '
+    r'once the process replacing it is done\.',
+  ):
+    if read == 'restore':
+      fdt_tf.restore_checkpoint(path, target)
+    else:
+      fdt_tf.read_checkpoint(path)
+  for key, value in _values(target).items():
+    np.testing.assert_array_equal(value, before[key])
+  # Left in place, the new version reads whole and exactly.
+  assert swaps == [os.path.join(path, 'ckpt')]
+  arrays = fdt_tf.read_checkpoint(path)
+  np.testing.assert_array_equal(
+    arrays['blocks/0'],
+    np.arange(128, dtype=np.float32).reshape(8, 16) + 2.0,
+  )
+
+
 def test_restores_while_another_thread_swaps_the_checkpoint(
   explicit_mesh, tmp_path
 ):
@@ -410,7 +516,8 @@ def test_restores_while_another_thread_swaps_the_checkpoint(
         fdt_tf.restore_checkpoint(path, target)
       except fdt.ExportError as e:
         assert re.search(
-          r'damaged|failed to read|holds no TF checkpoint', str(e)
+          r'damaged|failed to read|holds no TF checkpoint|kept changing',
+          str(e),
         )
         got = _values(target)
         assert all(np.array_equal(got[k], sentinel[k]) for k in got)

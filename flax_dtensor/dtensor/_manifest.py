@@ -474,8 +474,19 @@ def _load(file: str) -> Any:
           file, f'it has {size} bytes, more than a manifest ({MAX_BYTES})'
         )
       data = f.read(MAX_BYTES + 1)
+  except FileNotFoundError as e:
+    # `locate` saw the file an instant ago: the export is being replaced.
+    raise _errors.ExportError(
+      f'failed to read the manifest {file!r}: it vanished after it was '
+      f'found ({e.strerror}). Expected the export to stay in place while '
+      'it is read; another process may be replacing it. Retry once that '
+      'write is done.'
+    ) from e
   except OSError as e:
-    raise _malformed(file, f'{type(e).__name__}: {e}') from e
+    raise _errors.ExportError(
+      f'failed to read the manifest {file!r}: {type(e).__name__}: {e}. '
+      'Expected a readable file. Check the path and its permissions.'
+    ) from e
   if len(data) > MAX_BYTES:
     raise _malformed(file, f'it has more than {MAX_BYTES} bytes')
   try:

@@ -62,10 +62,31 @@ def _no_checkpoint(path: str) -> _errors.ExportError:
 def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
   """(TF checkpoint prefix, its manifest or None) for a path.
 
+  A checkpoint is read without its manifest only if none is there both
+  before and after its prefix was found: an export being replaced (renamed
+  away and back) has no manifest for an instant, and must not be read then
+  as a plain TF checkpoint, unchecked.
+
   Raises:
     ExportError: If `path` holds no checkpoint, or its manifest is invalid
       or describes another checkpoint.
   """
+  for _ in range(_LOCATE_TRIES):
+    prefix, manifest = _locate_once(path)
+    if manifest is not None or _manifest.locate(path) is None:
+      return prefix, manifest
+  raise _errors.ExportError(
+    f'The checkpoint at {path!r} kept changing while it was located: its '
+    f'manifest came and went {_LOCATE_TRIES} times. Expected the export '
+    'to stay in place while it is read; another process may be replacing '
+    'it. Retry once that write is done.'
+  )
+
+
+_LOCATE_TRIES = 3
+
+
+def _locate_once(path: str) -> tuple[str, _manifest.Manifest | None]:
   manifest = _manifest.read(path)
   if manifest is not None:
     prefix = os.path.join(manifest.root, manifest.prefix)
@@ -103,6 +124,37 @@ def _check_state_prefix(directory: str, prefix: str) -> None:
       f'The checkpoint state file of {directory!r} names the prefix '
       f'{prefix!r}, and {escape}. A checkpoint directory is read only '
       'inside itself: if you trust that checkpoint, pass its prefix itself.'
+    )
+
+
+def _identity(prefix: str) -> tuple[tuple[str, int, int, int, int], ...]:
+  """Which files hold the checkpoint at `prefix` now (inode, size, mtime)."""
+  directory, base = os.path.split(prefix)
+  out = []
+  with contextlib.suppress(OSError):
+    for name in sorted(os.listdir(directory or '.')):
+      if name == base + '.index' or name.startswith(base + '.data-'):
+        with contextlib.suppress(OSError):
+          st = os.stat(os.path.join(directory, name))
+          out.append((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+  return tuple(out)
+
+
+def _check_unchanged(
+  prefix: str, manifest: _manifest.Manifest | None, before: Any
+) -> None:
+  """Refuses a plain TF checkpoint whose files changed while it was read.
+
+  A checkpoint with a manifest needs no such check: every byte read was
+  checked against its CRCs.
+  """
+  if manifest is None and _identity(prefix) != before:
+    raise _errors.ExportError(
+      f'The checkpoint {prefix!r} changed while it was read (its files are '
+      'not the ones it had when the read began), so what was read may mix '
+      'two versions. Nothing was restored: the target is unchanged. '
+      'Expected the checkpoint to stay in place while it is read; retry '
+      'once the process replacing it is done.'
     )
 
 
@@ -168,6 +220,7 @@ def read_checkpoint(
   with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
     _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
+  before = _identity(prefix)
   reader, shapes, _ = _reader(prefix, manifest)
   records = manifest.by_key if manifest is not None else {}
   out = {}
@@ -186,6 +239,7 @@ def read_checkpoint(
           manifest, record, {tuple((0, n) for n in value.shape): value}
         )
       out[nnx_path] = value
+  _check_unchanged(prefix, manifest, before)
   return _names.PathDict(
     sorted(
       out.items(),
@@ -347,6 +401,7 @@ def _read_all(
   _background.wait_for(path)  # A save of this process to it finishes first.
   _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
+  before = _identity(prefix)
   _, shapes, dtypes = _reader(prefix, manifest)
   held = _held(shapes, dtypes, manifest)
   source = _target.Source(
@@ -372,4 +427,5 @@ def _read_all(
     arrays = _host_read.read_placed(
       prefix, entries, kinds, shardings, manifest, advance
     )
+  _check_unchanged(prefix, manifest, before)
   return arrays

@@ -73,7 +73,7 @@ def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
   """
   for _ in range(_LOCATE_TRIES):
     prefix, manifest = _locate_once(path)
-    if manifest is not None or _manifest.locate(path) is None:
+    if manifest is not None or _plain_at_once(path, prefix):
       return prefix, manifest
   raise _errors.ExportError(
     f'The checkpoint at {path!r} kept changing while it was located: its '
@@ -84,6 +84,37 @@ def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
 
 
 _LOCATE_TRIES = 3
+
+
+def _plain_at_once(path: str, prefix: str) -> bool:
+  """Whether `path` holds `prefix`'s index and no manifest at one instant.
+
+  A directory is opened and both are looked up in that one directory, so
+  an export renamed away and back between two lookups cannot pass for a
+  plain TF checkpoint. (A prefix, or a system without `dir_fd`, is looked
+  up twice by name.)
+  """
+  if not (os.path.isdir(path) and os.stat in os.supports_dir_fd):
+    return _manifest.locate(path) is None and os.path.exists(prefix + '.index')
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
+  except OSError:
+    return False  # Gone again: look once more.
+
+  def there(name: str) -> bool:
+    try:
+      os.stat(name, dir_fd=fd)
+    except OSError:
+      return False
+    return True
+
+  try:
+    return there(os.path.relpath(prefix, path) + '.index') and not (
+      there(_manifest.FILE)
+      or there(os.path.join(_manifest.SAVED_MODEL_ASSETS, _manifest.FILE))
+    )
+  finally:
+    os.close(fd)
 
 
 def _locate_once(path: str) -> tuple[str, _manifest.Manifest | None]:

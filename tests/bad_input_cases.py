@@ -188,12 +188,11 @@ def _edited_manifest(ctx):
 
 def _damaged_data(ctx):
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'damaged')
-  data = max(
-    (n for n in os.listdir(path) if n.startswith('ckpt.data')),
-    key=lambda n: os.path.getsize(os.path.join(path, n)),
-  )
-  with open(os.path.join(path, data), 'r+b') as f:
-    f.write(b'\xff' * 16)
+  # Every data file: one holds only TF's metadata, which a restore skips.
+  for name in os.listdir(path):
+    if name.startswith('ckpt.data'):
+      with open(os.path.join(path, name), 'r+b') as f:
+        f.write(b'\xff' * 16)
   ctx.dt.restore_checkpoint(path, ctx.model())
 
 
@@ -387,8 +386,8 @@ def _replaced_while_restoring(ctx):
   other = ctx.dt.save_checkpoint(other, ctx.tmp / 'other')
   real = _manifest.verify_files
 
-  def check_then_swap(manifest, pool):
-    real(manifest, pool)
+  def check_then_swap(manifest, pool, **kwargs):
+    real(manifest, pool, **kwargs)
     os.rename(path, ctx.tmp / 'swapped-aside')
     os.rename(other, path)
 
@@ -1205,7 +1204,8 @@ CASES = [
     'flax_dtensor.dtensor.restore_checkpoint',
     'a data file damaged on disk',
     fdt.ExportError,
-    r'is damaged: ckpt\.data-\S+ bytes 0\.\.\d+ changed.*Nothing was read',
+    r'is damaged: ckpt\.data-\S+ bytes 0\.\.\d+ changed.*Nothing was '
+    r'restored: the target is unchanged',
     'Restore an intact copy, or re-export.',
     _damaged_data,
     tf=True,

@@ -1,8 +1,9 @@
 """Reading checkpoints back: into host memory, or sharded into NNX models.
 
 Before TensorFlow reads anything, the files are checked against the
-manifest (sizes and CRCs) and TF's index against its records (keys, shapes,
-dtypes); after reading, every byte read, by the saved shards' CRCs. So a
+manifest (where they are, sizes, and the CRCs of all but the data files)
+and TF's index against its records (keys, shapes, dtypes); after reading,
+every byte read, by the saved shards' CRCs, so each byte is read once. So a
 damaged or foreign checkpoint is refused in our own words, and never breaks
 TF for the checkpoints that follow. A checkpoint without a manifest (written
 by plain TF) is read as it is, with no dtype conversion unless asked for.
@@ -171,6 +172,27 @@ def _identity(prefix: str) -> tuple[tuple[str, int, int, int, int], ...]:
   return tuple(out)
 
 
+@contextlib.contextmanager
+def _damage_named(manifest: _manifest.Manifest | None) -> Iterator[None]:
+  """A read TF fails names the damaged files and bytes, when it can.
+
+  The data files are checked as they are read, so when TF fails there (its
+  checksum, a short read), the whole check of every file follows, and its
+  findings replace TF's words. (A shard our own CRC refused is named
+  already.)
+  """
+  try:
+    yield
+  except _errors.ExportError as e:
+    if manifest is None or not isinstance(e.__cause__, _tf.tf().errors.OpError):
+      raise
+    with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
+      problems = _manifest.problems_of(manifest, pool)
+    if not problems:
+      raise
+    raise _manifest.damaged(manifest, problems, read=True) from e
+
+
 def _check_unchanged(
   prefix: str, manifest: _manifest.Manifest | None, before: Any
 ) -> None:
@@ -190,11 +212,17 @@ def _check_unchanged(
 
 
 def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:
-  """TF's checkpoint reader, once the files and index check out."""
+  """TF's checkpoint reader, once the files and index check out.
+
+  Every file but the data files is checked whole (where it is, its size,
+  its CRCs) before TF opens any; the data files' sizes too, and their bytes
+  as they are read (TF's CRC-32C of each entry, the manifest's CRC-32 of
+  each saved shard), so no byte is read twice.
+  """
   tf = _tf.tf()
   if manifest is not None:
     with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-      _manifest.verify_files(manifest, pool)
+      _manifest.verify_files(manifest, pool, data=False)
   with _tf_errors.translated(
     'Reading the index of the checkpoint',
     prefix,
@@ -255,7 +283,10 @@ def read_checkpoint(
   reader, shapes, _ = _reader(prefix, manifest)
   records = manifest.by_key if manifest is not None else {}
   out = {}
-  with _tf_errors.translated('Reading the checkpoint', prefix, _READ_FIX):
+  with (
+    _damage_named(manifest),
+    _tf_errors.translated('Reading the checkpoint', prefix, _READ_FIX),
+  ):
     for key in shapes:
       nnx_path = _names.nnx_path(key)
       if nnx_path is None:
@@ -337,7 +368,8 @@ def restore_checkpoint(
   sharded over processes (onto another layout, a process may read more of
   a variable than it holds). JAX places one variable while TF reads the
   next. Before TensorFlow reads anything, the files are checked against the
-  manifest; after, every byte read, before it is placed (so a file damaged
+  manifest (the data files by size); after, every byte read, before it is
+  placed (so a file damaged
   or replaced during the restore is refused too). The target is updated
   only once every variable is read and checked, in every process: a failure
   leaves it unchanged. Values are bit-exact to what was saved and never
@@ -447,6 +479,7 @@ def _read_all(
   shardings = _target.target_shardings(entries, mesh, rules)
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   with (
+    _damage_named(manifest),
     _translated(prefix),
     _output.progress(
       show=show,

@@ -16,6 +16,7 @@ import os
 import pathlib
 import shutil
 import sys
+import zlib
 
 import hypothesis
 import hypothesis.strategies as st
@@ -674,3 +675,44 @@ def test_a_checkpoint_state_file_naming_elsewhere_is_refused(
       fdt_tf.restore_checkpoint(root, _model(mesh, 1))
     with pytest.raises(fdt.ExportError, match=match):
       fdt_tf.read_checkpoint(root)
+
+
+# Hashing files through a small reused buffer
+# ------------------------------------------------------------------------------
+
+_BLOCK = _manifest._READ_BLOCK
+_FILE_BYTES = 2 * _BLOCK + 12345
+
+
+@pytest.fixture(scope='module')
+def random_file(tmp_path_factory):
+  data = np.random.default_rng(0).bytes(_FILE_BYTES)
+  path = tmp_path_factory.mktemp('crc') / 'f'
+  path.write_bytes(data)
+  return str(path), data
+
+
+@hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
+@hypothesis.given(
+  offset=st.sampled_from([0, 1, _BLOCK - 1, _BLOCK, _BLOCK + 7, _FILE_BYTES])
+  | st.integers(0, _FILE_BYTES),
+  length=st.sampled_from([0, 1, _BLOCK, _BLOCK + 1, 2 * _BLOCK])
+  | st.integers(0, _FILE_BYTES),
+)
+def test_chunk_crc_is_zlibs_over_the_same_bytes(random_file, offset, length):
+  """Block by block, across block edges, equals one CRC of the bytes."""
+  path, data = random_file
+  length = min(length, _FILE_BYTES - offset)
+  assert _manifest._crc_chunk(path, offset, length) == zlib.crc32(
+    data[offset : offset + length]
+  )
+
+
+def test_chunk_crc_of_a_short_file_is_an_os_error(random_file):
+  path, _ = random_file
+  with pytest.raises(
+    OSError,
+    match=rf'^read {_FILE_BYTES - 5} of {_FILE_BYTES} bytes at offset 5$',
+  ):
+    # The file ends before the chunk: reported, never hashed short.
+    _manifest._crc_chunk(path, 5, _FILE_BYTES)

@@ -283,6 +283,17 @@ def _after_the_check(monkeypatch, damage):
   monkeypatch.setattr(_manifest, 'verify_files', check_then_damage)
 
 
+def _refused_unchanged(read, path, target, before, match):
+  """`read` ('restore' or 'read_checkpoint') of `path` refused; target kept."""
+  with pytest.raises(fdt.ExportError, match=match):
+    if read == 'restore':
+      fdt_tf.restore_checkpoint(path, target)
+    else:
+      fdt_tf.read_checkpoint(path)
+  for key, value in _values(target).items():
+    np.testing.assert_array_equal(value, before[key])
+
+
 def _first_data_file(path):
   """The data file of the first device's shards (blocks' values)."""
   (name,) = [n for n in os.listdir(path) if n.startswith('ckpt.data-00000-')]
@@ -362,20 +373,17 @@ def test_a_checkpoint_replaced_during_a_restore_is_refused(
   target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
   before = _values(target)
   _after_the_check(monkeypatch, swap)
-  with pytest.raises(
-    fdt.ExportError,
-    match=r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32 '
+  _refused_unchanged(
+    read,
+    path,
+    target,
+    before,
+    r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32 '
     r'[0-9a-f]{8}, recorded [0-9a-f]{8} \(expected what its manifest '
     r'flax_dtensor.json records; found in the bytes read, so the files may '
     r'also have changed during the read\)\. Nothing was restored: the '
     r'target is unchanged',
-  ):
-    if read == 'restore':
-      fdt_tf.restore_checkpoint(path, target)
-    else:
-      fdt_tf.read_checkpoint(path)
-  for key, value in _values(target).items():
-    np.testing.assert_array_equal(value, before[key])
+  )
   # TensorFlow alone reads the swapped-in checkpoint without complaint.
   key = fdt_tf.checkpoint_key(('blocks', 0))
   (value,) = tf.raw_ops.RestoreV2(
@@ -467,20 +475,17 @@ def test_a_plain_checkpoint_replaced_during_a_read_is_refused(
   monkeypatch.setattr(_restore, '_identity', identity_then_swap)
   target = Blocks(explicit_mesh, P('model', 'data'), -7.0, nnx.Rngs(1))
   before = _values(target)
-  with pytest.raises(
-    fdt.ExportError,
-    match=r"The checkpoint '.*c/ckpt' changed while it was read \(its files "
+  _refused_unchanged(
+    read,
+    path,
+    target,
+    before,
+    r"The checkpoint '.*c/ckpt' changed while it was read \(its files "
     r'are not the ones it had when the read began\), so what was read may '
     r'mix two versions\. Nothing was restored: the target is unchanged\. '
     r'Expected the checkpoint to stay in place while it is read; retry '
     r'once the process replacing it is done\.',
-  ):
-    if read == 'restore':
-      fdt_tf.restore_checkpoint(path, target)
-    else:
-      fdt_tf.read_checkpoint(path)
-  for key, value in _values(target).items():
-    np.testing.assert_array_equal(value, before[key])
+  )
   # Left in place, the new version reads whole and exactly.
   assert swaps == [os.path.join(path, 'ckpt')]
   arrays = fdt_tf.read_checkpoint(path)

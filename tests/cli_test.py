@@ -1185,6 +1185,69 @@ def test_inspect_without_a_manifest_reads_with_tensorflow(
   assert 'No flax_dtensor.json: no layouts; read with TensorFlow.' in stdout
 
 
+# Runs the CLI's `main` in this process with TensorFlow's SavedModel loader
+# made a tripwire: loading would run the SavedModel's graphs.
+NEVER_LOADS = """
+import contextlib, io, json, os, sys
+os.environ['COLUMNS'] = '200'
+import tensorflow as tf
+loads = []
+tf.saved_model.load = lambda *a, **k: loads.append(a) or 1 / 0
+from flax_dtensor.cli import _app
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+  try:
+    _app.main(sys.argv[1:])
+  except SystemExit as e:
+    code = e.code
+print(json.dumps([code, out.getvalue(), len(loads)]))
+"""
+
+
+def test_inspect_without_a_manifest_never_loads_the_saved_model(
+  demo_export, tmp_path
+):
+  """Signatures from saved_model.pb, variables from the checkpoint index."""
+  _, out, _, proc = demo_export
+  ok(proc)
+  saved = tmp_path / 'saved_model'
+  shutil.copytree(out / 'saved_model', saved)
+  (saved / 'assets' / 'flax_dtensor.json').unlink()
+  code, text, loads = json.loads(
+    run_python(NEVER_LOADS, 'inspect', saved).splitlines()[-1]
+  )
+  assert (code, loads) == (0, 0), text
+  assert 'tokens: [None, 128] int32' in text
+  assert 'output_0: [None, 128, 256] float32' in text
+  assert '24 variables. No assets/flax_dtensor.json: no layouts.' in text
+  # Every variable the manifest listed, with its shape as TF stores it.
+  manifest = json.loads(
+    (out / 'saved_model' / 'assets' / 'flax_dtensor.json').read_text()
+  )
+  for record in manifest['variables']:
+    name = '/'.join(map(str, record['path']))
+    shape = str(tuple(record['shape']))
+    assert any(name in line and shape in line for line in text.splitlines()), (
+      name,
+      shape,
+    )
+
+  # A saved_model.pb that is not one: our error, exit 2, still never loaded.
+  (saved / 'saved_model.pb').write_bytes(b'\x0a\xff\xff not a protobuf')
+  code, text, loads = json.loads(
+    run_python(NEVER_LOADS, 'inspect', saved).splitlines()[-1]
+  )
+  assert (code, loads) == (2, 0), text
+  proc = run_cli('inspect', saved)
+  assert proc.returncode == 2, proc.stderr
+  assert re.search(
+    r"TensorFlow cannot parse the SavedModel in '.*saved_model': .*\. "
+    r'Expected saved_model\.pb with one MetaGraph\. Pass a directory '
+    r'written by `flax-dtensor export --saved-model`',
+    ' '.join(proc.stderr.split()),
+  ), proc.stderr
+
+
 @pytest.mark.parametrize(
   'text',
   [

@@ -201,39 +201,25 @@ def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
 
 
 def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
-  """(signatures, [(NNX path, shape, dtype)]) of a SavedModel, read by TF."""
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _manifest, _tf  # pylint: disable=g-import-not-at-top
+  """(signatures, [(NNX path, shape, dtype)]) of a SavedModel, as TF has them.
 
-  tf = _tf.tf()
+  Read from its files, never loaded: `saved_model.pb` is parsed for the
+  signatures and the variables' checkpoint index for their shapes, so no
+  graph of the SavedModel runs (`tf.saved_model.load` would restore its
+  functions).
+  """
+  from flax_dtensor.dtensor import _saved_model  # pylint: disable=g-import-not-at-top
+
   try:
-    loaded = tf.saved_model.load(str(path))
-  except Exception as e:
+    signatures = _saved_model.written_signatures(str(path))
+  except Exception as e:  # A protobuf error, a missing file, no graph.
     raise _command.BadInputError(
-      f'TensorFlow cannot load the SavedModel in {str(path)!r}: '
-      f'{_command.one_line(str(e))[:200]}. Pass a directory written by '
+      f'TensorFlow cannot parse the SavedModel in {str(path)!r}: '
+      f'{type(e).__name__}: {_command.one_line(str(e))[:200]}. Expected '
+      'saved_model.pb with one MetaGraph. Pass a directory written by '
       '`flax-dtensor export --saved-model` or `flax-dtensor demo`.'
     ) from e
-
-  def specs(structure: Any) -> dict[str, Any]:
-    return {
-      k: _manifest.TensorSpec(
-        None if s.shape.rank is None else tuple(s.shape), s.dtype.name
-      )
-      for k, s in structure.items()
-    }
-
-  signatures = {
-    name: _manifest.Signature(
-      specs(fn.structured_input_signature[1]), specs(fn.structured_outputs)
-    )
-    for name, fn in loaded.signatures.items()
-  }
-  variables = [
-    (p, tuple(v.shape), v.dtype.name)
-    for p, v in dtensor.flat_variables(loaded).items()
-  ]
-  return signatures, variables
+  return signatures, _read_with_tf(path / 'variables' / 'variables')
 
 
 def verify_export(

@@ -328,7 +328,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       PREFIX,
       recs,
       pool,
-      signatures=_written_signatures(directory),
+      signatures=written_signatures(directory),
     )
 
 
@@ -442,7 +442,7 @@ def _save_gathered(
     _peers.agree(error, 'Writing the SavedModel on process 0')
 
 
-def _written_signatures(directory: str) -> dict[str, _manifest.Signature]:
+def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
   """The signatures of the SavedModel in `directory`, as TF will read them.
 
   Read back from its ``saved_model.pb`` (names, shapes with None for a

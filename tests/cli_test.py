@@ -1243,7 +1243,16 @@ def test_inspect_without_a_manifest_never_loads_the_saved_model(
   assert re.search(
     r"TensorFlow cannot parse the SavedModel in '.*saved_model': .*\. "
     r'Expected saved_model\.pb with one MetaGraph\. Pass a directory '
-    r'written by `flax-dtensor export --saved-model`',
+    r'written by `save_saved_model`, `flax-dtensor export --saved-model`',
+    ' '.join(proc.stderr.split()),
+  ), proc.stderr
+  # An empty one parses as a SavedModel of no MetaGraph: named as such.
+  (saved / 'saved_model.pb').write_bytes(b'')
+  proc = run_cli('inspect', saved)
+  assert proc.returncode == 2, proc.stderr
+  assert re.search(
+    r"cannot parse the SavedModel in '.*saved_model': saved_model\.pb "
+    r'holds 0 MetaGraphs, not one\. Expected',
     ' '.join(proc.stderr.split()),
   ), proc.stderr
 

@@ -215,9 +215,10 @@ def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
   except Exception as e:  # A protobuf error, a missing file, no graph.
     raise _command.BadInputError(
       f'TensorFlow cannot parse the SavedModel in {str(path)!r}: '
-      f'{type(e).__name__}: {_command.one_line(str(e))[:200]}. Expected '
+      f'{_command.one_line(str(e))[:200] or "an empty file"}. Expected '
       'saved_model.pb with one MetaGraph. Pass a directory written by '
-      '`flax-dtensor export --saved-model` or `flax-dtensor demo`.'
+      '`save_saved_model`, `flax-dtensor export --saved-model` or '
+      '`flax-dtensor demo`.'
     ) from e
   return signatures, _read_with_tf(path / 'variables' / 'variables')
 

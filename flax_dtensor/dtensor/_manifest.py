@@ -776,12 +776,13 @@ def problems_of(
       jobs.append(
         (
           name,
-          i,
+          offset,
+          length,
           expected.crc32[i],
           pool.submit(_crc_chunk, path, offset, length),
         )
       )
-  for name, i, crc, future in jobs:
+  for name, offset, length, crc, future in jobs:
     try:
       got = future.result()
     except OSError as e:
@@ -789,7 +790,7 @@ def problems_of(
       continue
     if got != crc:
       problems.append(
-        f'{name} bytes {i * CHUNK_BYTES}..{(i + 1) * CHUNK_BYTES} changed '
+        f'{name} bytes {offset}..{offset + length} changed '
         f'(CRC-32 {got:08x}, recorded {crc:08x})'
       )
   return sorted(set(problems), key=problems.index)

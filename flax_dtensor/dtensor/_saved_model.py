@@ -464,6 +464,10 @@ def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
     )
     return _manifest.TensorSpec(dims, tf.dtypes.as_dtype(info.dtype).name)
 
+  if len(proto.meta_graphs) != 1:
+    raise ValueError(
+      f'saved_model.pb holds {len(proto.meta_graphs)} MetaGraphs, not one'
+    )
   (graph,) = proto.meta_graphs
   return {
     name: _manifest.Signature(

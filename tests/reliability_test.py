@@ -208,6 +208,30 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, how):
   assert sorted(set(outcomes.values())) == ['refused', 'unused'], outcomes
 
 
+def test_a_plain_checkpoint_without_its_index_is_named(
+  explicit_mesh, tmp_path, capfd
+):
+  """TF's checkpoint file names a prefix whose index is gone: said so."""
+  path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
+  os.remove(os.path.join(path, 'flax_dtensor.json'))
+  os.remove(os.path.join(path, 'ckpt.index'))
+  capfd.readouterr()
+  for read in (
+    lambda: fdt_tf.read_checkpoint(path),
+    lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
+  ):
+    with pytest.raises(
+      fdt.ExportError,
+      match=r"Expected a TF checkpoint in '.*c': its checkpoint state file "
+      r"names the prefix 'ckpt', but ckpt\.index is not there\. The "
+      r'checkpoint is incomplete: restore it from an intact copy, or '
+      r're-export it\.',
+    ):
+      read()
+  # Only our error: nothing else logs about this checkpoint.
+  assert str(path) not in capfd.readouterr().err
+
+
 def test_missing_file_is_refused(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
   os.remove(os.path.join(path, 'ckpt.index'))

@@ -139,10 +139,20 @@ def _locate_once(path: str) -> tuple[str, _manifest.Manifest | None]:
     with _tf_errors.translated(
       'Reading the checkpoint state of', path, _READ_FIX
     ):
-      prefix = tf.train.latest_checkpoint(path)
-    if prefix is not None and os.path.exists(prefix + '.index'):
+      # Not `latest_checkpoint`, which logs an error of its own when the
+      # prefix has no files: the check below refuses that in our words.
+      state = tf.train.get_checkpoint_state(path)
+    prefix = state.model_checkpoint_path if state is not None else None
+    if prefix:
       _check_state_prefix(path, prefix)
-      return prefix, None
+      if os.path.exists(prefix + '.index'):
+        return prefix, None
+      raise _errors.ExportError(
+        f'Expected a TF checkpoint in {path!r}: its checkpoint state file '
+        f'names the prefix {os.path.relpath(prefix, path)!r}, but '
+        f'{os.path.basename(prefix)}.index is not there. The checkpoint is '
+        'incomplete: restore it from an intact copy, or re-export it.'
+      )
   elif os.path.exists(path + '.index'):
     return path, None
   raise _no_checkpoint(path)

@@ -1185,22 +1185,13 @@ def test_inspect_without_a_manifest_reads_with_tensorflow(
   assert 'No flax_dtensor.json: no layouts; read with TensorFlow.' in stdout
 
 
-# Runs the CLI's `main` in this process with TensorFlow's SavedModel loader
-# made a tripwire: loading would run the SavedModel's graphs.
+# TensorFlow's SavedModel loader made a tripwire before `main` runs:
+# loading would run the SavedModel's graphs.
 NEVER_LOADS = """
-import contextlib, io, json, os, sys
 os.environ['COLUMNS'] = '200'
 import tensorflow as tf
 loads = []
 tf.saved_model.load = lambda *a, **k: loads.append(a) or 1 / 0
-from flax_dtensor.cli import _app
-out = io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-  try:
-    _app.main(sys.argv[1:])
-  except SystemExit as e:
-    code = e.code
-print(json.dumps([code, out.getvalue(), len(loads)]))
 """
 
 
@@ -1213,8 +1204,8 @@ def test_inspect_without_a_manifest_never_loads_the_saved_model(
   saved = tmp_path / 'saved_model'
   shutil.copytree(out / 'saved_model', saved)
   (saved / 'assets' / 'flax_dtensor.json').unlink()
-  code, text, loads = json.loads(
-    run_python(NEVER_LOADS, 'inspect', saved).splitlines()[-1]
+  [(code, text)], loads = _cli_in_process(
+    ['inspect', str(saved)], setup=NEVER_LOADS, report='len(loads)'
   )
   assert (code, loads) == (0, 0), text
   assert 'tokens: [None, 128] int32' in text
@@ -1234,8 +1225,8 @@ def test_inspect_without_a_manifest_never_loads_the_saved_model(
 
   # A saved_model.pb that is not one: our error, exit 2, still never loaded.
   (saved / 'saved_model.pb').write_bytes(b'\x0a\xff\xff not a protobuf')
-  code, text, loads = json.loads(
-    run_python(NEVER_LOADS, 'inspect', saved).splitlines()[-1]
+  [(code, text)], loads = _cli_in_process(
+    ['inspect', str(saved)], setup=NEVER_LOADS, report='len(loads)'
   )
   assert (code, loads) == (2, 0), text
   proc = run_cli('inspect', saved)
@@ -1338,12 +1329,11 @@ def test_no_arguments_shows_the_help():
 # Answering at once: no JAX, Flax or TensorFlow for help and metadata
 # ------------------------------------------------------------------------------
 
-# Runs the CLI's `main` in this process for each argv, with JAX, Flax,
-# NumPy and TensorFlow made unimportable: any import of them fails.
-WITHOUT_HEAVY_LIBRARIES = """
-import contextlib, io, json, sys
-for name in ('jax', 'flax', 'numpy', 'tensorflow', 'optax', 'orbax'):
-  sys.modules[name] = None
+# Runs the CLI's `main` in a fresh process for each argv (after `setup`);
+# prints [[exit status, stdout] per argv, `report` evaluated at the end].
+IN_PROCESS = """
+import contextlib, io, json, os, sys
+SETUP
 from flax_dtensor.cli import _app
 results = []
 for argv in json.loads(sys.argv[1]):
@@ -1353,13 +1343,26 @@ for argv in json.loads(sys.argv[1]):
       _app.main(argv)
     except SystemExit as e:
       results.append([e.code, out.getvalue()])
-print(json.dumps(results))
+print(json.dumps([results, REPORT]))
+"""
+
+# JAX, Flax, NumPy and TensorFlow made unimportable: any import of them fails.
+NO_HEAVY_LIBRARIES = """
+for name in ('jax', 'flax', 'numpy', 'tensorflow', 'optax', 'orbax'):
+  sys.modules[name] = None
 """
 
 
+def _cli_in_process(*argvs, setup='', report='None'):
+  """([(exit status, stdout)] per argv, the value of `report`)."""
+  script = IN_PROCESS.replace('SETUP', setup).replace('REPORT', report)
+  out = run_python(script, json.dumps(argvs))
+  results, reported = json.loads(out.splitlines()[-1])
+  return [tuple(r) for r in results], reported
+
+
 def _without_heavy_libraries(*argvs):
-  out = run_python(WITHOUT_HEAVY_LIBRARIES, json.dumps(argvs))
-  return json.loads(out.splitlines()[-1])
+  return _cli_in_process(*argvs, setup=NO_HEAVY_LIBRARIES)[0]
 
 
 def test_help_and_version_need_no_jax_and_show_no_placeholders():
@@ -1387,22 +1390,6 @@ def test_inspect_reads_the_manifest_without_jax_or_tensorflow(demo_export):
   # What TensorFlow itself reads from the SavedModel: the same signature.
   assert 'tokens: [None, 128] int32' in text
   assert 'output_0: [None, 128, 256] float32' in text
-
-
-VERIFY_WITHOUT_JAX = """
-import contextlib, io, json, sys
-from flax_dtensor.cli import _app
-results = []
-for argv in json.loads(sys.argv[1]):
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    try:
-      _app.main(argv)
-    except SystemExit as e:
-      results.append([e.code, out.getvalue()])
-heavy = [m for m in ('jax', 'tensorflow', 'numpy') if m in sys.modules]
-print(json.dumps([results, heavy]))
-"""
 
 
 def _damaged_copies(out, tmp):
@@ -1447,8 +1434,9 @@ def test_inspect_verify_exit_statuses_without_jax_or_tensorflow(
   ok(proc)
   copies = _damaged_copies(out, tmp_path)
   argvs = [['inspect', '--verify', str(d)] for d in copies.values()]
-  results, heavy = json.loads(
-    run_python(VERIFY_WITHOUT_JAX, json.dumps(argvs)).splitlines()[-1]
+  results, heavy = _cli_in_process(
+    *argvs,
+    report="[m for m in ('jax', 'tensorflow', 'numpy') if m in sys.modules]",
   )
   assert heavy == []
   got = dict(zip(copies, results, strict=True))

@@ -208,14 +208,11 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, how):
   assert sorted(set(outcomes.values())) == ['refused', 'unused'], outcomes
 
 
-def test_a_plain_checkpoint_without_its_index_is_named(
-  explicit_mesh, tmp_path, capfd
-):
+def test_a_plain_checkpoint_without_its_index_is_named(explicit_mesh, tmp_path):
   """TF's checkpoint file names a prefix whose index is gone: said so."""
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
   os.remove(os.path.join(path, 'flax_dtensor.json'))
   os.remove(os.path.join(path, 'ckpt.index'))
-  capfd.readouterr()
   for read in (
     lambda: fdt_tf.read_checkpoint(path),
     lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
@@ -228,8 +225,6 @@ def test_a_plain_checkpoint_without_its_index_is_named(
       r're-export it\.',
     ):
       read()
-  # Only our error: nothing else logs about this checkpoint.
-  assert str(path) not in capfd.readouterr().err
 
 
 def test_missing_file_is_refused(explicit_mesh, tmp_path):

@@ -63,10 +63,10 @@ def _no_checkpoint(path: str) -> _errors.ExportError:
 def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
   """(TF checkpoint prefix, its manifest or None) for a path.
 
-  A checkpoint is read without its manifest only if none is there both
-  before and after its prefix was found: an export being replaced (renamed
-  away and back) has no manifest for an instant, and must not be read then
-  as a plain TF checkpoint, unchecked.
+  A checkpoint is read without its manifest only if one opened directory
+  holds its index and no manifest (`_plain_at_once`): an export being
+  replaced (renamed away and back) has no manifest for an instant, and must
+  not be read then as a plain TF checkpoint, unchecked.
 
   Raises:
     ExportError: If `path` holds no checkpoint, or its manifest is invalid
@@ -203,15 +203,20 @@ def _damage_named(manifest: _manifest.Manifest | None) -> Iterator[None]:
     raise _manifest.damaged(manifest, problems, read=True) from e
 
 
-def _check_unchanged(
-  prefix: str, manifest: _manifest.Manifest | None, before: Any
-) -> None:
-  """Refuses a plain TF checkpoint whose files changed while it was read.
+def _plain_identity(
+  prefix: str, manifest: _manifest.Manifest | None
+) -> tuple[Any, ...] | None:
+  """`_identity` of a plain TF checkpoint; None with a manifest.
 
-  A checkpoint with a manifest needs no such check: every byte read was
+  A checkpoint with a manifest needs no such check: every byte read is
   checked against its CRCs.
   """
-  if manifest is None and _identity(prefix) != before:
+  return _identity(prefix) if manifest is None else None
+
+
+def _check_unchanged(prefix: str, before: tuple[Any, ...] | None) -> None:
+  """Refuses a plain TF checkpoint whose files changed while it was read."""
+  if before is not None and _identity(prefix) != before:
     raise _errors.ExportError(
       f'The checkpoint {prefix!r} changed while it was read (its files are '
       'not the ones it had when the read began), so what was read may mix '
@@ -289,7 +294,7 @@ def read_checkpoint(
   with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
     _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
-  before = _identity(prefix)
+  before = _plain_identity(prefix, manifest)
   reader, shapes, _ = _reader(prefix, manifest)
   records = manifest.by_key if manifest is not None else {}
   out = {}
@@ -311,7 +316,7 @@ def read_checkpoint(
           manifest, record, {tuple((0, n) for n in value.shape): value}
         )
       out[nnx_path] = value
-  _check_unchanged(prefix, manifest, before)
+  _check_unchanged(prefix, before)
   return _names.PathDict(
     sorted(
       out.items(),
@@ -474,7 +479,7 @@ def _read_all(
   _background.wait_for(path)  # A save of this process to it finishes first.
   _atomic.recover_for_reading(path)
   prefix, manifest = locate(path)
-  before = _identity(prefix)
+  before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)
   held = _held(shapes, dtypes, manifest)
   source = _target.Source(
@@ -501,5 +506,5 @@ def _read_all(
     arrays = _host_read.read_placed(
       prefix, entries, kinds, shardings, manifest, advance
     )
-  _check_unchanged(prefix, manifest, before)
+  _check_unchanged(prefix, before)
   return arrays

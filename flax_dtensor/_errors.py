@@ -57,11 +57,13 @@ class NotAModelError(FlaxDTensorError, TypeError):
 
 
 class FlaxCompatibilityError(FlaxDTensorError, TypeError):
-  """The installed Flax no longer routes through flax_dtensor's hook.
+  """The installed JAX or Flax is not one flax_dtensor works with.
 
-  Raised when ``import flax_dtensor`` finds that Flax creates variables or
-  answers ``nnx.get_partition_spec`` without calling the functions
-  flax_dtensor wraps, so the rules would silently stop applying.
+  Raised when flax_dtensor is first used (its first public name) with a JAX
+  or Flax release outside the supported range (see the compatibility page),
+  or when Flax creates variables or answers ``nnx.get_partition_spec``
+  without calling the functions flax_dtensor wraps, so the rules would
+  silently stop applying.
   """
 
 

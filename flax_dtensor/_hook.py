@@ -38,6 +38,7 @@ from flax.nnx.transforms import transforms as nnx_transforms
 from jax.sharding import Mesh, PartitionSpec
 
 from flax_dtensor import (
+  _compat,
   _creation,
   _errors,
   _placement,
@@ -334,14 +335,17 @@ def ensure_installed() -> None:
   code without going through that namespace (``flax_dtensor.dtensor``).
 
   Raises:
-    FlaxCompatibilityError: If the installed Flax does not route creation
-      and pspec queries through the hook (see `check_routing`).
+    FlaxCompatibilityError: If the installed JAX or Flax is a release
+      flax_dtensor does not support (`_compat.SUPPORTED`), or Flax does not
+      route creation and pspec queries through the hook (see
+      `check_routing`).
   """
   global _installed
   if _installed:
     return
   with _install_lock:
     if not _installed:
+      _compat.check_versions({'jax': jax.__version__, 'flax': flax.__version__})
       install()
       check_routing()
       _installed = True
@@ -502,6 +506,6 @@ _ROUTING_MSG = (
   'variables when the outermost module constructor returns); the installed '
   'Flax {version} did not call {missing}. Expected a Flax version '
   'flax_dtensor supports (see '
-  "its pyproject.toml, e.g. pip install 'flax>=0.12.8,<0.13'); a newer Flax "
-  'needs a newer flax_dtensor.'
+  'its pyproject.toml and docs/compatibility.md); a newer Flax needs a newer '
+  'flax_dtensor.'
 )

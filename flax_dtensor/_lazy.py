@@ -2,7 +2,9 @@
 
 `flax_dtensor` and `flax_dtensor.dtensor` map each public name to the
 private module defining it (PEP 562). The first name used installs the
-Flax hook (`_hook.ensure_installed`), then imports only its own module, so
+Flax hook (`_hook.ensure_installed`; not for the exception classes, which
+an ``except`` clause must reach even where the hook refuses the installed
+Flax), then imports only its own module, so
 `import flax_dtensor` stays cheap and imports neither JAX's heavy parts nor
 TensorFlow.
 """
@@ -30,9 +32,10 @@ def module_getattr(
     module = modules.get(name)
     if module is None:
       raise AttributeError(f'module {package!r} has no attribute {name!r}')
-    from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
+    if module != '_errors':  # Errors need no Flax: `except` always works.
+      from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
 
-    _hook.ensure_installed()
+      _hook.ensure_installed()
     value = getattr(importlib.import_module(f'{package}.{module}'), name)
     namespace[name] = value
     return value

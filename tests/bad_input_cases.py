@@ -135,6 +135,28 @@ def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
   return run
 
 
+def _unreadable_stablehlo(ctx):
+  """What save_saved_model checks before writing, met with a module TF's
+  reader refuses (as TF 2.21 refuses jax 0.12's default StableHLO)."""
+  from tensorflow.compiler.tf2xla.python import xla
+
+  from flax_dtensor.dtensor import _serialization
+
+  tf = ctx.tf
+  traced = tf.function(
+    lambda x: xla.call_module(
+      [x],
+      version=9,
+      module=b'ML\xefR not a StableHLO artifact',
+      Sout=[tf.TensorShape([2])],
+      Tout=[tf.float32],
+      platforms=['CPU'],
+    ),
+    autograph=False,
+  ).get_concrete_function(tf.TensorSpec([2], tf.float32))
+  _serialization.check_readable(traced, 'save_saved_model')
+
+
 def _eager_without_mesh():
   rules = fdt.LogicalRules([], path_rules=[('kernel$', P(None, 'model'))])
   with fdt.logical_axis_rules(rules):
@@ -842,6 +864,25 @@ CASES = [
     'Gather arrays with values.',
     lambda ctx: fdt.gather_tree({'w': jax.ShapeDtypeStruct((8,), jnp.float32)}),
   ),
+  # The installed libraries
+  Case(
+    'flax_dtensor (its first public name)',
+    'a Flax (or JAX) release outside the supported range',
+    fdt.FlaxCompatibilityError,
+    r'flax_dtensor supports jax>=0\.10\.2,<0\.13, flax>=0\.12\.8,<0\.13, but '
+    r'found flax 0\.13\.0\. .* Install a supported release',
+    'Install a supported release (pip install "flax>=0.12.8,<0.13"), or a '
+    'flax_dtensor that supports yours; the compatibility page lists the '
+    'tested pairs.',
+    _in_a_process_of_its_own(
+      """
+      import flax
+      flax.__version__ = '0.13.0'
+      import flax_dtensor
+      flax_dtensor.LogicalRules
+      """
+    ),
+  ),
   # DTensor set-up
   Case(
     'flax_dtensor.dtensor (any function)',
@@ -1434,6 +1475,19 @@ CASES = [
     lambda ctx: ctx.dt.save_saved_model(
       ctx.model(), ctx.tmp / 'sm', input_signature=[(None, 8)]
     ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    "a JAX whose StableHLO the installed TensorFlow's reader cannot read",
+    fdt.ExportError,
+    r'save_saved_model: the installed TensorFlow .* cannot read the '
+    r'StableHLO that JAX .* wrote .* Nothing was written\. Install a '
+    r'TensorFlow that reads what this JAX writes',
+    'Install a TensorFlow that reads what this JAX writes (a newer '
+    'tensorflow-cpu or tf-nightly), or a JAX and TF pair from the '
+    'compatibility page.',
+    lambda ctx: _unreadable_stablehlo(ctx),
     tf=True,
   ),
   Case(

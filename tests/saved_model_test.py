@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -224,7 +225,8 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
     tmp_path / 'features',
     method='features',
     input_signature=[
-      jax.ShapeDtypeStruct((None, 64), jnp.float32),
+      # Symbolic 'b' and the TF spec's leading None are one batch dimension.
+      jax.ShapeDtypeStruct(jax.export.symbolic_shape('b, 64'), jnp.float32),
       tf.TensorSpec([None], tf.float32, name='scale'),
     ],
   )
@@ -503,19 +505,19 @@ def _xla_call_module_versions(path):
 def test_calling_convention_follows_what_tf_runs(
   auto_mesh, tmp_path, monkeypatch
 ):
-  from flax_dtensor.dtensor import _saved_model
+  from flax_dtensor.dtensor import _saved_model, _serialization
 
   net = _trained(auto_mesh)
   spec = [tf.TensorSpec([None, 64], tf.float32)]
   current = jax.config.jax_export_calling_convention_version
-  assert current <= _saved_model._tf_max_calling_convention()
+  assert current <= _serialization._tf_max_calling_convention()
   sm = fdt_tf.save_saved_model(net, tmp_path / 'now', input_signature=spec)
   assert _xla_call_module_versions(sm) == {current}
   # An older TF: export with the newest version both run, set for the
   # exporting thread only (other threads keep the global setting).
   oldest = jax.export.minimum_supported_calling_convention_version
   monkeypatch.setattr(
-    _saved_model, '_tf_max_calling_convention', lambda: oldest
+    _serialization, '_tf_max_calling_convention', lambda: oldest
   )
   seen = {}
   write = _saved_model._write_saved_model
@@ -537,10 +539,135 @@ def test_calling_convention_follows_what_tf_runs(
   assert seen == {'here': oldest, 'other': current}
   assert jax.config.jax_export_calling_convention_version == current
   monkeypatch.setattr(
-    _saved_model, '_tf_max_calling_convention', lambda: oldest - 1
+    _serialization, '_tf_max_calling_convention', lambda: oldest - 1
   )
   with pytest.raises(
-    fdt.ExportError, match=rf'up to {oldest - 1} only.*newer TensorFlow'
+    fdt.ExportError, match=rf'up to {oldest - 1} only.*newer tensorflow-cpu'
   ):
     fdt_tf.save_saved_model(net, tmp_path / 'none', input_signature=spec)
   assert sorted(os.listdir(tmp_path)) == ['now', 'old']
+
+
+def _none_in_shape_dtype_struct():
+  """A ShapeDtypeStruct with a None dimension, where this JAX allows one."""
+  try:
+    return jax.ShapeDtypeStruct((None, 64), jnp.float32)
+  except ValueError:  # jax >= 0.11: symbolic dimensions only.
+    return None
+
+
+def test_polymorphic_inputs_spelled_every_way(auto_mesh, tmp_path):
+  """tf.TensorSpec and symbolic ShapeDtypeStructs serve any batch size."""
+  net = _trained(auto_mesh)
+  spellings = {
+    'tensor_spec': tf.TensorSpec([None, 64], tf.float32),
+    'symbolic': jax.ShapeDtypeStruct(
+      jax.export.symbolic_shape('batch, 64'), jnp.float32
+    ),
+  }
+  if _none_in_shape_dtype_struct() is not None:
+    spellings['none'] = _none_in_shape_dtype_struct()
+  x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+  want = np.asarray(net(x))
+  for name, spec in spellings.items():
+    path = fdt_tf.save_saved_model(net, tmp_path / name, input_signature=[spec])
+    served = tf.saved_model.load(path).signatures['serving_default']
+    (inputs,) = served.structured_input_signature[1].values()
+    assert inputs.shape.as_list() == [None, 64], name
+    (got,) = served(input_0=tf.constant(x)).values()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_stablehlo_is_written_for_the_installed_tensorflow(
+  auto_mesh, tmp_path, monkeypatch
+):
+  """The artifact's StableHLO version is one TF's own reader reads."""
+  from flax_dtensor.dtensor import _serialization
+
+  net = _trained(auto_mesh)
+  spec = [tf.TensorSpec([None, 64], tf.float32)]
+  tf_version = _serialization.tf_stablehlo_version()
+  path = fdt_tf.save_saved_model(net, tmp_path / 'sm', input_signature=spec)
+  (written,) = set(_artifact_versions(path))
+  assert _version(written) <= _version(tf_version)
+  assert _version(written) <= _version(_serialization.jax_stablehlo_target())
+  # A TF reading only an older StableHLO gets that older version.
+  monkeypatch.setattr(_serialization, 'tf_stablehlo_version', lambda: '1.0.0')
+  path = fdt_tf.save_saved_model(net, tmp_path / 'old', input_signature=spec)
+  assert set(_artifact_versions(path)) == {'1.0.0'}
+  x = np.ones((3, 64), np.float32)
+  served = tf.saved_model.load(path).signatures['serving_default']
+  (got,) = served(input_0=tf.constant(x)).values()
+  np.testing.assert_allclose(got.numpy(), net(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_tf_cannot_read_is_refused_before_writing(tmp_path):
+  from flax_dtensor.dtensor import _serialization
+
+  @tf.function(autograph=False)
+  def broken(x):
+    # Traced, never run: a StableHLO module TF's reader cannot parse.
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return xla.call_module(
+      [x],
+      version=9,
+      module=b'ML\xefR not a StableHLO artifact',
+      Sout=[tf.TensorShape([2])],
+      Tout=[tf.float32],
+      platforms=['CPU'],
+    )
+
+  concrete = broken.get_concrete_function(tf.TensorSpec([2], tf.float32))
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'export: the installed TensorFlow .* cannot read the StableHLO '
+    r'that JAX .* wrote .*Nothing was written\. Install a TensorFlow',
+  ):
+    _serialization.check_readable(concrete, 'export')
+
+
+def test_no_stablehlo_target_writes_what_tf_cannot_serve(
+  auto_mesh, tmp_path, monkeypatch
+):
+  """With JAX's own StableHLO target (past what TF 2.21 reads on jax 0.12),
+  the export is refused before writing, or what it writes serves in TF."""
+  from flax_dtensor.dtensor import _serialization
+
+  jax_target = _serialization.jax_stablehlo_target()
+  monkeypatch.setattr(_serialization, 'target_for_tf', lambda: jax_target)
+  net = _trained(auto_mesh)
+  x = np.ones((3, 64), np.float32)
+  try:
+    path = fdt_tf.save_saved_model(
+      net,
+      tmp_path / 'sm',
+      input_signature=[tf.TensorSpec([None, 64], tf.float32)],
+    )
+  except fdt.ExportError as e:
+    assert f'got version {jax_target}. Nothing was written' in str(e)
+    assert os.listdir(tmp_path) == []
+  else:
+    assert set(_artifact_versions(path)) == {jax_target}
+    served = tf.saved_model.load(path).signatures['serving_default']
+    (got,) = served(input_0=tf.constant(x)).values()
+    np.testing.assert_allclose(got.numpy(), net(x), rtol=1e-5, atol=1e-5)
+
+
+def _version(text):
+  return tuple(int(p) for p in text.split('.'))
+
+
+def _artifact_versions(path):
+  from tensorflow.core.protobuf import saved_model_pb2
+
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  return [
+    re.search(rb'StableHLO_v([\d.]+)', node.attr['module'].s)[1].decode()
+    for graph in proto.meta_graphs
+    for fn in graph.graph_def.library.function
+    for node in fn.node_def
+    if node.op == 'XlaCallModule'
+  ]

@@ -12,11 +12,10 @@ alone (`_save_gathered`), under a size limit every process checks first.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -35,6 +34,7 @@ from flax_dtensor.dtensor import (
   _paths,
   _peers,
   _selection,
+  _serialization,
   _single_mesh,
   _tf,
   _tf_errors,
@@ -51,16 +51,40 @@ PREFIX = 'variables/variables'
 MAX_GATHER_BYTES = 4 * 2**30
 
 
-def _tensor_spec(spec: Any, index: int) -> tf.TensorSpec:
+def _is_dim(d: Any) -> bool:
+  return d is None or isinstance(d, int | np.integer)
+
+
+def _tensor_spec(spec: Any, index: int) -> tuple[tf.TensorSpec, str | None]:
+  """An input's TF spec, and its jax2tf polymorphic shape (None: static).
+
+  A `tf.TensorSpec`'s None dimensions are polymorphic (`_polymorphic_shape`
+  names them). A `jax.ShapeDtypeStruct` may carry symbolic dimensions
+  (``jax.export.symbolic_shape('b, 64')``), which keep their names; on the
+  JAX releases that accept None in its shape, a None is as in a TF spec.
+  """
   tf = _tf.tf()
   if isinstance(spec, tf.TensorSpec):
-    return tf.TensorSpec(spec.shape, spec.dtype, spec.name or f'input_{index}')
+    spec = tf.TensorSpec(spec.shape, spec.dtype, spec.name or f'input_{index}')
+    return spec, _polymorphic_shape(spec, index)
   if isinstance(spec, jax.ShapeDtypeStruct):
-    return tf.TensorSpec(spec.shape, spec.dtype, f'input_{index}')
+    dims = tuple(spec.shape)
+    if all(_is_dim(d) for d in dims):
+      tf_spec = tf.TensorSpec(dims, spec.dtype, f'input_{index}')
+      return tf_spec, _polymorphic_shape(tf_spec, index)
+    tf_spec = tf.TensorSpec(
+      [int(d) if isinstance(d, int | np.integer) else None for d in dims],
+      spec.dtype,
+      f'input_{index}',
+    )
+    text = ', '.join(str(d) for d in dims)
+    return tf_spec, f'({text}{"," if len(dims) == 1 else ""})'
   raise _errors.ExportError(
     'Expected each entry of `input_signature` to be a tf.TensorSpec or '
-    f'jax.ShapeDtypeStruct (None for a polymorphic dimension), got '
-    f'{type(spec).__name__} at index {index}: {spec!r}.'
+    f'jax.ShapeDtypeStruct, got {type(spec).__name__} at index {index}: '
+    f'{spec!r}. For a polymorphic batch, write tf.TensorSpec([None, 64], '
+    "tf.float32) or jax.ShapeDtypeStruct(jax.export.symbolic_shape('b, 64'),"
+    ' jnp.float32).'
   )
 
 
@@ -149,8 +173,10 @@ def save_saved_model(
     module: The NNX module to serve (concrete arrays).
     directory: The SavedModel directory to create. Its parent must exist.
     input_signature: One `tf.TensorSpec` or `jax.ShapeDtypeStruct` per
-      positional argument of the method; `None` dimensions are polymorphic
-      (a leading `None` is the batch dimension 'b', shared by all inputs).
+      positional argument of the method. A TF spec's `None` dimensions are
+      polymorphic (a leading `None` is the batch dimension 'b', shared by
+      all inputs); a `jax.ShapeDtypeStruct` may hold symbolic dimensions
+      (``jax.export.symbolic_shape('b, 64')``), which keep their names.
     method: Name of the module's method to serve.
     include: NNX filter of the variables to export as TF variables (default
       all but `exclude`).
@@ -233,9 +259,10 @@ def _signature(
       f'Expected `method` to name a method of the module, got {method!r}, '
       f'which {type(module).__name__} has no callable attribute of.'
     )
-  specs = [_tensor_spec(s, i) for i, s in enumerate(input_signature)]
+  pairs = [_tensor_spec(s, i) for i, s in enumerate(input_signature)]
+  specs = [spec for spec, _ in pairs]
   if polymorphic_shapes is None:
-    return specs, [_polymorphic_shape(s, i) for i, s in enumerate(specs)]
+    return specs, [shape for _, shape in pairs]
   if len(polymorphic_shapes) != len(specs):
     raise _errors.ExportError(
       f'Expected one polymorphic shape per input ({len(specs)}), got '
@@ -315,13 +342,14 @@ def _write(module: Any, directory: str, served: _Served) -> None:
 
   serve_fn = tf.function(serve, input_signature=served.specs, autograph=False)
   tf_module.serve = serve_fn
-  version = _calling_convention_version()
   with (
-    _jax_export_version(version),
+    _serialization.for_tensorflow(),
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    _write_saved_model(tf_module, directory, serve_fn.get_concrete_function())
+    serving = serve_fn.get_concrete_function()
+    _serialization.check_readable(serving, 'save_saved_model')
+    _write_saved_model(tf_module, directory, serving)
     _checkpoint.write_manifest(
       directory,
       _manifest.SAVED_MODEL_FORMAT,
@@ -477,59 +505,6 @@ def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
     for name, sig in graph.signature_def.items()
     if not name.startswith('__')  # TF's internal '__saved_model_init_op'.
   }
-
-
-def _tf_max_calling_convention() -> int | None:
-  """The newest jax2tf calling convention this TF's XlaCallModule runs."""
-  try:
-    xla = _tf.internal('tensorflow.compiler.tf2xla.python.xla')
-  except ImportError:  # pragma: no cover - TF moved it.
-    return None
-  return int(xla.call_module_maximum_supported_version())
-
-
-def _calling_convention_version() -> int:
-  """The calling convention to export with: JAX's, or older if TF needs it.
-
-  JAX emits `jax_export_calling_convention_version` (10 in jax 0.10, which
-  TF 2.21 runs). If the installed TF only runs older versions, export with
-  the newest one both support; if there is none, fail here rather than in
-  the serving process.
-  """
-  current = int(jax.config.jax_export_calling_convention_version)
-  tf_max = _tf_max_calling_convention()
-  if tf_max is None or current <= tf_max:
-    return current
-  if tf_max >= jax.export.minimum_supported_calling_convention_version:
-    return tf_max
-  raise _errors.ExportError(
-    f'JAX exports StableHLO with calling convention version {current} (at '
-    f'least {jax.export.minimum_supported_calling_convention_version}), but '
-    f'the installed TensorFlow runs versions up to {tf_max} only: expected '
-    'a common version. Install a newer TensorFlow (pip install '
-    '"flax-dtensor[tf]").'
-  )
-
-
-@contextlib.contextmanager
-def _jax_export_version(version: int) -> Iterator[None]:
-  """Exports with calling convention `version` in this thread only.
-
-  Neither `jax.export.export` nor `jax2tf.convert` takes the version as an
-  argument in jax 0.10: `_export_lowered` reads the option
-  `jax_export_calling_convention_version`. `jax.config.update` would change
-  it for every thread while the export runs; the option's own context
-  manager (a thread-local value, restored on exit) changes it for this one
-  only. JAX exposes it only as `jax._src.config.<option>`, as its own
-  export tests use it.
-  """
-  if version == int(jax.config.jax_export_calling_convention_version):
-    yield
-    return
-  from jax._src import config as jax_config
-
-  with jax_config.jax_export_calling_convention_version(version):
-    yield
 
 
 def _write_saved_model(

@@ -1,0 +1,241 @@
+"""JAX's StableHLO, serialized for the TensorFlow in this process.
+
+A SavedModel serves its forward pass through TF's ``XlaCallModule``, which
+reads a StableHLO portable artifact with TF's own, older StableHLO. JAX
+writes its artifacts for a StableHLO version four weeks behind its own
+(jax 0.12: 1.18), past what TF 2.21 reads (1.13.7), and the failure would
+only show where the SavedModel is served. So, while a SavedModel is traced:
+
+- the calling convention is the newest both JAX and TF's ``XlaCallModule``
+  run (`calling_convention`, `export_version`);
+- the StableHLO artifact targets the older of JAX's target and the version
+  TF reads (`stablehlo_target`), both read from the installed libraries at
+  run time;
+- every ``XlaCallModule`` of the traced function is read back with TF's own
+  reader (`check_readable`) before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from flax_dtensor import _errors
+from flax_dtensor.dtensor import _tf
+
+
+class _Target(threading.local):
+  version: str | None = None  # The StableHLO version to write, or JAX's.
+
+
+_target = _Target()
+_install_lock = threading.Lock()
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in version.split('.'))
+
+
+def tf_stablehlo_version() -> str | None:
+  """The StableHLO version this TensorFlow reads, or None if TF hides it."""
+  try:
+    stablehlo = _tf.internal('tensorflow.compiler.mlir.stablehlo.stablehlo')
+    return str(stablehlo.get_current_version())
+  except (ImportError, AttributeError):
+    return None
+
+
+def jax_stablehlo_target() -> str | None:
+  """The StableHLO version JAX writes artifacts for, or None if unknown."""
+  try:
+    from jax._src.lib.mlir.dialects import hlo  # pylint: disable=g-import-not-at-top
+
+    return str(
+      hlo.get_version_from_compatibility_requirement(
+        hlo.StablehloCompatibilityRequirement.WEEK_4
+      )
+    )
+  except (ImportError, AttributeError):
+    return None
+
+
+@functools.cache
+def _install() -> bool:
+  """Lets `stablehlo_target` choose the version JAX serializes for.
+
+  JAX's export serializes in ``jax._src.export._export._module_to_bytecode``
+  for a target it picks itself (no option sets it). This wraps that
+  function, once: the target chosen in this thread (`_target`) if any, JAX's
+  own otherwise. False where JAX has moved it: JAX's target then applies, and
+  `check_readable` still refuses what TF cannot read.
+  """
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    from jax._src.export import _export  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+
+    original = _export._module_to_bytecode  # pylint: disable=protected-access
+    serialize = _jax.mlir.serialize_portable_artifact
+  except (ImportError, AttributeError):
+    return False
+
+  @functools.wraps(original)
+  def module_to_bytecode(module: Any) -> bytes:
+    if _target.version is None:
+      return original(module)
+    return serialize(
+      module, _target.version, xla_bridge.get_backend().serialize_with_sdy
+    )
+
+  _export._module_to_bytecode = module_to_bytecode  # pylint: disable=protected-access
+  return True
+
+
+def target_for_tf() -> str | None:
+  """The StableHLO version to write: JAX's target, or TF's if older."""
+  jax_target, tf_version = jax_stablehlo_target(), tf_stablehlo_version()
+  if jax_target is None or tf_version is None:
+    return None
+  if _version_tuple(tf_version) >= _version_tuple(jax_target):
+    return None  # JAX's own choice is readable.
+  return tf_version
+
+
+@contextlib.contextmanager
+def stablehlo_target(version: str | None) -> Iterator[None]:
+  """Within the block, this thread's JAX exports write StableHLO `version`.
+
+  None keeps JAX's choice.
+  """
+  with _install_lock:
+    installed = _install()
+  if version is None or not installed:
+    yield
+    return
+  old = _target.version
+  _target.version = version
+  try:
+    yield
+  finally:
+    _target.version = old
+
+
+def _tf_max_calling_convention() -> int | None:
+  """The newest jax2tf calling convention this TF's XlaCallModule runs."""
+  try:
+    xla = _tf.internal('tensorflow.compiler.tf2xla.python.xla')
+  except ImportError:  # pragma: no cover - TF moved it.
+    return None
+  return int(xla.call_module_maximum_supported_version())
+
+
+def calling_convention() -> int:
+  """The calling convention to export with: JAX's, or older if TF needs it.
+
+  JAX emits `jax_export_calling_convention_version` (10 in jax 0.10 and
+  0.12, which TF 2.21 runs). If the installed TF only runs older versions,
+  export with the newest one both support; if there is none, fail here
+  rather than in the serving process.
+
+  Raises:
+    ExportError: If JAX and TF share no calling convention.
+  """
+  current = int(jax.config.jax_export_calling_convention_version)
+  tf_max = _tf_max_calling_convention()
+  if tf_max is None or current <= tf_max:
+    return current
+  if tf_max >= jax.export.minimum_supported_calling_convention_version:
+    return tf_max
+  raise _errors.ExportError(
+    f'JAX {jax.__version__} exports StableHLO with calling convention '
+    f'version {current} (at least '
+    f'{jax.export.minimum_supported_calling_convention_version}), but the '
+    f'installed TensorFlow {_tf.tf().__version__} runs versions up to '
+    f'{tf_max} only: expected a common version. {_FIX}'
+  )
+
+
+@contextlib.contextmanager
+def export_version(version: int) -> Iterator[None]:
+  """Exports with calling convention `version` in this thread only.
+
+  Neither `jax.export.export` nor `jax2tf.convert` takes the version as an
+  argument: `_export_lowered` reads the option
+  `jax_export_calling_convention_version`. `jax.config.update` would change
+  it for every thread while the export runs; the option's own context
+  manager (a thread-local value, restored on exit) changes it for this one
+  only. JAX exposes it only as `jax._src.config.<option>`, as its own
+  export tests use it.
+  """
+  if version == int(jax.config.jax_export_calling_convention_version):
+    yield
+    return
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+
+  with jax_config.jax_export_calling_convention_version(version):
+    yield
+
+
+@contextlib.contextmanager
+def for_tensorflow() -> Iterator[None]:
+  """JAX exports in this thread, within the block, run in this process's TF.
+
+  Raises:
+    ExportError: If JAX and TF share no calling convention.
+  """
+  with export_version(calling_convention()), stablehlo_target(target_for_tf()):
+    yield
+
+
+def _modules(graph_def: Any) -> list[tuple[str, bytes]]:
+  """(node name, serialized module) of every ``XlaCallModule`` in a graph."""
+  nodes = [*graph_def.node]
+  for function in graph_def.library.function:
+    nodes.extend(function.node_def)
+  return [
+    (n.name, n.attr['module'].s) for n in nodes if n.op == 'XlaCallModule'
+  ]
+
+
+def check_readable(concrete_function: Any, what: str) -> None:
+  """Reads every StableHLO module of a traced function with TF's reader.
+
+  What the serving process's ``XlaCallModule`` does first; here, before the
+  SavedModel is written.
+
+  Raises:
+    ExportError: If TF cannot read one, naming both versions and the fix.
+  """
+  try:
+    stablehlo = _tf.internal('tensorflow.compiler.mlir.stablehlo.stablehlo')
+    read = stablehlo.deserialize_portable_artifact_str
+  except (ImportError, AttributeError):
+    return  # This TF cannot tell; its XlaCallModule will.
+  for name, module in _modules(concrete_function.graph.as_graph_def()):
+    try:
+      read(module)
+    except Exception as e:  # TF raises a bare ValueError.
+      written = _ARTIFACT_VERSION.search(module)
+      raise _errors.ExportError(
+        f'{what}: the installed TensorFlow {_tf.tf().__version__} cannot '
+        f'read the StableHLO that JAX {jax.__version__} wrote for the '
+        f'forward pass ({name}: {e}). Expected StableHLO that TF reads (up '
+        f'to version {tf_stablehlo_version() or "unknown"}), got version '
+        f'{written[1].decode() if written else "unknown"}. Nothing was '
+        f'written. {_FIX}'
+      ) from e
+
+
+# The producer's version in a portable artifact's header.
+_ARTIFACT_VERSION = re.compile(rb'StableHLO_v(\d+(?:\.\d+)*)')
+_FIX = (
+  'Install a TensorFlow that reads what this JAX writes (a newer '
+  'tensorflow-cpu, or tf-nightly), or a JAX release that TF reads (see the '
+  'compatibility page for the tested pairs).'
+)

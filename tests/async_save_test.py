@@ -9,6 +9,7 @@ the first. The full disk (tests/faults_test.py) and the kills
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -254,3 +255,48 @@ def test_exit_waits_for_a_pending_save(tmp_path):
   assert os.listdir(tmp_path) == ['c']
   base = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
   _assert_holds(path, {(f'v{i}',): base * (i + 1) for i in range(8)})
+
+
+_EXIT_FAILING = textwrap.dedent(
+  """
+  import resource, signal, sys
+  import jax
+  jax.config.update('jax_num_cpu_devices', 8)
+  import jax.numpy as jnp
+  from flax import nnx
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  model = nnx.Dict({'w': nnx.Param(jnp.ones((256, 256)))})
+  # Files of at most 4 KiB: the 256 KiB of variables fail to write (EFBIG).
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+  fdt_tf.save_checkpoint(model, sys.argv[1], blocking=False)
+  print('returned', flush=True)
+  """
+)
+
+
+def test_a_save_failing_at_exit_makes_the_exit_status_1(tmp_path):
+  """Nobody waited for the save: its failure is the process's exit status."""
+  path = tmp_path / 'c'
+  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  env['PYTHONPATH'] = str(multiprocess_util.REPO_ROOT)
+  proc = subprocess.run(
+    [sys.executable, '-c', _EXIT_FAILING, str(path)],
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+    env=env,
+    check=False,
+  )
+  assert proc.stdout == 'returned\n'
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert re.search(
+    rf"flax_dtensor: the background save to '{re.escape(str(path))}' failed "
+    r'and nobody called wait\(\) on it: Writing .* File too large.*The '
+    r'process exits with status 1\.',
+    proc.stderr,
+    re.S,
+  ), proc.stderr[-3000:]
+  assert os.listdir(tmp_path) == []

@@ -1,19 +1,23 @@
 """Saves that finish in the background: `SaveHandle` and their bookkeeping.
 
 A save with `blocking=False` copies the state on the caller's thread and
-writes it on a thread of its own. This module owns that thread, the handle
-that reports its outcome, the rule that a save to a path first waits for a
-pending save to the same path, and the wait for every pending save when the
-interpreter exits (before `concurrent.futures` stops taking work).
+writes it on a thread of its own. This module owns that thread and the
+thread pools the write uses, all started on the caller's thread (Python
+3.12 refuses to start a thread once the interpreter's exit has begun), the
+handle that reports its outcome, the rule that a save to a path first waits
+for a pending save to the same path, and the wait for every pending save
+when the interpreter exits (before `concurrent.futures` stops taking work),
+whose failure makes the exit status 1.
 """
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  Its exit hook is registered first.
+import concurrent.futures.thread  # Its exit hook is registered first.
+import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # {directory: the pending save writing it}.
@@ -104,20 +108,52 @@ def wait_for(directory: str) -> None:
     handle._done.wait()  # pylint: disable=protected-access
 
 
-def start(directory: str, work: Callable[[], Any]) -> SaveHandle:
+class StartedPool(concurrent.futures.ThreadPoolExecutor):
+  """A thread pool whose threads have all started when it is constructed.
+
+  A `ThreadPoolExecutor` starts a thread when work arrives and no thread is
+  idle; once the interpreter's exit has begun, Python 3.12 refuses that
+  (RuntimeError: can't create new thread at interpreter shutdown), and the
+  save would fail. So every thread starts here, on the caller's thread.
+  """
+
+  def __init__(self, workers: int, name: str) -> None:
+    super().__init__(workers, thread_name_prefix=name)
+    started = threading.Barrier(workers + 1)
+    # Each task holds its thread until all have started: `workers` threads.
+    for _ in range(workers):
+      self.submit(started.wait)
+    started.wait()
+
+
+def start(
+  directory: str,
+  work: Callable[..., Any],
+  *,
+  pools: Sequence[int] = (),
+) -> SaveHandle:
   """Runs `work` on a thread of its own; returns the handle of its outcome.
 
   The caller has waited for any pending save to `directory` (`wait_for`).
+  Every thread the save uses starts here: its own, and one `StartedPool`
+  of each size in `pools`, passed to `work` in that order and shut down
+  when it returns.
   """
   _install_exit_hook()
   handle = SaveHandle(directory)
+  started = [
+    StartedPool(n, f'flax_dtensor save to {directory} ({i})')
+    for i, n in enumerate(pools)
+  ]
 
   def run() -> None:
     try:
-      handle._value = work()  # pylint: disable=protected-access
+      handle._value = work(*started)  # pylint: disable=protected-access
     except BaseException as e:  # Re-raised by `wait`.
       handle._error = e  # pylint: disable=protected-access
     finally:
+      for pool in started:
+        pool.shutdown()
       with _lock:
         if _pending.get(directory) is handle:
           del _pending[directory]
@@ -126,9 +162,17 @@ def start(directory: str, work: Callable[[], Any]) -> SaveHandle:
   with _lock:
     _pending[directory] = handle
     _unasked.add(handle)
-  threading.Thread(
-    target=run, name=f'flax_dtensor save to {directory}', daemon=False
-  ).start()
+  try:
+    threading.Thread(
+      target=run, name=f'flax_dtensor save to {directory}', daemon=False
+    ).start()
+  except BaseException:
+    with _lock:
+      del _pending[directory]
+      _unasked.discard(handle)
+    for pool in started:
+      pool.shutdown()
+    raise
   return handle
 
 
@@ -160,13 +204,33 @@ def _install_exit_hook() -> None:
   threading._register_atexit(_at_exit)  # pylint: disable=protected-access
 
 
+EXIT_STATUS = 1
+"""The exit status of a process whose background save failed at exit."""
+
+
 def _at_exit() -> None:
-  """Waits for pending saves; reports the failures nobody asked about."""
+  """Waits for pending saves; a failure nobody asked about ends the process.
+
+  A save that failed, and whose handle nobody waited on, lost the
+  checkpoint the program asked for: it is reported on stderr, and the
+  process ends with `EXIT_STATUS` at once (the status of a normal exit is
+  fixed before exit handlers run, so nothing else can change it). Exit
+  handlers registered with `atexit` then do not run.
+  """
   wait_all()
-  for handle in list(_unasked):
-    if handle._error is not None:  # pylint: disable=protected-access
-      print(
-        f'flax_dtensor: the background save to {handle.directory!r} failed '
-        f'and nobody called wait() on it: {handle._error}',  # pylint: disable=protected-access
-        file=sys.stderr,
-      )
+  failed = [h for h in list(_unasked) if h._error is not None]  # pylint: disable=protected-access
+  if not failed:
+    return
+  for handle in failed:
+    print(
+      f'flax_dtensor: the background save to {handle.directory!r} failed '
+      f'and nobody called wait() on it: {handle._error}. The process exits '  # pylint: disable=protected-access
+      f'with status {EXIT_STATUS}.',
+      file=sys.stderr,
+    )
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError, AttributeError):
+      pass
+  os._exit(EXIT_STATUS)

@@ -399,8 +399,12 @@ def save_checkpoint(
       entries, values, tensors, report = _prepare(
         entries, single_mesh=single_mesh, show=show, snapshot=False
       )
-      with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
-        _write(entries, values, tensors, tmp, directory, show)
+      with (
+        _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+        concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+        concurrent.futures.ThreadPoolExecutor(1) as flusher,
+      ):
+        _write(entries, values, tensors, tmp, directory, show, pool, flusher)
     return (directory, report) if single_mesh else directory
   with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
     entries, values, tensors, report = _prepare(
@@ -413,17 +417,19 @@ def save_checkpoint(
     _atomic.atomic_directory(directory, overwrite=overwrite)
   )
 
-  def work() -> str | tuple[str, _single_mesh.SingleMeshReport]:
+  def work(
+    pool: concurrent.futures.Executor, flusher: concurrent.futures.Executor
+  ) -> str | tuple[str, _single_mesh.SingleMeshReport]:
     with (
       _tf_errors.space_checked(directory, nbytes),
       _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
       stack,
     ):
-      _write(entries, values, tensors, tmp, directory, show)
+      _write(entries, values, tensors, tmp, directory, show, pool, flusher)
     return (directory, report) if single_mesh else directory
 
   try:
-    return _background.start(directory, work)
+    return _background.start(directory, work, pools=(_manifest.THREADS, 1))
   except BaseException:
     stack.close()
     raise
@@ -494,30 +500,37 @@ def _write(
   tmp: str,
   directory: str,
   show: bool,
+  pool: concurrent.futures.Executor,
+  flusher: concurrent.futures.Executor,
 ) -> None:
-  """Writes the checkpoint and its manifest into the temporary `tmp`."""
+  """Writes the checkpoint and its manifest into the temporary `tmp`.
+
+  `pool` hashes (`_manifest.THREADS` threads), `flusher` (one thread)
+  flushes the files while they are hashed.
+  """
   nbytes = sum(e.nbytes for e in entries)
-  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-    _output.announce(
-      show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
-    )
-    start = time.perf_counter()
-    hashing = _manifest.shard_checksums(values, pool)
-    _write_tf_checkpoint(entries, tensors, tmp)
-    # The disk flushes what TF wrote while the CRCs read it back from the
-    # page cache; the directory's final flush then finds little to do.
-    with concurrent.futures.ThreadPoolExecutor(1) as flusher:
-      flushed = flusher.submit(_atomic.flush_files, tmp)
-      shards = gather_shards(hashing, tmp)
-      if shards is not None:
-        write_manifest(
-          tmp,
-          _manifest.CHECKPOINT_FORMAT,
-          PREFIX,
-          records(entries, values, tensors, shards),
-          pool,
-        )
-      flushed.result()
-    _output.announce(
-      show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
-    )
+  _output.announce(
+    show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
+  )
+  start = time.perf_counter()
+  hashing = _manifest.shard_checksums(values, pool)
+  _write_tf_checkpoint(entries, tensors, tmp)
+  # The disk flushes what TF wrote while the CRCs read it back from the
+  # page cache; the directory's final flush then finds little to do.
+  flushed = flusher.submit(_atomic.flush_files, tmp)
+  try:
+    shards = gather_shards(hashing, tmp)
+    if shards is not None:
+      write_manifest(
+        tmp,
+        _manifest.CHECKPOINT_FORMAT,
+        PREFIX,
+        records(entries, values, tensors, shards),
+        pool,
+      )
+  finally:
+    concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
+  flushed.result()
+  _output.announce(
+    show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
+  )

@@ -35,7 +35,8 @@ from flax.nnx import module as module_lib
 from flax.nnx import spmd as nnx_spmd
 from flax.nnx import variablelib
 from flax.nnx.transforms import transforms as nnx_transforms
-from jax.sharding import Mesh, PartitionSpec
+from jax.experimental.layout import Format
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_dtensor import (
   _compat,
@@ -159,6 +160,12 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return value
   rules = _rules.rules_in_effect()
   local = named.get('sharding_rules')
+  if isinstance(out_sharding, NamedSharding | Format):
+    # Flax fails on these under a context mesh (its assertion compares the
+    # abstract mesh with a concrete one; a Format has no `.mesh`).
+    return _placement.place_concrete(
+      value, out_sharding, rules=rules, local_rules=local
+    )
   uses_ours = isinstance(rules, _rules.LogicalRules) or (
     not rules.pairs and isinstance(local, _rules.LogicalRules)
   )
@@ -229,9 +236,13 @@ def _get_var_pspec(
     not rules.pairs and isinstance(local, _rules.LogicalRules)
   )
   path = _state.paths.get(id(variable)) if _state.paths else None
-  if not uses_ours or (
-    path is None and _variables.logical_axes_of(variable) is None
+  concrete = _variables.concrete_sharding_of(variable) is not None
+  if not concrete and (
+    not uses_ours
+    or (path is None and _variables.logical_axes_of(variable) is None)
   ):
+    # Flax's answer; a concrete sharding is ours everywhere (Flax's would
+    # iterate a NamedSharding or Format as if it were names).
     return flax_fn(*args, **kwargs)
   resolution = _variables.spec_of_variable(variable, rules=rules, path=path)
   if resolution is None:
@@ -268,6 +279,26 @@ def _get_partition_spec(flax_fn: Callable[..., Any], *args: Any, **kwargs):
     return flax_fn(*args, **kwargs)
   finally:
     _state.paths = old
+
+
+def _get_named_sharding(flax_fn: Callable[..., Any], *args: Any, **kwargs):
+  """``nnx.get_named_sharding`` (behind ``nnx.get_abstract_model``), with
+  the layout of a variable whose ``out_sharding`` is a ``Format``: Flax
+  builds ``NamedSharding(mesh, spec)``, which has none."""
+  out = flax_fn(*args, **kwargs)
+  for _, variable in _variables.iter_variables_in(out):
+    layout = _variables.layout_of(variable)
+    sharding = variable.get_raw_value()
+    if layout is not None and isinstance(sharding, NamedSharding):
+      variable.set_raw_value(Format(layout, sharding))
+  return out
+
+
+def _as_abstract(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
+  """``nnx.as_abstract``, concrete ``out_sharding`` kept with its layout."""
+  out = flax_fn(*args, **kwargs)
+  _placement.type_concrete(out)
+  return out
 
 
 def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
@@ -386,6 +417,18 @@ def install() -> None:
 
   flax_call = module_lib.ModuleMeta.__call__
 
+  flax_get_named_sharding = nnx_spmd.get_named_sharding
+
+  @functools.wraps(flax_get_named_sharding)
+  def get_named_sharding(*args: Any, **kwargs: Any) -> Any:
+    return _get_named_sharding(flax_get_named_sharding, *args, **kwargs)
+
+  flax_as_abstract = nnx_spmd.as_abstract
+
+  @functools.wraps(flax_as_abstract)
+  def as_abstract(*args: Any, **kwargs: Any) -> Any:
+    return _as_abstract(flax_as_abstract, *args, **kwargs)
+
   flax_eval_shape = nnx_transforms.eval_shape
 
   @functools.wraps(flax_eval_shape)
@@ -411,6 +454,8 @@ def install() -> None:
     get_partition_spec,
     module_call,
     eval_shape,
+    get_named_sharding,
+    as_abstract,
   ):
     setattr(hook, _MARK, True)
   core_spmd.shard_value = shard_value
@@ -424,6 +469,10 @@ def install() -> None:
   nnx_transforms.eval_shape = eval_shape
   nnx_spmd.eval_shape = eval_shape
   nnx.eval_shape = eval_shape
+  nnx_spmd.get_named_sharding = get_named_sharding
+  nnx.get_named_sharding = get_named_sharding
+  nnx_spmd.as_abstract = as_abstract
+  nnx.as_abstract = as_abstract
 
 
 def check_routing() -> None:

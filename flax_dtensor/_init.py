@@ -374,5 +374,7 @@ def _place_result(
       variable.set_value(_meshes.retype(value, mesh))
       continue
     variable.set_value(
-      jax.device_put(value, NamedSharding(mesh, resolution.spec))
+      jax.device_put(
+        value, _variables.sharding_for(variable, mesh, resolution.spec)
+      )
     )

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_dtensor import (
@@ -285,7 +286,91 @@ def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
         f'Expected a mesh to place the variable at {where}, which '
         f'{resolution.source} covers, but no mesh is set. {NO_MESH_MSG}'
       )
-    variable.set_value(apply_spec(value, resolution.spec, mesh, path=where))
+    placed = apply_spec(value, resolution.spec, mesh, path=where)
+    variable.set_value(in_layout(placed, variable, mesh, resolution.spec))
+
+
+def in_layout(
+  x: jax.Array, variable: nnx.Variable, mesh: Any, spec: PartitionSpec
+) -> jax.Array:
+  """`x`, placed as `spec`, in the layout the variable's Format names."""
+  layout = _variables.layout_of(variable)
+  if layout is None:
+    return x
+  target = Format(layout, _sharding_for_format(mesh, spec))
+  if _is_traced(x):
+    return jax.lax.with_sharding_constraint(x, target)
+  return jax.device_put(x, target)
+
+
+def _sharding_for_format(mesh: Any, spec: PartitionSpec) -> NamedSharding:
+  if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+    mesh = jax.sharding.get_abstract_mesh()
+  return NamedSharding(mesh, spec)
+
+
+def place_concrete(
+  value: Any,
+  out_sharding: NamedSharding | Format,
+  *,
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  local_rules: Any = None,
+) -> Any:
+  """A new variable's value placed by its concrete ``out_sharding``.
+
+  What Flax's ``shard_value`` means for a ``NamedSharding`` or a ``Format``
+  (where it fails: an assertion that compares the context's abstract mesh
+  with a concrete one, or ``Format`` has no ``.mesh``): the sharding's own
+  mesh and spec, by the mesh axis types (`apply_spec`), in the Format's
+  layout. Under Flax's rules, the spec's names are renamed by them first,
+  as Flax does; our rules leave a concrete sharding's mesh axes alone.
+  """
+  named = (
+    out_sharding.sharding
+    if isinstance(out_sharding, Format)
+    else (out_sharding)
+  )
+  spec = named.spec
+  if not isinstance(rules, _rules.LogicalRules):
+    from flax.core import spmd as core_spmd  # pylint: disable=g-import-not-at-top
+
+    spec = core_spmd.apply_rules(spec, local_rules)
+  placed = apply_spec(value, spec, named.mesh)
+  if isinstance(out_sharding, Format):
+    target = Format(out_sharding.layout, NamedSharding(named.mesh, spec))
+    if _is_traced(placed):
+      return jax.lax.with_sharding_constraint(placed, target)
+    return jax.device_put(placed, target)
+  return placed
+
+
+def type_concrete(out: Any) -> None:
+  """Gives abstract variables their concrete ``out_sharding``, layout kept.
+
+  For ``nnx.as_abstract`` and ``nnx.get_abstract_model``: Flax types an
+  abstract variable with ``NamedSharding(mesh, spec)`` on the context's
+  mesh, which drops a ``Format``'s layout. A variable whose
+  ``out_sharding`` is a ``NamedSharding`` or ``Format`` gets that sharding
+  (its spec as `_variables.spec_of_variable` resolves it), in its layout.
+  """
+  rules = _rules.rules_in_effect()
+  for where, variable in _variables.iter_variables(out):
+    concrete = _variables.concrete_sharding_of(variable)
+    value = _variables.value_of(variable)
+    if concrete is None or not isinstance(value, jax.ShapeDtypeStruct):
+      continue
+    resolution = _variables.spec_of_variable(
+      variable, rules=rules, path=_variables.path_str(where)
+    )
+    spec = concrete.spec if resolution is None else resolution.spec
+    variable.set_value(
+      jax.ShapeDtypeStruct(
+        value.shape,
+        value.dtype,
+        sharding=_variables.sharding_for(variable, concrete.mesh, spec),
+        weak_type=value.weak_type,
+      )
+    )
 
 
 def type_abstract(out: Any, rules: _rules.LogicalRules) -> None:
@@ -366,5 +451,7 @@ def shard_module(
     placed = apply_spec(
       _variables.value_of(variable), resolution.spec, target_mesh, path=where
     )
-    variable.set_value(placed)
+    variable.set_value(
+      in_layout(placed, variable, target_mesh, resolution.spec)
+    )
   return module

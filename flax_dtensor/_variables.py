@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors, _meshes, _path_rules, _resolution, _rules
@@ -60,6 +61,22 @@ def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
       )
     out.append((tuple(path), leaf))
   return out
+
+
+def iter_variables_in(tree: Any) -> list[tuple[str, nnx.Variable]]:
+  """``(path, variable)`` for every variable among a pytree's leaves.
+
+  For trees `iter_variables` does not walk: what Flax's tree functions
+  (``nnx.get_named_sharding``) return, whose variables hold other values.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )[0]
+  return [
+    (keypath_str(keypath), leaf)
+    for keypath, leaf in leaves
+    if isinstance(leaf, nnx.Variable)
+  ]
 
 
 def _not_a_node(node: Any) -> str:
@@ -145,6 +162,27 @@ def concrete_sharding_of(variable: nnx.Variable) -> NamedSharding | None:
     return out_sharding
   inner = getattr(out_sharding, 'sharding', None)  # A jax Format.
   return inner if isinstance(inner, NamedSharding) else None
+
+
+def layout_of(variable: nnx.Variable) -> Layout | None:
+  """The device-local layout a variable's ``out_sharding`` asks for.
+
+  A ``jax.experimental.layout.Format`` carries one beside its sharding;
+  every placement of the variable keeps it (`sharding_for`).
+  """
+  out_sharding = variable.get_metadata('out_sharding', None)
+  if isinstance(out_sharding, Format):
+    return out_sharding.layout
+  return None
+
+
+def sharding_for(
+  variable: nnx.Variable, mesh: Any, spec: PartitionSpec
+) -> NamedSharding | Format:
+  """Where a variable's array goes: `spec` on `mesh`, in its own layout."""
+  sharding = NamedSharding(mesh, spec)
+  layout = layout_of(variable)
+  return sharding if layout is None else Format(layout, sharding)
 
 
 def spec_of_variable(

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 
 from flax_dtensor import _errors, _meshes, _rules, _variables
 from flax_dtensor.dtensor import _dtypes, _names, _selection
@@ -243,12 +244,31 @@ def check_extra(
 def as_target(
   array: jax.Array, entry: _selection.Entry, saved: np.dtype
 ) -> jax.Array:
-  """A placed array in the target's form: its dtype, a typed key if one."""
+  """A placed array in the target's form: its dtype, a typed key if one,
+  and the device-local layout the target asks for (`target_layout`)."""
   if saved != entry.dtype:  # convert_dtypes: as asked.
     array = astype(array, entry.dtype)
+  layout = target_layout(entry)
+  if layout is not None:
+    array = jax.device_put(array, Format(layout, array.sharding))
   if entry.key_impl is not None:
     array = jax.random.wrap_key_data(array, impl=entry.key_impl)
   return array
+
+
+def target_layout(entry: _selection.Entry) -> Layout | None:
+  """The layout a target variable asks for, or None for the default.
+
+  Its ``out_sharding`` metadata's, if a ``Format``; else that of its
+  abstract value, as ``nnx.get_abstract_model`` and ``nnx.as_abstract``
+  type it (a ``jax.ShapeDtypeStruct`` made with a ``Format``).
+  """
+  layout = _variables.layout_of(entry.variable)
+  if layout is None:
+    value = _variables.value_of(entry.variable)
+    if isinstance(value, jax.ShapeDtypeStruct):
+      layout = getattr(getattr(value, 'format', None), 'layout', None)
+  return layout
 
 
 def astype(array: jax.Array, dtype: np.dtype) -> jax.Array:

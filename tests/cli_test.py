@@ -12,6 +12,7 @@ this test process never initializes TF.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
@@ -1376,7 +1377,11 @@ def test_help_and_version_need_no_jax_and_show_no_placeholders():
       assert placeholder not in text, (argv, placeholder, text)
   (_, version), (_, plan_help) = results[1], results[3]
   assert version.startswith('flax-dtensor 0.1.0\nPython 3.')
-  assert '\njax 0.10.2\n' in version and '\nflax 0.12.8\n' in version
+  for name in (
+    'jax',
+    'flax',
+  ):  # The versions installed here, whatever they are.
+    assert f'\n{name} {importlib.metadata.version(name)}\n' in version
   assert plan_help.startswith('Usage: flax-dtensor plan [OPTIONS] TARGET\n')
   assert '  --json ' in plan_help and '--mesh NAME=SIZE,...' in plan_help
 

@@ -232,9 +232,14 @@ def test_init_without_a_mesh_raises():
 
 def test_init_with_an_abstract_mesh_raises():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  # Made outside: from jax 0.11, JAX itself runs no eager op (as nnx.Rngs's
+  # key) while only an abstract mesh is set.
+  rngs = nnx.Rngs(0)
   with jax.sharding.use_abstract_mesh(mesh):
     with pytest.raises(fdt.MeshError, match='got the abstract'):
-      fdt.init(nnx.Linear, 2, 4, rngs=nnx.Rngs(0), rules=RULES)
+      fdt.init(nnx.Linear, 2, 4, rngs=rngs, rules=RULES)
+  with pytest.raises(fdt.MeshError, match='got the abstract'):
+    fdt.init(nnx.Linear, 2, 4, rngs=rngs, rules=RULES, mesh=mesh)
 
 
 def test_init_refuses_a_variable_on_another_mesh():

@@ -15,14 +15,18 @@ import numpy as np
 import pytest
 import reference_semantics
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 from flax_dtensor import _variables
 
 SIZES = {'data': 2, 'model': 4}
-MESH = AbstractMesh((2, 4), ('data', 'model'))
+# Auto axes, as the messages below spell them (the default axis type of an
+# AbstractMesh is Auto in jax 0.10, Explicit from jax 0.11).
+MESH = AbstractMesh(
+  (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto)
+)
 LOGICAL = [('embed', 'data'), ('mlp', 'model'), ('heads', 'model')]
 
 

@@ -261,7 +261,8 @@ def test_planning_a_factory_never_walks_the_trace(monkeypatch):
 
   Each ``nnx.Rngs`` call makes Flax read ``.sharding`` of a traced value,
   and JAX builds that error's message by walking every equation traced so
-  far. Counted, not timed: zero walks in fdt.plan, one per RNG call in
+  far (jax 0.10; from jax 0.11 the message costs nothing). Counted, not
+  timed: zero walks in fdt.plan, and, where JAX walks, one per RNG call in
   Flax's own nnx.eval_shape.
   """
   from jax._src.interpreters import partial_eval
@@ -274,6 +275,9 @@ def test_planning_a_factory_never_walks_the_trace(monkeypatch):
     return original(self)
 
   monkeypatch.setattr(partial_eval.DynamicJaxprTracer, '_origin_msg', counted)
+  jax.jit(lambda x: getattr(x, 'sharding', None) and x)(1.0)
+  walks_on_sharding = bool(walks)
+  walks.clear()
   init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
 
   class Many(nnx.Module):
@@ -289,6 +293,7 @@ def test_planning_a_factory_never_walks_the_trace(monkeypatch):
   plan = fdt.plan(lambda: Many(nnx.Rngs(0)), mesh=MESH, rules=RULES)
   assert len(plan.entries) == 50
   assert walks == []
-  with nnx.use_eager_sharding(False):
-    nnx.eval_shape(lambda: Many(nnx.Rngs(0)))
-  assert len(walks) >= 50
+  if walks_on_sharding:  # The count works: Flax's own build pays it.
+    with nnx.use_eager_sharding(False):
+      nnx.eval_shape(lambda: Many(nnx.Rngs(0)))
+    assert len(walks) >= 50

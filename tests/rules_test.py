@@ -11,12 +11,16 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 
-MESH = AbstractMesh((2, 4), ('data', 'model'))
+# Auto axes, as the messages below spell them (the default axis type of an
+# AbstractMesh is Auto in jax 0.10, Explicit from jax 0.11).
+MESH = AbstractMesh(
+  (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto)
+)
 
 
 # LogicalRules

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
   from flax_dtensor._errors import (
     DTensorInitializationError as DTensorInitializationError,
   )
+  from flax_dtensor._errors import (
+    EagerShardingOffWarning as EagerShardingOffWarning,
+  )
   from flax_dtensor._errors import ExportError as ExportError
   from flax_dtensor._errors import (
     FlaxCompatibilityError as FlaxCompatibilityError,
@@ -72,6 +75,7 @@ __all__ = (
   'CheckReport',
   'DTensorError',
   'DTensorInitializationError',
+  'EagerShardingOffWarning',
   'ExportError',
   'Finding',
   'FlaxCompatibilityError',
@@ -113,6 +117,7 @@ _MODULES = {
   'check': '_check',
   'DTensorError': '_errors',
   'DTensorInitializationError': '_errors',
+  'EagerShardingOffWarning': '_errors',
   'ExportError': '_errors',
   'FlaxCompatibilityError': '_errors',
   'FlaxDTensorError': '_errors',

@@ -237,10 +237,12 @@ def _get_var_pspec(
   )
   path = _state.paths.get(id(variable)) if _state.paths else None
   concrete = _variables.concrete_sharding_of(variable) is not None
-  if not concrete and (
-    not uses_ours
-    or (path is None and _variables.logical_axes_of(variable) is None)
-  ):
+  annotated = _variables.logical_axes_of(variable) is not None
+  if _state.building and annotated and not uses_ours:
+    # Our own builds (plan, check, init) under Flax's semantics: a name
+    # that is no mesh axis is our error, not JAX's inside Flax.
+    _variables.spec_of_variable(variable, rules=rules)
+  if not concrete and (not uses_ours or (path is None and not annotated)):
     # Flax's answer; a concrete sharding is ours everywhere (Flax's would
     # iterate a NamedSharding or Format as if it were names).
     return flax_fn(*args, **kwargs)
@@ -322,11 +324,12 @@ def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
 def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
   """The module metaclass's call: construction, then path-ruled placement.
 
-  With no path rules in effect this costs two thread-local reads. Under
+  With no rules of ours in effect this costs two thread-local reads. Under
   path rules, the outermost ``nnx.Module`` constructor (a per-thread depth
   count) places, when it returns, every variable of the new module that a
   path rule covers, by its path in that module: the variable was created
-  as Flax creates it, and moves once.
+  as Flax creates it, and moves once. When eager sharding is off, nothing
+  is placed, and that is said (`_placement.warn_unplaced`).
   """
   state = _state
   if state.depth:
@@ -339,18 +342,20 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
     state.probe.append('module_call')
     return flax_call(cls, *args, **kwargs)
   rules = core_spmd.get_logical_axis_rules()
-  if (
-    not isinstance(rules, _rules.LogicalRules)
-    or not rules.path_rules
-    or state.building
-  ):
+  if not isinstance(rules, _rules.LogicalRules) or state.building:
+    return flax_call(cls, *args, **kwargs)
+  eager = variablelib.using_eager_sharding()
+  if eager and not rules.path_rules:
     return flax_call(cls, *args, **kwargs)
   state.depth = 1
   try:
     module = flax_call(cls, *args, **kwargs)
   finally:
     state.depth = 0
-  _placement.place_by_path_rules(module, rules)
+  if eager:
+    _placement.place_by_path_rules(module, rules)
+  else:
+    _placement.warn_unplaced(module, rules)
   return module
 
 
@@ -442,7 +447,9 @@ def install() -> None:
     state = _state
     if not state.depth and state.probe is None:
       rules = core_spmd.get_logical_axis_rules()
-      if not isinstance(rules, _rules.LogicalRules) or not rules.path_rules:
+      if not isinstance(rules, _rules.LogicalRules) or (
+        not rules.path_rules and variablelib.using_eager_sharding()
+      ):
         return flax_call(cls, *args, **kwargs)
     return _construct(flax_call, cls, *args, **kwargs)
 

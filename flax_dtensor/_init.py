@@ -298,12 +298,13 @@ def build_abstract(
   factory: Callable[[], M],
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _rules.RulesLike | _rules.FlaxRules | None = None,
 ) -> M:
   """``factory()`` built abstractly (nothing allocated), in linear time.
 
   Under the mesh (concrete or abstract) and rules given, or the context's;
   the variables hold ``jax.ShapeDtypeStruct``s carrying their shardings.
+  `FlaxRules` are the context's own (Flax's, or none): nothing is entered.
 
   Raises:
     NotAModelError: If the factory returns no NNX module or graph node.
@@ -313,7 +314,7 @@ def build_abstract(
       stack.enter_context(jax.set_mesh(mesh))
     elif mesh is not None:
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    if rules is not None:
+    if rules is not None and not isinstance(rules, _rules.FlaxRules):
       stack.enter_context(_rules.logical_axis_rules(rules))
     stack.enter_context(_hook.building())
     built = nnx.eval_shape(factory)

@@ -21,6 +21,7 @@ from flax_dtensor import (
   _init,
   _meshes,
   _path_rules,
+  _placement,
   _plan_diff,
   _plan_view,
   _rules,
@@ -78,6 +79,9 @@ class PlanEntry:
       from 0), or ``'none (...)'`` with the reason nothing did (replicated,
       left where it is, too small for path rules). None in layouts written
       before the plan had sources.
+    misplaced_reason: For a `misplaced` entry, why the array is not where
+      the rules say (e.g. it was created while Flax's eager sharding was
+      off), and how to place it; None otherwise.
   """
 
   path: str
@@ -92,6 +96,7 @@ class PlanEntry:
   placed: PartitionSpec | None = None
   category: str = 'other'
   source: str | None = None
+  misplaced_reason: str | None = None
 
   @property
   def misplaced(self) -> bool:
@@ -122,6 +127,7 @@ class PlanEntry:
       ),
       'category': self.category,
       'source': self.source,
+      'misplaced_reason': self.misplaced_reason,
     }
 
 
@@ -385,6 +391,11 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
           ),
           category=str(v.get('category', 'other')),
           source=None if v.get('source') is None else str(v['source']),
+          misplaced_reason=(
+            None
+            if v.get('misplaced_reason') is None
+            else str(v['misplaced_reason'])
+          ),
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -467,8 +478,9 @@ def _variable_rows(
   rules: _rules.LogicalRules | _rules.FlaxRules,
   mesh: Any,
   optimizer: Any,
-) -> list[tuple[str, str, str, Any, Any, type]]:
-  """(path, kind, category, value, resolution, type) of every variable."""
+) -> list[tuple[str, str, str, Any, Any, type, bool]]:
+  """(path, kind, category, value, resolution, type, created eagerly
+  sharded) of every variable."""
   if _is_factory(module_or_state):
     module_or_state = _init.build_abstract(
       module_or_state, mesh=mesh, rules=rules
@@ -494,9 +506,19 @@ def _variable_rows(
           variable, rules=rules, mesh=mesh, path=where
         ),
         type(variable),
+        bool(variable.get_metadata('eager_sharding', True)),
       )
     )
   return rows
+
+
+def _misplaced_reason(eager: bool) -> str:
+  if not eager:
+    return f'{_placement.EAGER_OFF_REASON}. {_placement.EAGER_OFF_FIX}'
+  return (
+    'placed by other rules, on another mesh or by hand; '
+    '`fdt.shard_module(model)` places it as the rules say'
+  )
 
 
 def plan(
@@ -588,7 +610,7 @@ def plan(
       module_or_state, rules=rules_, mesh=mesh_, logical_axes=logical_axes
     )
     rows = [
-      (path, 'array', 'other', leaf, resolution, None)
+      (path, 'array', 'other', leaf, resolution, None, True)
       for path, leaf, resolution in items
     ]
   else:
@@ -600,7 +622,7 @@ def plan(
       )
     rows = _variable_rows(module_or_state, rules_, mesh_, optimizer)
   entries = []
-  for where, kind, category, value, resolution, variable_type in rows:
+  for where, kind, category, value, resolution, variable_type, eager in rows:
     shape = tuple(getattr(value, 'shape', np.shape(value)))
     dtype = _variables.dtype_of(value)
     placed = _variables.placed_spec(value)
@@ -640,6 +662,10 @@ def plan(
         ),
       )
     )
+    if entries[-1].misplaced:
+      entries[-1] = dataclasses.replace(
+        entries[-1], misplaced_reason=_misplaced_reason(eager)
+      )
   entries.sort(key=lambda e: _variables.natural_key(e.path))
   num_devices = math.prod(sizes.values()) if sizes else 1
   return ShardingPlan(

@@ -215,13 +215,14 @@ _COLUMNS = (
 
 
 def by_path_rules(entries: Iterable[PlanEntry]) -> bool:
-  """Whether a path rule placed any of the entries."""
-  return any((e.source or '').startswith('path rule') for e in entries)
+  """Whether a path rule placed any of the entries, or matched one that an
+  annotation kept (both are shown in the 'source' column)."""
+  return any('path rule' in (e.source or '') for e in entries)
 
 
 def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
   """The table's columns: 'type' only when the variables' types differ,
-  'source' only when a path rule placed a variable."""
+  'source' only when a path rule placed or matched a variable."""
   drop = set()
   if len({e.kind for e in entries}) <= 1:
     drop.add('type')
@@ -319,6 +320,36 @@ def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   return out
 
 
+def _misplaced(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+  """Entries not where the rules say, grouped by the reason."""
+  groups: dict[str, list[str]] = {}
+  for e in entries:
+    if e.misplaced:
+      groups.setdefault(e.misplaced_reason or 'placed elsewhere', []).append(
+        e.path
+      )
+  if not groups:
+    return []
+  total = sum(len(p) for p in groups.values())
+  out: list[Any] = [
+    rich.text.Text(
+      f'Not where the rules say: {count(total, "variable")}', style='bold'
+    )
+  ]
+  for reason, paths in groups.items():
+    n = count(len(paths), 'variable')
+    out.append(
+      rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
+    )
+    if list_paths:
+      out.append(
+        rich.padding.Padding(
+          rich.text.Text(', '.join(paths), style='dim'), (0, 0, 0, 6)
+        )
+      )
+  return out
+
+
 def renderables(
   plan: ShardingPlan, width: int, *, summary: bool = False
 ) -> list[Any]:
@@ -348,12 +379,14 @@ def renderables(
           )
         )
     out.extend(_fallbacks(plan.entries, list_paths=False))
+    out.extend(_misplaced(plan.entries, list_paths=False))
     return out
   if plan.entries:
     table = _table(plan.entries)
     fits = measure(table) <= width
     out.append(table if fits else _stacked(plan.entries))
   out.extend(_fallbacks(plan.entries, list_paths=True))
+  out.extend(_misplaced(plan.entries, list_paths=True))
   return out
 
 

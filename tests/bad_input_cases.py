@@ -441,6 +441,21 @@ CASES = [
       ctx.model(), [('embed', 'data')], ctx.mesh, allow=['unused-rules']
     ),
   ),
+  Case(
+    'fdt.check',
+    'no rules, and annotations that name no mesh axis',
+    fdt.UnknownLogicalAxisError,
+    r"maps to 'embed', which is not an axis of the mesh .* No rules are in "
+    r"effect, so Flax's semantics apply",
+    'Pass rules= (or check under fdt.logical_axis_rules); for annotations '
+    'that already name mesh axes, fdt.LogicalRules.for_mesh_axes(mesh).',
+    lambda ctx: fdt.check(
+      lambda: nnx.Linear(
+        8, 16, kernel_init=_annotated(('embed', 'mlp')), rngs=nnx.Rngs(0)
+      ),
+      mesh=ctx.mesh,
+    ),
+  ),
   # Memory
   Case(
     'fdt.memory_report',
@@ -461,6 +476,15 @@ CASES = [
     lambda ctx: fdt.plan(ctx.model(), optimizer='adam'),
   ),
   # Rules
+  Case(
+    'fdt.LogicalRules.for_mesh_axes',
+    'a str where a mesh or its axis names go',
+    fdt.LogicalRulesError,
+    r'Expected a mesh or a sequence of its axis names \(str\) for '
+    r"`for_mesh_axes`, got 'fsdp'",
+    "Pass the mesh, or its axis names: for_mesh_axes(('fsdp', 'tp')).",
+    lambda ctx: fdt.LogicalRules.for_mesh_axes('fsdp'),
+  ),
   Case(
     'fdt.LogicalRules',
     'rules given as a str',

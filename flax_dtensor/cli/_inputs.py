@@ -32,6 +32,12 @@ RULES_HELP = (
   '(name, target) pairs), and path_rules for variables without logical '
   'axes (see the path rules page). Default: the demo rules.'
 )
+MESH_AXIS_NAMES_HELP = (
+  "The model's annotations name mesh axes (as tunix's ShardingConfig "
+  'does): each axis of --mesh is its own rule '
+  '(fdt.LogicalRules.for_mesh_axes). With --rules, after the rules of the '
+  'file; without, instead of the demo rules.'
+)
 CPU_DEVICES_HELP = (
   'Run on this many virtual CPU devices (sets XLA_FLAGS and '
   'jax_num_cpu_devices before JAX starts).'
@@ -170,13 +176,31 @@ def check_out(out: pathlib.Path) -> None:
     )
 
 
-def load_rules(path: str | None) -> Any:
+def load_rules(
+  path: str | None, *, mesh_axes: Sequence[str] | None = None
+) -> Any:
   """Reads a rules file (the demo rules when `path` is None).
+
+  With `mesh_axes` (``--mesh-axis-names``), each mesh axis is also its own
+  rule, after the file's rules (or alone, without a file).
 
   Raises:
     BadInputError: If the file is missing or malformed.
   """
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors, _rules  # pylint: disable=g-import-not-at-top
+
+  if mesh_axes is not None:
+    identity = _rules.LogicalRules.for_mesh_axes(tuple(mesh_axes))
+    if path is None:
+      return identity
+    rules = load_rules(path)
+    return _rules.LogicalRules([*rules, *identity]).replace(
+      unknown=rules.unknown,
+      strict=rules.strict,
+      path_rules=rules.path_rules,
+      min_size=rules.min_size,
+      min_bytes=rules.min_bytes,
+    )
   from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
 
   if path is None:

@@ -39,6 +39,10 @@ def export(
     str | None,
     typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
   ] = None,
+  mesh_axis_names: Annotated[
+    bool,
+    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
+  ] = False,
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -98,7 +102,9 @@ def export(
   with _command.handle_errors(debug):
     console = _command.console()
     axes = _inputs.parse_mesh(mesh)
-    rules_ = _inputs.load_rules(rules)
+    rules_ = _inputs.load_rules(
+      rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+    )
     specs = [
       _inputs.parse_input_shape(s, static_batch=static_batch)
       for s in (input_shape or [])

@@ -30,6 +30,10 @@ def plan(
     str | None,
     typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
   ] = None,
+  mesh_axis_names: Annotated[
+    bool,
+    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
+  ] = False,
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
@@ -130,7 +134,9 @@ def plan(
           '--json > LAYOUT.json`.'
         ) from e
     axes = _inputs.parse_mesh(mesh)
-    rules_ = _inputs.load_rules(rules)
+    rules_ = _inputs.load_rules(
+      rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+    )
     factory = _inputs.load_target(target)
     import jax  # pylint: disable=g-import-not-at-top
 

@@ -19,7 +19,7 @@ def test_dtensor_bridge_across_two_processes():
     assert f'WORKER OK process={i} checks=40' in out, out
 
 
-def test_run_workers_reports_a_failing_worker():
+def test_run_workers_reports_a_failing_worker(tmp_path):
   """One worker fails: the launcher kills the other and shows both outputs."""
   script = TESTS_DIR / '_mp_worker_fail.py'
   with pytest.raises(
@@ -27,4 +27,6 @@ def test_run_workers_reports_a_failing_worker():
     match=r'(?s)worker\(s\) \[1\] failed.*process 0.*waiting.*'
     r'process 1 \(exit 3\).*worker 1 gives up',
   ):
-    multiprocess_util.run_workers(script, num_processes=2, timeout=120)
+    multiprocess_util.run_workers(
+      script, num_processes=2, args=[str(tmp_path / 'ready')], timeout=120
+    )

@@ -47,6 +47,27 @@ def symbol(index: int, position: int) -> str:
   return BATCH if position == 0 else f'd{index}_{position}'
 
 
+Dims = tuple[int | str | None, ...]
+
+
+def symbolic_dims(dims: Sequence[int | str | None], index: int) -> Dims:
+  """`dims` with each None (polymorphic, not named) as its `symbol`."""
+  return tuple(symbol(index, j) if d is None else d for j, d in enumerate(dims))
+
+
+def own_symbols(arguments: Sequence[Sequence[Any] | None]) -> set[str]:
+  """The symbols of their own (not 'b') that `symbolic_dims` gives.
+
+  Each argument is its dimensions (None: polymorphic, not named), or None.
+  """
+  return {
+    symbol(index, j)
+    for index, dims in enumerate(arguments)
+    for j, d in enumerate(dims or ())
+    if d is None and j > 0
+  }
+
+
 def shape_text(dims: Sequence[int | str]) -> str | None:
   """jax2tf's text of a shape, e.g. '(b, 16)'; None when it is static."""
   if all(isinstance(d, int | np.integer) for d in dims):
@@ -97,10 +118,7 @@ def polymorphic_shape(spec: tf.TensorSpec, index: int) -> str | None:
   shape = spec.shape
   if shape.rank is None:
     return None
-  dims = shape.as_list()
-  return shape_text(
-    [symbol(index, j) if d is None else d for j, d in enumerate(dims)]
-  )
+  return shape_text(symbolic_dims(shape.as_list(), index))
 
 
 # The method's parameters
@@ -222,20 +240,14 @@ class Inputs:
     """The method's positional arguments, given its inputs' values."""
     return [None if s is None else arrays[s] for s in self.slots]
 
-  def own_symbols(self) -> dict[str, tuple[str, ...]]:
-    """{input name: its symbols of their own}, the non-leading `symbol`s."""
-    if not self.derived:
-      return {}
-    found = {}
-    for index, slot in enumerate(self.slots):
-      if slot is None or self.specs[slot].shape.rank is None:
-        continue
-      dims = self.specs[slot].shape.as_list()
-      own = tuple(symbol(index, j) for j, d in enumerate(dims) if d is None)
-      own = tuple(s for s in own if s != BATCH)
-      if own:
-        found[self.specs[slot].name] = own
-    return found
+  def dims(self) -> list[list[int | None] | None]:
+    """Each argument's TF dimensions (None: polymorphic), or None."""
+    return [
+      None
+      if s is None or self.specs[s].shape.rank is None
+      else self.specs[s].shape.as_list()
+      for s in self.slots
+    ]
 
 
 def _describe(entry: Any) -> str:
@@ -345,9 +357,6 @@ def summary(error: BaseException) -> str:
   return f'{type(error).__name__}: {first}'
 
 
-Dims = tuple[int | str | None, ...]
-
-
 def suggested_dims(arguments: Sequence[Dims | None]) -> list[list[Any]]:
   """Examples of dimensions named alike, for arguments whose None
   dimensions (polymorphic, without a name) are each of their own.
@@ -391,18 +400,15 @@ def shapes_error(
   the caller did not name, or the error does not name one: then it is not
   about them.
   """
-  own = inputs_.own_symbols()
-  if not own or not names_a_symbol(error, {s for v in own.values() for s in v}):
+  arguments = inputs_.dims()
+  own = own_symbols(arguments) if inputs_.derived else set()
+  if not own or not names_a_symbol(error, own):
     return None
   listing = ', '.join(
     f'{spec.name} {shape}'
     for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
     if shape is not None
   )
-  arguments = [
-    None if s is None else tuple(inputs_.specs[s].shape.as_list())
-    for s in inputs_.slots
-  ]
   examples = [
     'polymorphic_shapes='
     + repr([None if dims is None else shape_text(dims) for dims in example])

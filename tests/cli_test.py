@@ -1252,7 +1252,7 @@ def test_export_llm_style_saved_model(lm_checkpoint):
       [*LM_SHAPES[:4], *LM_SHAPES[6:]],  # No cache:none.
       [
         '--input-shape tokens:b,t:int32, positions:b,t:int32, '
-        'mask:b,t,t:bool gives 3 argument(s), but UserLM.__call__(tokens, '
+        'mask:b,t,t:bool gives 3 arguments, but UserLM.__call__(tokens, '
         'positions, cache, attention_mask) takes 4 positional arguments',
         'NAME:none for an argument passed as None (e.g. --input-shape '
         'cache:none)',

@@ -450,7 +450,10 @@ def check_served_inputs(
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
+    _errors,
+    _plan_view,
+  )
   from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
 
   if not callable(getattr(abstract, method, None)):
@@ -463,7 +466,8 @@ def check_served_inputs(
   parameters = _signature.parameters(abstract, method)
   if parameters is not None and not parameters.fits(len(specs)):
     raise BadInputError(
-      f'--input-shape {given} gives {len(specs)} argument(s), but '
+      f'--input-shape {given} gives '
+      f'{_plan_view.count(len(specs), "argument")}, but '
       f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
       'per positional parameter, in order, and NAME:none for an argument '
       'passed as None (e.g. --input-shape cache:none).'

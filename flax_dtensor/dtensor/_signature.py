@@ -35,6 +35,8 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 # dimension after the batch, or one per position.
 _ONE_LENGTH = 't'
 _AT_POSITION = 'd{}'
+# An input's dimensions: a size, a name, or None (polymorphic, not named).
+Dims = tuple[int | str | None, ...]
 
 
 def symbol(index: int, position: int) -> str:
@@ -45,9 +47,6 @@ def symbol(index: int, position: int) -> str:
   size of its own, which JAX cannot know to equal any other.
   """
   return BATCH if position == 0 else f'd{index}_{position}'
-
-
-Dims = tuple[int | str | None, ...]
 
 
 def symbolic_dims(dims: Sequence[int | str | None], index: int) -> Dims:
@@ -299,9 +298,10 @@ def inputs(
   found = parameters(module, method)
   if found is not None and not found.fits(len(slots)):
     given = ', '.join(_describe(e) for e in input_signature)
+    entries = 'entry' if len(slots) == 1 else 'entries'
     raise _errors.ExportError(
       f'Expected `input_signature` to fit {found.method}, which '
-      f'{found.takes()}; got {len(slots)} entries: [{given}]. Give one '
+      f'{found.takes()}; got {len(slots)} {entries}: [{given}]. Give one '
       'entry per positional parameter, in order: a tf.TensorSpec (or '
       'jax.ShapeDtypeStruct) for an array, None for an argument passed as '
       'None (e.g. an empty cache); give keyword-only parameters a default.'

@@ -55,8 +55,11 @@ def export(
       metavar='NAME:DIMS:DTYPE',
       help=(
         'NAME:DIMS:DTYPE of a positional input of the served method, e.g. '
-        'x:1,128:int32; repeat for several inputs. The first dimension is '
-        'exported as a polymorphic batch dimension.'
+        'x:1,128:int32, or NAME:none to pass None (e.g. cache:none); repeat '
+        'for each positional parameter, in order. The first dimension is '
+        'exported as a polymorphic batch dimension b. A dimension named by '
+        'letters is polymorphic, one size wherever its name appears (e.g. '
+        'tokens:b,t:int32 and mask:b,t,t:bool); ? is one of its own.'
       ),
     ),
   ] = None,
@@ -167,6 +170,9 @@ def export(
           model,
           staged['saved_model'],
           input_signature=[s.tensor_spec() for s in specs],
+          polymorphic_shapes=[
+            s.polymorphic_shape(i) for i, s in enumerate(specs)
+          ],
           method=method,
         )
     console.print(

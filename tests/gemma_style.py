@@ -101,7 +101,8 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + 1e-6) * (1 + self.scale[...])
+    scale = (1 + self.scale[...]).reshape((1,) * (x.ndim - 1) + (-1,))
+    return x * jax.lax.rsqrt(var + 1e-6) * scale
 
 
 def apply_rope(x, positions, max_wavelength=10_000):
@@ -109,7 +110,7 @@ def apply_rope(x, positions, max_wavelength=10_000):
   half = x.shape[-1] // 2
   freq = 2 * jnp.arange(half) / x.shape[-1]
   timescale = max_wavelength**freq
-  angle = positions[..., None] / timescale
+  angle = positions[..., None] / timescale[None, None, :]
   sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
   first, second = x[..., :half], x[..., half:]
   return jnp.concatenate(

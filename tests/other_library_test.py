@@ -8,6 +8,7 @@ arrays are, by values.
 """
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -304,3 +305,145 @@ def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
   proc = _cli('plan', target, *mesh)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert '--mesh-axis-names' in proc.stderr
+
+
+# Serves a SavedModel in a process that never imports JAX: argv[1] the
+# SavedModel, argv[2] an .npz of inputs; prints the outputs' names and writes
+# them to argv[3].
+_SERVE = """
+import sys, json
+sys.modules['jax'] = None  # TF imports JAX when it can: prove it needs none.
+import numpy as np, tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+with np.load(sys.argv[2]) as f:
+  inputs = {k: tf.constant(f[k]) for k in f.files}
+out = serve(**inputs)
+np.savez(sys.argv[3], **{k: v.numpy() for k, v in out.items()})
+print(json.dumps(sorted(serve.structured_input_signature[1])))
+"""
+
+
+def _served(path, inputs, tmp_path):
+  np.savez(tmp_path / 'inputs.npz', **inputs)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-c',
+      _SERVE,
+      str(path),
+      str(tmp_path / 'inputs.npz'),
+      str(tmp_path / 'outputs.npz'),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')},
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with np.load(tmp_path / 'outputs.npz') as f:
+    return json.loads(proc.stdout.strip().splitlines()[-1]), dict(f)
+
+
+def _llm_inputs(gemma, batch, length):
+  tokens = (np.arange(batch * length).reshape(batch, length) * 7) % 256
+  positions = np.broadcast_to(np.arange(length), (batch, length))
+  return {
+    'tokens': tokens.astype(np.int32),
+    'positions': np.ascontiguousarray(positions, np.int32),
+    'mask': np.asarray(gemma.causal_mask(length, batch)),
+  }
+
+
+def test_its_forward_serves_in_plain_tensorflow(gemma, tmp_path):
+  """(tokens, positions, cache=None, mask) -> (logits, None), no wrapper."""
+  pytest.importorskip('tensorflow')
+  import tensorflow as tf
+
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  mesh = _mesh()
+  model = fdt.init(
+    gemma.make_model, mesh=mesh, rules=fdt.LogicalRules.for_mesh_axes(mesh)
+  )
+  path = fdt_tf.save_saved_model(
+    model,
+    tmp_path / 'sm',
+    input_signature=[
+      tf.TensorSpec([None, None], tf.int32, name='tokens'),
+      tf.TensorSpec([None, None], tf.int32, name='positions'),
+      None,
+      tf.TensorSpec([None, None, None], tf.bool, name='mask'),
+    ],
+    polymorphic_shapes=['(b, t)', '(b, t)', None, '(b, t, t)'],
+  )
+  for batch, length in ((1, 5), (3, 9)):
+    inputs = _llm_inputs(gemma, batch, length)
+    names, outputs = _served(path, inputs, tmp_path)
+    assert names == ['mask', 'positions', 'tokens']
+    assert list(outputs) == ['output_0']
+    logits, cache = model(
+      inputs['tokens'], inputs['positions'], None, inputs['mask']
+    )
+    assert cache is None
+    np.testing.assert_allclose(
+      outputs['output_0'], np.asarray(logits), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
+  pytest.importorskip('tensorflow')
+  pytest.importorskip('orbax.checkpoint')
+  target = os.path.join(ROOT, 'tests', 'gemma_style.py') + ':make_model'
+  # An Orbax checkpoint of the model, as training in that library writes it.
+  make = (
+    'import sys, orbax.checkpoint as ocp; '
+    'sys.path.insert(0, sys.argv[3]); import gemma_style; from flax import nnx; '
+    'ckpt = ocp.StandardCheckpointer(); '
+    'ckpt.save(sys.argv[1], nnx.state(gemma_style.make_model())); '
+    'ckpt.wait_until_finished()'
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-W',
+      'ignore',
+      '-c',
+      make,
+      str(tmp_path / 'orbax'),
+      '',
+      os.path.join(ROOT, 'tests'),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _cli(
+    'export',
+    target,
+    '--checkpoint',
+    str(tmp_path / 'orbax'),
+    '--out',
+    str(tmp_path / 'out'),
+    '--mesh',
+    'fsdp=2,tp=4',
+    '--mesh-axis-names',
+    '--saved-model',
+    *('--input-shape', 'tokens:1,t:int32'),
+    *('--input-shape', 'positions:1,t:int32'),
+    *('--input-shape', 'cache:none'),
+    *('--input-shape', 'mask:1,t,t:bool'),
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  inputs = _llm_inputs(gemma, 2, 7)
+  names, outputs = _served(tmp_path / 'out' / 'saved_model', inputs, tmp_path)
+  assert names == ['mask', 'positions', 'tokens']
+  with nnx.use_eager_sharding(False):
+    model = gemma.make_model()
+  logits, _ = model(inputs['tokens'], inputs['positions'], None, inputs['mask'])
+  np.testing.assert_allclose(
+    outputs['output_0'], np.asarray(logits), rtol=1e-5, atol=1e-5
+  )

@@ -20,6 +20,8 @@ from jax.experimental.layout import Format
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_dtensor import (
+  _creation,
+  _creation_order,
   _errors,
   _meshes,
   _resolution,
@@ -326,15 +328,20 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
   )
 
 
-def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
+def place_by_path_rules(
+  module: Any,
+  rules: _rules.LogicalRules,
+  order: _creation_order.Order | None = None,
+) -> None:
   """Moves the variables path rules cover to their placement, once.
 
   Called when the outermost ``nnx.Module`` constructor returns under path
   rules (`_hook`): by then every variable has its path in the new module.
-  Variables placed already (by an earlier module's construction, or built
-  in their shards) are not moved again. Nothing moves when eager sharding
-  is off (``nnx.use_eager_sharding(False)``, or a variable's own
-  ``eager_sharding=False``), as for annotated variables.
+  Variables placed already (built in their shards by the creation `order`,
+  or by an earlier module's construction) are not moved again; those moved
+  here are noted with the reason (`_creation_order.note_of`). Nothing moves
+  when eager sharding is off (``nnx.use_eager_sharding(False)``, or a
+  variable's own ``eager_sharding=False``), as for annotated variables.
 
   Raises:
     MeshError: If a path rule covers a variable but no mesh is set.
@@ -358,8 +365,25 @@ def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
         f'Expected a mesh to place the variable at {where}, which '
         f'{resolution.source} covers, but no mesh is set. {NO_MESH_MSG}'
       )
-    placed = apply_spec(value, resolution.spec, mesh, path=where)
-    variable.set_value(in_layout(placed, variable, mesh, resolution.spec))
+    if _is_traced(value) or not _is_placed(value, resolution.spec, mesh):
+      if order is not None and order.strict:
+        raise _creation.NotInShards(where)
+      placed = apply_spec(value, resolution.spec, mesh, path=where)
+      variable.set_value(in_layout(placed, variable, mesh, resolution.spec))
+      if not _is_traced(value):
+        _creation_order.note(variable, _moved_at_return(order))
+
+
+def _moved_at_return(order: _creation_order.Order | None) -> str:
+  why = (
+    'there was no creation order to follow (no concrete mesh when it was '
+    'created, or an abstract build of the model failed)'
+    if order is None
+    else order.stopped
+    or 'the abstract build did not predict where it ends (it was built '
+    'inside a transform such as nnx.vmap, or its path differed)'
+  )
+  return f'{_creation_order.MOVED}the outermost constructor returned: {why}'
 
 
 def in_layout(

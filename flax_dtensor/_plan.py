@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import (
+  _creation_order,
   _errors,
   _init,
   _meshes,
@@ -82,6 +83,11 @@ class PlanEntry:
     misplaced_reason: For a `misplaced` entry, why the array is not where
       the rules say (e.g. it was created while Flax's eager sharding was
       off), and how to place it; None otherwise.
+    creation: How flax_dtensor created a variable a path rule covers:
+      ``'in its shards'`` (built under a jit that computes only its
+      shards), or ``'moved when ...'`` with the reason; None
+      when it does not know (not created under path rules, or changed
+      since).
   """
 
   path: str
@@ -97,6 +103,7 @@ class PlanEntry:
   category: str = 'other'
   source: str | None = None
   misplaced_reason: str | None = None
+  creation: str | None = None
 
   @property
   def misplaced(self) -> bool:
@@ -128,6 +135,7 @@ class PlanEntry:
       'category': self.category,
       'source': self.source,
       'misplaced_reason': self.misplaced_reason,
+      'creation': self.creation,
     }
 
 
@@ -396,6 +404,7 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
             if v.get('misplaced_reason') is None
             else str(v['misplaced_reason'])
           ),
+          creation=None if v.get('creation') is None else str(v['creation']),
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -478,9 +487,9 @@ def _variable_rows(
   rules: _rules.LogicalRules | _rules.FlaxRules,
   mesh: Any,
   optimizer: Any,
-) -> list[tuple[str, str, str, Any, Any, type, bool]]:
+) -> list[tuple[str, str, str, Any, Any, type, bool, str | None]]:
   """(path, kind, category, value, resolution, type, created eagerly
-  sharded) of every variable."""
+  sharded, how flax_dtensor created it) of every variable."""
   if _is_factory(module_or_state):
     module_or_state = _init.build_abstract(
       module_or_state, mesh=mesh, rules=rules
@@ -507,6 +516,7 @@ def _variable_rows(
         ),
         type(variable),
         bool(variable.get_metadata('eager_sharding', True)),
+        _creation_order.note_of(variable),
       )
     )
   return rows
@@ -610,7 +620,7 @@ def plan(
       module_or_state, rules=rules_, mesh=mesh_, logical_axes=logical_axes
     )
     rows = [
-      (path, 'array', 'other', leaf, resolution, None, True)
+      (path, 'array', 'other', leaf, resolution, None, True, None)
       for path, leaf, resolution in items
     ]
   else:
@@ -622,7 +632,16 @@ def plan(
       )
     rows = _variable_rows(module_or_state, rules_, mesh_, optimizer)
   entries = []
-  for where, kind, category, value, resolution, variable_type, eager in rows:
+  for (
+    where,
+    kind,
+    category,
+    value,
+    resolution,
+    variable_type,
+    eager,
+    creation,
+  ) in rows:
     shape = tuple(getattr(value, 'shape', np.shape(value)))
     dtype = _variables.dtype_of(value)
     placed = _variables.placed_spec(value)
@@ -660,6 +679,7 @@ def plan(
         source=_variables.source_of(
           resolution, where, variable_type, shape, value, rules_
         ),
+        creation=creation,
       )
     )
     if entries[-1].misplaced:

@@ -320,21 +320,18 @@ def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   return out
 
 
-def _misplaced(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
-  """Entries not where the rules say, grouped by the reason."""
+def _by_reason(
+  title: str, found: Iterable[tuple[str, str]], *, list_paths: bool
+) -> list[Any]:
+  """'TITLE: N variables', then each reason with its count (and paths)."""
   groups: dict[str, list[str]] = {}
-  for e in entries:
-    if e.misplaced:
-      groups.setdefault(e.misplaced_reason or 'placed elsewhere', []).append(
-        e.path
-      )
+  for reason, path in found:
+    groups.setdefault(reason, []).append(path)
   if not groups:
     return []
   total = sum(len(p) for p in groups.values())
   out: list[Any] = [
-    rich.text.Text(
-      f'Not where the rules say: {count(total, "variable")}', style='bold'
-    )
+    rich.text.Text(f'{title}: {count(total, "variable")}', style='bold')
   ]
   for reason, paths in groups.items():
     n = count(len(paths), 'variable')
@@ -348,6 +345,31 @@ def _misplaced(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
         )
       )
   return out
+
+
+def _notes(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+  """Variables not where the rules say, and path-ruled ones created, then
+  moved (`_creation_order.MOVED`), each grouped by the reason."""
+  return [
+    *_by_reason(
+      'Not where the rules say',
+      (
+        (e.misplaced_reason or 'placed elsewhere', e.path)
+        for e in entries
+        if e.misplaced
+      ),
+      list_paths=list_paths,
+    ),
+    *_by_reason(
+      'Created, then moved',
+      (
+        (e.creation, e.path)
+        for e in entries
+        if e.creation and e.creation.startswith('moved when ')
+      ),
+      list_paths=list_paths,
+    ),
+  ]
 
 
 def renderables(
@@ -379,14 +401,14 @@ def renderables(
           )
         )
     out.extend(_fallbacks(plan.entries, list_paths=False))
-    out.extend(_misplaced(plan.entries, list_paths=False))
+    out.extend(_notes(plan.entries, list_paths=False))
     return out
   if plan.entries:
     table = _table(plan.entries)
     fits = measure(table) <= width
     out.append(table if fits else _stacked(plan.entries))
   out.extend(_fallbacks(plan.entries, list_paths=True))
-  out.extend(_misplaced(plan.entries, list_paths=True))
+  out.extend(_notes(plan.entries, list_paths=True))
   return out
 
 

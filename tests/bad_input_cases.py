@@ -750,6 +750,15 @@ CASES = [
   ),
   Case(
     'fdt.PathRule',
+    'a note that is not text',
+    fdt.LogicalRulesError,
+    r"`note` must be a non-empty str \(why the rule is there\) or None; "
+    r'got 3',
+    'Say in a few words why the rule is there, or leave the note out.',
+    lambda ctx: fdt.PathRule('kernel$', ('embed', 'mlp'), note=3),
+  ),
+  Case(
+    'fdt.PathRule',
     'a type that is no nnx.Variable',
     fdt.LogicalRulesError,
     r'`type` must be an nnx.Variable subclass',

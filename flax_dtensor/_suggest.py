@@ -188,7 +188,9 @@ class RulesSuggestion:
       ) from e
     return target
 
-  def __str__(self) -> str:
+  def summary(self) -> str:
+    """The report without its per-variable lines: the preset or why none,
+    the mesh axes taken, the budget, and the notes."""
     lines = [
       f'Suggested rules: {self.recognition}.',
       f'Mesh axes: fsdp-like {self.axes["fsdp"]!r}, model '
@@ -196,6 +198,10 @@ class RulesSuggestion:
       self.budget_text(),
     ]
     lines += [f'Note: {note}' for note in self.notes]
+    return '\n'.join(lines)
+
+  def __str__(self) -> str:
+    lines = [self.summary()]
     by_path = {e.path: e for e in self.plan.entries}
     width = max((len(p) for p in self.reasons), default=0)
     for path, why in self.reasons.items():

@@ -45,17 +45,19 @@ FSDP_AXIS_NAMES = ('fsdp', 'data', 'dp', 'batch')
 
 CATCH_ALL = '.*'
 
-# Which mesh axes each logical name of the presets tries, by role. The
-# order is the rules' priority: the names with the fewest ways to divide
-# choose first, `embed` takes what is left, and `head_dim` only the model
-# axis if nothing else of its array took it (Gemma's single key/value head).
+# Which mesh axes each logical name of the presets tries, by role, in
+# order. The names' order is the rules' priority: the names with the fewest
+# ways to divide choose first; `embed` takes what is left (both axes where
+# nothing else could take the model axis, as GPT-2's vocabulary of 50257);
+# `head_dim` only the model axis if nothing else of its array took it
+# (Gemma's single key/value head).
 _ROLES = {
-  'kv_heads': ('model', 'fsdp'),
-  'heads': ('model', 'fsdp'),
-  'vocab': ('model', 'fsdp'),
-  'mlp': ('model', 'fsdp'),
-  'embed': ('fsdp', 'model'),
-  'head_dim': ('model',),
+  'kv_heads': (('model',), ('fsdp',)),
+  'heads': (('model',), ('fsdp',)),
+  'vocab': (('model',), ('fsdp',)),
+  'mlp': (('model',), ('fsdp',)),
+  'embed': (('fsdp', 'model'), ('fsdp',), ('model',)),
+  'head_dim': (('model',),),
 }
 
 
@@ -312,20 +314,30 @@ def _generic_spec(
   shape: tuple[int, ...], sizes: dict[str, int], roles: dict[str, str | None]
 ) -> tuple[Any, ...]:
   """The largest dimension that divides on the fsdp-like axis, the largest
-  other that divides on the model axis."""
+  other that divides on the model axis; where no other divides, both axes
+  on the one dimension if it divides by both."""
   order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
   spec: list[Any] = [None] * len(shape)
-  taken = None
+  placed: dict[str, int] = {}
   for role in ('fsdp', 'model'):
     axis = roles[role]
     if axis is None:
       continue
     dim = next(
-      (i for i in order if i != taken and shape[i] % sizes[axis] == 0), None
+      (
+        i
+        for i in order
+        if i not in placed.values() and shape[i] % sizes[axis] == 0
+      ),
+      None,
     )
     if dim is not None:
       spec[dim] = axis
-      taken = dim if taken is None else taken
+      placed[role] = dim
+  if len(placed) == 1 and all(roles.values()):
+    (dim,) = placed.values()
+    if shape[dim] % (sizes[roles['fsdp']] * sizes[roles['model']]) == 0:
+      spec[dim] = (roles['fsdp'], roles['model'])
   return tuple(spec)
 
 
@@ -362,8 +374,12 @@ def _logical_rules(
 ) -> list[tuple[str, Any]]:
   out = []
   for name, order in _ROLES.items():
-    if name in names:
-      out += [(name, roles[r]) for r in order if roles[r] is not None]
+    if name not in names:
+      continue
+    for wanted in order:
+      axes = tuple(roles[r] for r in wanted if roles[r] is not None)
+      if len(axes) == len(wanted):
+        out.append((name, axes if len(axes) > 1 else axes[0]))
   return out
 
 

@@ -84,6 +84,12 @@ def test_a_preset_is_recognised_from_its_models_paths(preset):
   _clean(MODELS[preset], s)
 
 
+def test_a_vocabulary_nothing_divides_leaves_both_axes_to_embed():
+  s = _suggest(lambda: sm.Gpt2(nnx.Rngs(0), vocab=50257), style='gpt2')
+  assert s.plan['transformer/wte/embedding'].spec == P(None, ('data', 'model'))
+  assert s.plan['transformer/h/0/mlp/c_fc/kernel'].spec == P('data', 'model')
+
+
 def test_what_each_preset_does_to_its_model():
   specs = {
     'hf_llama': {
@@ -180,7 +186,8 @@ def test_generic_takes_what_divides_and_replicates_what_nothing_divides():
     'stacked': jax.ShapeDtypeStruct((3, 64, 512), np.float32),
   }
   s = _suggest(tree, style='generic')
-  assert s.plan['odd'].spec == P(None, 'data')  # 6 takes no 4.
+  # 6 takes no 4: both axes go on the one dimension that divides by 8.
+  assert s.plan['odd'].spec == P(None, ('data', 'model'))
   assert s.plan['stacked'].spec == P(None, 'model', 'data')
   assert not any(s.plan['prime'].spec)
   assert s.reasons['prime'] == (

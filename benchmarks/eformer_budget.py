@@ -193,7 +193,7 @@ def main() -> None:
     sys.exit(f'eformer failed:\n{proc.stderr[-3000:]}')
   theirs = json.loads(proc.stdout.strip().splitlines()[-1])
   print(
-    '| tree (params + Adam) | budget | eformer `auto_partition_spec` | '
+    '| tree (params + Adam), MiB | budget | eformer `auto_partition_spec` | '
     'eformer `optimize_sharding_for_memory` | ours `suggest_rules` | fits | '
     'ours - eformer auto |'
   )

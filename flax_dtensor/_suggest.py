@@ -376,10 +376,13 @@ def _logical_rules(
   for name, order in _ROLES.items():
     if name not in names:
       continue
+    before = len(out)
     for wanted in order:
       axes = tuple(roles[r] for r in wanted if roles[r] is not None)
       if len(axes) == len(wanted):
         out.append((name, axes if len(axes) > 1 else axes[0]))
+    if len(out) == before:  # No axis for it on this mesh: replicated.
+      out.append((name, None))
   return out
 
 

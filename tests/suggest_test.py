@@ -204,6 +204,10 @@ def test_mesh_axes_by_name_and_an_axis_of_size_one():
   )
   assert one.axes == {'fsdp': 'x', 'model': None}
   assert one.plan['layers/0/mlp/up/kernel'].spec == P(None, 'x')
+  alone = _suggest(sm.make_gemma, AbstractMesh((1,), ('data',)))
+  assert alone.axes == {'fsdp': None, 'model': None}
+  assert ('head_dim', None) in alone.rules  # Every name has a rule.
+  assert alone.bytes_per_device == alone.plan.total_bytes
 
 
 # Budgets

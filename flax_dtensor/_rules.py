@@ -431,6 +431,45 @@ class LogicalRules(tuple):
       ) from e
     return cls._from_document(text, repr(source), unknown, strict)
 
+  def to_yaml_text(self) -> str:
+    """The rules as a YAML document that `from_yaml_text` reads back.
+
+    Logical rules under ``logical_axis_rules``, path rules under
+    ``path_rules`` (one flow-style dict per rule, with its note), and the
+    thresholds; `unknown` and `strict` are options of the reader, not of
+    the file. Every string is single-quoted, so a regular expression reads
+    as it is written.
+
+    Returns:
+      The YAML text.
+
+    Example:
+      >>> import flax_dtensor as fdt
+      >>> print(fdt.LogicalRules([('embed', 'data')], path_rules=[
+      ...     ('up/kernel$', ('embed', None))]).to_yaml_text(), end='')
+      logical_axis_rules:
+        - ['embed', 'data']
+      path_rules:
+        - {pattern: 'up/kernel$', logical: ['embed', null]}
+    """
+    lines = ['logical_axis_rules:' + ('' if self else ' []')]
+    lines += [
+      f'  - [{_yaml_scalar(name)}, {_yaml_scalar(target)}]'
+      for name, target in self
+    ]
+    if self.path_rules:
+      lines.append('path_rules:')
+      for rule in self.path_rules:
+        fields = ', '.join(
+          f'{key}: {_yaml_scalar(value)}'
+          for key, value in rule.to_yaml_dict().items()
+        )
+        lines.append(f'  - {{{fields}}}')
+    for key in ('min_size', 'min_bytes'):
+      if getattr(self, key):
+        lines.append(f'{key}: {getattr(self, key)}')
+    return '\n'.join(lines) + '\n'
+
   @classmethod
   def from_yaml_text(
     cls,
@@ -512,6 +551,20 @@ class LogicalRules(tuple):
       return cls(document, unknown=unknown, strict=strict, **options)
     except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
       raise type(e)(f'{source}: {e}') from e
+
+
+def _yaml_scalar(value: Any) -> str:
+  """`value` (a str, None, bool, int or a list/tuple of them) as YAML flow
+  text, strings single-quoted."""
+  if value is None:
+    return 'null'
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, int):
+    return str(value)
+  if isinstance(value, str):
+    return "'" + value.replace("'", "''") + "'"
+  return '[' + ', '.join(_yaml_scalar(v) for v in value) + ']'
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

@@ -804,6 +804,54 @@ CASES = [
     lambda ctx: fdt.PathRule('kernel$', ('embed', ..., 'mlp')),
   ),
   Case(
+    'fdt.suggest_rules',
+    'a style that names no preset',
+    fdt.LogicalRulesError,
+    r'`style` must be None \(recognise the naming convention from the '
+    r"paths\) or one of \['gemma', 'gpt2', 'hf_llama', 'generic'\]; got "
+    r"'llama'",
+    "Leave `style` out, or name a preset ('hf_llama', 'gemma', 'gpt2') or "
+    "'generic'.",
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, style='llama'),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'a budget that is not a number of bytes',
+    fdt.LogicalRulesError,
+    r"`budget` must be an int >= 1 \(bytes per device\); got '8GiB'",
+    'Pass bytes: 8 * 2**30 for 8 GiB (the command line reads --budget 8GiB).',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, budget='8GiB'),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'mesh axis names instead of a mesh',
+    fdt.MeshError,
+    r'Expected a mesh for `suggest_rules` \(jax.make_mesh or '
+    r'jax.sharding.AbstractMesh\), got tuple',
+    'Pass the mesh (an AbstractMesh will do: nothing is allocated).',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ('data', 'model')),
+  ),
+  Case(
+    'fdt.RulesSuggestion.write',
+    'a path in a directory that does not exist',
+    fdt.LogicalRulesError,
+    r"Cannot write the rules file '.*missing/rules.yaml': No such file or "
+    r'directory. Expected a writable path',
+    'Write into an existing directory.',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh).write(
+      ctx.tmp / 'missing' / 'rules.yaml'
+    ),
+  ),
+  Case(
+    'fdt.PathRule',
+    'a note that is not text',
+    fdt.LogicalRulesError,
+    r'`note` must be a non-empty str \(why the rule is there\) or None; '
+    r'got 3',
+    'Say in a few words why the rule is there, or leave the note out.',
+    lambda ctx: fdt.PathRule('kernel$', ('embed', 'mlp'), note=3),
+  ),
+  Case(
     'fdt.PathRule',
     'a type that is no nnx.Variable',
     fdt.LogicalRulesError,

@@ -552,6 +552,52 @@ def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
   ]
 
 
+def test_plan_suggest_writes_rules_that_plan_and_check_read(tmp_path):
+  target = f'{TESTS_DIR / "suggest_models.py"}:make_gemma'
+  written = tmp_path / 'rules.yaml'
+  out = ok(
+    run_cli(
+      'plan',
+      target,
+      '--mesh',
+      'data=2,model=4',
+      '--suggest',
+      '--budget',
+      '178KiB',
+      '--min-bytes',
+      '16KiB',
+      '--write',
+      written,
+    )
+  )
+  lines = out.splitlines()
+  assert lines[0].startswith('Suggested rules: recognised gemma ')
+  # 178.5 KiB with the norms replicated: the largest of them are sharded.
+  assert lines[2] == (
+    '177.2 KiB per device fits the budget of 178.0 KiB (ideal 176.3 KiB).'
+  )
+  assert f'Wrote the rules to {str(written)!r}.' in lines
+  # The plan follows, each variable's source saying why.
+  assert "'(^|/)q_einsum/w$' (preset gemma rule #1: attention q" in out
+  import flax_dtensor as fdt
+
+  rules = fdt.LogicalRules.from_yaml(written)
+  assert any('sharded further' in (r.note or '') for r in rules.path_rules)
+  ok(
+    run_cli(
+      'plan', target, '--rules', written, '--check', '--min-bytes', '16KiB'
+    )
+  )
+  proc = run_cli('plan', target, '--suggest', '--budget', '1KiB', '--json')
+  assert proc.returncode == 1, proc.stderr  # Nothing fits: said by exit 1.
+  assert json.loads(proc.stdout)['bytes_per_device'] > 1024
+  bad_input(
+    run_cli('plan', target, '--suggest', '--rules', written),
+    '--suggest proposes the rules, and --rules',
+  )
+  bad_input(run_cli('plan', target, '--write', written), 'add --suggest')
+
+
 def test_plan_demo_json():
   result = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json')))
   assert result['mesh'] == {'data': 2, 'model': 4}

@@ -26,6 +26,7 @@ EXPECTED = (
   'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
+  'RulesSuggestion',
   'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
@@ -42,6 +43,7 @@ EXPECTED = (
   'shard_module',
   'shard_tree',
   'shard_value',
+  'suggest_rules',
   'with_logical_constraint',
 )
 

@@ -1417,18 +1417,6 @@ CASES = [
     tf=True,
   ),
   Case(
-    'flax_dtensor.dtensor.save_checkpoint',
-    '`blocking=False` in a multi-process run',
-    fdt.ExportError,
-    r'save_checkpoint\(\.\.\., blocking=False\) runs in one process only, '
-    r'but this run has 2 processes \(saving to .*\)\. Pass blocking=True',
-    'Save with blocking=True (the default) in a multi-process run.',
-    lambda ctx: _recorded_text(
-      fault_runs.dead_peer('at-barrier')['async_error']
-    ),
-    tf=True,
-  ),
-  Case(
     'flax_dtensor.dtensor.SaveHandle',
     'a file-size limit reached by a background save (raised by `wait()`)',
     fdt.ExportError,

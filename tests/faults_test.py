@@ -57,9 +57,9 @@ _EFBIG = (
 @pytest.mark.parametrize(
   'where, needed, cause',
   [
-    ('manifest', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
-    ('manifest_async', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
-    ('data', 32 * 8 * 64 * 4, ['OutOfRangeError', None]),
+    ('manifest', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
+    ('manifest_async', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
+    ('data', 256 * 8 * 8 * 4, ['OutOfRangeError', None]),
     ('saved_model', 16 * 16 * 4 + 16 * 4, ['OutOfRangeError', None]),
   ],
 )
@@ -92,7 +92,7 @@ def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
   run = fault_runs.full_disk()
   path = os.path.join(run['root'], 'ckpt')
   expected = {
-    (f'layer{i}',): np.full((8, 64), 1000 + i, np.float32) for i in range(32)
+    (f'layer{i}',): np.full((8, 8), 1000 + i, np.float32) for i in range(256)
   }
   read = fdt_tf.read_checkpoint(path)
   assert set(read) == set(expected)
@@ -101,10 +101,7 @@ def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
   # Restored onto another layout too.
   sharding = NamedSharding(explicit_mesh, P('model', 'data'))
   target = nnx.Dict(
-    {
-      k[0]: nnx.Param(jax.device_put(jnp.zeros((8, 64)), sharding))
-      for k in read
-    }
+    {k[0]: nnx.Param(jax.device_put(jnp.zeros((8, 8)), sharding)) for k in read}
   )
   fdt_tf.restore_checkpoint(path, target)
   for key, value in expected.items():
@@ -611,7 +608,7 @@ def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
   shards = tuple(
-    (index, _manifest._crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
+    (index, _manifest.crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
     for index, _ in _grid(shape, (2, 2))
   )
   manifest = _manifest.Manifest(

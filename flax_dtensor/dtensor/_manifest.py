@@ -8,7 +8,7 @@ strict about the document's shape and the paths it names;
 `verify_files` checks where the files lead and their bytes before
 TensorFlow reads them (`problems_of` lists what is wrong, for `--verify`);
 `verify_index` checks the variables against TF's index; `verify_read`
-checks every value read back, and `_crc` is the one hash of values.
+checks every value read back, and `crc` is the one hash of values.
 Reading (`read`) imports neither JAX nor TensorFlow: the command line's
 ``inspect`` shows an export from its manifest alone.
 """
@@ -179,11 +179,27 @@ def sharding_record(
   }
 
 
-def _crc(data: Any) -> int:
-  """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too)."""
+# Elements narrowed at a time by `crc`: a bounded scratch copy.
+_NARROW_CHUNK = 2**22
+
+
+def crc(data: Any, as_dtype: Any = None) -> int:
+  """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too).
+
+  With `as_dtype`, of the bytes of its values converted to that dtype: a
+  copy stored widened is hashed as the saved dtype it was widened from (an
+  exact conversion), a bounded chunk at a time.
+  """
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+  flat = np.ascontiguousarray(data).reshape(-1)
+  if as_dtype is None or np.dtype(as_dtype) == flat.dtype:
+    return zlib.crc32(flat.view(np.uint8))
+  value = 0
+  for start in range(0, flat.size, _NARROW_CHUNK):
+    part = flat[start : start + _NARROW_CHUNK].astype(as_dtype)
+    value = zlib.crc32(part.view(np.uint8), value)
+  return value
 
 
 def _index(index: Sequence[slice], shape: Sequence[int]) -> Index:
@@ -208,7 +224,7 @@ def shard_checksums(
     for shard in value.addressable_shards:
       index = _index(shard.index, value.shape)
       if index not in seen:
-        seen[index] = _crc(shard.data)
+        seen[index] = crc(shard.data)
     return sorted(seen.items())
 
   return [pool.submit(work, v) for v in values]
@@ -883,7 +899,7 @@ def verify_read(
   replaced by another save), a restore places only bytes that match what
   was saved. `read` maps each global slice TF returned to its host array,
   in the saved dtype: the whole variable, or whole saved shards. Each saved
-  shard found in a slice is hashed (`_crc`) and compared; a slice that the
+  shard found in a slice is hashed (`crc`) and compared; a slice that the
   recorded shards do not cover whole (a record without shards, too) is
   refused.
 
@@ -893,9 +909,9 @@ def verify_read(
   """
   for held, data in read.items():
     checked = 0
-    for index, crc in record.shards:
+    for index, expected in record.shards:
       if contains(held, index):
-        _check_shard(manifest, record, index, crc, data, held)
+        _check_shard(manifest, record, index, expected, data, held)
         checked += _volume(index)
     if checked != _volume(held):
       raise damaged(
@@ -926,7 +942,7 @@ def _check_shard(
   manifest: Manifest,
   record: Record,
   index: Index,
-  crc: int,
+  expected: int,
   data: Any,
   held: Index,
 ) -> None:
@@ -936,13 +952,13 @@ def _check_shard(
   )
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  got = _crc(np.asarray(data)[local])
-  if got != crc:
+  got = crc(np.asarray(data)[local])
+  if got != expected:
     raise damaged(
       manifest,
       [
         f'{_names.path_text(record.path)}[{_slices(index)}] read back '
-        f'with CRC-32 {got:08x}, recorded {crc:08x}'
+        f'with CRC-32 {got:08x}, recorded {expected:08x}'
       ],
       read=True,
     )

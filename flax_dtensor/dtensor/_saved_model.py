@@ -303,7 +303,12 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   )
   with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
     shards = [f.result() for f in _manifest.shard_checksums(values, pool)]
-  recs = _checkpoint.records(entries, values, dvars, shards)
+  recs = _checkpoint.records(
+    entries,
+    [v.sharding for v in values],
+    [_tf.dtensor().fetch_layout(d) for d in dvars],
+    shards,
+  )
   del values
   tf_module = _convert.make_module(
     (e.path, v) for e, v in zip(entries, dvars, strict=True)

@@ -337,6 +337,12 @@ def _shard_module_too_big(ctx):
   fdt.shard_module(model, mesh=_TOO_BIG, rules=ctx.rules)
 
 
+def _topology():
+  from flax_dtensor.dtensor import _topology
+
+  return _topology
+
+
 def _recorded_text(message: str | None) -> None:
   """Re-raises the ExportError text a fault run recorded."""
   if message is None:
@@ -1415,6 +1421,32 @@ CASES = [
     'another bound.',
     lambda ctx: _recorded_text(fault_runs.dead_peer('at-barrier')['error']),
     tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'a process of the job never calls it (no DTENSOR_* variables set)',
+    fdt.DTensorInitializationError,
+    r'Process 1 of 2 stopped during the set-up of TF DTensor, which every '
+    r"process's flax_dtensor\.dtensor\.initialize\(\) joins: no heartbeat "
+    r'from it for \d+ s',
+    'Call initialize() in every process, after jax.distributed.initialize().',
+    lambda ctx: _recorded(
+      ['DTensorInitializationError', fault_runs.absent_peer()['error']]
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'a JAX coordinator address this host has no route to (what it sets '
+    'DTENSOR_JOBS from)',
+    fdt.DTensorInitializationError,
+    r'TF DTensor needs an address and a free port in each process: expected '
+    r"to find this host's address towards JAX's coordinator "
+    r"'no-such-host\.invalid:1234' and a free port on it, got gaierror",
+    "Fix jax.distributed.initialize()'s coordinator_address, or set the "
+    'DTENSOR_* variables yourself.',
+    # What initialize() runs with JAX's coordinator address (a job of one
+    # process never gets there).
+    lambda ctx: _topology().reserve('no-such-host.invalid:1234'),
   ),
   Case(
     'flax_dtensor.dtensor.SaveHandle',

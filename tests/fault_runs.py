@@ -12,6 +12,8 @@
   drops to user `nobody` after its setup (root may write anywhere).
 - `dead_peer`: two processes save one checkpoint, and one of them is killed
   mid-save.
+- `absent_peer`: two processes without `DTENSOR_*` variables, of which only
+  process 0 calls `flax_dtensor.dtensor.initialize()`.
 
 Each returns what the processes reported; `faults_test.py` and
 `multiprocess_faults_test.py` check what each fault left on disk, and
@@ -426,3 +428,55 @@ def dead_peer(moment: str) -> dict[str, Any]:
 # The dead-peer run's bound: well above a live process's heartbeat interval
 # (a tenth of it) on a loaded machine, well below JAX's own 100 s.
 PEER_TIMEOUT = 10
+
+
+_ABSENT_PEER = textwrap.dedent(
+  """
+  import json, os, pathlib, sys, time
+  import multiprocess_util
+  multiprocess_util.initialize_jax()
+  import jax
+  done = pathlib.Path(sys.argv[1], 'done')
+  if jax.process_index() == 1:  # Never sets DTensor up.
+    while not done.exists():
+      time.sleep(0.05)
+    os._exit(0)
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor as fdt_tf
+  start = time.monotonic()
+  result = {'error': None}
+  try:
+    fdt_tf.initialize()
+  except fdt.DTensorInitializationError as e:
+    result['error'] = str(e)
+  result['seconds'] = time.monotonic() - start
+  result['tensorflow'] = 'tensorflow' in sys.modules
+  print('RESULT ' + json.dumps(result), flush=True)
+  done.touch()
+  os._exit(0)
+  """
+)
+# The absent peer's bound: short, as nothing but that wait is measured.
+ABSENT_PEER_TIMEOUT = 3
+
+
+@functools.cache
+def absent_peer() -> dict[str, Any]:
+  """Process 0's RESULT: the error of its `initialize()`, and how long."""
+  root = _scratch('fdt_absent_peer_')
+  script = pathlib.Path(root, 'worker.py')
+  script.write_text(_ABSENT_PEER)
+  outputs = multiprocess_util.run_workers(
+    script,
+    2,
+    args=[root],
+    timeout=TIMEOUT,
+    env={'FLAX_DTENSOR_PEER_TIMEOUT': str(ABSENT_PEER_TIMEOUT)},
+    dtensor_env=False,
+  )
+  lines = [
+    line for line in outputs[0].splitlines() if line.startswith('RESULT ')
+  ]
+  if not lines:
+    raise RuntimeError(f'process 0 printed no result:\n{outputs[0][-5000:]}')
+  return json.loads(lines[-1][len('RESULT ') :])

@@ -1,4 +1,4 @@
-"""A process killed in a two-process save: the other fails, bounded, in words.
+"""A process killed in a multi-process save: the others fail, bounded, in words.
 
 Two local processes (jax.distributed and DTensor on 127.0.0.1, see
 fault_runs.dead_peer and _mp_worker_dead_peer.py) save a checkpoint, then
@@ -73,3 +73,18 @@ def test_a_dead_peer_is_named_and_the_checkpoint_stays_whole(moment):
   for key, value in expected.items():
     np.testing.assert_array_equal(read[key], value)
   assert os.listdir(run['root']) == ['ckpt']
+
+
+def test_initialize_names_a_process_that_never_joins():
+  """Without DTENSOR_*: a process that never calls initialize() is named."""
+  run = fault_runs.absent_peer()
+  assert re.match(
+    r'Process 1 of 2 stopped during the set-up of TF DTensor, which every '
+    r"process's flax_dtensor\.dtensor\.initialize\(\) joins: no heartbeat "
+    rf'from it for {fault_runs.ABSENT_PEER_TIMEOUT} s .*TF DTensor was not '
+    r'set up\.',
+    run['error'],
+  ), run['error']
+  assert run['seconds'] < fault_runs.ABSENT_PEER_TIMEOUT + 30
+  # The addresses are exchanged before TensorFlow is imported.
+  assert not run['tensorflow']

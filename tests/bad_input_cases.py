@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scale_runs
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -1420,6 +1421,20 @@ CASES = [
     'Restart every process of the job; set FLAX_DTENSOR_PEER_TIMEOUT for '
     'another bound.',
     lambda ctx: _recorded_text(fault_runs.dead_peer('at-barrier')['error']),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.SaveHandle',
+    'another process of a multi-process background save died (at `wait()`)',
+    fdt.ExportError,
+    r'Process 2 of 4 stopped during the save to .*: no heartbeat from it '
+    r'for \d+ s .*FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*holds the '
+    r'previous checkpoint or the new one, whole',
+    'Restart every process of the job; set FLAX_DTENSOR_PEER_TIMEOUT for '
+    'another bound.',
+    lambda ctx: _recorded_text(
+      scale_runs.four_processes()['results'][0]['dead_peer']['error']
+    ),
     tf=True,
   ),
   Case(

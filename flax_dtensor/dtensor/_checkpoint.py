@@ -467,10 +467,10 @@ def _save_in_background(
 ) -> _background.SaveHandle:
   """`save_checkpoint(..., blocking=False)`: the copy here, the rest later.
 
-  On the caller's thread: the arrays, this process's shards copied to host
-  memory (`_host_write`), the layouts for the manifest, and the temporary
-  directory (so that a path that cannot be written is refused at the
-  call). On the save's own thread, which continues `session`: every
+  On the caller's thread: the arrays, the temporary directory (so that a
+  path that cannot be written is refused at the call), this process's
+  shards copied to host memory (`_host_write`) and the layouts for the
+  manifest. On the save's own thread, which continues `session`: every
   process writes and hashes its shards, process 0 merges them, writes the
   manifest and moves the result into place (`_write_merged`).
   """
@@ -478,13 +478,20 @@ def _save_in_background(
   with _peers.joined(session, last=False):
     with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
       values, report = _arrays_to_save(entries, single_mesh)
-      pieces = _host_write.snapshot(entries, values)
-      shardings = [v.sharding for v in values]
-      layouts = [_layouts.layout_for(v.sharding, v.ndim) for v in values]
-      del values  # The caller's arrays: not kept alive by the save.
+    # Before the copy: the processes meet here once, then each copies at
+    # its own pace.
     tmp = stack.enter_context(
       _atomic.atomic_directory(directory, overwrite=overwrite)
     )
+    try:
+      with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
+        pieces = _host_write.snapshot(entries, values)
+        shardings = [v.sharding for v in values]
+        layouts = [_layouts.layout_for(v.sharding, v.ndim) for v in values]
+        del values  # The caller's arrays: not kept alive by the save.
+    except BaseException as e:
+      stack.__exit__(type(e), e, e.__traceback__)  # Removes the temporary.
+      raise
   # The copies go to the writing thread, which drops them once written.
   copies = [pieces]
   del pieces

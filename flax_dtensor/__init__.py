@@ -21,6 +21,9 @@ if TYPE_CHECKING:
   from flax_dtensor._errors import (
     DTensorInitializationError as DTensorInitializationError,
   )
+  from flax_dtensor._errors import (
+    EagerShardingOffWarning as EagerShardingOffWarning,
+  )
   from flax_dtensor._errors import ExportError as ExportError
   from flax_dtensor._errors import (
     FlaxCompatibilityError as FlaxCompatibilityError,
@@ -63,6 +66,8 @@ if TYPE_CHECKING:
   from flax_dtensor._rules import (
     set_logical_axis_rules as set_logical_axis_rules,
   )
+  from flax_dtensor._suggest import RulesSuggestion as RulesSuggestion
+  from flax_dtensor._suggest import suggest_rules as suggest_rules
   from flax_dtensor._trees import gather_tree as gather_tree
   from flax_dtensor._trees import shard_tree as shard_tree
 
@@ -72,6 +77,7 @@ __all__ = (
   'CheckReport',
   'DTensorError',
   'DTensorInitializationError',
+  'EagerShardingOffWarning',
   'ExportError',
   'Finding',
   'FlaxCompatibilityError',
@@ -87,6 +93,7 @@ __all__ = (
   'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
+  'RulesSuggestion',
   'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
@@ -103,6 +110,7 @@ __all__ = (
   'shard_module',
   'shard_tree',
   'shard_value',
+  'suggest_rules',
   'with_logical_constraint',
 )
 
@@ -113,6 +121,7 @@ _MODULES = {
   'check': '_check',
   'DTensorError': '_errors',
   'DTensorInitializationError': '_errors',
+  'EagerShardingOffWarning': '_errors',
   'ExportError': '_errors',
   'FlaxCompatibilityError': '_errors',
   'FlaxDTensorError': '_errors',
@@ -141,6 +150,8 @@ _MODULES = {
   'logical_axis_rules': '_rules',
   'propagate': '_rules',
   'set_logical_axis_rules': '_rules',
+  'RulesSuggestion': '_suggest',
+  'suggest_rules': '_suggest',
   'gather_tree': '_trees',
   'shard_tree': '_trees',
 }

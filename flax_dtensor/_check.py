@@ -22,6 +22,7 @@ from flax_dtensor import (
   _init,
   _meshes,
   _path_rules,
+  _placement,
   _plan,
   _plan_view,
   _rules,
@@ -43,6 +44,10 @@ CODES = {
   ),
   'unannotated-replicated': (
     'a large variable that neither an annotation nor a path rule covers'
+  ),
+  'eager-sharding-off': (
+    'a variable the rules cover, created unplaced because eager sharding '
+    'was off'
   ),
 }
 """Every finding's code, and what it means."""
@@ -113,10 +118,15 @@ def _rule_text(name: str, target: Any) -> str:
 
 
 def _rule_findings(
-  rules: _rules.LogicalRules, used: set[str], sizes: dict[str, int] | None
+  rules: _rules.LogicalRules | _rules.FlaxRules,
+  used: set[str],
+  sizes: dict[str, int] | None,
 ) -> list[Finding]:
+  """Findings about the rules themselves, under their own semantics."""
+  flax = isinstance(rules, _rules.FlaxRules)
+  pairs = [(n, _flax_target(t)) for n, t in rules.pairs] if flax else rules
   out = []
-  for name in rules.names:
+  for name in dict.fromkeys(n for n, _ in pairs):
     if name not in used:
       out.append(
         Finding(
@@ -127,11 +137,24 @@ def _rule_findings(
           '(with_logical_constraint).',
         )
       )
+  last = {name: i for i, (name, _) in enumerate(pairs)}
   seen: dict[str, list[Any]] = {}
-  for name, target in rules:
+  for i, (name, target) in enumerate(pairs):
     earlier = seen.setdefault(name, [])
+    if flax and last[name] != i:
+      out.append(
+        Finding(
+          'shadowed-rule',
+          _rule_text(name, target),
+          f'the later rule {_rule_text(name, pairs[last[name]][1])} wins: '
+          "these rules were set with Flax's own context, which applies them "
+          'as a dict (the last rule for a name wins, no fallbacks), so this '
+          'one never applies. Remove it, or set the rules with '
+          '`fdt.logical_axis_rules(...)` for priority and fallbacks.',
+        )
+      )
     winners = [t for t in earlier if t is None or t == target]
-    if winners:
+    if winners and not flax:
       winner = winners[0]
       why = (
         'replicates, which always fits'
@@ -152,16 +175,28 @@ def _rule_findings(
         if axis not in sizes:
           close = difflib.get_close_matches(axis, list(sizes), n=1)
           hint = f' Did you mean {close[0]!r}?' if close else ''
+          skipped = (
+            'Flax will fail to create a variable with it'
+            if flax
+            else 'this rule is always skipped'
+          )
           out.append(
             Finding(
               'unknown-mesh-axis',
               _rule_text(name, target),
               f'the mesh has no axis {axis!r} (axes: {list(sizes)}), so '
-              f'this rule is always skipped.{hint} Fix the name, or remove '
-              'the rule if the fallback is meant.',
+              f'{skipped}.{hint} Fix the name, or remove the rule'
+              + ('.' if flax else ' if the fallback is meant.'),
             )
           )
   return out
+
+
+def _flax_target(target: Any) -> Any:
+  """A Flax rule's target as ours spell it (a list is a tuple of axes)."""
+  if isinstance(target, list | tuple):
+    return tuple(target) if len(target) > 1 else (target[0] if target else None)
+  return target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +328,10 @@ def check(
     wins) or annotated (annotations win unless ``override=True``);
   - ``unannotated-replicated``: a variable of at least `min_bytes` that
     neither an annotation nor a path rule covers, so every device holds it
-    whole, with a path rule that would cover it.
+    whole, with a path rule that would cover it;
+  - ``eager-sharding-off``: a variable the rules cover that was created
+    unplaced because Flax's eager sharding was off (another library may
+    have turned ``flax_always_shard_variable`` off), with the fix.
 
   Args:
     module_or_state: What `plan` takes: a module, state, a factory (built
@@ -308,9 +346,15 @@ def check(
   Returns:
     The report: false when there are no findings.
 
+  Rules set with Flax's own context, and no rules at all, are checked
+  under Flax's semantics, as creation applies them: the last rule for a
+  name wins (earlier ones are ``shadowed-rule``), and with no rules the
+  annotations' names are mesh axes.
+
   Raises:
-    LogicalRulesError: If `allow` holds an unknown code, or no rules are
-      given or in effect.
+    LogicalRulesError: If `allow` holds an unknown code.
+    UnknownLogicalAxisError: Under Flax's semantics, if an annotation names
+      a mesh axis the mesh lacks (as creation would fail).
 
   Example:
     >>> import jax, flax_dtensor as fdt
@@ -334,26 +378,39 @@ def check(
       f'{sorted(CODES)}.'
     )
   rules_ = _rules.rules_in_effect(rules)
-  if not isinstance(rules_, _rules.LogicalRules):
-    if not rules_.pairs:
-      raise _errors.LogicalRulesError(
-        'check() needs rules: pass rules=, or call it under '
-        'fdt.logical_axis_rules(rules).'
-      )
-    rules_ = _rules.LogicalRules(rules_.pairs)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
-  lenient = rules_.replace(unknown='replicate')
+  # The semantics creation takes: ours (unknown names replicated, so that
+  # every variable is planned), or Flax's (rules set with its own context,
+  # or none at all: then the names are mesh axes).
+  planning = (
+    rules_.replace(unknown='replicate')
+    if isinstance(rules_, _rules.LogicalRules)
+    else rules_
+  )
   target = module_or_state
   if _plan._is_factory(target) and not _trees.is_array_tree(target):
-    target = _init.build_abstract(target, mesh=mesh_, rules=lenient)
-  result = _plan.plan(target, mesh=mesh_, rules=lenient)
+    target = _init.build_abstract(target, mesh=mesh_, rules=planning)
+  result = _plan.plan(target, mesh=mesh_, rules=planning)
   used = {
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }
   findings = _rule_findings(rules_, used, sizes)
-  if rules_.path_rules:
+  if isinstance(rules_, _rules.LogicalRules) and rules_.path_rules:
     findings += _path_rule_findings(rules_, _subjects(target))
+  for e in result.entries:
+    if e.misplaced and (e.misplaced_reason or '').startswith(
+      _placement.EAGER_OFF_REASON
+    ):
+      findings.append(
+        Finding(
+          'eager-sharding-off',
+          e.path,
+          f'placed {_specs.format_spec(e.placed)}, but the rules say '
+          f'{_specs.format_spec(e.spec)}: {_placement.EAGER_OFF_REASON}. '
+          f'{_placement.EAGER_OFF_FIX}',
+        )
+      )
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
     if not (
       result.num_devices > 1

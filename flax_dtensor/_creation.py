@@ -39,7 +39,7 @@ from flax_dtensor import _meshes, _resolution, _rules
 
 # Modules whose initializers are pure functions of their arguments.
 _PURE_MODULES = ('jax.', 'flax.')
-_CACHE_SIZE = 256
+CACHE_SIZE = 256
 # XLA's algebraic simplifier reassociates constant factors across the ops an
 # eager call runs one by one (``normal(key, shape) * stddev``), which moves
 # values by an ulp; without it the compiled initializer equals the eager
@@ -47,11 +47,11 @@ _CACHE_SIZE = 256
 COMPILER_OPTIONS = {'xla_disable_hlo_passes': 'algsimp'}
 
 
-class _Unkeyable(Exception):
+class Unkeyable(Exception):
   """A value that does not determine a compiled initializer by itself."""
 
 
-def _static_key(x: Any) -> Hashable:
+def static_key(x: Any) -> Hashable:
   """A hashable key equal for values that trace to the same computation."""
   if x is None or isinstance(x, bool | int | str | bytes):
     return (type(x), x)
@@ -60,7 +60,7 @@ def _static_key(x: Any) -> Hashable:
   if isinstance(x, complex):
     return (complex, x.real.hex(), x.imag.hex())
   if isinstance(x, tuple | list):
-    return (type(x), tuple(_static_key(v) for v in x))
+    return (type(x), tuple(static_key(v) for v in x))
   if isinstance(x, np.dtype) or (
     # Scalar types: np.float32, jnp.float32, jnp.bfloat16 ...
     isinstance(getattr(x, 'dtype', None), np.dtype) and not hasattr(x, 'shape')
@@ -71,38 +71,38 @@ def _static_key(x: Any) -> Hashable:
     return (np.dtype, np.dtype(x).str, str(np.dtype(x)))
   if callable(x):
     return function_key(x)
-  raise _Unkeyable(type(x).__name__)
+  raise Unkeyable(type(x).__name__)
 
 
 def function_key(fn: Callable[..., Any]) -> Hashable:
   """What determines a pure library function's computation.
 
   Raises:
-    _Unkeyable: For anything but a function from JAX or Flax (or a
+    Unkeyable: For anything but a function from JAX or Flax (or a
       ``functools.partial`` of one) closing over plain values.
   """
   if isinstance(fn, functools.partial):
     return (
       functools.partial,
       function_key(fn.func),
-      _static_key(fn.args),
-      _static_key(sorted(fn.keywords.items())),
+      static_key(fn.args),
+      static_key(sorted(fn.keywords.items())),
     )
   if not isinstance(fn, types.FunctionType) or not (
     fn.__module__ or ''
   ).startswith(_PURE_MODULES):
-    raise _Unkeyable(getattr(fn, '__qualname__', type(fn).__name__))
-  cells = tuple(_static_key(c.cell_contents) for c in fn.__closure__ or ())
+    raise Unkeyable(getattr(fn, '__qualname__', type(fn).__name__))
+  cells = tuple(static_key(c.cell_contents) for c in fn.__closure__ or ())
   return (
     fn.__code__,
     id(fn.__globals__),
     cells,
-    _static_key(fn.__defaults__),
-    _static_key(sorted((fn.__kwdefaults__ or {}).items())),
+    static_key(fn.__defaults__),
+    static_key(sorted((fn.__kwdefaults__ or {}).items())),
   )
 
 
-class _LRU:
+class LRU:
   """A small thread-safe LRU map of compiled initializers and shapes."""
 
   def __init__(self, size: int):
@@ -129,14 +129,18 @@ class _LRU:
       self._data.clear()
 
 
-_shapes = _LRU(_CACHE_SIZE)
-_compiled = _LRU(_CACHE_SIZE)
+_shapes = LRU(CACHE_SIZE)
+_compiled = LRU(CACHE_SIZE)
+leaves = LRU(CACHE_SIZE)
+"""Compiled leaf-module constructors (`_creation_order`), by what
+determines them."""
 
 
 def clear_caches() -> None:
   """Drops the cached initializers (e.g. after the devices change)."""
   _shapes.clear()
   _compiled.clear()
+  leaves.clear()
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -160,10 +164,10 @@ class _Call:
 
 
 def _call_of(initializer: Callable[..., Any], args: tuple[Any, ...]) -> _Call:
-  """Raises `_Unkeyable` unless the call can be compiled once and reused."""
+  """Raises `Unkeyable` unless the call can be compiled once and reused."""
   key = (
     function_key(initializer),
-    tuple(('dynamic',) if _is_dynamic(a) else _static_key(a) for a in args),
+    tuple(('dynamic',) if _is_dynamic(a) else static_key(a) for a in args),
   )
   return _Call(
     key,
@@ -200,7 +204,7 @@ def create(
   else:
     try:
       call = _call_of(initializer, args)
-    except _Unkeyable:
+    except Unkeyable:
       call = None
   spec = None if call is None else _spec_for(initializer, call, metadata, mesh)
   if spec is None:
@@ -241,7 +245,7 @@ def would_create(
     return False
   try:
     call = _call_of(initializer, args)
-  except _Unkeyable:
+  except Unkeyable:
     return False
   shape = jax.ShapeDtypeStruct(np.shape(out), getattr(out, 'dtype', None))
   return _spec_for(initializer, call, metadata, mesh, shape=shape) is not None

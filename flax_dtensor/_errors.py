@@ -1,4 +1,4 @@
-"""Exception classes of flax_dtensor.
+"""Exception and warning classes of flax_dtensor.
 
 Every error the package raises on bad input is one of these. Each subclasses
 the builtin callers already catch (`ValueError` or `TypeError`) and
@@ -92,4 +92,15 @@ class ExportError(FlaxDTensorError, ValueError):
 
   For example an existing target directory without `overwrite=True`, a
   checkpoint that lacks a variable the target needs, or a shape mismatch.
+  """
+
+
+class EagerShardingOffWarning(UserWarning):
+  """Variables were created unplaced: Flax's eager sharding was off.
+
+  Warned once per rules context, when a module is built under our rules and
+  a concrete mesh while ``flax.config.flax_always_shard_variable`` is False
+  (some libraries set it when imported), so Flax created its annotated
+  variables unsharded. ``fdt.plan`` gives each such variable's
+  reason and ``fdt.check`` reports ``eager-sharding-off``.
   """

@@ -41,7 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_dtensor import (
   _compat,
   _creation,
+  _creation_order,
   _errors,
+  _meshes,
   _placement,
   _resolution,
   _rules,
@@ -65,6 +67,12 @@ class _State(threading.local):
   depth: int = 0
   # Inside `nnx.get_partition_spec` under path rules: {id(variable): path}.
   paths: dict[int, str] | None = None
+  # Inside an abstract build under path rules: module constructions, in
+  # order (`_creation_order`).
+  recording: _creation_order.Recording | None = None
+  # Inside a concrete build under path rules: the abstract build's records
+  # it follows.
+  order: _creation_order.Order | None = None
 
 
 _state = _State()
@@ -72,7 +80,9 @@ _state = _State()
 
 @contextlib.contextmanager
 def building(
-  in_shards: list[Any] | None = None, mesh: Mesh | None = None
+  in_shards: list[Any] | None = None,
+  mesh: Mesh | None = None,
+  recording: _creation_order.Recording | None = None,
 ) -> Iterator[None]:
   """Within the block, a model is built by flax_dtensor (`init`, `plan`).
 
@@ -81,14 +91,27 @@ def building(
   stays linear in the number of variables (see `_set_value`). With
   `in_shards`, the build is `init`'s abstract pass: the outputs of annotated
   initializers that an eager build on `mesh` computes in their shards are
-  appended to it.
+  appended to it. With `recording`, every module construction is recorded
+  in order (see `_creation_order`).
   """
-  old = _state.building, _state.in_shards, _state.mesh
+  old = (_state.building, _state.in_shards, _state.mesh, _state.recording)
   _state.building, _state.in_shards, _state.mesh = True, in_shards, mesh
+  _state.recording = recording
   try:
     yield
   finally:
-    _state.building, _state.in_shards, _state.mesh = old
+    (_state.building, _state.in_shards, _state.mesh, _state.recording) = old
+
+
+@contextlib.contextmanager
+def following(order: _creation_order.Order | None) -> Iterator[None]:
+  """Within the block, module constructions follow `order`."""
+  old = _state.order
+  _state.order = order
+  try:
+    yield
+  finally:
+    _state.order = old
 
 
 @contextlib.contextmanager
@@ -237,10 +260,12 @@ def _get_var_pspec(
   )
   path = _state.paths.get(id(variable)) if _state.paths else None
   concrete = _variables.concrete_sharding_of(variable) is not None
-  if not concrete and (
-    not uses_ours
-    or (path is None and _variables.logical_axes_of(variable) is None)
-  ):
+  annotated = _variables.logical_axes_of(variable) is not None
+  if _state.building and annotated and not uses_ours:
+    # Our own builds (plan, check, init) under Flax's semantics: a name
+    # that is no mesh axis is our error, not JAX's inside Flax.
+    _variables.spec_of_variable(variable, rules=rules)
+  if not concrete and (not uses_ours or (path is None and not annotated)):
     # Flax's answer; a concrete sharding is ours everywhere (Flax's would
     # iterate a NamedSharding or Format as if it were names).
     return flax_fn(*args, **kwargs)
@@ -322,16 +347,28 @@ def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
 def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
   """The module metaclass's call: construction, then path-ruled placement.
 
-  With no path rules in effect this costs two thread-local reads. Under
+  With no rules of ours in effect this costs two thread-local reads. Under
   path rules, the outermost ``nnx.Module`` constructor (a per-thread depth
-  count) places, when it returns, every variable of the new module that a
-  path rule covers, by its path in that module: the variable was created
-  as Flax creates it, and moves once.
+  count) first builds the module abstractly to learn where each variable
+  ends (`_creation_order.record`), then builds it following that record:
+  leaf modules in their shards, other variables placed as soon as their
+  module returns; when it returns, every variable a path rule covers is
+  checked against its actual path and moved if it is not there. When eager
+  sharding is off, nothing is placed, and that is said
+  (`_placement.warn_unplaced`).
   """
   state = _state
+  if state.recording is not None:  # An abstract build: record, in order.
+    record = state.recording.enter(cls, args, kwargs)
+    record.module = flax_call(cls, *args, **kwargs)
+    return record.module
   if state.depth:
     state.depth += 1
     try:
+      if state.order is not None:
+        return state.order.construct(
+          flax_call, cls, args, kwargs, lambda: flax_call(cls, *args, **kwargs)
+        )
       return flax_call(cls, *args, **kwargs)
     finally:
       state.depth -= 1
@@ -339,19 +376,71 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
     state.probe.append('module_call')
     return flax_call(cls, *args, **kwargs)
   rules = core_spmd.get_logical_axis_rules()
-  if (
-    not isinstance(rules, _rules.LogicalRules)
-    or not rules.path_rules
-    or state.building
-  ):
+  if not isinstance(rules, _rules.LogicalRules) or state.building:
     return flax_call(cls, *args, **kwargs)
+  eager = variablelib.using_eager_sharding()
+  if eager and not rules.path_rules:
+    return flax_call(cls, *args, **kwargs)
+  order = state.order
+  if order is None and eager:
+    order = _planned_order(flax_call, cls, args, kwargs, rules)
   state.depth = 1
+  old_order, state.order = state.order, order
   try:
-    module = flax_call(cls, *args, **kwargs)
+    if order is not None:
+      module = order.construct(
+        flax_call, cls, args, kwargs, lambda: flax_call(cls, *args, **kwargs)
+      )
+    else:
+      module = flax_call(cls, *args, **kwargs)
   finally:
     state.depth = 0
-  _placement.place_by_path_rules(module, rules)
+    state.order = old_order
+  if eager:
+    _placement.place_by_path_rules(module, rules, order)
+  else:
+    _placement.warn_unplaced(module, rules)
   return module
+
+
+def _planned_order(
+  flax_call: Callable[..., Any],
+  cls: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  rules: _rules.LogicalRules,
+  *,
+  strict: bool = False,
+) -> _creation_order.Order | None:
+  """The creation order of `cls(*args, **kwargs)`, from an abstract build.
+
+  None where there is no concrete mesh, the arguments are traced (the
+  constructor runs inside a transform), or the abstract build fails (the
+  concrete build then reports the error as it would anyway).
+  """
+  mesh = _meshes.mesh_for()
+  if not isinstance(mesh, Mesh) or _creation_order.traced(args, kwargs):
+    return None
+  recording = _creation_order.Recording()
+
+  def build(*a: Any, **k: Any) -> Any:
+    outermost = recording.enter(cls, a, k)
+    outermost.module = flax_call(cls, *a, **k)
+    _creation_order.finish(recording, outermost.module)
+    return outermost.module
+
+  try:
+    with building(recording=recording):
+      nnx.eval_shape(build, *args, graph=True, graph_updates=False, **kwargs)
+  except Exception:  # The concrete build meets it again, and reports it.
+    return None
+  return _creation_order.Order(
+    recording.records,
+    rules,
+    mesh,
+    quiet=building,
+    strict=strict,
+  )
 
 
 _install_lock = threading.Lock()
@@ -442,7 +531,9 @@ def install() -> None:
     state = _state
     if not state.depth and state.probe is None:
       rules = core_spmd.get_logical_axis_rules()
-      if not isinstance(rules, _rules.LogicalRules) or not rules.path_rules:
+      if not isinstance(rules, _rules.LogicalRules) or (
+        not rules.path_rules and variablelib.using_eager_sharding()
+      ):
         return flax_call(cls, *args, **kwargs)
     return _construct(flax_call, cls, *args, **kwargs)
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from flax_dtensor import (
   _creation,
+  _creation_order,
   _errors,
   _hook,
   _meshes,
@@ -134,12 +135,15 @@ def init(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
-    if isinstance(rules_, _rules.LogicalRules) and _builds_in_shards(
-      factory, args, kwargs, mesh_
-    ):
+    in_shards, order = (
+      _builds_in_shards(factory, args, kwargs, mesh_)
+      if isinstance(rules_, _rules.LogicalRules)
+      else (False, None)
+    )
+    if in_shards:
       saved = nnx.clone(nodes)
       try:
-        with _hook.strictly_in_shards():
+        with _hook.strictly_in_shards(), _hook.following(order):
           built = factory(*args, **kwargs)
       except _creation.NotInShards:  # Not foreseen by the abstract pass.
         nnx.update(nodes, nnx.state(saved))
@@ -156,47 +160,69 @@ def _builds_in_shards(
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
   mesh: Mesh,
-) -> bool:
-  """Whether an eager build computes every annotated variable in its shards.
+) -> tuple[bool, _creation_order.Order | None]:
+  """Whether an eager build computes every variable in its shards, and the
+  creation order it follows.
 
-  True when, in an abstract pass (nothing allocated, the caller's `nnx.Rngs`
-  untouched), every variable with logical axes holds exactly what an
-  annotated JAX or Flax initializer returned, which `_creation.create`
-  computes in its shards under a jit compiled once per distinct
-  initializer. Anything else (a user's initializer, an array computed
+  True when, in an abstract pass (nothing allocated, the caller's
+  `nnx.Rngs` untouched), every variable that a path rule covers lies in a
+  leaf module whose arguments determine it (built under a cached jit by
+  `_creation_order`), and every other variable with logical axes holds
+  exactly what an annotated JAX or Flax initializer returned (which
+  `_creation.create` computes in its shards) or lies in such a leaf too.
+  Anything else (a user's initializer or function, an array computed
   before it is annotated) is built by `_traced_build`, whose compile time
   grows with the model.
   """
   found: list[Any] = []
   verdict: list[bool] = []
   rules = _rules.rules_in_effect()
+  path_rules = isinstance(rules, _rules.LogicalRules) and bool(rules.path_rules)
+  recording = _creation_order.Recording() if path_rules else None
 
   def probe(*a: Any, **k: Any) -> None:
-    with _hook.building(in_shards=found, mesh=mesh):
+    with _hook.building(in_shards=found, mesh=mesh, recording=recording):
       built = factory(*a, **k)
-    ids = {id(x) for x in found}
-    verdict.append(
-      all(
-        id(_variables.value_of(v)) in ids
-        for _, v in _variables.iter_variables(built)
-        if _variables.logical_axes_of(v) is not None
-      )
+    if recording is not None:
+      _creation_order.finish(recording, built)
+    leaves = (
+      [
+        r.path
+        for r in recording.records
+        if r.leaf and r.keyable and r.path is not None
+      ]
+      if recording is not None
+      else []
     )
-    if isinstance(rules, _rules.LogicalRules) and rules.path_rules:
-      # A variable a path rule covers is known by its path only once built:
-      # only the traced build creates it in its shards.
-      verdict.append(
-        not any(
-          r is not None and r.by_path_rule
-          for _, _, r in _variables.resolved(built, rules=rules, mesh=mesh)
-        )
-      )
+
+    def in_a_leaf(path: str) -> bool:
+      return any(path == p or path.startswith(p + '/') for p in leaves)
+
+    ids = {id(x) for x in found}
+    for where, v, resolution in _variables.resolved(
+      built, rules=rules, mesh=mesh
+    ):
+      if resolution is None:
+        continue
+      if resolution.by_path_rule:
+        verdict.append(in_a_leaf(where))
+      elif _variables.logical_axes_of(v) is not None:
+        verdict.append(id(_variables.value_of(v)) in ids or in_a_leaf(where))
+    verdict.append(True)
 
   try:
     nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
   except Exception:  # The traced build reports it, or builds it anyway.
-    return False
-  return bool(verdict) and all(verdict)
+    return False, None
+  ok = bool(verdict) and all(verdict)
+  order = (
+    _creation_order.Order(
+      recording.records, rules, mesh, quiet=_hook.building, strict=True
+    )
+    if ok and recording is not None
+    else None
+  )
+  return ok, order
 
 
 def _traced_build(
@@ -298,12 +324,13 @@ def build_abstract(
   factory: Callable[[], M],
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _rules.RulesLike | _rules.FlaxRules | None = None,
 ) -> M:
   """``factory()`` built abstractly (nothing allocated), in linear time.
 
   Under the mesh (concrete or abstract) and rules given, or the context's;
   the variables hold ``jax.ShapeDtypeStruct``s carrying their shardings.
+  `FlaxRules` are the context's own (Flax's, or none): nothing is entered.
 
   Raises:
     NotAModelError: If the factory returns no NNX module or graph node.
@@ -313,7 +340,7 @@ def build_abstract(
       stack.enter_context(jax.set_mesh(mesh))
     elif mesh is not None:
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    if rules is not None:
+    if rules is not None and not isinstance(rules, _rules.FlaxRules):
       stack.enter_context(_rules.logical_axis_rules(rules))
     stack.enter_context(_hook.building())
     built = nnx.eval_shape(factory)

@@ -25,7 +25,7 @@ from flax_dtensor import _errors, _specs
 
 PATH_RULES_FIX_MSG = (
   'Each path rule is a (pattern, target) pair, a dict with `pattern` and '
-  '`logical` or `spec` (and optionally `type` and `override`), or a '
+  '`logical` or `spec` (and optionally `type`, `override` and `note`), or a '
   '`fdt.PathRule`; the target is logical axes (a tuple such as '
   "('embed', 'mlp')), a PartitionSpec of mesh axes (P('data', 'model')) or "
   'None (replicate), optionally led by ... for stacked layers, e.g. '
@@ -141,6 +141,9 @@ class PathRule:
       ``nnx.BatchStat``, ...), or of a subclass; None for any type.
     override: Whether the rule also applies to variables annotated with
       logical axes. By default annotations win.
+    note: Why the rule is there, in a few words, or None. The plan's
+      `source` column shows it after the rule (`fdt.suggest_rules` says
+      which preset or proposal wrote each rule this way).
 
   Raises:
     LogicalRulesError: If the pattern is not a valid regular expression, or
@@ -160,6 +163,7 @@ class PathRule:
   target: tuple[Any, ...] | PartitionSpec | None
   type: type[nnx.Variable] | None
   override: bool
+  note: str | None
   kind: str = dataclasses.field(repr=False, compare=False)
   entries: tuple[Any, ...] = dataclasses.field(repr=False, compare=False)
   leading: bool = dataclasses.field(repr=False, compare=False)
@@ -172,8 +176,9 @@ class PathRule:
     *,
     type: type[nnx.Variable] | None = None,
     override: bool = False,
+    note: str | None = None,
   ) -> None:
-    self._init(pattern, target, type, override, None)
+    self._init(pattern, target, type, override, None, note)
 
   def _init(
     self,
@@ -182,6 +187,7 @@ class PathRule:
     type: type[nnx.Variable] | None,
     override: bool,
     index: int | None,
+    note: str | None = None,
   ) -> None:
     where = _where(index)
     if not isinstance(pattern, str) or not pattern:
@@ -209,6 +215,11 @@ class PathRule:
       raise _errors.LogicalRulesError(
         f'{where} {pattern!r}: `override` must be a bool; got {override!r}.'
       )
+    if note is not None and not (isinstance(note, str) and note.strip()):
+      raise _errors.LogicalRulesError(
+        f'{where} {pattern!r}: `note` must be a non-empty str (why the rule '
+        f'is there) or None; got {note!r}.'
+      )
     if kind == REPLICATE:
       canonical: Any = None
     elif kind == MESH:
@@ -220,6 +231,7 @@ class PathRule:
       ('target', canonical),
       ('type', type),
       ('override', override),
+      ('note', None if note is None else ' '.join(note.split())),
       ('kind', kind),
       ('entries', entries),
       ('leading', leading),
@@ -237,10 +249,15 @@ class PathRule:
       options += f', type=nnx.{self.type.__name__}'
     if self.override:
       options += ', override=True'
+    if self.note is not None:
+      options += f', note={self.note!r}'
     return f'PathRule({self.pattern!r}, {target}{options})'
 
   def __reduce__(self):
-    return (_rebuild, (self.pattern, self.target, self.type, self.override))
+    return (
+      _rebuild,
+      (self.pattern, self.target, self.type, self.override, self.note),
+    )
 
   def matches(self, path: str, variable_type: type | None = None) -> bool:
     """Whether the rule matches a variable of this type at this path.
@@ -255,8 +272,10 @@ class PathRule:
     return self.regex.search(path) is not None
 
   def describe(self, index: int) -> str:
-    """'path rule #2 'attn/.*/kernel'', as the plan's `source` shows it."""
-    return f'path rule #{index} {self.pattern!r}'
+    """'path rule #2 'attn/.*/kernel'', as the plan's `source` shows it,
+    followed by the rule's note in parentheses if it has one."""
+    text = f'path rule #{index} {self.pattern!r}'
+    return text if self.note is None else f'{text} ({self.note})'
 
   def to_yaml_dict(self) -> dict[str, Any]:
     """The rule as ``from_yaml`` reads it (a dict of plain values)."""
@@ -271,11 +290,13 @@ class PathRule:
       out['type'] = self.type.__name__
     if self.override:
       out['override'] = True
+    if self.note is not None:
+      out['note'] = self.note
     return out
 
 
-def _rebuild(pattern, target, type_, override) -> PathRule:
-  return PathRule(pattern, target, type=type_, override=override)
+def _rebuild(pattern, target, type_, override, note=None) -> PathRule:
+  return PathRule(pattern, target, type=type_, override=override, note=note)
 
 
 def _variable_type(name: Any, where: str) -> type[nnx.Variable]:
@@ -298,7 +319,15 @@ def _variable_type(name: Any, where: str) -> type[nnx.Variable]:
   return found
 
 
-_DICT_KEYS = {'pattern', 'logical', 'spec', 'target', 'type', 'override'}
+_DICT_KEYS = {
+  'pattern',
+  'logical',
+  'spec',
+  'target',
+  'type',
+  'override',
+  'note',
+}
 
 
 def _from_mapping(item: Mapping[str, Any], index: int) -> PathRule:
@@ -307,7 +336,7 @@ def _from_mapping(item: Mapping[str, Any], index: int) -> PathRule:
   if extra or 'pattern' not in item:
     raise _errors.LogicalRulesError(
       f'{where} {dict(item)!r}: expected the keys `pattern` and one of '
-      f'`logical` / `spec` (optionally `type`, `override`); '
+      f'`logical` / `spec` (optionally `type`, `override`, `note`); '
       + (f'got unknown keys {extra}. ' if extra else 'got no `pattern`. ')
       + PATH_RULES_FIX_MSG
     )
@@ -344,15 +373,21 @@ def _from_mapping(item: Mapping[str, Any], index: int) -> PathRule:
     None if type_ is None else _variable_type(type_, where),
     item.get('override', False),
     index,
+    item.get('note'),
   )
 
 
 def _make(
-  pattern: Any, target: Any, type_: Any, override: Any, index: int
+  pattern: Any,
+  target: Any,
+  type_: Any,
+  override: Any,
+  index: int,
+  note: Any = None,
 ) -> PathRule:
   """A `PathRule`, its errors naming its position in the rule set."""
   rule = PathRule.__new__(PathRule)
-  rule._init(pattern, target, type_, override, index)
+  rule._init(pattern, target, type_, override, index, note)
   return rule
 
 

@@ -20,6 +20,8 @@ from jax.experimental.layout import Format
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_dtensor import (
+  _creation,
+  _creation_order,
   _errors,
   _meshes,
   _resolution,
@@ -254,15 +256,92 @@ def with_logical_constraint(
   return apply_spec(x, resolution.spec, mesh)
 
 
-def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
+EAGER_OFF_REASON = (
+  'created while eager sharding was off (its `eager_sharding` metadata is '
+  'False: flax.config.flax_always_shard_variable was False, which some '
+  'libraries set when they are imported, or nnx.use_eager_sharding(False) '
+  'was in effect), so Flax left it where it was created'
+)
+"""Why a variable the rules cover is not where they say (the plan's reason)."""
+
+EAGER_OFF_FIX = (
+  'Build the model inside `with nnx.use_eager_sharding(True):`, or with '
+  '`fdt.init(...)` (which places every variable whatever the flag), or '
+  'place it afterwards with `fdt.shard_module(model)`.'
+)
+
+
+def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
+  """Warns that a module built under our rules was not placed.
+
+  Called when the outermost ``nnx.Module`` constructor returns under our
+  rules while eager sharding is off. Said once per rules context
+  (`_rules.first_time_in_context`), with `EagerShardingOffWarning`, when
+  the global flag ``flax_always_shard_variable`` is off (another library
+  may have turned it off at import) and a concrete mesh is set: the user
+  asked for placement with the rules and the mesh, and got none. A
+  ``nnx.use_eager_sharding(False)`` block of the user's own, with the flag
+  on, is a deliberate choice: nothing is said (the plan still gives the
+  reason).
+  """
+  import flax  # pylint: disable=g-import-not-at-top
+
+  if flax.config.flax_always_shard_variable:
+    return
+  mesh = _meshes.mesh_for()
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return
+  if not _rules.first_time_in_context('eager-sharding-off'):
+    return
+  unplaced = []
+  for where, variable in _variables.iter_variables(module):
+    value = _variables.value_of(variable)
+    if _is_traced(value) or variable.get_metadata('eager_sharding', True):
+      continue
+    try:
+      resolution = _variables.spec_of_variable(
+        variable, rules=rules, mesh=mesh, path=_variables.path_str(where)
+      )
+    except (ValueError, TypeError):  # Resolution errors: unplaced as well.
+      resolution = None
+      unplaced.append(_variables.path_str(where))
+      continue
+    if resolution is not None and not _is_placed(value, resolution.spec, mesh):
+      unplaced.append(_variables.path_str(where))
+  if not unplaced:
+    # Nothing to say here: ask again in this context for the next module.
+    _rules.forget_in_context('eager-sharding-off')
+    return
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  warnings.warn(
+    _errors.EagerShardingOffWarning(
+      f'flax_dtensor did not place {len(unplaced)} variables of '
+      f'{type(module).__name__} that the rules in effect cover (e.g. '
+      f'{_variables.listing(unplaced, 3)}) on {_meshes.describe(mesh)}: '
+      'eager sharding is off (flax.config.flax_always_shard_variable is '
+      'False; some libraries turn it off when they are imported), so Flax '
+      f'created them unsharded. {EAGER_OFF_FIX} Said once per '
+      '`fdt.logical_axis_rules` block.'
+    ),
+    stacklevel=4,
+  )
+
+
+def place_by_path_rules(
+  module: Any,
+  rules: _rules.LogicalRules,
+  order: _creation_order.Order | None = None,
+) -> None:
   """Moves the variables path rules cover to their placement, once.
 
   Called when the outermost ``nnx.Module`` constructor returns under path
   rules (`_hook`): by then every variable has its path in the new module.
-  Variables placed already (by an earlier module's construction, or built
-  in their shards) are not moved again. Nothing moves when eager sharding
-  is off (``nnx.use_eager_sharding(False)``, or a variable's own
-  ``eager_sharding=False``), as for annotated variables.
+  Variables placed already (built in their shards by the creation `order`,
+  or by an earlier module's construction) are not moved again; those moved
+  here are noted with the reason (`_creation_order.note_of`). Nothing moves
+  when eager sharding is off (``nnx.use_eager_sharding(False)``, or a
+  variable's own ``eager_sharding=False``), as for annotated variables.
 
   Raises:
     MeshError: If a path rule covers a variable but no mesh is set.
@@ -286,8 +365,25 @@ def place_by_path_rules(module: Any, rules: _rules.LogicalRules) -> None:
         f'Expected a mesh to place the variable at {where}, which '
         f'{resolution.source} covers, but no mesh is set. {NO_MESH_MSG}'
       )
-    placed = apply_spec(value, resolution.spec, mesh, path=where)
-    variable.set_value(in_layout(placed, variable, mesh, resolution.spec))
+    if _is_traced(value) or not _is_placed(value, resolution.spec, mesh):
+      if order is not None and order.strict:
+        raise _creation.NotInShards(where)
+      placed = apply_spec(value, resolution.spec, mesh, path=where)
+      variable.set_value(in_layout(placed, variable, mesh, resolution.spec))
+      if not _is_traced(value):
+        _creation_order.note(variable, _moved_at_return(order))
+
+
+def _moved_at_return(order: _creation_order.Order | None) -> str:
+  why = (
+    'there was no creation order to follow (no concrete mesh when it was '
+    'created, or an abstract build of the model failed)'
+    if order is None
+    else order.stopped
+    or 'the abstract build did not predict where it ends (it was built '
+    'inside a transform such as nnx.vmap, or its path differed)'
+  )
+  return f'{_creation_order.MOVED}the outermost constructor returned: {why}'
 
 
 def in_layout(
@@ -421,7 +517,9 @@ def shard_module(
   For a module built without a mesh (or under other rules): every variable
   with logical axes (``nnx.with_partitioning``) is placed by the rules, and
   every variable a path rule covers by that rule (the path is the
-  variable's path in `module`); other variables are left where they are.
+  variable's path in `module`). Every other variable ends on the mesh too:
+  one on a single device (or a NumPy value) is replicated over it, one
+  already sharded stays as it is, as `plan` reports.
 
   Args:
     module: The module. Its variables are updated in place.
@@ -446,6 +544,16 @@ def shard_module(
     module, rules=rules_, mesh=mesh_
   ):
     if resolution is None:
+      value = _variables.value_of(variable)
+      if (
+        _variables.placed_spec(value) is None
+        and isinstance(value, jax.Array | np.ndarray | np.generic)
+        and not _is_traced(value)
+      ):
+        # On no mesh yet: replicated on this one, as the plan says.
+        variable.set_value(
+          jax.device_put(value, NamedSharding(mesh_, PartitionSpec()))
+        )
       continue
     target_mesh = _meshes.mesh_for(variable, mesh=mesh_)
     placed = apply_spec(

@@ -17,10 +17,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import (
+  _creation_order,
   _errors,
   _init,
   _meshes,
   _path_rules,
+  _placement,
   _plan_diff,
   _plan_view,
   _rules,
@@ -78,6 +80,14 @@ class PlanEntry:
       from 0), or ``'none (...)'`` with the reason nothing did (replicated,
       left where it is, too small for path rules). None in layouts written
       before the plan had sources.
+    misplaced_reason: For a `misplaced` entry, why the array is not where
+      the rules say (e.g. it was created while Flax's eager sharding was
+      off), and how to place it; None otherwise.
+    creation: How flax_dtensor created a variable a path rule covers:
+      ``'in its shards'`` (built under a jit that computes only its
+      shards), or ``'moved when ...'`` with the reason; None
+      when it does not know (not created under path rules, or changed
+      since).
   """
 
   path: str
@@ -92,6 +102,8 @@ class PlanEntry:
   placed: PartitionSpec | None = None
   category: str = 'other'
   source: str | None = None
+  misplaced_reason: str | None = None
+  creation: str | None = None
 
   @property
   def misplaced(self) -> bool:
@@ -122,6 +134,8 @@ class PlanEntry:
       ),
       'category': self.category,
       'source': self.source,
+      'misplaced_reason': self.misplaced_reason,
+      'creation': self.creation,
     }
 
 
@@ -385,6 +399,12 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
           ),
           category=str(v.get('category', 'other')),
           source=None if v.get('source') is None else str(v['source']),
+          misplaced_reason=(
+            None
+            if v.get('misplaced_reason') is None
+            else str(v['misplaced_reason'])
+          ),
+          creation=None if v.get('creation') is None else str(v['creation']),
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -467,8 +487,9 @@ def _variable_rows(
   rules: _rules.LogicalRules | _rules.FlaxRules,
   mesh: Any,
   optimizer: Any,
-) -> list[tuple[str, str, str, Any, Any, type]]:
-  """(path, kind, category, value, resolution, type) of every variable."""
+) -> list[tuple[str, str, str, Any, Any, type, bool, str | None]]:
+  """(path, kind, category, value, resolution, type, created eagerly
+  sharded, how flax_dtensor created it) of every variable."""
   if _is_factory(module_or_state):
     module_or_state = _init.build_abstract(
       module_or_state, mesh=mesh, rules=rules
@@ -494,9 +515,20 @@ def _variable_rows(
           variable, rules=rules, mesh=mesh, path=where
         ),
         type(variable),
+        bool(variable.get_metadata('eager_sharding', True)),
+        _creation_order.note_of(variable),
       )
     )
   return rows
+
+
+def _misplaced_reason(eager: bool) -> str:
+  if not eager:
+    return f'{_placement.EAGER_OFF_REASON}. {_placement.EAGER_OFF_FIX}'
+  return (
+    'placed by other rules, on another mesh or by hand; '
+    '`fdt.shard_module(model)` places it as the rules say'
+  )
 
 
 def plan(
@@ -588,7 +620,7 @@ def plan(
       module_or_state, rules=rules_, mesh=mesh_, logical_axes=logical_axes
     )
     rows = [
-      (path, 'array', 'other', leaf, resolution, None)
+      (path, 'array', 'other', leaf, resolution, None, True, None)
       for path, leaf, resolution in items
     ]
   else:
@@ -600,7 +632,16 @@ def plan(
       )
     rows = _variable_rows(module_or_state, rules_, mesh_, optimizer)
   entries = []
-  for where, kind, category, value, resolution, variable_type in rows:
+  for (
+    where,
+    kind,
+    category,
+    value,
+    resolution,
+    variable_type,
+    eager,
+    creation,
+  ) in rows:
     shape = tuple(getattr(value, 'shape', np.shape(value)))
     dtype = _variables.dtype_of(value)
     placed = _variables.placed_spec(value)
@@ -638,8 +679,13 @@ def plan(
         source=_variables.source_of(
           resolution, where, variable_type, shape, value, rules_
         ),
+        creation=creation,
       )
     )
+    if entries[-1].misplaced:
+      entries[-1] = dataclasses.replace(
+        entries[-1], misplaced_reason=_misplaced_reason(eager)
+      )
   entries.sort(key=lambda e: _variables.natural_key(e.path))
   num_devices = math.prod(sizes.values()) if sizes else 1
   return ShardingPlan(

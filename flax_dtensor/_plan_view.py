@@ -215,13 +215,14 @@ _COLUMNS = (
 
 
 def by_path_rules(entries: Iterable[PlanEntry]) -> bool:
-  """Whether a path rule placed any of the entries."""
-  return any((e.source or '').startswith('path rule') for e in entries)
+  """Whether a path rule placed any of the entries, or matched one that an
+  annotation kept (both are shown in the 'source' column)."""
+  return any('path rule' in (e.source or '') for e in entries)
 
 
 def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
   """The table's columns: 'type' only when the variables' types differ,
-  'source' only when a path rule placed a variable."""
+  'source' only when a path rule placed or matched a variable."""
   drop = set()
   if len({e.kind for e in entries}) <= 1:
     drop.add('type')
@@ -319,6 +320,58 @@ def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   return out
 
 
+def _by_reason(
+  title: str, found: Iterable[tuple[str, str]], *, list_paths: bool
+) -> list[Any]:
+  """'TITLE: N variables', then each reason with its count (and paths)."""
+  groups: dict[str, list[str]] = {}
+  for reason, path in found:
+    groups.setdefault(reason, []).append(path)
+  if not groups:
+    return []
+  total = sum(len(p) for p in groups.values())
+  out: list[Any] = [
+    rich.text.Text(f'{title}: {count(total, "variable")}', style='bold')
+  ]
+  for reason, paths in groups.items():
+    n = count(len(paths), 'variable')
+    out.append(
+      rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
+    )
+    if list_paths:
+      out.append(
+        rich.padding.Padding(
+          rich.text.Text(', '.join(paths), style='dim'), (0, 0, 0, 6)
+        )
+      )
+  return out
+
+
+def _notes(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+  """Variables not where the rules say, and path-ruled ones created, then
+  moved (`_creation_order.MOVED`), each grouped by the reason."""
+  return [
+    *_by_reason(
+      'Not where the rules say',
+      (
+        (e.misplaced_reason or 'placed elsewhere', e.path)
+        for e in entries
+        if e.misplaced
+      ),
+      list_paths=list_paths,
+    ),
+    *_by_reason(
+      'Created, then moved',
+      (
+        (e.creation, e.path)
+        for e in entries
+        if e.creation and e.creation.startswith('moved when ')
+      ),
+      list_paths=list_paths,
+    ),
+  ]
+
+
 def renderables(
   plan: ShardingPlan, width: int, *, summary: bool = False
 ) -> list[Any]:
@@ -348,12 +401,14 @@ def renderables(
           )
         )
     out.extend(_fallbacks(plan.entries, list_paths=False))
+    out.extend(_notes(plan.entries, list_paths=False))
     return out
   if plan.entries:
     table = _table(plan.entries)
     fits = measure(table) <= width
     out.append(table if fits else _stacked(plan.entries))
   out.extend(_fallbacks(plan.entries, list_paths=True))
+  out.extend(_notes(plan.entries, list_paths=True))
   return out
 
 

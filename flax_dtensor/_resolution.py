@@ -327,6 +327,18 @@ FLAX_FIX_MSG = (
   'mentions is used as a mesh axis. Add or fix the rule, or set the rules '
   'with `fdt.logical_axis_rules(...)` for priority, fallbacks and checks.'
 )
+NO_RULES_FIX_MSG = (
+  "No rules are in effect, so Flax's semantics apply: each name in an "
+  "annotation is used as a mesh axis name. Annotate with the mesh's axis "
+  'names, or set rules for the logical names with '
+  '`fdt.logical_axis_rules(...)` (`fdt.LogicalRules.for_mesh_axes(mesh)` '
+  'when the annotations already name mesh axes).'
+)
+
+
+def flax_fix(rules: _rules.FlaxRules) -> str:
+  """The fix for a resolution error under Flax's semantics."""
+  return FLAX_FIX_MSG if rules.pairs else NO_RULES_FIX_MSG
 
 
 def resolve_flax(
@@ -392,13 +404,13 @@ def resolve_flax(
       raise _errors.UnknownLogicalAxisError(
         f'Dim {pos} ({axes[pos]!r}){where_} maps to {missing[0]!r}, which is '
         f'not an axis of the mesh {_context_text(axes, shape, context, mesh)}'
-        f'. {FLAX_FIX_MSG}'
+        f'. {flax_fix(rules)}'
       )
     for m in wanted:
       if m in seen:
         raise _errors.ShardingResolutionError(
           f'Mesh axis {m!r} shards both dim {seen[m]} and dim {pos}{where_} '
-          f'{_context_text(axes, shape, context, mesh)}. {FLAX_FIX_MSG}'
+          f'{_context_text(axes, shape, context, mesh)}. {flax_fix(rules)}'
         )
       seen[m] = pos
     if shape is not None:
@@ -407,7 +419,7 @@ def resolve_flax(
         raise _errors.ShardingResolutionError(
           f'Dim {pos} ({axes[pos]!r}){where_} has size {shape[pos]}, which '
           f'{_specs.format_entry(target)} (size {product}) does not divide '
-          f'{_context_text(axes, shape, context, mesh)}. {FLAX_FIX_MSG}'
+          f'{_context_text(axes, shape, context, mesh)}. {flax_fix(rules)}'
         )
   return resolution
 

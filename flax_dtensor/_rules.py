@@ -297,6 +297,35 @@ class LogicalRules(tuple):
       min_bytes=min_bytes,
     )
 
+  @classmethod
+  def for_mesh_axes(cls, mesh: Any, **options: Any) -> LogicalRules:
+    """Rules for annotations that already name mesh axes: each axis is its
+    own rule.
+
+    Libraries such as tunix annotate parameters with mesh axis names
+    (``nnx.Param(w, sharding=('fsdp', 'tp'))``). These rules keep each
+    name as it is, with flax_dtensor's checks: an axis that does not divide
+    a dimension, or is used twice in one array, leaves that dimension
+    replicated and says why in the plan (Flax would fail inside JAX).
+
+    Args:
+      mesh: A mesh (concrete or abstract), or its axis names.
+      **options: `LogicalRules` options (``unknown=``, ``path_rules=``, ...).
+
+    Example:
+      >>> import jax, flax_dtensor as fdt
+      >>> mesh = jax.sharding.AbstractMesh((2, 4), ('fsdp', 'tp'))
+      >>> fdt.LogicalRules.for_mesh_axes(mesh)
+      LogicalRules([('fsdp', 'fsdp'), ('tp', 'tp')])
+    """
+    names = getattr(mesh, 'axis_names', mesh)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+      raise _errors.LogicalRulesError(
+        'Expected a mesh or a sequence of its axis names (str) for '
+        f'`for_mesh_axes`, got {mesh!r}.'
+      )
+    return cls([(name, name) for name in names], **options)
+
   def prepend(self, pairs: Sequence[tuple[str, Any]]) -> LogicalRules:
     """Returns rules where `pairs` take priority over these rules."""
     if not pairs:
@@ -402,6 +431,45 @@ class LogicalRules(tuple):
       ) from e
     return cls._from_document(text, repr(source), unknown, strict)
 
+  def to_yaml_text(self) -> str:
+    """The rules as a YAML document that `from_yaml_text` reads back.
+
+    Logical rules under ``logical_axis_rules``, path rules under
+    ``path_rules`` (one flow-style dict per rule, with its note), and the
+    thresholds; `unknown` and `strict` are options of the reader, not of
+    the file. Every string is single-quoted, so a regular expression reads
+    as it is written.
+
+    Returns:
+      The YAML text.
+
+    Example:
+      >>> import flax_dtensor as fdt
+      >>> print(fdt.LogicalRules([('embed', 'data')], path_rules=[
+      ...     ('up/kernel$', ('embed', None))]).to_yaml_text(), end='')
+      logical_axis_rules:
+        - ['embed', 'data']
+      path_rules:
+        - {pattern: 'up/kernel$', logical: ['embed', null]}
+    """
+    lines = ['logical_axis_rules:' + ('' if self else ' []')]
+    lines += [
+      f'  - [{_yaml_scalar(name)}, {_yaml_scalar(target)}]'
+      for name, target in self
+    ]
+    if self.path_rules:
+      lines.append('path_rules:')
+      for rule in self.path_rules:
+        fields = ', '.join(
+          f'{key}: {_yaml_scalar(value)}'
+          for key, value in rule.to_yaml_dict().items()
+        )
+        lines.append(f'  - {{{fields}}}')
+    for key in ('min_size', 'min_bytes'):
+      if getattr(self, key):
+        lines.append(f'{key}: {getattr(self, key)}')
+    return '\n'.join(lines) + '\n'
+
   @classmethod
   def from_yaml_text(
     cls,
@@ -485,6 +553,20 @@ class LogicalRules(tuple):
       raise type(e)(f'{source}: {e}') from e
 
 
+def _yaml_scalar(value: Any) -> str:
+  """`value` (a str, None, bool, int or a list/tuple of them) as YAML flow
+  text, strings single-quoted."""
+  if value is None:
+    return 'null'
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, int):
+    return str(value)
+  if isinstance(value, str):
+    return "'" + value.replace("'", "''") + "'"
+  return '[' + ', '.join(_yaml_scalar(v) for v in value) + ']'
+
+
 def _yaml_problem(error: yaml.YAMLError) -> str:
   """YAML's complaint on one line, with its line and column, once.
 
@@ -543,7 +625,9 @@ class FlaxRules:
   pairs: tuple[Any, ...] = ()
 
 
-def rules_in_effect(rules: RulesLike | None = None) -> LogicalRules | FlaxRules:
+def rules_in_effect(
+  rules: RulesLike | FlaxRules | None = None,
+) -> LogicalRules | FlaxRules:
   """The rules that apply here, and by that, whose semantics.
 
   The one decision, applied by every API of the package: rules passed to a
@@ -557,6 +641,8 @@ def rules_in_effect(rules: RulesLike | None = None) -> LogicalRules | FlaxRules:
   Args:
     rules: Rules passed explicitly, or None for the context's.
   """
+  if isinstance(rules, FlaxRules):
+    return rules
   if rules is not None:
     return LogicalRules(rules)
   context = core_spmd.get_logical_axis_rules()
@@ -666,6 +752,7 @@ def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
 class _Block:
   rules: LogicalRules
   outer: Any
+  said: set[str] = dataclasses.field(default_factory=set)
 
 
 class _Blocks(threading.local):
@@ -673,6 +760,37 @@ class _Blocks(threading.local):
 
   def __init__(self) -> None:
     self.stack: list[_Block] = []
+    # For rules set by `set_logical_axis_rules` (no block): what was said.
+    self.said: dict[int, tuple[Any, set[str]]] = {}
+
+
+def first_time_in_context(what: str) -> bool:
+  """True the first time `what` is asked about in the rules context in
+  effect (the innermost `logical_axis_rules` block, or the rules set by
+  `set_logical_axis_rules`), False after: for saying a thing once."""
+  rules = core_spmd.get_logical_axis_rules()
+  stack = _blocks.stack
+  if stack and stack[-1].rules is rules:
+    said = stack[-1].said
+  else:
+    kept = _blocks.said.get(id(rules))
+    if kept is None or kept[0] is not rules:
+      kept = _blocks.said[id(rules)] = (rules, set())
+    said = kept[1]
+  if what in said:
+    return False
+  said.add(what)
+  return True
+
+
+def forget_in_context(what: str) -> None:
+  """Undoes `first_time_in_context(what)` in the rules context in effect."""
+  rules = core_spmd.get_logical_axis_rules()
+  stack = _blocks.stack
+  if stack and stack[-1].rules is rules:
+    stack[-1].said.discard(what)
+  elif id(rules) in _blocks.said:
+    _blocks.said[id(rules)][1].discard(what)
 
 
 _blocks = _Blocks()

@@ -351,11 +351,23 @@ def source_of(
 ) -> str:
   """What decided a variable's placement, in words (the plan's `source`).
 
-  ``'annotation'``, ``"path rule #k 'pattern'"``, or, for a variable no
-  annotation or path rule covers, ``'none'`` with the reason: replicated,
-  left where it is, or too small for path rules.
+  ``'annotation'`` (with the path rule it shadows, if one matches),
+  ``"path rule #k 'pattern'"``, or, for a variable no annotation or path
+  rule covers, ``'none'`` with the reason: replicated, left where it is, or
+  too small for path rules.
   """
   if resolution is not None:
+    if (
+      resolution.source == _resolution.ANNOTATION
+      and isinstance(rules, _rules.LogicalRules)
+      and rules.path_rules
+    ):
+      found = path_rule_of(path, variable_type, shape, value, rules)
+      if found is not None:  # Shadowed by the annotation: say so.
+        return (
+          f'annotation (over {found[1].describe(found[0])}, which has no '
+          'override=True)'
+        )
     return resolution.source
   if isinstance(rules, _rules.LogicalRules) and rules.path_rules:
     why = _path_rules.exemption(

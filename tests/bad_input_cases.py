@@ -99,6 +99,61 @@ def _annotated(axes):
   return nnx.with_partitioning(nnx.initializers.ones, axes)
 
 
+class LanguageModel(nnx.Module):
+  """A forward pass in another library's style, and results that cannot be
+  served."""
+
+  def __init__(self):
+    self.embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+
+  def __call__(self, tokens, positions, cache, attention_mask):
+    x = self.embed(tokens) + self.embed(positions)
+    scores = jnp.einsum('btd,bsd->bts', x, x)
+    return jnp.where(attention_mask, scores, 0.0), cache
+
+  def tagged(self, tokens, positions, cache, attention_mask):
+    return self(tokens, positions, cache, attention_mask)[0], 'v1'
+
+  def mixed_keys(self, tokens, positions, cache, attention_mask):
+    scores = self(tokens, positions, cache, attention_mask)[0]
+    return {'scores': scores, 0: scores}
+
+  def clashing(self, tokens, positions, cache, attention_mask):
+    scores = self(tokens, positions, cache, attention_mask)[0]
+    return {'a/b': scores, 'a': {'b': scores}}
+
+  def nothing(self, tokens, positions, cache, attention_mask):
+    return cache
+
+
+def _serve_lm(ctx, signature=None, **kwargs):
+  """save_saved_model of a `LanguageModel`, by default with its cache None."""
+  tf = ctx.tf
+  if signature is None:
+    signature = [
+      tf.TensorSpec([None, 4], tf.int32),
+      tf.TensorSpec([None, 4], tf.int32),
+      None,
+      tf.TensorSpec([None, 4, 4], tf.bool),
+    ]
+  return ctx.dt.save_saved_model(
+    LanguageModel(), ctx.tmp / 'sm', input_signature=signature, **kwargs
+  )
+
+
+def _lengths_of_their_own(ctx):
+  tf = ctx.tf
+  return _serve_lm(
+    ctx,
+    [
+      tf.TensorSpec([None, None], tf.int32),
+      tf.TensorSpec([None, None], tf.int32),
+      None,
+      tf.TensorSpec([None, None, None], tf.bool),
+    ],
+  )
+
+
 def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
   """A case run by `script` in a fresh process; its error is re-raised."""
 
@@ -448,6 +503,21 @@ CASES = [
       ctx.model(), [('embed', 'data')], ctx.mesh, allow=['unused-rules']
     ),
   ),
+  Case(
+    'fdt.check',
+    'no rules, and annotations that name no mesh axis',
+    fdt.UnknownLogicalAxisError,
+    r"maps to 'embed', which is not an axis of the mesh .* No rules are in "
+    r"effect, so Flax's semantics apply",
+    'Pass rules= (or check under fdt.logical_axis_rules); for annotations '
+    'that already name mesh axes, fdt.LogicalRules.for_mesh_axes(mesh).',
+    lambda ctx: fdt.check(
+      lambda: nnx.Linear(
+        8, 16, kernel_init=_annotated(('embed', 'mlp')), rngs=nnx.Rngs(0)
+      ),
+      mesh=ctx.mesh,
+    ),
+  ),
   # Memory
   Case(
     'fdt.memory_report',
@@ -468,6 +538,15 @@ CASES = [
     lambda ctx: fdt.plan(ctx.model(), optimizer='adam'),
   ),
   # Rules
+  Case(
+    'fdt.LogicalRules.for_mesh_axes',
+    'a str where a mesh or its axis names go',
+    fdt.LogicalRulesError,
+    r'Expected a mesh or a sequence of its axis names \(str\) for '
+    r"`for_mesh_axes`, got 'fsdp'",
+    "Pass the mesh, or its axis names: for_mesh_axes(('fsdp', 'tp')).",
+    lambda ctx: fdt.LogicalRules.for_mesh_axes('fsdp'),
+  ),
   Case(
     'fdt.LogicalRules',
     'rules given as a str',
@@ -730,6 +809,54 @@ CASES = [
     r'\.\.\. may only lead the target',
     'Put ... first: it stands for the leading (stacked) dimensions.',
     lambda ctx: fdt.PathRule('kernel$', ('embed', ..., 'mlp')),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'a style that names no preset',
+    fdt.LogicalRulesError,
+    r'`style` must be None \(recognise the naming convention from the '
+    r"paths\) or one of \['gemma', 'gpt2', 'hf_llama', 'generic'\]; got "
+    r"'llama'",
+    "Leave `style` out, or name a preset ('hf_llama', 'gemma', 'gpt2') or "
+    "'generic'.",
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, style='llama'),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'a budget that is not a number of bytes',
+    fdt.LogicalRulesError,
+    r"`budget` must be an int >= 1 \(bytes per device\); got '8GiB'",
+    'Pass bytes: 8 * 2**30 for 8 GiB (the command line reads --budget 8GiB).',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, budget='8GiB'),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'mesh axis names instead of a mesh',
+    fdt.MeshError,
+    r'Expected a mesh for `suggest_rules` \(jax.make_mesh or '
+    r'jax.sharding.AbstractMesh\), got tuple',
+    'Pass the mesh (an AbstractMesh will do: nothing is allocated).',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ('data', 'model')),
+  ),
+  Case(
+    'fdt.RulesSuggestion.write',
+    'a path in a directory that does not exist',
+    fdt.LogicalRulesError,
+    r"Cannot write the rules file '.*missing/rules.yaml': No such file or "
+    r'directory. Expected a writable path',
+    'Write into an existing directory.',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh).write(
+      ctx.tmp / 'missing' / 'rules.yaml'
+    ),
+  ),
+  Case(
+    'fdt.PathRule',
+    'a note that is not text',
+    fdt.LogicalRulesError,
+    r'`note` must be a non-empty str \(why the rule is there\) or None; '
+    r'got 3',
+    'Say in a few words why the rule is there, or leave the note out.',
+    lambda ctx: fdt.PathRule('kernel$', ('embed', 'mlp'), note=3),
   ),
   Case(
     'fdt.PathRule',
@@ -1506,10 +1633,110 @@ CASES = [
     'an input signature of the wrong type',
     fdt.ExportError,
     r'Expected each entry of `input_signature` to be a tf.TensorSpec',
-    'Give tf.TensorSpec or jax.ShapeDtypeStruct entries.',
+    'Give tf.TensorSpec or jax.ShapeDtypeStruct entries, and None for an '
+    'argument passed as None.',
     lambda ctx: ctx.dt.save_saved_model(
       ctx.model(), ctx.tmp / 'sm', input_signature=[(None, 8)]
     ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'one spec, not a list of them',
+    fdt.ExportError,
+    r'Expected `input_signature` to be a list with one entry per positional '
+    r'parameter of the method, got TensorSpec',
+    'Pass a list: input_signature=[tf.TensorSpec(...)].',
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(), ctx.tmp / 'sm', input_signature=ctx.tf.TensorSpec([None, 8])
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    "a signature that does not fit the method's parameters",
+    fdt.ExportError,
+    r'Expected `input_signature` to fit LanguageModel\.__call__\(tokens, '
+    r'positions, cache, attention_mask\), which takes 4 positional '
+    r'arguments; got 3 entries: \[TensorSpec\(\[None, 4\], int32\), .*None '
+    r'for an argument passed as None',
+    'Give one entry per positional parameter, in order, and None for an '
+    'argument passed as None (e.g. an empty cache).',
+    lambda ctx: _serve_lm(
+      ctx,
+      [
+        ctx.tf.TensorSpec([None, 4], ctx.tf.int32),
+        ctx.tf.TensorSpec([None, 4], ctx.tf.int32),
+        ctx.tf.TensorSpec([None, 4, 4], ctx.tf.bool),
+      ],
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a polymorphic shape for an argument passed as None',
+    fdt.ExportError,
+    r'Expected None in `polymorphic_shapes` where `input_signature` has None '
+    r'\(at \[2\]\)',
+    'Write None there, or give the shapes of the arrays only.',
+    lambda ctx: _serve_lm(
+      ctx, polymorphic_shapes=['(b, 4)', '(b, 4)', '(b,)', '(b, 4, 4)']
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'None dimensions, each a size of its own, that must be equal',
+    fdt.ExportError,
+    r'Tracing LanguageModel\.__call__ for the SavedModel failed where its '
+    r"polymorphic dimensions meet .* a leading None is the batch 'b', .* any "
+    r'other None is a size of its own, .* input_0 \(b, d0_1\), input_1 '
+    r"\(b, d1_1\), input_3 \(b, d3_1, d3_2\)\. .* polymorphic_shapes=\['\(b, "
+    r"t\)', '\(b, t\)', None, '\(b, t, t\)'\]",
+    'Name the dimensions that are always equal alike in `polymorphic_shapes`, '
+    "e.g. ['(b, t)', '(b, t)', None, '(b, t, t)'].",
+    _lengths_of_their_own,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a result holding something other than arrays and None',
+    fdt.ExportError,
+    r'Expected the result of LanguageModel\.tagged to hold only arrays and '
+    r"None, got str at result\[1\]: 'v1'",
+    'Return arrays in tuples, lists and dicts; compute the rest outside the '
+    'served method.',
+    lambda ctx: _serve_lm(ctx, method='tagged'),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a result JAX cannot flatten (dict keys that do not sort)',
+    fdt.ExportError,
+    r'Expected the result of LanguageModel\.mixed_keys to be a pytree of '
+    r'arrays and None, got one JAX cannot flatten',
+    'Key dicts with str keys only.',
+    lambda ctx: _serve_lm(ctx, method='mixed_keys'),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'two arrays of one output name',
+    fdt.ExportError,
+    r"to have a name of its own, got 'a/b' twice: at "
+    r"result\['a'\]\['b'\] and result\['a/b'\]",
+    "Rename one of the keys (nested keys are joined by '/').",
+    lambda ctx: _serve_lm(ctx, method='clashing'),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a result without an array',
+    fdt.ExportError,
+    r'Expected the result of LanguageModel\.nothing to hold at least one '
+    r'array, got None',
+    'Return the arrays to serve.',
+    lambda ctx: _serve_lm(ctx, method='nothing'),
     tf=True,
   ),
   Case(

@@ -140,7 +140,11 @@ def test_allow_and_json():
 def test_rules_from_the_context_and_errors():
   with fdt.logical_axis_rules([*GOOD, ('batch', 'data')]):
     assert fdt.check(_factory(), mesh=MESH).codes() == ('unused-rule',)
-  with pytest.raises(fdt.LogicalRulesError, match=r'check\(\) needs rules'):
+  # No rules: Flax's semantics, as creation takes them (names are axes).
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"'vocab', which is not an axis of the mesh.*No rules are in effect",
+  ):
     fdt.check(_factory(), mesh=MESH)
   with pytest.raises(
     fdt.LogicalRulesError, match=r"unknown finding codes \['nope'\]"

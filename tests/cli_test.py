@@ -36,6 +36,7 @@ THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
 USER_TARGET = f'{THIS_FILE}:user_model'
+LM_TARGET = f'{THIS_FILE}:user_lm'
 TIMEOUT = 300
 USER_RULES = textwrap.dedent("""\
   # A user's rules: 'hidden' prefers 'model', falls back to 'data'.
@@ -88,6 +89,43 @@ def huge_user_model() -> nnx.Module:
 
 def not_a_module() -> int:
   return 3
+
+
+class UserLM(nnx.Module):
+  """A user's LLM in another library's style: `(tokens, positions, cache,
+  attention_mask) -> (logits, cache)`, served with the cache None."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.embed = nnx.Embed(
+      64,
+      16,
+      embedding_init=nnx.with_partitioning(init, ('classes', 'features')),
+      rngs=rngs,
+    )
+    self.qkv = nnx.Param(
+      nnx.with_partitioning(init, (None, 'features', 'hidden', None))(
+        rngs.params(), (3, 16, 4, 4)
+      )
+    )
+
+  def __call__(self, tokens, positions, cache, attention_mask):
+    import jax
+    import jax.numpy as jnp
+
+    x = self.embed(tokens) + self.embed(positions)
+    q, k, v = jnp.einsum('btd,sdhk->sbthk', x, self.qkv[...])
+    scores = jnp.einsum('bthk,bshk->bhts', q, k)
+    scores = jnp.where(attention_mask[:, None], scores, -1e9)
+    h = jnp.einsum('bhts,bshk->bthk', jax.nn.softmax(scores, axis=-1), v)
+    return self.embed.attend(x + h.reshape(x.shape)), cache
+
+  def tagged(self, tokens, positions, cache, attention_mask):
+    return self(tokens, positions, cache, attention_mask)[0], 'v1'
+
+
+def user_lm() -> UserLM:
+  return UserLM(rngs=nnx.Rngs(2))
 
 
 # Helpers
@@ -256,16 +294,26 @@ def test_parse_mesh_errors(text, match):
 
 def test_parse_input_shape():
   spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=False)
-  assert spec == _inputs.InputSpec('x', (None, 128), 'int32')
+  assert spec == _inputs.InputSpec('x', ('b', 128), 'int32')
+  assert spec.shape == (None, 128)
+  assert spec.polymorphic_shape(0) == '(b, 128)'
   spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=True)
   assert spec.shape == (1, 128)
-  assert _inputs.parse_input_shape(
-    'y:b,?,3:float32', static_batch=True
-  ).shape == (
-    None,
-    None,
-    3,
-  )
+  assert spec.polymorphic_shape(0) is None
+  spec = _inputs.parse_input_shape('y:b,?,3:float32', static_batch=True)
+  assert spec.shape == (None, None, 3)
+  # ? is a size of its own: the symbol save_saved_model gives a None.
+  assert spec.polymorphic_shape(2) == '(b, d2_1, 3)'
+  assert spec.text() == 'y:b,?,3:float32'
+  # Names: one size wherever they appear.
+  spec = _inputs.parse_input_shape('mask:1,t,t:bool', static_batch=False)
+  assert spec == _inputs.InputSpec('mask', ('b', 't', 't'), 'bool')
+  assert spec.polymorphic_shape(3) == '(b, t, t)'
+  # An argument passed as None.
+  spec = _inputs.parse_input_shape('cache:none', static_batch=False)
+  assert spec == _inputs.InputSpec('cache', None, None)
+  assert spec.tensor_spec() is None and spec.polymorphic_shape(2) is None
+  assert spec.text() == 'cache:none'
 
 
 @pytest.mark.parametrize(
@@ -273,10 +321,12 @@ def test_parse_input_shape():
   [
     ('x:1,128', 'Malformed --input-shape'),
     ('x:1,128:int33', "unknown dtype 'int33'"),
-    ('x:1,zero:int32', "dimension 'zero'"),
+    ('x:1,2x:int32', "dimension '2x'"),
+    ('x:1,0:int32', "dimension '0' is not a positive integer, a name"),
     (':1:int32', 'Malformed --input-shape'),
+    ('cache:nothing', 'or NAME:none for an argument passed as None'),
   ],
-  ids=['no-dtype', 'bad-dtype', 'bad-dim', 'no-name'],
+  ids=['no-dtype', 'bad-dtype', 'bad-dim', 'zero-dim', 'no-name', 'no-dims'],
 )
 def test_parse_input_shape_errors(text, match):
   with pytest.raises(_command.BadInputError, match=match):
@@ -500,6 +550,52 @@ def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
     'head/kernel',
     "  source path rule #5 '^head/kernel$' -> path rule #5 'head/kernel$'",
   ]
+
+
+def test_plan_suggest_writes_rules_that_plan_and_check_read(tmp_path):
+  target = f'{TESTS_DIR / "suggest_models.py"}:make_gemma'
+  written = tmp_path / 'rules.yaml'
+  out = ok(
+    run_cli(
+      'plan',
+      target,
+      '--mesh',
+      'data=2,model=4',
+      '--suggest',
+      '--budget',
+      '178KiB',
+      '--min-bytes',
+      '16KiB',
+      '--write',
+      written,
+    )
+  )
+  lines = out.splitlines()
+  assert lines[0].startswith('Suggested rules: recognised gemma ')
+  # 178.5 KiB with the norms replicated: the largest of them are sharded.
+  assert lines[2] == (
+    '177.2 KiB per device fits the budget of 178.0 KiB (ideal 176.3 KiB).'
+  )
+  assert f'Wrote the rules to {str(written)!r}.' in lines
+  # The plan follows, each variable's source saying why.
+  assert "'(^|/)q_einsum/w$' (preset gemma rule #1: attention q" in out
+  import flax_dtensor as fdt
+
+  rules = fdt.LogicalRules.from_yaml(written)
+  assert any('sharded further' in (r.note or '') for r in rules.path_rules)
+  ok(
+    run_cli(
+      'plan', target, '--rules', written, '--check', '--min-bytes', '16KiB'
+    )
+  )
+  proc = run_cli('plan', target, '--suggest', '--budget', '1KiB', '--json')
+  assert proc.returncode == 1, proc.stderr  # Nothing fits: said by exit 1.
+  assert json.loads(proc.stdout)['bytes_per_device'] > 1024
+  bad_input(
+    run_cli('plan', target, '--suggest', '--rules', written),
+    '--suggest proposes the rules, and --rules',
+  )
+  bad_input(run_cli('plan', target, '--write', written), 'add --suggest')
 
 
 def test_plan_demo_json():
@@ -1085,6 +1181,164 @@ def test_export_is_all_or_nothing(tmp_path):
   # The corrected command runs, as if the first had never happened.
   ok(run_cli(*args, '--input-shape', 'x:1,16:float32'))
   assert sorted(os.listdir(out)) == ['checkpoint', 'saved_model']
+
+
+# An LLM in another library's style: a None cache, polymorphic lengths
+# ------------------------------------------------------------------------------
+
+# Writes an Orbax checkpoint of the user's LLM, and its logits on batches of
+# two sequence lengths, to an .npz file.
+LM_CHECKPOINT = """
+import sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from flax import nnx
+import flax_dtensor as fdt
+from flax_dtensor.cli import _inputs
+target, path, npz = sys.argv[1:4]
+mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+with jax.set_mesh(mesh), fdt.logical_axis_rules(
+    [('features', 'data'), ('hidden', None), ('classes', None)]):
+  model = _inputs.load_target(target)()
+checkpointer = ocp.StandardCheckpointer()
+checkpointer.save(path, nnx.state(model))
+checkpointer.wait_until_finished()
+rng = np.random.default_rng(0)
+arrays = {}
+for batch, length in ((2, 8), (3, 5)):
+  tokens = rng.integers(0, 64, (batch, length)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
+  mask = np.broadcast_to(np.tril(np.ones((length, length), bool)),
+                         (batch, length, length))
+  logits, cache = model(tokens, positions, None, mask)
+  assert cache is None
+  for k, v in (('tokens', tokens), ('positions', positions), ('mask', mask),
+               ('logits', logits)):
+    arrays[f'{k}_{length}'] = np.asarray(v)
+np.savez(npz, **arrays)
+"""
+
+# Serves a SavedModel in TensorFlow only (JAX blocked) on the batches of an
+# .npz file; prints its input names and the logits' largest difference.
+SERVE_LM = """
+import json, sys
+for blocked in ('jax', 'jaxlib', 'flax', 'flax_dtensor'):
+  sys.modules[blocked] = None
+import numpy as np
+import tensorflow as tf
+saved_model, npz = sys.argv[1:3]
+serve = tf.saved_model.load(saved_model).signatures['serving_default']
+expected = np.load(npz)
+diffs, outputs = [], set()
+for length in (8, 5):
+  result = serve(**{k: tf.constant(expected[f'{k}_{length}'])
+                    for k in ('tokens', 'positions', 'mask')})
+  outputs.update(result)
+  diffs.append(float(np.max(np.abs(
+      result['output_0'].numpy() - expected[f'logits_{length}']))))
+print(json.dumps({
+  'inputs': sorted(serve.structured_input_signature[1]),
+  'outputs': sorted(outputs),
+  'max_abs_diff': max(diffs),
+}))
+"""
+LM_SHAPES = (
+  '--input-shape',
+  'tokens:1,t:int32',
+  '--input-shape',
+  'positions:1,t:int32',
+  '--input-shape',
+  'cache:none',
+  '--input-shape',
+  'mask:1,t,t:bool',
+)
+
+
+@pytest.fixture(scope='module')
+def lm_checkpoint(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('lm')
+  run_python(LM_CHECKPOINT, LM_TARGET, tmp / 'orbax', tmp / 'expected.npz')
+  rules = tmp / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  return tmp
+
+
+def _export_lm(tmp: pathlib.Path, out: pathlib.Path, *args: str):
+  return run_cli(
+    'export',
+    LM_TARGET,
+    '--checkpoint',
+    tmp / 'orbax',
+    '--rules',
+    tmp / 'rules.yaml',
+    '--out',
+    out,
+    '--saved-model',
+    *args,
+  )
+
+
+def test_export_llm_style_saved_model(lm_checkpoint):
+  """cache:none passes None; t is one length for every input."""
+  tmp = lm_checkpoint
+  proc = _export_lm(tmp, tmp / 'out', *LM_SHAPES)
+  ok(proc)
+  assert proc.stderr == ''
+  report = json.loads(
+    run_python(SERVE_LM, tmp / 'out' / 'saved_model', tmp / 'expected.npz')
+  )
+  assert report['inputs'] == ['mask', 'positions', 'tokens']
+  assert report['outputs'] == ['output_0']
+  assert report['max_abs_diff'] < 1e-5, report
+
+
+@pytest.mark.parametrize(
+  'args, fragments',
+  [
+    (
+      [*LM_SHAPES[:4], *LM_SHAPES[6:]],  # No cache:none.
+      [
+        '--input-shape tokens:b,t:int32, positions:b,t:int32, '
+        'mask:b,t,t:bool gives 3 arguments, but UserLM.__call__(tokens, '
+        'positions, cache, attention_mask) takes 4 positional arguments',
+        'NAME:none for an argument passed as None (e.g. --input-shape '
+        'cache:none)',
+      ],
+    ),
+    (
+      [
+        *('--input-shape', 'tokens:1,?:int32'),
+        *('--input-shape', 'positions:1,?:int32'),
+        *('--input-shape', 'cache:none'),
+        *('--input-shape', 'mask:1,?,?:bool'),
+      ],
+      [
+        'tracing UserLM.__call__ fails where its polymorphic dimensions meet',
+        'Each ? dimension is a size of its own (to JAX: '
+        'tokens:b,d0_1:int32, positions:b,d1_1:int32, mask:b,d3_1,d3_2:bool)',
+        'e.g. --input-shape tokens:b,t:int32 --input-shape '
+        'positions:b,t:int32 --input-shape cache:none --input-shape '
+        'mask:b,t,t:bool if all are one length',
+        '--input-shape mask:b,d1,d2:bool if those at the same position are',
+      ],
+    ),
+    (
+      [*LM_SHAPES, '--method', 'tagged'],
+      [
+        'Expected the result of UserLM.tagged to hold only arrays and None, '
+        "got str at result[1]: 'v1'"
+      ],
+    ),
+    (
+      [*LM_SHAPES[:-1], 'mask:1,max,t:bool'],
+      ['Malformed --input-shape mask:b,max,t:bool: JAX cannot read'],
+    ),
+  ],
+  ids=['no-cache', 'lengths-of-their-own', 'not-an-array', 'jax-name'],
+)
+def test_export_llm_style_bad_inputs(lm_checkpoint, args, fragments):
+  out = lm_checkpoint / 'bad'
+  bad_input(_export_lm(lm_checkpoint, out, *args), *fragments)
+  assert not out.exists()
 
 
 # Writes a DTensor checkpoint with a fused axis, a single-device array and a

@@ -100,6 +100,19 @@ CHECKS = {
     "'data')\n"
     "assert not any(placed['layers'][0]['up']['bias'].sharding.spec)\n"
   ),
+  'path_rules.md:suggest-rules': (
+    'import numpy as np\n'
+    "assert suggestion.preset == 'hf_llama' and suggestion.fits\n"
+    "assert fdt.LogicalRules.from_yaml('rules.yaml') == suggestion.rules\n"
+    'device = mesh.devices.flat[0]\n'
+    'held = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model))\n'
+    '           for s in x.addressable_shards if s.device == device)\n'
+    "assert held == suggestion.plan.bytes_per_device_by_category()['params']\n"
+    'ref = make()\n'
+    'for a, b in zip(jax.tree.leaves(nnx.state(model)),\n'
+    '                jax.tree.leaves(nnx.state(ref))):\n'
+    '  assert np.array_equal(np.asarray(a), np.asarray(b))\n'
+  ),
   'getting_started.md:shard-your-own-model': (
     "assert model.up.kernel[...].sharding.spec == jax.P(None, 'model')\n"
   ),

@@ -35,8 +35,12 @@ def _measure(method: str, layers: int) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize('method', ['fdt_init', 'fdt_eager'])
+@pytest.mark.parametrize(
+  'method', ['fdt_init', 'fdt_eager', 'fdt_init_paths', 'fdt_eager_paths']
+)
 def test_sharded_creation_peaks_below_one_and_a_half_times_the_params(method):
+  """Annotated, and without annotations under path rules (built in shards
+  by creation order), eagerly and with fdt.init."""
   result = _measure(method, layers=8)  # 134M parameters, 512 MiB.
   above = (result['rss_peak_mib'] - result['rss_before_mib']) * 2**20
   assert result['shard_shape'] == [512, 1024]  # (1024, 4096) over (2, 4).
@@ -56,33 +60,18 @@ def test_replicated_creation_is_what_the_bound_rules_out():
   )
 
 
-def test_path_ruled_creation_peaks_far_below_whole_copies():
-  """`fdt.init` of a model without annotations, every kernel path-ruled.
-
-  It takes the traced build, whose program keeps each kernel's random bits
-  (in shards) until the outputs are done: about twice the parameters, as
-  XLA's own figures say (next test), never the 8 whole copies of a
-  replicated build.
-  """
-  result = _measure('fdt_init_paths', layers=8)
-  above = (result['rss_peak_mib'] - result['rss_before_mib']) * 2**20
-  assert result['shard_shape'] == [512, 1024]
-  assert above <= 3 * result['param_bytes'], (
-    f'peak {above / 2**20:.0f} MiB above the baseline for '
-    f'{result["param_bytes"] / 2**20:.0f} MiB of parameters'
-  )
-
-
 def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
-  """XLA's program for one device, as `fdt.init` compiles it: every buffer
-  of a kernel's size is a block of it, never the whole kernel."""
+  """XLA's programs for one device: every buffer of a kernel's size is a
+  block of it, never the whole kernel. Both the programs of the leaf
+  modules (`nnx.Linear`) that creation by order compiles, and the one
+  traced program `fdt.init` falls back to."""
   import re
 
   import jax
   from flax import nnx
 
   import flax_dtensor as fdt
-  from flax_dtensor import _init
+  from flax_dtensor import _creation, _init
 
   sys.path.insert(0, str(CASES.parent))
   try:
@@ -95,10 +84,19 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   rules = fdt.LogicalRules(
     [('embed', 'data'), ('mlp', 'model')], path_rules=cases.PATH_RULES
   )
-  compiled = _init.compiled_build(factory, nnx.Rngs(0), mesh=mesh, rules=rules)
-  shapes = set(re.findall(r'\[(\d+),(\d+)\]', compiled.as_text()))
   whole = {(str(width), str(4 * width)), (str(4 * width), str(width))}
   blocks = {(str(width // 2), str(width)), (str(width), str(width // 2))}
+  _creation.clear_caches()
+  fdt.init(factory, nnx.Rngs(0), mesh=mesh, rules=rules)
+  leaves = list(_creation.leaves._data.values())  # pylint: disable=protected-access
+  assert len(leaves) == 2  # The 'up' and the 'down' nnx.Linear.
+  shapes = set()
+  for leaf in leaves:
+    shapes |= set(re.findall(r'\[(\d+),(\d+)\]', leaf.as_text()))
+  assert not shapes & whole, shapes
+  assert blocks <= shapes, shapes
+  compiled = _init.compiled_build(factory, nnx.Rngs(0), mesh=mesh, rules=rules)
+  shapes = set(re.findall(r'\[(\d+),(\d+)\]', compiled.as_text()))
   assert not shapes & whole, shapes
   assert blocks <= shapes, shapes
   # Outputs per device: each kernel's block, the biases whole (replicated),

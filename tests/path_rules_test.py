@@ -123,6 +123,60 @@ min_bytes: 65536
   assert rules.path_rules[4].to_yaml_dict()['type'] == 'BatchStat'
 
 
+def test_a_note_says_why_and_the_plan_shows_it():
+  rule = fdt.PathRule('up/kernel$', ('embed', 'mlp'), note='mlp  up\n')
+  assert rule.note == 'mlp up'  # One line, as the plan's column shows it.
+  assert repr(rule) == (
+    "PathRule('up/kernel$', ('embed', 'mlp'), note='mlp up')"
+  )
+  assert rule.describe(2) == "path rule #2 'up/kernel$' (mlp up)"
+  assert pickle.loads(pickle.dumps(rule)) == rule
+  assert rule != fdt.PathRule('up/kernel$', ('embed', 'mlp'))
+  read = fdt.LogicalRules.from_yaml_text(
+    "path_rules: [{pattern: 'up/kernel$', logical: [embed, mlp], "
+    "note: 'mlp up'}]"
+  )
+  assert read.path_rules == (rule,)
+  rules = fdt.LogicalRules(LOGICAL, path_rules=[rule])
+  plan = fdt.plan(
+    {'up': {'kernel': jax.ShapeDtypeStruct((8, 16), np.float32)}},
+    mesh=MESH,
+    rules=rules,
+  )
+  assert plan['up/kernel'].source == "path rule #0 'up/kernel$' (mlp up)"
+  with pytest.raises(fdt.LogicalRulesError, match='`note` must be a non-e'):
+    fdt.PathRule('x', None, note=' ')
+
+
+def test_rules_write_themselves_as_yaml_and_read_back():
+  rules = fdt.LogicalRules(
+    [('embed', 'data'), ('mlp', ('data', 'model')), ('vocab', None)],
+    path_rules=[
+      ('up/kernel$', ('embed', None)),
+      fdt.PathRule(r"(^|/)a\d+/b's", P(..., ('data', 'model')), note="it's"),
+      fdt.PathRule('norm', None, type=nnx.Param, override=True),
+    ],
+    min_size=4,
+    min_bytes=64,
+  )
+  text = rules.to_yaml_text()
+  assert text.splitlines() == [
+    'logical_axis_rules:',
+    "  - ['embed', 'data']",
+    "  - ['mlp', ['data', 'model']]",
+    "  - ['vocab', null]",
+    'path_rules:',
+    "  - {pattern: 'up/kernel$', logical: ['embed', null]}",
+    "  - {pattern: '(^|/)a\\d+/b''s', spec: ['...', ['data', 'model']], "
+    "note: 'it''s'}",
+    "  - {pattern: 'norm', logical: [], type: 'Param', override: true}",
+    'min_size: 4',
+    'min_bytes: 64',
+  ]
+  assert fdt.LogicalRules.from_yaml_text(text) == rules
+  assert fdt.LogicalRules([]).to_yaml_text() == 'logical_axis_rules: []\n'
+
+
 # Semantics by values
 # ------------------------------------------------------------------------------
 

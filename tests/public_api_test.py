@@ -10,6 +10,7 @@ EXPECTED = (
   'CheckReport',
   'DTensorError',
   'DTensorInitializationError',
+  'EagerShardingOffWarning',
   'ExportError',
   'FlaxCompatibilityError',
   'Finding',
@@ -25,6 +26,7 @@ EXPECTED = (
   'PlanDiff',
   'PlanEntry',
   'RuleTargetTypeError',
+  'RulesSuggestion',
   'ShardingPlan',
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
@@ -41,6 +43,7 @@ EXPECTED = (
   'shard_module',
   'shard_tree',
   'shard_value',
+  'suggest_rules',
   'with_logical_constraint',
 )
 
@@ -82,7 +85,9 @@ def test_all_matches_the_contract():
 def test_errors_subclass_valueerror_or_typeerror():
   for name in fdt.__all__:
     obj = getattr(fdt, name)
-    if isinstance(obj, type) and issubclass(obj, Exception):
+    if isinstance(obj, type) and issubclass(obj, Warning):
+      assert issubclass(obj, UserWarning), name
+    elif isinstance(obj, type) and issubclass(obj, Exception):
       assert issubclass(obj, fdt.FlaxDTensorError)
       if obj is not fdt.FlaxDTensorError:
         assert issubclass(obj, (ValueError, TypeError)), name

@@ -299,7 +299,8 @@ def test_no_rules_at_all_keeps_flax_semantics():
   assert fdt.logical_to_mesh_axes(('data', None)) == P('data', None)
   with pytest.raises(
     fdt.UnknownLogicalAxisError,
-    match=r"maps to 'embed', which is not an axis of the mesh.*Add or fix",
+    match=r"maps to 'embed', which is not an axis of the mesh.*No rules are "
+    r"in effect, so Flax's semantics apply.*for_mesh_axes",
   ):
     fdt.logical_to_mesh_axes(('embed',), mesh=MESH)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -43,7 +44,8 @@ _SERVE_SCRIPT = textwrap.dedent(
     for i, x in enumerate(model['inputs']):
       result = serve(**{k: tf.constant(np.load(v)) for k, v in x.items()})
       for k, t in result.items():
-        np.save(os.path.join(job['out'], f'{name}_{i}_{k}.npy'), t.numpy())
+        file = f'{name}_{i}_{k}.npy'.replace('/', '|')
+        np.save(os.path.join(job['out'], file), t.numpy())
         out.setdefault(k, []).append(list(t.shape))
     for v in serve.variables:
       np.save(os.path.join(job['out'], f'{name}_var_{v.name}'.replace('/', '|')
@@ -54,11 +56,13 @@ _SERVE_SCRIPT = textwrap.dedent(
       'devices': sorted({v.device for v in serve.variables}),
       'inputs': sorted(serve.structured_input_signature[1]),
     }
-  reader = tf.train.load_checkpoint(job['checkpoint'])
-  for key in reader.get_variable_to_shape_map():
-    if key.endswith('VARIABLE_VALUE'):
-      np.save(os.path.join(job['out'], 'ckpt_' + key.replace('/', '|') + '.npy'),
-              reader.get_tensor(key))
+  if job['checkpoint']:
+    reader = tf.train.load_checkpoint(job['checkpoint'])
+    for key in reader.get_variable_to_shape_map():
+      if key.endswith('VARIABLE_VALUE'):
+        np.save(
+          os.path.join(job['out'], 'ckpt_' + key.replace('/', '|') + '.npy'),
+          reader.get_tensor(key))
   report['jax_modules'] = sorted(
     m for m, v in sys.modules.items() if m.startswith('jax') and v is not None)
   report['dtensor_initialized'] = bool(accelerator_util.is_initialized())
@@ -183,8 +187,12 @@ def _largest_constants(path):
   return sizes
 
 
-def _serve_in_plain_tf(tmp_path, models, checkpoint):
-  job = {'models': models, 'checkpoint': str(checkpoint), 'out': str(tmp_path)}
+def _serve_in_plain_tf(tmp_path, models, checkpoint=None):
+  job = {
+    'models': models,
+    'checkpoint': checkpoint and str(checkpoint),
+    'out': str(tmp_path),
+  }
   job_path = tmp_path / 'job.json'
   job_path.write_text(json.dumps(job))
   script = tmp_path / 'serve.py'
@@ -357,7 +365,26 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
   assert sizes['xla_module'] > 0
   assert sizes['xla_module'] < params / 10, sizes
   assert sizes['const'] < 1024, sizes
-  assert os.path.getsize(os.path.join(sm, 'saved_model.pb')) < params / 2
+  # The graph's size is TensorFlow's and JAX's business; what is ours is that
+  # no weight's bytes are in it.
+  with open(os.path.join(sm, 'saved_model.pb'), 'rb') as f:
+    graph = f.read()
+  kernels = [
+    np.asarray(v.get_value())
+    for path, v in nnx.to_flat_state(nnx.state(net, nnx.Param))
+    if path[-1] == 'kernel'
+  ]
+  assert len(kernels) == 2
+  data = b''.join(
+    f.read_bytes() for f in pathlib.Path(sm, 'variables').glob('variables.data*')
+  )
+  for kernel in kernels:
+    assert kernel.std() > 0
+    for row in kernel[:4]:
+      # Two values: a sharded kernel is stored in slices, each row split.
+      chunk = row[:2].tobytes()
+      assert chunk in data  # where the weights are
+      assert chunk not in graph
 
 
 def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
@@ -454,7 +481,8 @@ def test_saved_model_errors(auto_mesh, tmp_path):
       net, tmp_path / 'a', input_signature=spec, method='forward'
     )
   with pytest.raises(
-    fdt.ExportError, match=r'tf.TensorSpec or\s+jax.ShapeDtypeStruct.*index 0'
+    fdt.ExportError,
+    match=r'tf.TensorSpec, a\s+jax.ShapeDtypeStruct or None.*index 0',
   ):
     fdt_tf.save_saved_model(
       net, tmp_path / 'b', input_signature=[np.zeros((2, 64))]
@@ -477,9 +505,9 @@ def test_saved_model_errors(auto_mesh, tmp_path):
 
 
 def test_polymorphic_shape_strings():
-  from flax_dtensor.dtensor import _saved_model
+  from flax_dtensor.dtensor import _signature
 
-  shape = _saved_model._polymorphic_shape
+  shape = _signature.polymorphic_shape
   assert shape(tf.TensorSpec([None, 16]), 0) == '(b, 16)'
   assert shape(tf.TensorSpec([None]), 1) == '(b,)'
   assert shape(tf.TensorSpec([None, None, 3]), 2) == '(b, d2_1, 3)'
@@ -670,4 +698,407 @@ def _artifact_versions(path):
     for fn in graph.graph_def.library.function
     for node in fn.node_def
     if node.op == 'XlaCallModule'
+  ]
+
+
+# Methods in another library's style: None arguments, pytree results
+# ------------------------------------------------------------------------------
+
+
+class TinyLM(nnx.Module):
+  """An LLM written in another library's style: the forward pass takes
+  `(tokens, positions, cache, attention_mask)` and returns `(logits,
+  cache)`; called with `cache=None`, it returns `(logits, None)`."""
+
+  traced = 0  # Calls of a method: each trace of the export calls it once.
+
+  def __init__(self, rngs, *, vocab=64, embed=32, heads=4, max_len=32):
+    self.embed = nnx.Embed(vocab, embed, rngs=rngs)
+    self.pos = nnx.Embed(max_len, embed, rngs=rngs)
+    self.qkv = nnx.Param(
+      _part((None, None, 'model', None))(
+        rngs.params(), (3, embed, heads, embed // heads)
+      )
+    )
+    self.out = nnx.Param(
+      _part(('model', None, None))(
+        rngs.params(), (heads, embed // heads, embed)
+      )
+    )
+    self.norm = nnx.RMSNorm(embed, rngs=rngs)
+
+  def _layers(self, tokens, positions, attention_mask):
+    TinyLM.traced += 1
+    x = self.embed(tokens) + self.pos(positions)
+    q, k, v = jnp.einsum('btd,sdhk->sbthk', x, self.qkv[...])
+    scores = jnp.einsum('bthk,bshk->bhts', q, k) / np.sqrt(q.shape[-1])
+    scores = jnp.where(attention_mask[:, None], scores, -1e9)
+    probs = jax.nn.softmax(scores, axis=-1)
+    h = jnp.einsum('bhts,bshk->bthk', probs, v)
+    x = x + jnp.einsum('bthk,hkd->btd', h, self.out[...])
+    return x, probs, self.embed.attend(self.norm(x))
+
+  def __call__(self, tokens, positions, cache, attention_mask):
+    # A real model would fill a given cache; served without one here.
+    _, _, logits = self._layers(tokens, positions, attention_mask)
+    return logits, cache
+
+  def nested(self, tokens, positions, cache, attention_mask):
+    x, probs, logits = self._layers(tokens, positions, attention_mask)
+    return {
+      'logits': logits,
+      'cache': cache,
+      'hidden': {'residual': x, 'attention': {'probs': probs, 'none': None}},
+      'stats': [None, x.mean(-1)],
+    }
+
+  def scattered(self, tokens, positions, cache, attention_mask):
+    x, probs, logits = self._layers(tokens, positions, attention_mask)
+    return (None, logits, (None, x), cache, [probs, None])
+
+  def tagged(self, tokens, positions, cache, attention_mask):
+    return self(tokens, positions, cache, attention_mask)[0], 'v1'
+
+  def clashing(self, tokens, positions, cache, attention_mask):
+    logits = self(tokens, positions, cache, attention_mask)[0]
+    return {'a/b': logits, 'a': {'b': logits}}
+
+  def nothing(self, tokens, positions, cache, attention_mask):
+    del tokens, positions, attention_mask
+    return cache, [None]
+
+
+def _tiny_lm(mesh):
+  with jax.set_mesh(mesh):
+    return TinyLM(nnx.Rngs(7))
+
+
+def _lm_batch(rng, batch, length, vocab=64):
+  tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
+  mask = np.tril(np.ones((length, length), bool))
+  mask = np.broadcast_to(mask, (batch, length, length))
+  return {
+    'tokens': tokens,
+    'positions': np.ascontiguousarray(positions),
+    'mask': np.ascontiguousarray(mask),
+  }
+
+
+# The LLM's signature, as its users write it: the cache is None.
+LM_SIGNATURE = [
+  tf.TensorSpec([None, 16], tf.int32),
+  tf.TensorSpec([None, 16], tf.int32),
+  None,
+  tf.TensorSpec([None, 16, 16], tf.bool),
+]
+# Any batch and any sequence length: one symbol 't' for every length.
+LM_ANY_LENGTH = [
+  tf.TensorSpec([None, None], tf.int32, name='tokens'),
+  tf.TensorSpec([None, None], tf.int32, name='positions'),
+  None,
+  tf.TensorSpec([None, None, None], tf.bool, name='mask'),
+]
+
+
+def _served_inputs(tmp_path, name, batch, names):
+  """The batch's arrays, saved under the signature's input names."""
+  return _save_inputs(
+    tmp_path, name, {n: batch[k] for n, k in zip(names, batch, strict=True)}
+  )
+
+
+def test_llm_with_a_none_cache_serves_in_plain_tf(auto_mesh, tmp_path):
+  model = _tiny_lm(auto_mesh)
+  rng = np.random.default_rng(5)
+  sm = fdt_tf.save_saved_model(
+    model,
+    tmp_path / 'lm',
+    input_signature=LM_SIGNATURE,
+    # One per input (the arrays only): what `input_signature` derives.
+    polymorphic_shapes=['(b, 16)', '(b, 16)', '(b, 16, 16)'],
+  )
+  any_length = {}
+  for method in ('__call__', 'nested', 'scattered'):
+    any_length[method] = fdt_tf.save_saved_model(
+      model,
+      tmp_path / f'any_{method}',
+      method=method,
+      input_signature=LM_ANY_LENGTH,
+      # One per entry of `input_signature`, None where it has None.
+      polymorphic_shapes=['(b, t)', '(b, t)', None, '(b, t, t)'],
+    )
+  fixed = [_lm_batch(rng, b, 16) for b in (1, 3)]
+  varied = [_lm_batch(rng, 2, 16), _lm_batch(rng, 3, 9)]
+  positional = ['input_0', 'input_1', 'input_3']
+  named = ['tokens', 'positions', 'mask']
+  models = {
+    'lm': {
+      'path': sm,
+      'inputs': [
+        _served_inputs(tmp_path, f'lm{i}', x, positional)
+        for i, x in enumerate(fixed)
+      ],
+    },
+  }
+  for method, path in any_length.items():
+    models[method] = {
+      'path': path,
+      'inputs': [
+        _served_inputs(tmp_path, f'{method}{i}', x, named)
+        for i, x in enumerate(varied)
+      ],
+    }
+  report = _serve_in_plain_tf(tmp_path, models)
+  assert report['jax_modules'] == []
+
+  def jax_outputs(method, x):
+    args = (x['tokens'], x['positions'], None, x['mask'])
+    return getattr(model, method)(*args)
+
+  # The None argument is no input of the signature; `(logits, None)` is
+  # served as output_0.
+  assert report['lm']['inputs'] == positional
+  assert report['lm']['outputs'] == {'output_0': [[1, 16, 64], [3, 16, 64]]}
+  for i, x in enumerate(fixed):
+    logits, cache = jax_outputs('__call__', x)
+    assert cache is None
+    got = np.load(tmp_path / f'lm_{i}_output_0.npy')
+    np.testing.assert_allclose(got, logits, rtol=1e-5, atol=1e-5)
+  # Any sequence length, by one symbol 't'.
+  assert report['__call__']['inputs'] == ['mask', 'positions', 'tokens']
+  assert report['__call__']['outputs'] == {
+    'output_0': [[2, 16, 64], [3, 9, 64]]
+  }
+  for i, x in enumerate(varied):
+    logits, _ = jax_outputs('__call__', x)
+    got = np.load(tmp_path / f'__call___{i}_output_0.npy')
+    np.testing.assert_allclose(got, logits, rtol=1e-5, atol=1e-5)
+  # A dict with str keys: named by its keys, joined by '/'; None left out.
+  assert report['nested']['outputs'] == {
+    'hidden/attention/probs': [[2, 4, 16, 16], [3, 4, 9, 9]],
+    'hidden/residual': [[2, 16, 32], [3, 9, 32]],
+    'logits': [[2, 16, 64], [3, 9, 64]],
+    'stats/1': [[2, 16], [3, 9]],
+  }
+  # A tuple with None at several places: output_0, 1, 2 in leaf order.
+  assert report['scattered']['outputs'] == {
+    'output_0': [[2, 16, 64], [3, 9, 64]],
+    'output_1': [[2, 16, 32], [3, 9, 32]],
+    'output_2': [[2, 4, 16, 16], [3, 4, 9, 9]],
+  }
+  for i, x in enumerate(varied):
+    want = jax_outputs('nested', x)
+    nested = {
+      'logits': want['logits'],
+      'hidden/residual': want['hidden']['residual'],
+      'hidden/attention/probs': want['hidden']['attention']['probs'],
+      'stats/1': want['stats'][1],
+    }
+    for key, value in nested.items():
+      got = np.load(tmp_path / f'nested_{i}_{key}.npy'.replace('/', '|'))
+      np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5)
+    want = [v for v in jax.tree.leaves(jax_outputs('scattered', x))]
+    for j, value in enumerate(want):
+      got = np.load(tmp_path / f'scattered_{i}_output_{j}.npy')
+      np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_signature_that_does_not_fit_is_refused_before_tracing(
+  auto_mesh, tmp_path
+):
+  model = _tiny_lm(auto_mesh)
+  without_cache = [s for s in LM_SIGNATURE if s is not None]
+  method = r'TinyLM\.__call__\(tokens, positions, cache, attention_mask\)'
+  TinyLM.traced = 0
+  with pytest.raises(
+    fdt.ExportError,
+    match=rf'Expected `input_signature` to fit {method}, which takes 4 '
+    r'positional arguments; got 3 entries: \[TensorSpec\(\[None, 16\], '
+    r'int32\), .*None for an argument passed as None',
+  ):
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'a', input_signature=without_cache
+    )
+  with pytest.raises(
+    fdt.ExportError, match=rf'fit {method}, which takes 4 .* got 5 entries'
+  ):
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'b', input_signature=[*LM_SIGNATURE, None]
+    )
+  with pytest.raises(
+    fdt.ExportError, match=r'`input_signature` to be a list .* got TensorSpec'
+  ):
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'c', input_signature=LM_SIGNATURE[0]
+    )
+  assert TinyLM.traced == 0
+  assert os.listdir(tmp_path) == []
+
+
+def test_polymorphic_shapes_around_none_arguments(auto_mesh, tmp_path):
+  model = _tiny_lm(auto_mesh)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'Expected None in `polymorphic_shapes` where `input_signature` '
+    r"has None \(at \[2\]\), got \['\(b, 16\)', '\(b, 16\)', '\(b,\)'",
+  ):
+    fdt_tf.save_saved_model(
+      model,
+      tmp_path / 'a',
+      input_signature=LM_SIGNATURE,
+      polymorphic_shapes=['(b, 16)', '(b, 16)', '(b,)', '(b, 16, 16)'],
+    )
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'one polymorphic shape per input \(3\) \(or one per entry of '
+    r'`input_signature`, 4, with None where it has None\), got 2',
+  ):
+    fdt_tf.save_saved_model(
+      model,
+      tmp_path / 'b',
+      input_signature=LM_SIGNATURE,
+      polymorphic_shapes=['(b, 16)', '(b, 16)'],
+    )
+  assert os.listdir(tmp_path) == []
+
+
+def test_symbols_of_their_own_that_meet_are_explained(auto_mesh, tmp_path):
+  """[None, None] specs: each non-leading None is a symbol of its own."""
+  model = _tiny_lm(auto_mesh)
+  with pytest.raises(fdt.ExportError) as raised:
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'sm', input_signature=LM_ANY_LENGTH
+    )
+  message = str(raised.value)
+  assert message.startswith(
+    'Tracing TinyLM.__call__ for the SavedModel failed where its polymorphic '
+    'dimensions meet ('
+  ), message
+  assert (
+    "In `input_signature`, a leading None is the batch 'b', shared by every "
+    'input, and any other None is a size of its own, which JAX cannot know '
+    'to equal another: tokens (b, d0_1), positions (b, d1_1), mask (b, d3_1, '
+    'd3_2). Give the dimensions that are always equal one name with '
+    '`polymorphic_shapes=` (one per entry of `input_signature`), e.g. '
+    "polymorphic_shapes=['(b, t)', '(b, t)', None, '(b, t, t)'] if all are "
+    'one length (e.g. a sequence length), or '
+    "polymorphic_shapes=['(b, d1)', '(b, d1)', None, '(b, d1, d2)'] if "
+    'those at the same position are.'
+  ) in message, message
+  # Chained to JAX's error, which is not ours.
+  assert raised.value.__cause__ is not None
+  assert not isinstance(raised.value.__cause__, fdt.FlaxDTensorError)
+  assert os.listdir(tmp_path) == []
+  # The first suggestion is what the serving test above exports.
+
+
+def test_a_failure_that_names_no_symbol_of_its_own_is_jax_s(
+  auto_mesh, tmp_path
+):
+  """Only a failure naming a symbol of their own is put in our words."""
+  model = _tiny_lm(auto_mesh)
+  wrong_dtype = [
+    tf.TensorSpec([None, None], tf.float32),  # Tokens of the wrong dtype.
+    tf.TensorSpec([None, None], tf.int32),
+    None,
+    tf.TensorSpec([None, None, None], tf.bool),
+  ]
+  # Flax's own error, about the dtype: raised as it is.
+  with pytest.raises(Exception) as raised:
+    fdt_tf.save_saved_model(model, tmp_path / 'sm', input_signature=wrong_dtype)
+  assert not isinstance(raised.value, fdt.FlaxDTensorError), raised.value
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+  'method, match',
+  [
+    (
+      'tagged',
+      r'Expected the result of TinyLM\.tagged to hold only arrays and None, '
+      r"got str at result\[1\]: 'v1'\. Return arrays",
+    ),
+    (
+      'clashing',
+      r'Expected each array of the result of TinyLM\.clashing to have a name '
+      r"of its own, got 'a/b' twice: at result\['a'\]\['b'\] and "
+      r"result\['a/b'\] \(the keys of nested dicts are joined by '/'\)",
+    ),
+    (
+      'nothing',
+      r'Expected the result of TinyLM\.nothing to hold at least one array, '
+      r'got \(None, \[None\]\)',
+    ),
+  ],
+  ids=['not-an-array', 'one-name-twice', 'no-array'],
+)
+def test_results_that_cannot_be_served(auto_mesh, tmp_path, method, match):
+  model = _tiny_lm(auto_mesh)
+  with pytest.raises(fdt.ExportError, match=match):
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'sm', method=method, input_signature=LM_SIGNATURE
+    )
+  assert os.listdir(tmp_path) == []
+
+
+def test_named_outputs():
+  from flax_dtensor.dtensor import _signature
+
+  x, y = np.zeros(2), np.ones(3)
+  named = _signature.named_outputs
+  assert named(x, 'f') == {'output_0': x}
+  assert named((x, None, [None, y]), 'f') == {'output_0': x, 'output_1': y}
+  assert named({'b': {'c': x, 'd': None}, 'a': [y]}, 'f') == {
+    'b/c': x,
+    'a/0': y,
+  }
+  assert named({1: x, 2: y}, 'f') == {'output_0': x, 'output_1': y}
+  assert named([np.float32(1.0), 2], 'f') == {
+    'output_0': np.float32(1.0),
+    'output_1': 2,
+  }
+  with pytest.raises(
+    fdt.ExportError, match=r"got object at result\['a'\]\[0\]: <object"
+  ):
+    named({'a': [object()]}, 'f')
+  with pytest.raises(
+    fdt.ExportError, match=r'result of f to be a pytree .* cannot flatten'
+  ):
+    named({'a': x, 0: y}, 'f')
+
+
+def test_parameters_and_suggestions():
+  from flax_dtensor.dtensor import _signature
+
+  class M(nnx.Module):
+    def a(self, x, y=None, *, z=1):
+      pass
+
+    def b(self, x, *rest):
+      pass
+
+    def c(self, x, *, mode):
+      pass
+
+  m = M()
+  a = _signature.parameters(m, 'a')
+  assert a.method == 'M.a(x, y=..., *, z=...)'
+  assert a.takes() == 'takes from 1 to 2 positional arguments'
+  assert [a.fits(n) for n in range(4)] == [False, True, True, False]
+  b = _signature.parameters(m, 'b')
+  assert b.takes() == 'takes at least 1 positional argument'
+  assert b.fits(9) and not b.fits(0)
+  c = _signature.parameters(m, 'c')
+  assert c.takes() == (
+    'needs the keyword-only argument(s) `mode`, which a signature cannot give'
+  )
+  assert not c.fits(1)
+  suggested = _signature.suggested_dims
+  assert suggested([(None, None), None, (None, None, None)]) == [
+    [('b', 't'), None, ('b', 't', 't')],
+    [('b', 'd1'), None, ('b', 'd1', 'd2')],
+  ]
+  assert suggested([(None, None, 3), ('b', 'n')]) == [
+    [('b', 't', 3), ('b', 'n')]
   ]

@@ -332,8 +332,10 @@ def test_shard_module_places_an_unsharded_model(mixed_mesh):
     mixed_mesh, P('data', 'model')
   )
   _shard_values_equal(model.up.kernel.get_value(), before)
-  # Unannotated variables are left alone.
-  assert len(model.up.bias.get_value().sharding.device_set) == 1
+  # Unannotated variables end on the mesh too, replicated, as planned.
+  bias = model.up.bias.get_value()
+  assert bias.sharding == NamedSharding(mixed_mesh, P())
+  assert fdt.plan(model, mesh=mixed_mesh, rules=RULES)['up/bias'].spec == P()
 
 
 def test_shard_module_error_names_the_path(explicit_mesh):

@@ -224,7 +224,9 @@ def test_shard_module_places_a_model_built_without_a_mesh(auto_mesh):
   for path, variable in _flat(nnx.state(model)).items():
     value = variable[...]
     if not plan[path].source.startswith('path rule'):
-      assert value.sharding.num_devices == 1, path  # Left where it was.
+      # Replicated on the mesh, as the plan says.
+      assert value.sharding.mesh == auto_mesh, path
+      assert not any(value.sharding.spec) and plan[path].spec == P(), path
       continue
     covered += 1
     want = _canonical(plan[path].spec, value.ndim)

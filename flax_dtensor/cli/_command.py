@@ -146,7 +146,9 @@ def _message(e: BaseException) -> tuple[str, int]:
     rules = ', '.join(f'[{n!r}, null]' for n in e.names)
     return (
       f'{e.problem} Add a rule for each to the rules file (--rules), e.g. '
-      f'{rules} to replicate, or a mesh axis to shard over.',
+      f'{rules} to replicate, or a mesh axis to shard over; if the names '
+      'are mesh axes already (as some libraries annotate), pass '
+      '--mesh-axis-names.',
       EXIT_BAD_INPUT,
     )
   if isinstance(e, _errors.FlaxDTensorError):

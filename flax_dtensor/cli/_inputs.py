@@ -32,6 +32,12 @@ RULES_HELP = (
   '(name, target) pairs), and path_rules for variables without logical '
   'axes (see the path rules page). Default: the demo rules.'
 )
+MESH_AXIS_NAMES_HELP = (
+  "The model's annotations name mesh axes (as tunix's ShardingConfig "
+  'does): each axis of --mesh is its own rule '
+  '(fdt.LogicalRules.for_mesh_axes). With --rules, after the rules of the '
+  'file; without, instead of the demo rules.'
+)
 CPU_DEVICES_HELP = (
   'Run on this many virtual CPU devices (sets XLA_FLAGS and '
   'jax_num_cpu_devices before JAX starts).'
@@ -83,18 +89,51 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-  """One ``--input-shape`` entry: ``NAME:DIMS:DTYPE``."""
+  """One ``--input-shape`` entry: ``NAME:DIMS:DTYPE``, or ``NAME:none``.
+
+  Attributes:
+    name: The name of the input in the served signature.
+    dims: Each dimension: a size, a name (dimensions of one name are one
+      size), or None (a size of its own). None for an argument passed as
+      None.
+    dtype: The dtype's name; None for an argument passed as None.
+  """
 
   name: str
-  shape: tuple[int | None, ...]
-  dtype: str
+  dims: tuple[int | str | None, ...] | None
+  dtype: str | None
+
+  @property
+  def shape(self) -> tuple[int | None, ...] | None:
+    """The TF shape: None for each polymorphic dimension."""
+    if self.dims is None:
+      return None
+    return tuple(d if isinstance(d, int) else None for d in self.dims)
 
   def tensor_spec(self) -> Any:
-    """The `tf.TensorSpec` of the input (imports TensorFlow)."""
+    """The `tf.TensorSpec` of the input, or None (imports TensorFlow)."""
     from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
 
+    if self.dims is None:
+      return None
     tf = _tf.tf()
     return tf.TensorSpec(self.shape, tf.dtypes.as_dtype(self.dtype), self.name)
+
+  def polymorphic_shape(self, index: int) -> str | None:
+    """jax2tf's polymorphic shape of the input (`index`: its position)."""
+    from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
+
+    if self.dims is None:
+      return None
+    return _signature.shape_text(_signature.symbolic_dims(self.dims, index))
+
+  def text(self, dims: Sequence[int | str | None] | None = None) -> str:
+    """The entry as it is written, with `dims` instead of its own if given."""
+    dims = self.dims if dims is None else dims
+    if dims is None:
+      return f'{self.name}:none'
+    written = ','.join('?' if d is None else str(d) for d in dims)
+    return f'{self.name}:{written}:{self.dtype}'
 
 
 _DTYPES = (
@@ -110,46 +149,55 @@ _DTYPES = (
   'float32',
   'float64',
 )
+_DIM_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
+INPUT_SHAPE_FIX = (
+  'Pass --input-shape NAME:DIMS:DTYPE, e.g. x:1,128:int32, or NAME:none for '
+  'an argument passed as None (one per positional parameter of the '
+  'method, in order).'
+)
 
 
 def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
-  """Parses ``'x:1,128:int32'``; the first dim is the batch dim.
+  """Parses ``'x:1,128:int32'``, ``'mask:b,t,t:bool'`` or ``'cache:none'``.
 
-  Unless `static_batch`, the first dimension is exported polymorphic (its
-  size only serves as an example); ``b``, ``?`` or ``None`` also mark a
-  polymorphic dimension.
+  A dimension is a size, a name (a polymorphic dimension; those of one name
+  are one size, across inputs too), or ``?`` (``None``): a polymorphic
+  dimension of its own. Unless `static_batch`, a leading size is the batch
+  ``b`` (the size only serves as an example). ``NAME:none`` passes None.
 
   Raises:
     BadInputError: If the text is malformed.
   """
-  fix = (
-    'Pass --input-shape NAME:DIMS:DTYPE, e.g. x:1,128:int32 (one per '
-    'positional input of the method, in order).'
-  )
   parts = text.split(':')
+  if len(parts) == 2 and parts[0] and parts[1].lower() == 'none':
+    return InputSpec(parts[0], None, None)
   if len(parts) != 3 or not parts[0] or not parts[1]:
-    raise BadInputError(f'Malformed --input-shape {text!r}. {fix}')
+    raise BadInputError(f'Malformed --input-shape {text!r}. {INPUT_SHAPE_FIX}')
   name, dims_text, dtype = parts
   if dtype not in _DTYPES:
     raise BadInputError(
       f'Malformed --input-shape {text!r}: unknown dtype {dtype!r}; expected '
-      f'one of {", ".join(_DTYPES)}. {fix}'
+      f'one of {", ".join(_DTYPES)}. {INPUT_SHAPE_FIX}'
     )
-  shape: list[int | None] = []
+  dims: list[int | str | None] = []
   for d in dims_text.split(','):
     d = d.strip()
-    if d in ('b', '?', 'None'):
-      shape.append(None)
+    if d in ('?', 'None', 'none'):
+      dims.append(None)
     elif d.isdigit() and int(d) > 0:
-      shape.append(int(d))
+      dims.append(int(d))
+    elif _DIM_NAME.match(d):
+      dims.append(d)
     else:
       raise BadInputError(
         f'Malformed --input-shape {text!r}: dimension {d!r} is not a '
-        f'positive integer (or b for a polymorphic one). {fix}'
+        'positive integer, a name (a polymorphic dimension: b, t, ...; '
+        'those of one name are one size) or ? (one of its own). '
+        f'{INPUT_SHAPE_FIX}'
       )
-  if not static_batch:
-    shape[0] = None
-  return InputSpec(name, tuple(shape), dtype)
+  if not static_batch and isinstance(dims[0], int):
+    dims[0] = 'b'  # The batch symbol, `_signature.BATCH`.
+  return InputSpec(name, tuple(dims), dtype)
 
 
 def check_out(out: pathlib.Path) -> None:
@@ -170,13 +218,31 @@ def check_out(out: pathlib.Path) -> None:
     )
 
 
-def load_rules(path: str | None) -> Any:
+def load_rules(
+  path: str | None, *, mesh_axes: Sequence[str] | None = None
+) -> Any:
   """Reads a rules file (the demo rules when `path` is None).
+
+  With `mesh_axes` (``--mesh-axis-names``), each mesh axis is also its own
+  rule, after the file's rules (or alone, without a file).
 
   Raises:
     BadInputError: If the file is missing or malformed.
   """
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors, _rules  # pylint: disable=g-import-not-at-top
+
+  if mesh_axes is not None:
+    identity = _rules.LogicalRules.for_mesh_axes(tuple(mesh_axes))
+    if path is None:
+      return identity
+    rules = load_rules(path)
+    return _rules.LogicalRules([*rules, *identity]).replace(
+      unknown=rules.unknown,
+      strict=rules.strict,
+      path_rules=rules.path_rules,
+      min_size=rules.min_size,
+      min_bytes=rules.min_bytes,
+    )
   from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
 
   if path is None:
@@ -394,40 +460,102 @@ def check_served_inputs(
 ) -> None:
   """Traces `method` of the abstract model on the inputs, before any write.
 
-  A polymorphic dimension is tried at size 2. Nothing is computed.
+  The inputs have the polymorphic shapes the SavedModel will have, and the
+  arguments given as ``NAME:none`` are None. Nothing is computed.
 
   Raises:
-    BadInputError: If the model has no such method, or it fails on inputs of
-      these shapes and dtypes (e.g. a forgotten batch dimension); the
-      message shows the shapes given and the error.
+    BadInputError: If the model has no such method, the inputs do not fit
+      its positional parameters, or it fails on inputs of these shapes and
+      dtypes (e.g. a forgotten batch dimension, or ``?`` dimensions that
+      must be equal); the message shows the shapes given and the error.
+    ExportError: If the method's result holds something other than arrays
+      and None.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
+    _errors,
+    _plan_view,
+  )
+  from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
       f'--method {method!r}: the model ({type(abstract).__name__}) has no '
       'such method. Pass --method NAME of a method that takes the inputs.'
     )
-  examples = [
-    jax.ShapeDtypeStruct(tuple(2 if d is None else d for d in s.shape), s.dtype)
-    for s in specs
-  ]
-  given = ', '.join(
-    f'{s.name}:{",".join("b" if d is None else str(d) for d in s.shape)}:'
-    f'{s.dtype}'
-    for s in specs
-  )
-  try:
-    nnx.eval_shape(lambda m, *xs: getattr(m, method)(*xs), abstract, *examples)
-  except Exception as e:  # pylint: disable=broad-except
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ''
+  given = ', '.join(s.text() for s in specs)
+  where = f'{type(abstract).__name__}.{method}'
+  parameters = _signature.parameters(abstract, method)
+  if parameters is not None and not parameters.fits(len(specs)):
     raise BadInputError(
-      f'--input-shape {given} does not fit {type(abstract).__name__}.{method}'
-      f': calling it on inputs of these shapes fails with '
-      f'{type(e).__name__}: {first[:300]}. Pass one --input-shape per '
-      'positional input, in order, with the batch dimension first (e.g. '
-      'x:1,128:int32).'
+      f'--input-shape {given} gives '
+      f'{_plan_view.count(len(specs), "argument")}, but '
+      f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
+      'per positional parameter, in order, and NAME:none for an argument '
+      'passed as None (e.g. --input-shape cache:none).'
+    )
+  scope = jax.export.SymbolicScope()
+  examples = []
+  for index, s in enumerate(specs):
+    if s.dims is None:
+      continue
+    text = s.polymorphic_shape(index)
+    try:
+      shape = (
+        s.dims if text is None else jax.export.symbolic_shape(text, scope=scope)
+      )
+    except ValueError as e:  # A name JAX reads otherwise, e.g. max.
+      raise BadInputError(
+        f'Malformed --input-shape {s.text()}: JAX cannot read its dimensions '
+        f'{text} ({_signature.summary(e)}). Name polymorphic dimensions with '
+        'other names, e.g. b, t.'
+      ) from e
+    examples.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(s.dtype)))
+  slots = []
+  for s in specs:
+    slots.append(None if s.dims is None else sum(x is not None for x in slots))
+
+  def call(model: Any, *arrays: Any) -> Any:
+    arguments = [None if i is None else arrays[i] for i in slots]
+    return _signature.named_outputs(getattr(model, method)(*arguments), where)
+
+  try:
+    nnx.eval_shape(call, abstract, *examples)
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    own = _signature.own_symbols([s.dims for s in specs])
+    if own and _signature.names_a_symbol(e, own):
+      examples_text = [
+        ' '.join(
+          f'--input-shape {s.text(dims)}'
+          for s, dims in zip(specs, suggested, strict=True)
+        )
+        for suggested in _signature.suggested_dims([s.dims for s in specs])
+      ]
+      which = [
+        f'{examples_text[0]} if all are one length (e.g. a sequence length)',
+        *(f'{t} if those at the same position are' for t in examples_text[1:]),
+      ]
+      symbols = ', '.join(
+        s.text(_signature.symbolic_dims(s.dims, index))
+        for index, s in enumerate(specs)
+        if s.dims is not None and None in s.dims[1:]
+      )
+      raise BadInputError(
+        f'--input-shape {given}: tracing {where} fails where its '
+        f'polymorphic dimensions meet ({_signature.summary(e)}). Each ? '
+        f'dimension is a size of its own (to JAX: {symbols}), which JAX '
+        'cannot know to equal another: name the dimensions that are always '
+        f'equal alike, e.g. {", or ".join(which)}.'
+      ) from e
+    raise BadInputError(
+      f'--input-shape {given} does not fit {where}: calling it on inputs of '
+      f'these shapes fails with {_signature.summary(e)}. Pass one '
+      '--input-shape per positional input, in order, with the batch '
+      'dimension first (e.g. x:1,128:int32).'
     ) from e
 
 

@@ -39,6 +39,10 @@ def export(
     str | None,
     typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
   ] = None,
+  mesh_axis_names: Annotated[
+    bool,
+    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
+  ] = False,
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -51,8 +55,11 @@ def export(
       metavar='NAME:DIMS:DTYPE',
       help=(
         'NAME:DIMS:DTYPE of a positional input of the served method, e.g. '
-        'x:1,128:int32; repeat for several inputs. The first dimension is '
-        'exported as a polymorphic batch dimension.'
+        'x:1,128:int32, or NAME:none to pass None (e.g. cache:none); repeat '
+        'for each positional parameter, in order. The first dimension is '
+        'exported as a polymorphic batch dimension b. A dimension named by '
+        'letters is polymorphic, one size wherever its name appears (e.g. '
+        'tokens:b,t:int32 and mask:b,t,t:bool); ? is one of its own.'
       ),
     ),
   ] = None,
@@ -98,7 +105,9 @@ def export(
   with _command.handle_errors(debug):
     console = _command.console()
     axes = _inputs.parse_mesh(mesh)
-    rules_ = _inputs.load_rules(rules)
+    rules_ = _inputs.load_rules(
+      rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+    )
     specs = [
       _inputs.parse_input_shape(s, static_batch=static_batch)
       for s in (input_shape or [])
@@ -161,6 +170,9 @@ def export(
           model,
           staged['saved_model'],
           input_signature=[s.tensor_spec() for s in specs],
+          polymorphic_shapes=[
+            s.polymorphic_shape(i) for i, s in enumerate(specs)
+          ],
           method=method,
         )
     console.print(

@@ -30,6 +30,10 @@ def plan(
     str | None,
     typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
   ] = None,
+  mesh_axis_names: Annotated[
+    bool,
+    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
+  ] = False,
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
@@ -81,18 +85,51 @@ def plan(
     typer.Option(
       '--budget',
       metavar='SIZE',
-      help='With --check: bytes per device not to exceed, e.g. 16GiB.',
+      help=(
+        'Bytes per device not to exceed, e.g. 16GiB: with --check, a '
+        'finding above it; with --suggest, shard further until it fits '
+        '(exit 1 when nothing does).'
+      ),
       show_default=False,
     ),
   ] = None,
   min_bytes: Annotated[
-    str,
+    str | None,
     typer.Option(
       '--min-bytes',
       metavar='SIZE',
-      help='With --check: report replicated variables from this size on.',
+      help=(
+        'With --check: report replicated variables from this size on '
+        '(default 1MiB). With --suggest: replicate smaller ones (default '
+        '64KiB).'
+      ),
+      show_default=False,
     ),
-  ] = '1MiB',
+  ] = None,
+  suggest: Annotated[
+    bool,
+    typer.Option(
+      '--suggest',
+      help=(
+        'Propose the rules (fdt.suggest_rules): a preset recognised from '
+        'the paths (Hugging Face, Gemma or GPT-2 names), else the largest '
+        'dimension on the fsdp-like axis and the next on the model axis; '
+        'print why for every variable, then the plan under them.'
+      ),
+    ),
+  ] = False,
+  write: Annotated[
+    pathlib.Path | None,
+    typer.Option(
+      '--write',
+      metavar='RULES.yaml',
+      help=(
+        'With --suggest: write the proposed rules to this YAML file, to '
+        'edit and pass to --rules.'
+      ),
+      show_default=False,
+    ),
+  ] = None,
   show: Annotated[
     str | None,
     typer.Option(
@@ -117,6 +154,8 @@ def plan(
   variable's shape, dtype, logical axes, PartitionSpec and bytes per device,
   and the fallbacks taken follow, grouped by reason. Paths are never cut:
   in a narrow terminal (or COLUMNS when piped) each variable takes two lines.
+  With --suggest, the rules are proposed for the model (see the path rules
+  page), within --budget, and the plan follows them.
   """
   with _command.handle_errors(debug):
     golden_text = None
@@ -129,8 +168,30 @@ def plan(
           f'({e.strerror or e}). Write one with `flax-dtensor plan TARGET '
           '--json > LAYOUT.json`.'
         ) from e
+    if suggest and (rules is not None or mesh_axis_names):
+      raise _command.BadInputError(
+        '--suggest proposes the rules, and --rules (or --mesh-axis-names) '
+        'gives them: pass one. To check a suggestion, --write it and pass '
+        'that file to --rules.'
+      )
+    if write is not None and not suggest:
+      raise _command.BadInputError(
+        f'--write {str(write)!r} writes the rules --suggest proposes: add '
+        '--suggest.'
+      )
     axes = _inputs.parse_mesh(mesh)
-    rules_ = _inputs.load_rules(rules)
+    budget_ = None if budget is None else _inputs.parse_size(budget, '--budget')
+    min_bytes_ = None
+    if min_bytes is not None:
+      min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')
+    if suggest:
+      from flax_dtensor import _rules  # pylint: disable=g-import-not-at-top
+
+      rules_ = _rules.LogicalRules([], unknown='replicate')
+    else:
+      rules_ = _inputs.load_rules(
+        rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+      )
     factory = _inputs.load_target(target)
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -139,16 +200,33 @@ def plan(
     mesh_ = _inputs.abstract_mesh(axes)
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
       model = _inputs.build_abstract(factory, target)
+    suggestion = None
+    if suggest:
+      suggestion = fdt.suggest_rules(
+        model,
+        mesh_,
+        budget=budget_,
+        **({} if min_bytes_ is None else {'min_bytes': min_bytes_}),
+      )
+      rules_ = suggestion.rules
+      if write is not None:
+        suggestion.write(write)
+      if not json_output:  # The plan's source column says why, below.
+        lines = suggestion.summary().splitlines()
+        if write is not None:
+          lines.append(f'Wrote the rules to {str(write)!r}.')
+        _command.console().print(
+          '\n'.join(lines) + '\n', highlight=False, markup=False
+        )
+    with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
       result = fdt.plan(model, mesh=mesh_, rules=rules_)
     if check:
       report = fdt.check(
         model,
         rules_,
         mesh_,
-        min_bytes=_inputs.parse_size(min_bytes, '--min-bytes'),
-        budget=None
-        if budget is None
-        else _inputs.parse_size(budget, '--budget'),
+        min_bytes=2**20 if min_bytes_ is None else min_bytes_,
+        budget=budget_,
         allow=allow or (),
       )
       if json_output:
@@ -179,3 +257,5 @@ def plan(
       _command.console().print(
         result.summary() if summary else result, highlight=False
       )
+    if suggestion is not None and suggestion.fits is False:
+      _command.exit_findings(True)

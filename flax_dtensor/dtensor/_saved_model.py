@@ -15,7 +15,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -35,6 +35,7 @@ from flax_dtensor.dtensor import (
   _peers,
   _selection,
   _serialization,
+  _signature,
   _single_mesh,
   _tf,
   _tf_errors,
@@ -49,72 +50,6 @@ PREFIX = 'variables/variables'
 # The most bytes of variables gathered onto process 0 for a SavedModel in a
 # multi-process run, unless `max_gather_bytes` says otherwise.
 MAX_GATHER_BYTES = 4 * 2**30
-
-
-def _is_dim(d: Any) -> bool:
-  return d is None or isinstance(d, int | np.integer)
-
-
-def _tensor_spec(spec: Any, index: int) -> tuple[tf.TensorSpec, str | None]:
-  """An input's TF spec, and its jax2tf polymorphic shape (None: static).
-
-  A `tf.TensorSpec`'s None dimensions are polymorphic (`_polymorphic_shape`
-  names them). A `jax.ShapeDtypeStruct` may carry symbolic dimensions
-  (``jax.export.symbolic_shape('b, 64')``), which keep their names; on the
-  JAX releases that accept None in its shape, a None is as in a TF spec.
-  """
-  tf = _tf.tf()
-  if isinstance(spec, tf.TensorSpec):
-    spec = tf.TensorSpec(spec.shape, spec.dtype, spec.name or f'input_{index}')
-    return spec, _polymorphic_shape(spec, index)
-  if isinstance(spec, jax.ShapeDtypeStruct):
-    dims = tuple(spec.shape)
-    if all(_is_dim(d) for d in dims):
-      tf_spec = tf.TensorSpec(dims, spec.dtype, f'input_{index}')
-      return tf_spec, _polymorphic_shape(tf_spec, index)
-    tf_spec = tf.TensorSpec(
-      [int(d) if isinstance(d, int | np.integer) else None for d in dims],
-      spec.dtype,
-      f'input_{index}',
-    )
-    text = ', '.join(str(d) for d in dims)
-    return tf_spec, f'({text}{"," if len(dims) == 1 else ""})'
-  raise _errors.ExportError(
-    'Expected each entry of `input_signature` to be a tf.TensorSpec or '
-    f'jax.ShapeDtypeStruct, got {type(spec).__name__} at index {index}: '
-    f'{spec!r}. For a polymorphic batch, write tf.TensorSpec([None, 64], '
-    "tf.float32) or jax.ShapeDtypeStruct(jax.export.symbolic_shape('b, 64'),"
-    ' jnp.float32).'
-  )
-
-
-def _polymorphic_shape(spec: tf.TensorSpec, index: int) -> str | None:
-  """'(b, 16)' for a [None, 16] spec: a shared leading batch dimension 'b'."""
-  shape = spec.shape
-  if shape.rank is None:
-    return None
-  dims = []
-  for j, d in enumerate(shape.as_list()):
-    if d is None:
-      dims.append('b' if j == 0 else f'd{index}_{j}')
-    else:
-      dims.append(str(d))
-  if all(d.isdigit() for d in dims):
-    return None
-  return '(' + ', '.join(dims) + (',)' if len(dims) == 1 else ')')
-
-
-def _signature_outputs(out: Any) -> Any:
-  """Makes a jax2tf result acceptable as a SavedModel signature output."""
-  tf = _tf.tf()
-  if isinstance(out, tf.Tensor):
-    return out
-  if isinstance(out, Mapping) and all(
-    isinstance(k, str) and isinstance(v, tf.Tensor) for k, v in out.items()
-  ):
-    return dict(out)
-  leaves = tf.nest.flatten(out)
-  return {f'output_{i}': t for i, t in enumerate(leaves)}
 
 
 def save_saved_model(
@@ -155,6 +90,14 @@ def save_saved_model(
   as `to_tf_module(..., single_mesh=True)` lays them out. The model itself
   is not changed; the copies cost memory during the export.
 
+  The method's result may be any pytree of arrays and None: its arrays are
+  the signature's outputs, None is left out. A dict with str keys names
+  each array by its keys, those of nested dicts (and positions in nested
+  lists and tuples) joined by '/': ``{'logits': x, 'cache': {'k': k}}`` is
+  served as 'logits' and 'cache/k'. Any other result names its arrays
+  'output_0', 'output_1', ... in the order of ``jax.tree.leaves`` (None
+  left out): ``(logits, None)`` gives 'output_0', as does an array alone.
+
   The exported function runs on the platforms of `platforms` (default: the
   current JAX backend). The written directory appears atomically.
 
@@ -172,18 +115,26 @@ def save_saved_model(
   Args:
     module: The NNX module to serve (concrete arrays).
     directory: The SavedModel directory to create. Its parent must exist.
-    input_signature: One `tf.TensorSpec` or `jax.ShapeDtypeStruct` per
-      positional argument of the method. A TF spec's `None` dimensions are
-      polymorphic (a leading `None` is the batch dimension 'b', shared by
-      all inputs); a `jax.ShapeDtypeStruct` may hold symbolic dimensions
+    input_signature: One entry per positional argument of the method: a
+      `tf.TensorSpec` or `jax.ShapeDtypeStruct` for an input of the
+      signature (named by the spec's name, else 'input_<index>'), or None
+      to pass None (e.g. an empty cache; no input of the signature). A TF
+      spec's `None` dimensions are polymorphic: a leading `None` is the
+      batch dimension 'b', shared by every input; any other `None` is a
+      size of its own, 'd<index>_<position>', which JAX cannot know to
+      equal another (name equal ones alike with `polymorphic_shapes`). A
+      `jax.ShapeDtypeStruct` may hold symbolic dimensions
       (``jax.export.symbolic_shape('b, 64')``), which keep their names.
     method: Name of the module's method to serve.
     include: NNX filter of the variables to export as TF variables (default
       all but `exclude`).
     exclude: NNX filter of variables baked in as constants instead (default
       RNG state).
-    polymorphic_shapes: jax2tf polymorphic shapes, one per input, overriding
-      those derived from `input_signature` (e.g. `['(b, ...)']`).
+    polymorphic_shapes: jax2tf polymorphic shapes overriding those derived
+      from `input_signature`: one per entry of `input_signature` (None
+      where it has None), or one per input. Dimensions of one name are one
+      size, e.g. ``['(b, t)', '(b, t)', None, '(b, t, t)']`` for tokens,
+      positions, a None cache and a square attention mask.
     platforms: `native_serialization_platforms` for jax2tf, e.g.
       `('cpu', 'cuda')`.
     overwrite: Replace `directory` if it exists.
@@ -200,8 +151,13 @@ def save_saved_model(
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
     ExportError: If `method` is not a method of `module`,
-      `input_signature` has an entry of the wrong type or the wrong length
-      of `polymorphic_shapes`, `directory` exists and `overwrite` is false,
+      `input_signature` has an entry of the wrong type or does not fit the
+      method's positional parameters (checked before tracing),
+      `polymorphic_shapes` does not fit it, tracing fails where
+      polymorphic dimensions of their own meet (with a
+      `polymorphic_shapes` that names them alike), the result holds
+      something other than arrays and None, `directory` exists and
+      `overwrite` is false,
       its parent is not writable, a variable cannot be exported,
       `max_gather_bytes` is not a non-negative int, the disk is full (the
       bytes needed and free), or, in a multi-process run, the variables take
@@ -217,7 +173,7 @@ def save_saved_model(
   """
   _topology.require_initialized()
   directory = _paths.local(directory, 'SavedModel directory')
-  specs, polymorphic = _signature(
+  inputs = _signature.inputs(
     module, method, input_signature, polymorphic_shapes
   )
   _check_limit(max_gather_bytes)
@@ -225,7 +181,7 @@ def save_saved_model(
   _, exported, _ = nnx.split(module, selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   show = _convert.show_progress(progress, len(entries))
-  served = _Served(selected, method, specs, polymorphic, platforms, show)
+  served = _Served(selected, method, inputs, platforms, show)
   with (
     _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
     _tf_errors.translated(
@@ -247,38 +203,13 @@ def save_saved_model(
   return directory
 
 
-def _signature(
-  module: Any,
-  method: str,
-  input_signature: Sequence[Any],
-  polymorphic_shapes: Sequence[str | None] | None,
-) -> tuple[list[tf.TensorSpec], list[str | None]]:
-  """The served signature, checked: TF specs and jax2tf shapes."""
-  if not callable(getattr(module, method, None)):
-    raise _errors.ExportError(
-      f'Expected `method` to name a method of the module, got {method!r}, '
-      f'which {type(module).__name__} has no callable attribute of.'
-    )
-  pairs = [_tensor_spec(s, i) for i, s in enumerate(input_signature)]
-  specs = [spec for spec, _ in pairs]
-  if polymorphic_shapes is None:
-    return specs, [shape for _, shape in pairs]
-  if len(polymorphic_shapes) != len(specs):
-    raise _errors.ExportError(
-      f'Expected one polymorphic shape per input ({len(specs)}), got '
-      f'{len(polymorphic_shapes)}: {polymorphic_shapes!r}.'
-    )
-  return specs, list(polymorphic_shapes)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Served:
   """What to serve: the variables, the method and its signature."""
 
   selected: filterlib.Filter
   method: str
-  specs: list[Any]
-  polymorphic: list[str | None]
+  inputs: _signature.Inputs
   platforms: Sequence[str] | None
   show: bool
 
@@ -314,6 +245,8 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     (e.path, v) for e, v in zip(entries, dvars, strict=True)
   )
 
+  where = f'{type(module).__name__}.{served.method}'
+
   def forward(params: list[jax.Array], *inputs: jax.Array) -> Any:
     flat = []
     for e, p in zip(entries, params, strict=True):
@@ -323,11 +256,12 @@ def _write(module: Any, directory: str, served: _Served) -> None:
         p = jax.random.wrap_key_data(p, impl=e.key_impl)
       flat.append((e.path, e.variable.copy(p)))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
-    return getattr(model, served.method)(*inputs)
+    result = getattr(model, served.method)(*served.inputs.arguments(inputs))
+    return _signature.named_outputs(result, where)
 
   forward_tf = jax2tf.convert(
     forward,
-    polymorphic_shapes=[None, *served.polymorphic],
+    polymorphic_shapes=[None, *served.inputs.polymorphic],
     with_gradient=False,
     native_serialization_platforms=(
       tuple(served.platforms) if served.platforms is not None else None
@@ -343,16 +277,18 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       else v
       for e, v in zip(entries, dvars, strict=True)
     ]
-    return _signature_outputs(forward_tf(params, *inputs))
+    return forward_tf(params, *inputs)
 
-  serve_fn = tf.function(serve, input_signature=served.specs, autograph=False)
+  serve_fn = tf.function(
+    serve, input_signature=list(served.inputs.specs), autograph=False
+  )
   tf_module.serve = serve_fn
   with (
     _serialization.for_tensorflow(),
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    serving = serve_fn.get_concrete_function()
+    serving = _traced(serve_fn, served.inputs, where)
     _serialization.check_readable(serving, 'save_saved_model')
     _write_saved_model(tf_module, directory, serving)
     _checkpoint.write_manifest(
@@ -363,6 +299,20 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       pool,
       signatures=written_signatures(directory),
     )
+
+
+def _traced(serve_fn: Any, inputs: _signature.Inputs, where: str) -> Any:
+  """The serving function, traced; a failure where polymorphic dimensions
+  of their own meet in our words (`_signature.shapes_error`)."""
+  try:
+    return serve_fn.get_concrete_function()
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:
+    error = _signature.shapes_error(inputs, e, where)
+    if error is None:
+      raise
+    raise error from e
 
 
 # Several processes: gathered onto process 0

@@ -1,0 +1,809 @@
+"""`suggest_rules`: path rules proposed for a model nobody annotated.
+
+The model is built abstractly and read by its paths and shapes: a preset
+(`_presets`) recognised from the paths, or the generic proposal (the
+largest dimension that divides on the fsdp-like axis, the next on the
+model axis), sharded further until a memory budget fits. `RulesSuggestion`
+holds the rules, the plan under them, and why each variable goes where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from flax_dtensor import (
+  _errors,
+  _init,
+  _path_rules,
+  _plan,
+  _plan_view,
+  _presets,
+  _rules,
+  _specs,
+  _trees,
+)
+
+DEFAULT_MIN_BYTES = 2**16
+"""Variables below this size are replicated unless a budget needs them."""
+
+MODEL_AXIS_NAMES = ('model', 'tp', 'tensor', 'mp')
+"""Mesh axis names taken for the model (tensor-parallel) axis, in order."""
+
+FSDP_AXIS_NAMES = ('fsdp', 'data', 'dp', 'batch')
+"""Mesh axis names taken for the fsdp-like axis, in order."""
+
+CATCH_ALL = '.*'
+
+# Which mesh axes each logical name of the presets tries, by role, in
+# order. The names' order is the rules' priority: the names with the fewest
+# ways to divide choose first; `embed` takes what is left (both axes where
+# nothing else could take the model axis, as GPT-2's vocabulary of 50257);
+# `head_dim` only the model axis if nothing else of its array took it
+# (Gemma's single key/value head).
+_ROLES = {
+  'kv_heads': (('model',), ('fsdp',)),
+  'heads': (('model',), ('fsdp',)),
+  'vocab': (('model',), ('fsdp',)),
+  'mlp': (('model',), ('fsdp',)),
+  'embed': (('fsdp', 'model'), ('fsdp',), ('model',)),
+  'head_dim': (('model',),),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Variable:
+  """What the proposal sees of one variable (not the optimizer's)."""
+
+  path: str
+  shape: tuple[int, ...]
+  bytes: int
+  annotated: bool
+
+
+@dataclasses.dataclass
+class _Family:
+  """Variables one rule covers: one path pattern, one shape."""
+
+  pattern: str
+  members: list[_Variable]
+  small: bool
+  base: tuple[Any, ...] = ()  # The generic spec (no preset covers them).
+  covered_by: int | None = None  # The preset rule's index, if one does.
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.members[0].shape
+
+  @property
+  def specificity(self) -> tuple[Any, ...]:
+    """Sorts deeper paths first: a shorter pattern never takes a longer
+    path's variables (the first match wins)."""
+    depth = self.members[0].path.count('/')
+    return (-depth, self.pattern.startswith('^'), self.pattern)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RulesSuggestion:
+  """Rules proposed by `suggest_rules`, and why each variable goes where.
+
+  Print it for the report, write it (`write`) for a rules file that
+  ``flax-dtensor plan --rules`` and `LogicalRules.from_yaml` read.
+
+  Attributes:
+    rules: The proposed `LogicalRules`: path rules (each with a note that
+      says where it comes from, shown in the plan's `source` column), the
+      logical rules a preset's targets need, and the threshold.
+    plan: The plan under `rules`, the optimizer's state included when one
+      was given.
+    preset: The preset used (``'hf_llama'``, ``'gemma'``, ``'gpt2'``), or
+      None for the generic proposal.
+    recognition: How the preset was chosen, or why none was.
+    axes: The mesh axes taken as ``{'fsdp': ..., 'model': ...}`` (None
+      where the mesh has no axis for that role).
+    reasons: ``{path: why}`` for every variable of the model (the
+      optimizer's state follows its parameter).
+    budget: The budget in bytes per device, or None.
+    notes: What else the proposal did: preset rules left out, thresholds
+      lowered.
+  """
+
+  rules: _rules.LogicalRules
+  plan: _plan.ShardingPlan
+  preset: str | None
+  recognition: str
+  axes: dict[str, str | None]
+  reasons: dict[str, str]
+  budget: int | None
+  notes: tuple[str, ...]
+
+  @property
+  def bytes_per_device(self) -> int:
+    """What one device holds under `rules` (the plan's count)."""
+    return self.plan.bytes_per_device
+
+  @property
+  def fits(self) -> bool | None:
+    """Whether `bytes_per_device` is within the budget (None without)."""
+    if self.budget is None:
+      return None
+    return self.bytes_per_device <= self.budget
+
+  def budget_text(self) -> str:
+    """One sentence on the budget: met, or the smallest total found."""
+    total = _plan_view.human_bytes(self.bytes_per_device)
+    ideal = _plan_view.human_bytes(math.ceil(self.plan.ideal_bytes_per_device))
+    if self.budget is None:
+      return f'{total} per device (ideal {ideal}); no budget given.'
+    budget = _plan_view.human_bytes(self.budget)
+    if self.fits:
+      return f'{total} per device fits the budget of {budget} (ideal {ideal}).'
+    why = (
+      f'even the ideal (every byte split over every device) is {ideal}'
+      if self.plan.ideal_bytes_per_device > self.budget
+      else f'the ideal is {ideal}, which no layout reaches where '
+      'dimensions do not divide'
+    )
+    return (
+      f'Does not fit: the smallest total found is {total} per device '
+      f'({self.bytes_per_device:,} bytes), above the budget of {budget} '
+      f'({self.budget:,} bytes); {why}. Use more devices, a smaller '
+      'optimizer state, or a larger budget.'
+    )
+
+  def to_yaml(self) -> str:
+    """The rules file: a comment header, then `LogicalRules.to_yaml_text`."""
+    where = ', '.join(
+      f'{k}={v}' for k, v in (self.plan.mesh_axes or {}).items()
+    )
+    lines = [
+      '# Rules proposed by flax_dtensor.suggest_rules: edit them freely.',
+      f'# Mesh {where}; {self.recognition}.',
+      f'# {self.budget_text()}',
+    ]
+    return '\n'.join(lines) + '\n' + self.rules.to_yaml_text()
+
+  def write(self, path: str | os.PathLike[str]) -> pathlib.Path:
+    """Writes `to_yaml` to `path` and returns the path.
+
+    Raises:
+      LogicalRulesError: If the file cannot be written.
+    """
+    target = pathlib.Path(path)
+    try:
+      target.write_text(self.to_yaml())
+    except OSError as e:
+      raise _errors.LogicalRulesError(
+        f'Cannot write the rules file {str(target)!r}: '
+        f'{e.strerror or e}. Expected a writable path, e.g. rules.yaml in '
+        'an existing directory.'
+      ) from e
+    return target
+
+  def summary(self) -> str:
+    """The report without its per-variable lines: the preset or why none,
+    the mesh axes taken, the budget, and the notes."""
+    lines = [
+      f'Suggested rules: {self.recognition}.',
+      f'Mesh axes: fsdp-like {self.axes["fsdp"]!r}, model '
+      f'{self.axes["model"]!r}.',
+      self.budget_text(),
+    ]
+    lines += [f'Note: {note}' for note in self.notes]
+    return '\n'.join(lines)
+
+  def __str__(self) -> str:
+    lines = [self.summary()]
+    by_path = {e.path: e for e in self.plan.entries}
+    width = max((len(p) for p in self.reasons), default=0)
+    for path, why in self.reasons.items():
+      e = by_path[path]
+      lines.append(
+        f'  {path:<{width}}  {_specs.format_spec(e.spec)}  '
+        f'{_plan_view.human_bytes(e.bytes_per_device)}  {why}'
+      )
+    return '\n'.join(lines)
+
+  __repr__ = __str__
+
+
+def _options(budget: Any, min_bytes: Any, style: Any) -> None:
+  for name, value, low in (('budget', budget, 1), ('min_bytes', min_bytes, 0)):
+    if value is None and name == 'budget':
+      continue
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise _errors.LogicalRulesError(
+        f'`{name}` must be an int >= {low} (bytes'
+        + (' per device' if name == 'budget' else '')
+        + f'); got {value!r}.'
+      )
+  if style is not None:
+    _presets.by_style(style)
+
+
+def _roles(sizes: dict[str, int]) -> dict[str, str | None]:
+  """Which mesh axis is the fsdp-like one and which the model one."""
+  usable = [a for a, n in sizes.items() if n > 1]
+  model = next((a for a in MODEL_AXIS_NAMES if a in usable), None)
+  if model is None and len(usable) > 1:
+    model = usable[-1]
+  rest = [a for a in usable if a != model]
+  fsdp = next((a for a in FSDP_AXIS_NAMES if a in rest), None)
+  if fsdp is None and rest:
+    fsdp = rest[0]
+  return {'fsdp': fsdp, 'model': model}
+
+
+def _abstract(target: Any, mesh: Any, optimizer: Any) -> tuple[Any, Any]:
+  """(model, optimizer) as abstract values, whatever was given."""
+  lenient = _rules.LogicalRules([], unknown='replicate')
+  if _trees.is_array_tree(target):
+    tree = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target
+    )
+    return tree, optimizer
+  if _plan._is_factory(target):
+    target = _init.build_abstract(target, mesh=mesh, rules=lenient)
+  elif nnx.graph.is_node(target):
+    node = (
+      (target, optimizer) if isinstance(optimizer, nnx.Optimizer) else target
+    )
+    graphdef, state = nnx.split(node)
+    state = jax.tree.map(
+      lambda x: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, 'shape') else x
+      ),
+      state,
+    )
+    node = nnx.merge(graphdef, state)
+    target, optimizer = (
+      node if isinstance(optimizer, nnx.Optimizer) else (node, optimizer)
+    )
+  if optimizer is not None and not isinstance(target, nnx.State):
+    optimizer = _plan._optimizer_of(target, optimizer, mesh, lenient)
+  return target, optimizer
+
+
+def _generalized(path: str) -> str:
+  """'(^|/)layers/\\d+/mlp/up/kernel$' for 'layers/3/mlp/up/kernel'."""
+  parts = [r'\d+' if p.isdigit() else re.escape(p) for p in path.split('/')]
+  return '(^|/)' + '/'.join(parts) + '$'
+
+
+def _exact(path: str) -> str:
+  return '^' + re.escape(path) + '$'
+
+
+def _families(variables: Sequence[_Variable], small: bool) -> list[_Family]:
+  """One family per generalized path, or per path where shapes differ."""
+  groups: dict[str, list[_Variable]] = {}
+  for v in variables:
+    groups.setdefault(_generalized(v.path), []).append(v)
+  out = []
+  for pattern, members in groups.items():
+    if len({m.shape for m in members}) == 1:
+      out.append(_Family(pattern, members, small))
+    else:
+      out += [_Family(_exact(m.path), [m], small) for m in members]
+  return out
+
+
+def _anchor_greedy(families: list[_Family], others: list[_Variable]) -> None:
+  """Anchors a family's pattern at the start where it would also match a
+  variable of another family (a top-level 'w' against 'layers/0/w'): then
+  it matches its own variables only (their optimizer state then follows
+  the later rules)."""
+  for f in families:
+    own = {m.path for m in f.members}
+    regex = re.compile(f.pattern)
+    if any(regex.search(v.path) for v in others if v.path not in own):
+      f.pattern = '^' + f.pattern.removeprefix('(^|/)')
+
+
+def _generic_spec(
+  shape: tuple[int, ...], sizes: dict[str, int], roles: dict[str, str | None]
+) -> tuple[Any, ...]:
+  """The largest dimension that divides on the fsdp-like axis, the largest
+  other that divides on the model axis; where no other divides, both axes
+  on the one dimension if it divides by both."""
+  order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+  spec: list[Any] = [None] * len(shape)
+  placed: dict[str, int] = {}
+  for role in ('fsdp', 'model'):
+    axis = roles[role]
+    if axis is None:
+      continue
+    dim = next(
+      (
+        i
+        for i in order
+        if i not in placed.values() and shape[i] % sizes[axis] == 0
+      ),
+      None,
+    )
+    if dim is not None:
+      spec[dim] = axis
+      placed[role] = dim
+  if len(placed) == 1 and all(roles.values()):
+    (dim,) = placed.values()
+    if shape[dim] % (sizes[roles['fsdp']] * sizes[roles['model']]) == 0:
+      spec[dim] = (roles['fsdp'], roles['model'])
+  return tuple(spec)
+
+
+def _max_spec(
+  shape: tuple[int, ...], sizes: dict[str, int], current: Sequence[Any]
+) -> tuple[Any, ...]:
+  """The spec splitting an array of `shape` over the most devices (each
+  mesh axis on at most one dimension, each product dividing its
+  dimension); of those, the one closest to `current`."""
+  axes = [a for a, n in sizes.items() if n > 1]
+  now = {a: i for i, e in enumerate(current) for a in _specs.axes_of(e)}
+  best, best_key = None, None
+  for choice in itertools.product(range(-1, len(shape)), repeat=len(axes)):
+    products = [1] * len(shape)
+    for axis, dim in zip(axes, choice, strict=True):
+      if dim >= 0:
+        products[dim] *= sizes[axis]
+    if any(s % p for s, p in zip(shape, products, strict=True)):
+      continue
+    kept = sum(now.get(a) == d for a, d in zip(axes, choice, strict=True))
+    key = (math.prod(products), kept)
+    if best_key is None or key > best_key:
+      best, best_key = choice, key
+  spec: list[Any] = [None] * len(shape)
+  for dim in range(len(shape)):
+    on = [a for a, d in zip(axes, best, strict=True) if d == dim]
+    on.sort(key=lambda a: (now.get(a) != dim, axes.index(a)))
+    spec[dim] = None if not on else on[0] if len(on) == 1 else tuple(on)
+  return tuple(spec)
+
+
+def _logical_rules(
+  names: set[str], roles: dict[str, str | None]
+) -> list[tuple[str, Any]]:
+  out = []
+  for name, order in _ROLES.items():
+    if name not in names:
+      continue
+    before = len(out)
+    for wanted in order:
+      axes = tuple(roles[r] for r in wanted if roles[r] is not None)
+      if len(axes) == len(wanted):
+        out.append((name, axes if len(axes) > 1 else axes[0]))
+    if len(out) == before:  # No axis for it on this mesh: replicated.
+      out.append((name, None))
+  return out
+
+
+def _names_of(rule: _path_rules.PathRule) -> set[str]:
+  if rule.kind != _path_rules.LOGICAL:
+    return set()
+  return {e for e in rule.entries if e is not None}
+
+
+class _Proposal:
+  """The rules for one state of the search: which families are sharded
+  further, and the threshold."""
+
+  def __init__(
+    self,
+    *,
+    variables: list[_Variable],
+    candidates: list[_Variable],
+    preset: _presets.Preset | None,
+    roles: dict[str, str | None],
+    sizes: dict[str, int],
+    min_bytes: int,
+  ) -> None:
+    self.variables = variables
+    self.preset = preset
+    self.roles = roles
+    self.sizes = sizes
+    self.min_bytes = min_bytes
+    self.notes: list[str] = []
+    self.active = self._usable_preset_rules(candidates)
+    generic = [v for v in candidates if self._first_preset(v.path) is None]
+    uncovered = set(generic)
+    covered = [v for v in candidates if v not in uncovered]
+    self.families = _families(covered, small=False)
+    for f in self.families:
+      f.covered_by = self._first_preset(f.members[0].path)
+    for f in _families(generic, small=False):
+      f.base = _generic_spec(f.shape, sizes, roles)
+      self.families.append(f)
+    chosen = set(candidates)
+    small = [
+      v for v in variables if not v.annotated and v.shape and v not in chosen
+    ]
+    self.small = _families(small, small=True)
+    everything = self.families + self.small
+    _anchor_greedy(everything, variables)
+    self.sharded_further: dict[int, tuple[Any, ...]] = {}  # id(family)
+
+  def _usable_preset_rules(self, candidates: list[_Variable]) -> list[int]:
+    """The preset's rules that are the first match of some candidate and
+    fit its rank; notes the ones left out."""
+    if self.preset is None:
+      return []
+    active = list(range(len(self.preset.rules)))
+    changed = True
+    while changed:
+      changed = False
+      for v in candidates:
+        i = next(
+          (i for i in active if self.preset.rules[i].matches(v.path)), None
+        )
+        if i is None:
+          continue
+        try:
+          _path_rules.entries_for(self.preset.rules[i], i, v.shape, v.path)
+        except _errors.ShardingResolutionError:
+          self.notes.append(
+            f'preset {self.preset.name} rule #{i} '
+            f'{self.preset.rules[i].pattern!r} left out: it matches '
+            f'{v.path!r} of shape {v.shape}, which its target '
+            f'{_path_rules._text(self.preset.rules[i], True)} does not fit.'
+          )
+          active.remove(i)
+          changed = True
+          break
+    return active
+
+  def _first_preset(self, path: str) -> int | None:
+    for i in self.active:
+      if self.preset is not None and self.preset.rules[i].matches(path):
+        return i
+    return None
+
+  def reason(self, f: _Family) -> str:
+    if f.small:
+      return (
+        f'replicated below the threshold ({f.members[0].bytes} bytes < '
+        f'min_bytes={self.min_bytes})'
+      )
+    if f.covered_by is not None:
+      assert self.preset is not None
+      rule = self.preset.rules[f.covered_by]
+      return f'preset {self.preset.name} rule #{f.covered_by}: {rule.note}'
+    if not any(f.base):
+      return f'replicated: no dimension of {f.shape} divides by ' + ' or '.join(
+        f'{a!r} ({self.sizes[a]})' for a in self.roles.values() if a
+      )
+    return (
+      'generic largest-dimension: largest dimension that divides on '
+      f'{self.roles["fsdp"]!r}, the next on {self.roles["model"]!r}'
+    )
+
+  def used_preset_rules(self) -> set[int]:
+    """The preset rules that place a family not sharded further."""
+    return {
+      f.covered_by
+      for f in self.families
+      if f.covered_by is not None and id(f) not in self.sharded_further
+    }
+
+  def left_out(self) -> list[str]:
+    """Notes on the preset rules that place nothing."""
+    if self.preset is None:
+      return []
+    used = self.used_preset_rules()
+    return [
+      f'preset {self.preset.name} rule #{i} {self.preset.rules[i].pattern!r} '
+      f'left out: it places no variable of at least min_bytes='
+      f'{self.min_bytes}'
+      + (
+        ' that is not sharded further'
+        if any(f.covered_by == i for f in self.families)
+        else ''
+      )
+      + '.'
+      for i in self.active
+      if i not in used
+    ]
+
+  def threshold(self) -> int:
+    small = [
+      f.members[0].bytes for f in self.small if id(f) in self.sharded_further
+    ]
+    return min([self.min_bytes, *small])
+
+  def rules(self) -> tuple[_rules.LogicalRules, dict[str, str]]:
+    """The rules of this state, and {path: why} for every variable."""
+    further = [
+      f for f in self.families + self.small if id(f) in self.sharded_further
+    ]
+    further.sort(key=lambda f: f.specificity)
+    path_rules: list[_path_rules.PathRule] = []
+    why: dict[str, str] = {}
+    for f in further:
+      spec = self.sharded_further[id(f)]
+      text = f'sharded further for the budget (was: {self.reason(f)})'
+      if not any(spec):
+        text = f'replicated: no dimension of {f.shape} divides by a mesh axis'
+      path_rules.append(
+        _path_rules.PathRule(f.pattern, PartitionSpec(*spec), note=text)
+      )
+      why.update({m.path: text for m in f.members})
+    names: set[str] = set()
+    if self.preset is not None:
+      used = self.used_preset_rules()
+      for i in self.active:
+        if i not in used:
+          continue
+        rule = self.preset.rules[i]
+        names |= _names_of(rule)
+        path_rules.append(
+          _path_rules.PathRule(
+            rule.pattern,
+            rule.target,
+            type=rule.type,
+            override=rule.override,
+            note=f'preset {self.preset.name} rule #{i}: {rule.note}',
+          )
+        )
+    for f in self.families:
+      if id(f) in self.sharded_further:
+        continue
+      why.update({m.path: self.reason(f) for m in f.members})
+    generic = [
+      f
+      for f in self.families
+      if f.covered_by is None
+      and any(f.base)
+      and id(f) not in self.sharded_further
+    ]
+    generic.sort(key=lambda f: f.specificity)
+    for f in generic:
+      path_rules.append(
+        _path_rules.PathRule(
+          f.pattern,
+          PartitionSpec(*f.base),
+          note='generic: the largest dimension that divides on '
+          f'{self.roles["fsdp"]}, the next on {self.roles["model"]}',
+        )
+      )
+    for f in self.small:
+      if id(f) not in self.sharded_further:
+        why.update({m.path: self.reason(f) for m in f.members})
+    for v in self.variables:
+      if v.annotated:
+        why[v.path] = 'annotated: its annotation places it'
+      elif not v.shape:
+        why[v.path] = 'replicated: a scalar'
+    if any(
+      _path_rules.first_match(path_rules, v.path, None) is None
+      for v in self.variables
+    ):
+      path_rules.append(
+        _path_rules.PathRule(
+          CATCH_ALL,
+          None,
+          note='the rest: replicated (below the threshold, a scalar, or no '
+          'dimension divides)',
+        )
+      )
+    rules = _rules.LogicalRules(
+      _logical_rules(names, self.roles),
+      path_rules=path_rules,
+      min_bytes=self.threshold(),
+      # Annotations keep their place; names these rules lack replicate.
+      unknown='replicate' if any(v.annotated for v in self.variables) else None,
+    )
+    return rules, {v.path: why[v.path] for v in self.variables}
+
+
+def _copies(path: str, entries: Sequence[_plan.PlanEntry]) -> list[Any]:
+  return [e for e in entries if e.path == path or e.path.endswith('/' + path)]
+
+
+def _saving(
+  f: _Family,
+  spec: Sequence[Any],
+  entries: Sequence[_plan.PlanEntry],
+  sizes: dict[str, int],
+) -> int:
+  """Bytes per device saved by placing the family's variables (and their
+  optimizer state of the same shape) at `spec`."""
+  n = math.prod(sizes[a] for e in spec for a in _specs.axes_of(e))
+  saved = 0
+  for m in f.members:
+    for e in _copies(m.path, entries):
+      if e.shape == f.shape:
+        saved += max(0, e.bytes_per_device - e.bytes // n)
+  return saved
+
+
+def suggest_rules(
+  model_or_factory: Any,
+  mesh: Mesh | AbstractMesh,
+  *,
+  budget: int | None = None,
+  optimizer: Any = None,
+  style: str | None = None,
+  min_bytes: int = DEFAULT_MIN_BYTES,
+) -> RulesSuggestion:
+  """Proposes path rules for a model nobody annotated, with the reasons.
+
+  The model is built abstractly (nothing is allocated) and read by its
+  paths and shapes:
+
+  - **A preset** for a known naming convention, recognised from the paths
+    (or named by `style`): Hugging Face-style Llama, Mistral and Qwen
+    (``hf_llama``: ``q_proj``, ``gate_proj``, ``embed_tokens``,
+    ``lm_head``), Gemma-style (``gemma``: ``q_einsum``, ``kv_einsum``,
+    ``input_embedding``), GPT-2-style (``gpt2``: ``c_attn``, ``c_fc``,
+    ``wte``). The presets are YAML files in the package, in the
+    ``path_rules:`` form; their logical axes are mapped to the mesh
+    (``embed`` on the fsdp-like axis, ``heads``, ``kv_heads``, ``mlp`` and
+    ``vocab`` on the model axis, each falling back to the other).
+  - **Otherwise, the generic proposal**: every variable of at least
+    `min_bytes` gets a rule putting its largest dimension that divides on
+    the fsdp-like axis and the largest other that divides on the model
+    axis. Smaller arrays, and those no axis divides, stay replicated.
+    Variables a preset does not cover get the generic proposal too.
+  - **With a budget**, variables are sharded further, those that save the
+    most bytes first (over every mesh axis that divides, several on one
+    dimension if need be), and then, if it still does not fit, the arrays
+    below the threshold, largest first, until the plan's bytes per device
+    (`ShardingPlan.bytes_per_device`, the optimizer's state included when
+    `optimizer` is given) fit. If nothing fits, the report says so with
+    the smallest total found.
+
+  The fsdp-like axis is the first mesh axis named ``fsdp``, ``data``,
+  ``dp`` or ``batch``; the model axis the first named ``model``, ``tp``,
+  ``tensor`` or ``mp`` (else the last axis). Axes of size 1 are not used.
+
+  Args:
+    model_or_factory: An NNX module (concrete or abstract), a factory
+      taking no arguments that builds one, or a pytree of arrays (a weights
+      dict).
+    mesh: The mesh (concrete or abstract).
+    budget: Bytes per device not to exceed, or None.
+    optimizer: Count the optimizer's state too: an optax transformation
+      (``nnx.Optimizer(model, tx, wrt=nnx.Param)`` is built abstractly) or
+      the model's ``nnx.Optimizer``; as `plan` counts it.
+    style: None to recognise the naming convention from the paths; a
+      preset's name (``'hf_llama'``, ``'gemma'``, ``'gpt2'``) to use it
+      whatever the paths; ``'generic'`` for the generic proposal.
+    min_bytes: Variables below this size stay replicated (unless the
+      budget needs them sharded).
+
+  Returns:
+    The `RulesSuggestion`: ``.rules`` for `plan`, `init`, `check` and the
+    command line, ``.plan`` under them, ``.reasons`` per variable, and
+    ``.write(path)`` for an editable rules file.
+
+  Raises:
+    MeshError: If `mesh` is not a mesh.
+    LogicalRulesError: If `budget`, `min_bytes` or `style` is invalid.
+    NotAModelError: If `model_or_factory` or `optimizer` is not what it
+      should be.
+
+  Example:
+    >>> import jax, flax_dtensor as fdt
+    >>> from flax import nnx
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> s = fdt.suggest_rules(lambda: nnx.Linear(256, 512, rngs=nnx.Rngs(0)),
+    ...                       mesh)
+    >>> s.plan['kernel'].spec
+    P('model', 'data')
+    >>> s.reasons['bias']
+    'replicated below the threshold (2048 bytes < min_bytes=65536)'
+  """
+  if not isinstance(mesh, Mesh | AbstractMesh):
+    raise _errors.MeshError(
+      f'Expected a mesh for `suggest_rules` (jax.make_mesh or '
+      f'jax.sharding.AbstractMesh), got {type(mesh).__name__} {mesh!r:.80}.'
+    )
+  _options(budget, min_bytes, style)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  roles = _roles(sizes)
+  target, opt = _abstract(model_or_factory, mesh, optimizer)
+  lenient = _rules.LogicalRules([], unknown='replicate')
+  entries = _plan.plan(target, mesh=mesh, rules=lenient, optimizer=opt).entries
+  variables = [
+    _Variable(
+      e.path, e.shape, e.bytes, (e.source or '').startswith('annotation')
+    )
+    for e in entries
+    if e.category != 'optimizer'
+  ]
+  if style is None:
+    preset, recognition = _presets.recognise(v.path for v in variables)
+  else:
+    preset = _presets.by_style(style)
+    if preset is None:
+      recognition = "the generic proposal, as style='generic' asks"
+    else:
+      missing = preset.missing(
+        part for v in variables for part in v.path.split('/')
+      )
+      recognition = f'preset {preset.name}, as style={style!r} asks' + (
+        f' (the paths lack {", ".join(missing)})' if missing else ''
+      )
+  candidates = [
+    v for v in variables if not v.annotated and v.shape and v.bytes >= min_bytes
+  ]
+  proposal = _Proposal(
+    variables=variables,
+    candidates=candidates,
+    preset=preset,
+    roles=roles,
+    sizes=sizes,
+    min_bytes=min_bytes,
+  )
+  if preset is not None and not proposal.used_preset_rules():
+    recognition += '; none of its rules matches, so the proposal is generic'
+
+  def planned() -> tuple[_rules.LogicalRules, dict[str, str], Any]:
+    rules, why = proposal.rules()
+    result = _plan.plan(target, mesh=mesh, rules=rules, optimizer=opt)
+    return rules, why, result
+
+  rules, why, result = planned()
+  if budget is not None and result.bytes_per_device > budget:
+    # First the variables above the threshold, those that save the most
+    # first; then, if need be, those below it, largest first (so that the
+    # lowered threshold exempts only arrays smaller than every one sharded).
+    for small in (False, True):
+      now = {e.path: e for e in result.entries}
+      steps = []
+      for f in proposal.small if small else proposal.families:
+        spec = now[f.members[0].path].spec
+        current = tuple(spec) + (None,) * (len(f.shape) - len(spec))
+        further = _max_spec(f.shape, sizes, current)
+        saved = _saving(f, further, result.entries, sizes)
+        if saved > 0 or small:
+          steps.append((saved, f, further))
+      steps.sort(
+        key=(lambda s: -s[1].members[0].bytes) if small else (lambda s: -s[0])
+      )
+      estimate = result.bytes_per_device
+      for k, (saved, f, further) in enumerate(steps):
+        proposal.sharded_further[id(f)] = further
+        estimate -= saved
+        if estimate <= budget or k == len(steps) - 1:
+          rules, why, result = planned()
+          if result.bytes_per_device <= budget:
+            break
+          estimate = result.bytes_per_device
+      if result.bytes_per_device <= budget:
+        break
+  notes = proposal.notes + proposal.left_out()
+  annotated = [v.path for v in variables if v.annotated]
+  if annotated:
+    notes.append(
+      f'{len(annotated)} annotated variables (e.g. {annotated[0]!r}) keep '
+      'their annotations; the rules replicate the logical names they lack '
+      "(unknown='replicate'): add rules for those names."
+    )
+  if proposal.threshold() < min_bytes:
+    notes.append(
+      f'min_bytes lowered from {min_bytes} to {proposal.threshold()}: '
+      'arrays below the threshold are sharded too, for the budget.'
+    )
+  return RulesSuggestion(
+    rules=rules,
+    plan=result,
+    preset=(
+      None
+      if preset is None or not proposal.used_preset_rules()
+      else preset.name
+    ),
+    recognition=recognition,
+    axes=roles,
+    reasons=why,
+    budget=budget,
+    notes=tuple(notes),
+  )

@@ -1,0 +1,497 @@
+"""A served method's signature: what goes in, and what comes out.
+
+`input_signature` gives each positional parameter of the method a TF input
+(a `tf.TensorSpec` or `jax.ShapeDtypeStruct`) or None: the argument is then
+None, and no input of the signature (`inputs`). Each input has a jax2tf
+polymorphic shape: a TF spec's leading None is the batch 'b', any other None
+a size of its own (`symbol`). The method's result is served as named arrays
+(`named_outputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from flax_dtensor import _errors, _plan_view
+from flax_dtensor.dtensor import _tf
+
+if TYPE_CHECKING:
+  import tensorflow as tf
+
+# The symbol of a leading None dimension: the batch, one size for all inputs.
+BATCH = 'b'
+# Joins the keys of nested dicts in the name of a served output.
+SEPARATOR = '/'
+# What a served result may hold, besides None (left out).
+_ARRAYS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+# The names of the suggested shapes: one length for every polymorphic
+# dimension after the batch, or one per position.
+_ONE_LENGTH = 't'
+_AT_POSITION = 'd{}'
+# An input's dimensions: a size, a name, or None (polymorphic, not named).
+Dims = tuple[int | str | None, ...]
+
+
+def symbol(index: int, position: int) -> str:
+  """The symbol of a polymorphic dimension the caller did not name.
+
+  'b' for the leading dimension (the batch, one size for every input), else
+  ``d{index}_{position}`` (`index` of the entry in `input_signature`): a
+  size of its own, which JAX cannot know to equal any other.
+  """
+  return BATCH if position == 0 else f'd{index}_{position}'
+
+
+def symbolic_dims(dims: Sequence[int | str | None], index: int) -> Dims:
+  """`dims` with each None (polymorphic, not named) as its `symbol`."""
+  return tuple(symbol(index, j) if d is None else d for j, d in enumerate(dims))
+
+
+def own_symbols(arguments: Sequence[Sequence[Any] | None]) -> set[str]:
+  """The symbols of their own (not 'b') that `symbolic_dims` gives.
+
+  Each argument is its dimensions (None: polymorphic, not named), or None.
+  """
+  return {
+    symbol(index, j)
+    for index, dims in enumerate(arguments)
+    for j, d in enumerate(dims or ())
+    if d is None and j > 0
+  }
+
+
+def shape_text(dims: Sequence[int | str]) -> str | None:
+  """jax2tf's text of a shape, e.g. '(b, 16)'; None when it is static."""
+  if all(isinstance(d, int | np.integer) for d in dims):
+    return None
+  return '(' + ', '.join(map(str, dims)) + (',)' if len(dims) == 1 else ')')
+
+
+def _is_dim(d: Any) -> bool:
+  return d is None or isinstance(d, int | np.integer)
+
+
+def tensor_spec(spec: Any, index: int) -> tuple[tf.TensorSpec, str | None]:
+  """An input's TF spec, and its jax2tf polymorphic shape (None: static).
+
+  A `tf.TensorSpec`'s None dimensions are polymorphic (`polymorphic_shape`
+  names them). A `jax.ShapeDtypeStruct` may carry symbolic dimensions
+  (``jax.export.symbolic_shape('b, 64')``), which keep their names; on the
+  JAX releases that accept None in its shape, a None is as in a TF spec.
+  """
+  tf = _tf.tf()
+  if isinstance(spec, tf.TensorSpec):
+    spec = tf.TensorSpec(spec.shape, spec.dtype, spec.name or f'input_{index}')
+    return spec, polymorphic_shape(spec, index)
+  if isinstance(spec, jax.ShapeDtypeStruct):
+    dims = tuple(spec.shape)
+    if all(_is_dim(d) for d in dims):
+      tf_spec = tf.TensorSpec(dims, spec.dtype, f'input_{index}')
+      return tf_spec, polymorphic_shape(tf_spec, index)
+    tf_spec = tf.TensorSpec(
+      [int(d) if isinstance(d, int | np.integer) else None for d in dims],
+      spec.dtype,
+      f'input_{index}',
+    )
+    text = ', '.join(str(d) for d in dims)
+    return tf_spec, f'({text}{"," if len(dims) == 1 else ""})'
+  raise _errors.ExportError(
+    'Expected each entry of `input_signature` to be a tf.TensorSpec, a '
+    f'jax.ShapeDtypeStruct or None, got {type(spec).__name__} at index '
+    f'{index}: {spec!r}. For a polymorphic batch, write '
+    'tf.TensorSpec([None, 64], tf.float32) or jax.ShapeDtypeStruct('
+    "jax.export.symbolic_shape('b, 64'), jnp.float32); None passes None to "
+    'the method.'
+  )
+
+
+def polymorphic_shape(spec: tf.TensorSpec, index: int) -> str | None:
+  """'(b, 16)' for a [None, 16] spec: each None dimension by `symbol`."""
+  shape = spec.shape
+  if shape.rank is None:
+    return None
+  return shape_text(symbolic_dims(shape.as_list(), index))
+
+
+# The method's parameters
+# ------------------------------------------------------------------------------
+
+
+class _Default:
+  def __repr__(self) -> str:
+    return '...'
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameters:
+  """How many positional arguments a method takes, as the caller sees it.
+
+  Attributes:
+    method: The method and its parameters, e.g. ``'LM.__call__(tokens,
+      cache=...)'``.
+    required: The number of positional parameters without a default.
+    most: The number of positional parameters, None with ``*args``.
+    keyword_only: The keyword-only parameters without a default.
+  """
+
+  method: str
+  required: int
+  most: int | None
+  keyword_only: tuple[str, ...]
+
+  def fits(self, count: int) -> bool:
+    """Whether `count` positional arguments, and no other, make a call."""
+    return (
+      not self.keyword_only
+      and self.required <= count
+      and (self.most is None or count <= self.most)
+    )
+
+  def takes(self) -> str:
+    """'takes 4 positional arguments' and the like."""
+    if self.keyword_only:
+      names = ', '.join(f'`{n}`' for n in self.keyword_only)
+      return (
+        f'needs the keyword-only argument(s) {names}, which a signature '
+        'cannot give'
+      )
+    if self.most is None:
+      return f'takes at least {_count(self.required)}'
+    if self.most == self.required:
+      return f'takes {_count(self.required)}'
+    return f'takes from {self.required} to {_count(self.most)}'
+
+
+def _count(n: int) -> str:
+  return _plan_view.count(n, 'positional argument')
+
+
+def parameters(module: Any, method: str) -> Parameters | None:
+  """The parameters of ``module.<method>`` (None where Python hides them)."""
+  function = getattr(module, method)
+  try:
+    signature = inspect.signature(function)
+  except (TypeError, ValueError):  # A builtin, or a callable without one.
+    return None
+  kind = inspect.Parameter
+  params = list(signature.parameters.values())
+  positional = [
+    p
+    for p in params
+    if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+  ]
+  shown = signature.replace(
+    parameters=[
+      p.replace(
+        annotation=p.empty,
+        default=p.empty if p.default is p.empty else _Default(),
+      )
+      for p in params
+    ],
+    return_annotation=signature.empty,
+  )
+  return Parameters(
+    method=f'{type(module).__name__}.{method}{shown}',
+    required=sum(p.default is p.empty for p in positional),
+    most=(
+      None
+      if any(p.kind == kind.VAR_POSITIONAL for p in params)
+      else len(positional)
+    ),
+    keyword_only=tuple(
+      p.name
+      for p in params
+      if p.kind == kind.KEYWORD_ONLY and p.default is p.empty
+    ),
+  )
+
+
+# The inputs
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """A served method's arguments: TF inputs, and the ones passed as None.
+
+  Attributes:
+    specs: The TF spec of each input of the signature, in order.
+    polymorphic: The jax2tf polymorphic shape of each input.
+    slots: For each positional argument of the method, the index of its
+      input in `specs`, or None for an argument passed as None.
+    derived: Whether `polymorphic` was derived from the specs (by
+      `symbol`), not given by the caller.
+  """
+
+  specs: tuple[Any, ...]
+  polymorphic: tuple[str | None, ...]
+  slots: tuple[int | None, ...]
+  derived: bool
+
+  def arguments(self, arrays: Sequence[Any]) -> list[Any]:
+    """The method's positional arguments, given its inputs' values."""
+    return [None if s is None else arrays[s] for s in self.slots]
+
+  def dims(self) -> list[list[int | None] | None]:
+    """Each argument's TF dimensions (None: polymorphic), or None."""
+    return [
+      None
+      if s is None or self.specs[s].shape.rank is None
+      else self.specs[s].shape.as_list()
+      for s in self.slots
+    ]
+
+
+def _describe(entry: Any) -> str:
+  """A short text of an entry of `input_signature`."""
+  shape = getattr(entry, 'shape', None)
+  dtype = getattr(entry, 'dtype', None)
+  if entry is None or shape is None or dtype is None:
+    return repr(entry)
+  dims = 'None' if getattr(shape, 'rank', 0) is None else list(shape)
+  name = getattr(dtype, 'name', str(dtype))
+  return f'{type(entry).__name__}({dims}, {name})'
+
+
+def inputs(
+  module: Any,
+  method: str,
+  input_signature: Sequence[Any],
+  polymorphic_shapes: Sequence[str | None] | None,
+) -> Inputs:
+  """The served signature's inputs, checked against the method.
+
+  Raises:
+    ExportError: If `method` is not a method of `module`, `input_signature`
+      is not a list of specs and None, or does not fit the method's
+      positional parameters, or `polymorphic_shapes` does not fit it.
+  """
+  if not callable(getattr(module, method, None)):
+    raise _errors.ExportError(
+      f'Expected `method` to name a method of the module, got {method!r}, '
+      f'which {type(module).__name__} has no callable attribute of.'
+    )
+  if isinstance(input_signature, str | bytes) or not isinstance(
+    input_signature, Sequence
+  ):
+    raise _errors.ExportError(
+      'Expected `input_signature` to be a list with one entry per '
+      f'positional parameter of the method, got {input_signature!r}. Write '
+      'e.g. input_signature=[tf.TensorSpec([None, 64], tf.float32)].'
+    )
+  specs, polymorphic, slots = [], [], []
+  for index, entry in enumerate(input_signature):
+    if entry is None:
+      slots.append(None)
+      continue
+    spec, shape = tensor_spec(entry, index)
+    slots.append(len(specs))
+    specs.append(spec)
+    polymorphic.append(shape)
+  found = parameters(module, method)
+  if found is not None and not found.fits(len(slots)):
+    given = ', '.join(_describe(e) for e in input_signature)
+    entries = 'entry' if len(slots) == 1 else 'entries'
+    raise _errors.ExportError(
+      f'Expected `input_signature` to fit {found.method}, which '
+      f'{found.takes()}; got {len(slots)} {entries}: [{given}]. Give one '
+      'entry per positional parameter, in order: a tf.TensorSpec (or '
+      'jax.ShapeDtypeStruct) for an array, None for an argument passed as '
+      'None (e.g. an empty cache); give keyword-only parameters a default.'
+    )
+  if polymorphic_shapes is None:
+    return Inputs(tuple(specs), tuple(polymorphic), tuple(slots), True)
+  shapes = list(polymorphic_shapes)
+  if len(shapes) == len(slots) and len(slots) != len(specs):
+    given = [shapes[i] for i, s in enumerate(slots) if s is None]
+    if any(s is not None for s in given):
+      raise _errors.ExportError(
+        'Expected None in `polymorphic_shapes` where `input_signature` has '
+        f'None (at {[i for i, s in enumerate(slots) if s is None]}), got '
+        f'{polymorphic_shapes!r}. An argument passed as None has no shape: '
+        'write None there, or give the shapes of the arrays only.'
+      )
+    shapes = [shapes[i] for i, s in enumerate(slots) if s is not None]
+  if len(shapes) != len(specs):
+    also = (
+      ''
+      if len(slots) == len(specs)
+      else f' (or one per entry of `input_signature`, {len(slots)}, with None '
+      'where it has None)'
+    )
+    raise _errors.ExportError(
+      f'Expected one polymorphic shape per input ({len(specs)}){also}, got '
+      f'{len(polymorphic_shapes)}: {polymorphic_shapes!r}.'
+    )
+  return Inputs(tuple(specs), tuple(shapes), tuple(slots), False)
+
+
+# When tracing fails: symbols of their own
+# ------------------------------------------------------------------------------
+
+
+def names_a_symbol(error: BaseException, symbols: Collection[str]) -> bool:
+  """Whether `error` (or what it was raised from) names one of `symbols`."""
+  texts, seen = [], set()
+  while error is not None and id(error) not in seen and len(seen) < 8:
+    seen.add(id(error))
+    texts.append(str(error))
+    error = error.__cause__ or error.__context__
+  text = '\n'.join(texts)
+  return any(re.search(rf'(?<!\w){re.escape(s)}(?!\w)', text) for s in symbols)
+
+
+def summary(error: BaseException) -> str:
+  """The error's class and the first line of its message, cut short."""
+  lines = str(error).strip().splitlines()
+  first = lines[0].rstrip('.') if lines else 'no message'
+  if len(first) > 300:
+    first = first[:297] + '...'
+  return f'{type(error).__name__}: {first}'
+
+
+def suggested_dims(arguments: Sequence[Dims | None]) -> list[list[Any]]:
+  """Examples of dimensions named alike, for arguments whose None
+  dimensions (polymorphic, without a name) are each of their own.
+
+  Each argument is its dimensions (an int, a name kept as it is, None) or
+  None (an argument passed as None). The first example gives every None
+  after the leading batch one name (one length, such as a sequence's), the
+  second one name per position; only the first when those dimensions are
+  at one position.
+  """
+
+  def named(rename: Any) -> list[Any]:
+    return [
+      None
+      if dims is None
+      else tuple(
+        (BATCH if j == 0 else rename(j)) if d is None else d
+        for j, d in enumerate(dims)
+      )
+      for dims in arguments
+    ]
+
+  positions = {
+    j
+    for dims in arguments
+    for j, d in enumerate(dims or ())
+    if d is None and j > 0
+  }
+  one_length = named(lambda j: _ONE_LENGTH)
+  if len(positions) <= 1:
+    return [one_length]
+  return [one_length, named(_AT_POSITION.format)]
+
+
+def shapes_error(
+  inputs_: Inputs, error: BaseException, where: str
+) -> _errors.ExportError | None:
+  """Our error for a failed trace that meets symbols of their own.
+
+  None when no input has a polymorphic dimension after the leading one that
+  the caller did not name, or the error does not name one: then it is not
+  about them.
+  """
+  arguments = inputs_.dims()
+  own = own_symbols(arguments) if inputs_.derived else set()
+  if not own or not names_a_symbol(error, own):
+    return None
+  listing = ', '.join(
+    f'{spec.name} {shape}'
+    for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
+    if shape is not None
+  )
+  examples = [
+    'polymorphic_shapes='
+    + repr([None if dims is None else shape_text(dims) for dims in example])
+    for example in suggested_dims(arguments)
+  ]
+  which = [
+    f'{examples[0]} if all are one length (e.g. a sequence length)',
+    *(f'{e} if those at the same position are' for e in examples[1:]),
+  ]
+  return _errors.ExportError(
+    f'Tracing {where} for the SavedModel failed where its polymorphic '
+    f'dimensions meet ({summary(error)}). In `input_signature`, a leading '
+    "None is the batch 'b', shared by every input, and any other None is a "
+    f'size of its own, which JAX cannot know to equal another: {listing}. '
+    'Give the dimensions that are always equal one name with '
+    '`polymorphic_shapes=` (one per entry of `input_signature`), e.g. '
+    f'{", or ".join(which)}.'
+  )
+
+
+# The outputs
+# ------------------------------------------------------------------------------
+
+
+def _key_text(key: Any) -> str:
+  for attribute in ('key', 'idx', 'name'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def named_outputs(result: Any, where: str) -> dict[str, Any]:
+  """The arrays of a method's result, by the name each is served under.
+
+  None is left out. A dict with str keys names each array by its keys
+  (those of nested dicts, and positions in nested lists and tuples) joined
+  by `SEPARATOR`: ``{'logits': x, 'cache': {'k': k}}`` gives 'logits' and
+  'cache/k'. Any other result names its arrays ``output_0``,
+  ``output_1``, ... in the order of ``jax.tree.leaves``; an array alone is
+  ``output_0``.
+
+  Raises:
+    ExportError: If the result holds something other than arrays and None,
+      no array, or two arrays of one name.
+  """
+  try:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(result)
+  except (TypeError, ValueError) as e:  # E.g. dict keys that do not sort.
+    raise _errors.ExportError(
+      f'Expected the result of {where} to be a pytree of arrays and None, '
+      f'got one JAX cannot flatten ({summary(e)}). Return arrays in tuples, '
+      'lists and dicts with str keys.'
+    ) from e
+  by_keys = isinstance(result, Mapping) and all(
+    isinstance(k, str) for k in result
+  )
+  named: dict[str, Any] = {}
+  paths: dict[str, Any] = {}
+  for i, (path, leaf) in enumerate(leaves):
+    where_in = 'result' + jax.tree_util.keystr(path)
+    if not isinstance(leaf, _ARRAYS):
+      text = repr(leaf)
+      text = text if len(text) <= 80 else text[:77] + '...'
+      raise _errors.ExportError(
+        f'Expected the result of {where} to hold only arrays and None, got '
+        f'{type(leaf).__name__} at {where_in}: {text}. Return arrays, in '
+        'tuples, lists and dicts (None is left out of the served outputs); '
+        'compute anything else outside the served method.'
+      )
+    name = SEPARATOR.join(map(_key_text, path)) if by_keys else f'output_{i}'
+    if name in named:
+      raise _errors.ExportError(
+        f'Expected each array of the result of {where} to have a name of '
+        f'its own, got {name!r} twice: at {paths[name]} and {where_in} '
+        f'(the keys of nested dicts are joined by {SEPARATOR!r}). Rename '
+        'one of the keys.'
+      )
+    named[name] = leaf
+    paths[name] = where_in
+  if not named:
+    raise _errors.ExportError(
+      f'Expected the result of {where} to hold at least one array, got '
+      f'{result!r}: a served signature needs an output. Return the arrays '
+      'to serve.'
+    )
+  return named

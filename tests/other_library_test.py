@@ -1,0 +1,449 @@
+"""A model in another library's style (tests/gemma_style.py), end to end.
+
+Mesh-axis annotations set with ``nnx.Param(value, sharding=...)``, einsum
+layers, and an import that turns Flax's eager sharding off: the plan,
+``fdt.check``, eager creation, ``fdt.init``, ``fdt.shard_module``,
+checkpoints and the command line agree with each other and with where the
+arrays are, by values.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import flax
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import flax_dtensor as fdt
+
+# That library's own spelling; Flax deprecates it.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:'sharding' is deprecated:DeprecationWarning"
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def gemma():
+  """The module, imported as a user's program imports it: from then on the
+  flag is off. Restored after the test, so no other test sees it."""
+  before = flax.config.flax_always_shard_variable
+  import gemma_style
+
+  flax.config.update('flax_always_shard_variable', False)
+  try:
+    yield gemma_style
+  finally:
+    flax.config.update('flax_always_shard_variable', before)
+
+
+def _mesh(kind='auto'):
+  types = {'auto': AxisType.Auto, 'explicit': AxisType.Explicit}[kind]
+  return jax.make_mesh((2, 4), ('fsdp', 'tp'), axis_types=(types,) * 2)
+
+
+def _placement(model):
+  return {
+    '/'.join(map(str, path)): v.get_value().sharding.spec
+    for path, v in nnx.to_flat_state(nnx.state(model))
+  }
+
+
+def _values(model):
+  return {
+    '/'.join(map(str, path)): np.asarray(v.get_value())
+    for path, v in nnx.to_flat_state(nnx.state(model))
+  }
+
+
+def _assert_agree(model, mesh, rules):
+  """plan = nnx.get_partition_spec = where the arrays are, every variable."""
+  with fdt.logical_axis_rules(rules):
+    plan = fdt.plan(model, mesh=mesh)
+    queried = {
+      '/'.join(map(str, p)): v.get_value()
+      for p, v in nnx.to_flat_state(nnx.get_partition_spec(nnx.state(model)))
+    }
+  placed = _placement(model)
+  assert {e.path: e.spec for e in plan.entries} == queried == placed
+  assert not any(e.misplaced for e in plan.entries)
+  return plan
+
+
+def test_importing_it_turns_eager_sharding_off():
+  code = (
+    'import flax, gemma_style; print(flax.config.flax_always_shard_variable)'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-W', 'ignore', '-c', code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, 'PYTHONPATH': os.path.join(ROOT, 'tests')},
+    check=False,
+  )
+  assert proc.stdout.strip() == 'False', proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize('how', ['ours', 'flax', 'none'])
+def test_plan_of_a_factory_under_every_way_rules_are_set(gemma, how):
+  mesh = _mesh()
+  context = {
+    'ours': fdt.logical_axis_rules(fdt.LogicalRules.for_mesh_axes(mesh)),
+    'flax': nnx.logical_axis_rules((('fsdp', 'fsdp'), ('tp', 'tp'))),
+    'none': contextlib.nullcontext(),
+  }[how]
+  with context:
+    plan = fdt.plan(gemma.make_model, mesh=mesh)
+    report = fdt.check(gemma.make_model, mesh=mesh)
+  assert plan['embedder/input_embedding'].spec == P('tp', 'fsdp')
+  assert plan['layers/0/attn/kv_einsum/w'].spec == P(None, 'tp', 'fsdp', None)
+  assert plan['layers/1/mlp/gating_einsum'].spec == P(None, 'fsdp', 'tp')
+  assert len(plan.entries) == 30
+  sizes = {'fsdp': 2, 'tp': 4}
+  assert plan.bytes_per_device == sum(
+    e.bytes // np.prod([sizes[a] for a in e.spec if a is not None])
+    for e in plan.entries
+  )
+  assert not report, str(report)
+
+
+def test_flax_rules_are_checked_with_flax_semantics(gemma):
+  mesh = _mesh()
+  with nnx.logical_axis_rules((('tp', 'fsdp'), ('tp', 'tp'), ('fsdp', 'fsdp'))):
+    report = fdt.check(gemma.make_model, mesh=mesh)
+  (finding,) = report.findings
+  assert finding.code == 'shadowed-rule'
+  assert finding.subject == "('tp', 'fsdp')"
+  assert 'the later rule' in finding.message and 'last rule' in finding.message
+
+
+def test_no_rules_and_a_name_that_is_no_mesh_axis(gemma):
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"maps to 'tp', which is not an axis of the mesh .* No rules are in "
+    r"effect, so Flax's semantics apply: each name in an annotation is used "
+    r'as a mesh axis name\. .*for_mesh_axes',
+  ):
+    fdt.plan(gemma.make_model, mesh=mesh)
+
+
+@pytest.mark.parametrize('kind', ['auto', 'explicit'])
+def test_eager_sharding_off_is_said_once_and_reported(gemma, kind):
+  mesh = _mesh(kind)
+  rules = fdt.LogicalRules.for_mesh_axes(mesh)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always', fdt.EagerShardingOffWarning)
+    with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+      model = gemma.make_model()
+      gemma.make_model(1)  # The same block: said once.
+    with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+      gemma.make_model(2)  # Another block: said again.
+  said = [w for w in caught if w.category is fdt.EagerShardingOffWarning]
+  assert len(said) == 2
+  assert str(said[0].message).startswith(
+    'flax_dtensor did not place 30 variables of Transformer that the rules '
+    'in effect cover'
+  )
+  assert 'flax_always_shard_variable is False' in str(said[0].message)
+  # Points at the line that called the outermost constructor.
+  assert said[0].filename == gemma.__file__
+  # Nothing was placed, and the plan and the check say why.
+  assert all(not any(spec) for spec in _placement(model).values())
+  plan = fdt.plan(model, mesh=mesh, rules=rules)
+  assert all(e.misplaced for e in plan.entries)
+  assert plan['layers/0/attn/q_einsum/w'].misplaced_reason.startswith(
+    'created while eager sharding was off'
+  )
+  assert 'Not where the rules say: 30 variables' in str(plan)
+  report = fdt.check(model, rules, mesh)
+  assert report.codes() == ('eager-sharding-off',)
+  assert len(report.findings) == 30
+
+
+def test_a_deliberate_use_eager_sharding_false_is_not_warned(gemma):
+  mesh = _mesh()
+  flax.config.update('flax_always_shard_variable', True)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', fdt.EagerShardingOffWarning)
+    with (
+      jax.set_mesh(mesh),
+      fdt.logical_axis_rules(fdt.LogicalRules.for_mesh_axes(mesh)),
+      nnx.use_eager_sharding(False),
+    ):
+      model = gemma.make_model()
+  plan = fdt.plan(model, mesh=mesh, rules=fdt.LogicalRules.for_mesh_axes(mesh))
+  assert all(e.misplaced_reason for e in plan.entries)
+
+
+@pytest.mark.parametrize('kind', ['auto', 'explicit'])
+def test_every_entry_point_places_as_planned(gemma, kind):
+  mesh = _mesh(kind)
+  rules = fdt.LogicalRules.for_mesh_axes(mesh)
+  plain = _values(gemma.make_model())
+  # Eager creation, eager sharding turned back on for the build.
+  with (
+    nnx.use_eager_sharding(True),
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(rules),
+  ):
+    eager = gemma.make_model()
+  # fdt.init, whatever the flag.
+  built = fdt.init(gemma.make_model, mesh=mesh, rules=rules)
+  # shard_module on a model built unplaced.
+  moved = fdt.shard_module(gemma.make_model(), mesh=mesh, rules=rules)
+  for model in (eager, built, moved):
+    plan = _assert_agree(model, mesh, rules)
+    assert plan['layers/2/attn/q_einsum/w'].spec == P('tp', 'fsdp', None)
+    values = _values(model)
+    assert values.keys() == plain.keys()
+    for path, value in plain.items():
+      np.testing.assert_array_equal(values[path], value, err_msg=path)
+
+
+def test_shard_module_puts_uncovered_variables_on_the_mesh(gemma):
+  mesh = _mesh()
+  rules = fdt.LogicalRules([('fsdp', 'fsdp')], unknown='replicate')
+  model = gemma.make_model()
+  model.extra = nnx.Param(jax.numpy.arange(8.0))  # No annotation at all.
+  assert not isinstance(
+    model.extra.get_value().sharding, jax.sharding.NamedSharding
+  )
+  fdt.shard_module(model, mesh=mesh, rules=rules)
+  extra = model.extra.get_value()
+  assert extra.sharding.mesh == mesh and extra.sharding.spec == P()
+  np.testing.assert_array_equal(np.asarray(extra), np.arange(8.0))
+  plan = fdt.plan(model, mesh=mesh, rules=rules)
+  assert plan['extra'].spec == P() and not plan['extra'].misplaced
+  assert plan['extra'].source == 'none (replicated)'
+
+
+def test_checkpoints_round_trip_onto_another_mesh(gemma, tmp_path):
+  tf = pytest.importorskip('tensorflow')
+  del tf
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  mesh = _mesh()
+  rules = fdt.LogicalRules.for_mesh_axes(mesh)
+  model = fdt.init(gemma.make_model, mesh=mesh, rules=rules)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
+  other = jax.make_mesh((4, 2), ('fsdp', 'tp'))
+  with (
+    jax.set_mesh(other),
+    fdt.logical_axis_rules(fdt.LogicalRules.for_mesh_axes(other)),
+  ):
+    target = nnx.eval_shape(lambda: gemma.make_model(7))
+    restored = fdt_tf.restore_checkpoint(path, target)
+  _assert_agree(restored, other, fdt.LogicalRules.for_mesh_axes(other))
+  want = _values(model)
+  for key, value in _values(restored).items():
+    np.testing.assert_array_equal(value, want[key], err_msg=key)
+
+
+def test_the_plan_shows_path_rules_that_annotations_shadow(gemma):
+  mesh = _mesh()
+  rules = fdt.LogicalRules.for_mesh_axes(
+    mesh, path_rules=[('einsum/w$', P('fsdp'))]
+  )
+  plan = fdt.plan(gemma.make_model, mesh=mesh, rules=rules)
+  entry = plan['layers/0/attn/q_einsum/w']
+  assert entry.spec == P('tp', 'fsdp', None)
+  assert entry.source == (
+    "annotation (over path rule #0 'einsum/w$', which has no override=True)"
+  )
+  assert plan['final_norm/scale'].source == 'annotation'
+  text = plan.render(width=200)
+  header = next(line for line in text.splitlines() if 'path' in line)
+  assert 'source' in header
+
+
+def test_for_mesh_axes_refuses_what_is_not_a_mesh():
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r'Expected a mesh or a sequence of its axis'
+  ):
+    fdt.LogicalRules.for_mesh_axes('fsdp')
+
+
+def _cli(*args):
+  return subprocess.run(
+    [sys.executable, '-m', 'flax_dtensor', *args],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    stdin=subprocess.DEVNULL,
+    env={**os.environ, 'COLUMNS': '200'},
+    check=False,
+  )
+
+
+def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
+  import json
+
+  target = os.path.join(ROOT, 'tests', 'gemma_style.py') + ':make_model'
+  mesh = ('--mesh', 'fsdp=2,tp=4')
+  proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--json')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  variables = {v['path']: v for v in json.loads(proc.stdout)['variables']}
+  assert variables['embedder/input_embedding']['spec'] == ['tp', 'fsdp']
+  assert variables['layers/3/mlp/linear']['spec'] == ['tp', 'fsdp']
+  assert len(variables) == 30
+  proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--check')
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  assert proc.stdout.strip() == 'No findings.'
+  # Without it, the demo's rules name none of these axes: bad input (2).
+  proc = _cli('plan', target, *mesh)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert '--mesh-axis-names' in proc.stderr
+
+
+# Serves a SavedModel in a process that never imports JAX: argv[1] the
+# SavedModel, argv[2] an .npz of inputs; prints the outputs' names and writes
+# them to argv[3].
+_SERVE = """
+import sys, json
+sys.modules['jax'] = None  # TF imports JAX when it can: prove it needs none.
+import numpy as np, tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+with np.load(sys.argv[2]) as f:
+  inputs = {k: tf.constant(f[k]) for k in f.files}
+out = serve(**inputs)
+np.savez(sys.argv[3], **{k: v.numpy() for k, v in out.items()})
+print(json.dumps(sorted(serve.structured_input_signature[1])))
+"""
+
+
+def _served(path, inputs, tmp_path):
+  np.savez(tmp_path / 'inputs.npz', **inputs)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-c',
+      _SERVE,
+      str(path),
+      str(tmp_path / 'inputs.npz'),
+      str(tmp_path / 'outputs.npz'),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')},
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with np.load(tmp_path / 'outputs.npz') as f:
+    return json.loads(proc.stdout.strip().splitlines()[-1]), dict(f)
+
+
+def _llm_inputs(gemma, batch, length):
+  tokens = (np.arange(batch * length).reshape(batch, length) * 7) % 256
+  positions = np.broadcast_to(np.arange(length), (batch, length))
+  return {
+    'tokens': tokens.astype(np.int32),
+    'positions': np.ascontiguousarray(positions, np.int32),
+    'mask': np.asarray(gemma.causal_mask(length, batch)),
+  }
+
+
+def test_its_forward_serves_in_plain_tensorflow(gemma, tmp_path):
+  """(tokens, positions, cache=None, mask) -> (logits, None), no wrapper."""
+  pytest.importorskip('tensorflow')
+  import tensorflow as tf
+
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  mesh = _mesh()
+  model = fdt.init(
+    gemma.make_model, mesh=mesh, rules=fdt.LogicalRules.for_mesh_axes(mesh)
+  )
+  path = fdt_tf.save_saved_model(
+    model,
+    tmp_path / 'sm',
+    input_signature=[
+      tf.TensorSpec([None, None], tf.int32, name='tokens'),
+      tf.TensorSpec([None, None], tf.int32, name='positions'),
+      None,
+      tf.TensorSpec([None, None, None], tf.bool, name='mask'),
+    ],
+    polymorphic_shapes=['(b, t)', '(b, t)', None, '(b, t, t)'],
+  )
+  for batch, length in ((1, 5), (3, 9)):
+    inputs = _llm_inputs(gemma, batch, length)
+    names, outputs = _served(path, inputs, tmp_path)
+    assert names == ['mask', 'positions', 'tokens']
+    assert list(outputs) == ['output_0']
+    logits, cache = model(
+      inputs['tokens'], inputs['positions'], None, inputs['mask']
+    )
+    assert cache is None
+    np.testing.assert_allclose(
+      outputs['output_0'], np.asarray(logits), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
+  pytest.importorskip('tensorflow')
+  pytest.importorskip('orbax.checkpoint')
+  target = os.path.join(ROOT, 'tests', 'gemma_style.py') + ':make_model'
+  # An Orbax checkpoint of the model, as training in that library writes it.
+  make = (
+    'import sys, orbax.checkpoint as ocp; '
+    'sys.path.insert(0, sys.argv[3]); import gemma_style; from flax import nnx; '
+    'ckpt = ocp.StandardCheckpointer(); '
+    'ckpt.save(sys.argv[1], nnx.state(gemma_style.make_model())); '
+    'ckpt.wait_until_finished()'
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-W',
+      'ignore',
+      '-c',
+      make,
+      str(tmp_path / 'orbax'),
+      '',
+      os.path.join(ROOT, 'tests'),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _cli(
+    'export',
+    target,
+    '--checkpoint',
+    str(tmp_path / 'orbax'),
+    '--out',
+    str(tmp_path / 'out'),
+    '--mesh',
+    'fsdp=2,tp=4',
+    '--mesh-axis-names',
+    '--saved-model',
+    *('--input-shape', 'tokens:1,t:int32'),
+    *('--input-shape', 'positions:1,t:int32'),
+    *('--input-shape', 'cache:none'),
+    *('--input-shape', 'mask:1,t,t:bool'),
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+  inputs = _llm_inputs(gemma, 2, 7)
+  names, outputs = _served(tmp_path / 'out' / 'saved_model', inputs, tmp_path)
+  assert names == ['mask', 'positions', 'tokens']
+  with nnx.use_eager_sharding(False):
+    model = gemma.make_model()
+  logits, _ = model(inputs['tokens'], inputs['positions'], None, inputs['mask'])
+  np.testing.assert_allclose(
+    outputs['output_0'], np.asarray(logits), rtol=1e-5, atol=1e-5
+  )

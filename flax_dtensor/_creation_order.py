@@ -382,7 +382,7 @@ def traced(args: Any, kwargs: Any) -> bool:
   ):
     return True
   try:  # JAX has no public name for it.
-    from jax._src import core  # pylint: disable=g-import-not-at-top
+    from jax._src import core
 
     return not core.trace_state_clean()
   except (ImportError, AttributeError):

@@ -442,7 +442,7 @@ def first_match(
 
 def itemsize(dtype: Any) -> int:
   """Bytes per element (a typed PRNG key counts its key data)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))

@@ -284,7 +284,7 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
   on, is a deliberate choice: nothing is said (the plan still gives the
   reason).
   """
-  import flax  # pylint: disable=g-import-not-at-top
+  import flax
 
   if flax.config.flax_always_shard_variable:
     return
@@ -312,7 +312,7 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
     # Nothing to say here: ask again in this context for the next module.
     _rules.forget_in_context('eager-sharding-off')
     return
-  import warnings  # pylint: disable=g-import-not-at-top
+  import warnings
 
   warnings.warn(
     _errors.EagerShardingOffWarning(
@@ -428,7 +428,7 @@ def place_concrete(
   )
   spec = named.spec
   if not isinstance(rules, _rules.LogicalRules):
-    from flax.core import spmd as core_spmd  # pylint: disable=g-import-not-at-top
+    from flax.core import spmd as core_spmd
 
     spec = core_spmd.apply_rules(spec, local_rules)
   placed = apply_spec(value, spec, named.mesh)

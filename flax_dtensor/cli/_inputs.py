@@ -112,7 +112,7 @@ class InputSpec:
 
   def tensor_spec(self) -> Any:
     """The `tf.TensorSpec` of the input, or None (imports TensorFlow)."""
-    from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
+    from flax_dtensor.dtensor import _tf
 
     if self.dims is None:
       return None
@@ -121,7 +121,7 @@ class InputSpec:
 
   def polymorphic_shape(self, index: int) -> str | None:
     """jax2tf's polymorphic shape of the input (`index`: its position)."""
-    from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
+    from flax_dtensor.dtensor import _signature
 
     if self.dims is None:
       return None
@@ -229,7 +229,7 @@ def load_rules(
   Raises:
     BadInputError: If the file is missing or malformed.
   """
-  from flax_dtensor import _errors, _rules  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors, _rules
 
   if mesh_axes is not None:
     identity = _rules.LogicalRules.for_mesh_axes(tuple(mesh_axes))
@@ -243,7 +243,7 @@ def load_rules(
       min_size=rules.min_size,
       min_bytes=rules.min_bytes,
     )
-  from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.demo import train
 
   if path is None:
     return train.default_rules()
@@ -350,7 +350,7 @@ def configure_cpu_devices(count: int) -> None:
     _DEVICE_COUNT_FLAG + r'=\S*', '', os.environ.get('XLA_FLAGS', '')
   )
   os.environ['XLA_FLAGS'] = f'{flags} {_DEVICE_COUNT_FLAG}={count}'.strip()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   try:
     jax.config.update('jax_platforms', 'cpu')
@@ -365,9 +365,9 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
   Raises:
     BadInputError: If the mesh size differs from the device count.
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view
 
   size = math.prod(s for _, s in axes)
   count = jax.device_count()
@@ -386,7 +386,7 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
 
 
 def abstract_mesh(axes: Sequence[tuple[str, int]]) -> Any:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   return jax.sharding.AbstractMesh(
     tuple(s for _, s in axes),
@@ -404,9 +404,9 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   Raises:
     BadInputError: If the factory raises or does not return an nnx.Module.
   """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
-  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import (
     _errors,
     _hook,
     _init,
@@ -449,7 +449,7 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
 
 
 def initialize_dtensor() -> Any:
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import dtensor
 
   dtensor.initialize()
   return dtensor
@@ -471,14 +471,14 @@ def check_served_inputs(
     ExportError: If the method's result holds something other than arrays
       and None.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  from flax import nnx
 
-  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import (
     _errors,
     _plan_view,
   )
-  from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
@@ -525,7 +525,7 @@ def check_served_inputs(
     nnx.eval_shape(call, abstract, *examples)
   except _errors.FlaxDTensorError:
     raise
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     own = _signature.own_symbols([s.dims for s in specs])
     if own and _signature.names_a_symbol(e, own):
       examples_text = [

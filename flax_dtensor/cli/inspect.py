@@ -61,8 +61,8 @@ def sharding_texts(record: Any) -> tuple[str, str]:
 
 def _read_manifest(path: pathlib.Path) -> Any:
   """The manifest of the export in `path` itself, or None."""
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _manifest  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors
+  from flax_dtensor.dtensor import _manifest
 
   try:
     manifest = _manifest.read(str(path))
@@ -93,7 +93,7 @@ _VARIABLE_COLUMNS = (
 
 
 def _manifest_rows(manifest: Any) -> list[Row]:
-  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names
 
   rows = []
   for record in sorted(manifest.records, key=lambda r: r.key):
@@ -116,7 +116,7 @@ def _manifest_rows(manifest: Any) -> list[Row]:
 
 def _tf_rows(items: Any) -> list[Row]:
   """Rows of (NNX path, shape, stored dtype) read by TF: no layouts."""
-  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names
 
   return [
     (_names.path_text(p), '-', str(tuple(shape)), dtype, '-', '-')
@@ -141,7 +141,7 @@ def inspect_checkpoint(path: pathlib.Path, width: int) -> list[Any]:
 
 
 def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
-  from flax_dtensor.dtensor import _names, _tf  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names, _tf
 
   tf = _tf.tf()
   try:
@@ -163,7 +163,7 @@ def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
 
 def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   """What to print for a SavedModel: its signatures and its variables."""
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view
 
   manifest = _read_manifest(path)
   signatures = dict(manifest.signatures) if manifest is not None else {}
@@ -208,7 +208,7 @@ def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
   graph of the SavedModel runs (`tf.saved_model.load` would restore its
   functions).
   """
-  from flax_dtensor.dtensor import _saved_model  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _saved_model
 
   try:
     signatures = _saved_model.written_signatures(str(path))
@@ -231,11 +231,11 @@ def verify_export(
   Checks where every file the manifest names leads and every file's size
   and checksums (`_manifest.problems_of`), without JAX or TensorFlow.
   """
-  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  import concurrent.futures
 
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
-  from flax_dtensor.dtensor import _manifest  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _manifest
 
   what = 'DTensor checkpoint' if kind == 'checkpoint' else 'SavedModel'
   manifest = _read_manifest(path)
@@ -267,7 +267,7 @@ def verify_export(
 
 
 def _count(n: int, noun: str) -> str:
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view
 
   return _plan_view.count(n, noun)
 
@@ -276,9 +276,9 @@ def _title(
   what: str, path: pathlib.Path, width: int, part: str = ''
 ) -> list[Any]:
   """'WHAT PATH[: PART]' in bold; a long path on lines of its own."""
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view
 
   suffix = f': {part}' if part else ''
   text = f'{what} {path}{suffix}'
@@ -289,13 +289,13 @@ def _title(
 
 
 def _caption(text: str) -> Any:
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
   return rich.text.Text(text, style='dim')
 
 
 def _variables(rows: Sequence[Row], width: int) -> list[Any]:
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _plan_view
 
   def details(row: Sequence[str]) -> list[str]:
     _, kind, shape, dtype, jax_text, dtensor_text = row

@@ -174,15 +174,15 @@ def run(
   start = time.perf_counter()
   rules_ = rules
 
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from flax import nnx
 
-  import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.demo import data, train, verify  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.demo import model as model_lib  # pylint: disable=g-import-not-at-top
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor
+  from flax_dtensor.demo import data, train, verify
+  from flax_dtensor.demo import model as model_lib
 
   mesh_ = mesh
   mesh_text = ','.join(
@@ -288,7 +288,7 @@ def run(
 
 
 def next_batch(batches: Any) -> Any:
-  from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.demo import train
 
   return train.shard_batch(next(batches))
 

@@ -155,7 +155,7 @@ def sharding_record(
   []]` for `P(('data', 'model'), None)`); `dtensor_layout` is the layout it
   was written with (a fused DTensor axis 'data+model' of size 8 there).
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
@@ -181,7 +181,7 @@ def sharding_record(
 
 def _crc(data: Any) -> int:
   """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
 
@@ -823,9 +823,9 @@ def verify_index(
     ExportError: If a variable is missing on either side, or its shape or
       stored dtype differs.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
-  from flax_dtensor.dtensor import _dtypes  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _dtypes
 
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
@@ -909,7 +909,7 @@ def verify_read(
 
 
 def _volume(index: Index) -> int:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
@@ -934,7 +934,7 @@ def _check_shard(
     slice(i0 - h0, i1 - h0)
     for (i0, i1), (h0, _) in zip(index, held, strict=True)
   )
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   got = _crc(np.asarray(data)[local])
   if got != crc:

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import flax_dtensor as fdt
-from flax_dtensor import _creation, _creation_order, _init
+from flax_dtensor._placement import _creation, _creation_order, _init
 
 RULES = fdt.LogicalRules(
   [('embed', 'data'), ('mlp', 'model')],

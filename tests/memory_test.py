@@ -71,7 +71,7 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   from flax import nnx
 
   import flax_dtensor as fdt
-  from flax_dtensor import _creation, _init
+  from flax_dtensor._placement import _creation, _init
 
   sys.path.insert(0, str(CASES.parent))
   try:

@@ -246,7 +246,7 @@ def test_resolution_with_mesh_and_shape(axes, shape, expected):
 
 
 def test_resolution_records_skips():
-  from flax_dtensor import _resolution
+  from flax_dtensor._rules import _resolution
 
   res = _resolution.resolve_dims(
     ('batch', 'mlp'), (8, 6), mesh=MESH, rules=RULES

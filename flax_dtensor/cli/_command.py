@@ -196,12 +196,6 @@ def _remove(path: str) -> None:
     os.remove(path)
 
 
-def human_bytes(n: float) -> str:
-  from flax_dtensor import _plan_view
-
-  return _plan_view.human_bytes(n)
-
-
 def disk_usage(path: pathlib.Path) -> int:
   if path.is_file():
     return path.stat().st_size

@@ -229,14 +229,15 @@ def load_rules(
   Raises:
     BadInputError: If the file is missing or malformed.
   """
-  from flax_dtensor import _errors, _rules
+  from flax_dtensor import _errors
+  from flax_dtensor._rules import _logical
 
   if mesh_axes is not None:
-    identity = _rules.LogicalRules.for_mesh_axes(tuple(mesh_axes))
+    identity = _logical.LogicalRules.for_mesh_axes(tuple(mesh_axes))
     if path is None:
       return identity
     rules = load_rules(path)
-    return _rules.LogicalRules([*rules, *identity]).replace(
+    return _logical.LogicalRules([*rules, *identity]).replace(
       unknown=rules.unknown,
       strict=rules.strict,
       path_rules=rules.path_rules,
@@ -367,15 +368,15 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
   """
   import jax
 
-  from flax_dtensor import _plan_view
+  from flax_dtensor import _text
 
   size = math.prod(s for _, s in axes)
   count = jax.device_count()
   if size != count:
     raise BadInputError(
-      f'--mesh {mesh_text} needs {_plan_view.count(size, "device")}, but '
+      f'--mesh {mesh_text} needs {_text.count(size, "device")}, but '
       f'JAX has {count} ({jax.default_backend()}). Pass a mesh of '
-      f'{_plan_view.count(count, "device")}, or on CPU run on {size} '
+      f'{_text.count(count, "device")}, or on CPU run on {size} '
       f'virtual devices with --cpu-devices {size}.'
     )
   return jax.make_mesh(
@@ -406,27 +407,24 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   """
   from flax import nnx
 
-  from flax_dtensor import (
-    _errors,
-    _hook,
-    _init,
-    _rules,
-  )
+  from flax_dtensor import _errors
+  from flax_dtensor._placement import _hook, _init
+  from flax_dtensor._rules import _logical
 
   _hook.ensure_installed()  # Before the factory builds anything.
 
   # Built with unmentioned names replicated, so that a name the rules lack
   # is reported by the plan the caller makes next, with the variable's path
   # (creation does not know it yet).
-  rules = _rules.get_logical_axis_rules()
+  rules = _logical.get_logical_axis_rules()
   lenient = (
     rules.replace(unknown='replicate')
-    if isinstance(rules, _rules.LogicalRules)
+    if isinstance(rules, _logical.LogicalRules)
     else None
   )
   try:
     if lenient is not None:
-      with _rules.logical_axis_rules(lenient):
+      with _logical.logical_axis_rules(lenient):
         model = _init.build_abstract(factory)
     else:
       model = _init.build_abstract(factory)
@@ -474,10 +472,7 @@ def check_served_inputs(
   import jax
   from flax import nnx
 
-  from flax_dtensor import (
-    _errors,
-    _plan_view,
-  )
+  from flax_dtensor import _errors, _text
   from flax_dtensor.dtensor import _signature
 
   if not callable(getattr(abstract, method, None)):
@@ -491,7 +486,7 @@ def check_served_inputs(
   if parameters is not None and not parameters.fits(len(specs)):
     raise BadInputError(
       f'--input-shape {given} gives '
-      f'{_plan_view.count(len(specs), "argument")}, but '
+      f'{_text.count(len(specs), "argument")}, but '
       f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
       'per positional parameter, in order, and NAME:none for an argument '
       'passed as None (e.g. --input-shape cache:none).'

@@ -122,7 +122,7 @@ def export(
         '--input-shape only applies with --saved-model; add --saved-model '
         'or drop --input-shape.'
       )
-    from flax_dtensor import _orbax
+    from flax_dtensor._placement import _orbax
 
     source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
@@ -141,7 +141,7 @@ def export(
     import jax
 
     import flax_dtensor as fdt
-    from flax_dtensor import _plan_view
+    from flax_dtensor import _text
     from flax_dtensor.dtensor import _atomic
 
     mesh_ = _inputs.make_mesh(axes, mesh)
@@ -182,11 +182,11 @@ def export(
       markup=False,
     )
     rows = [('restored', str(source), '')] + [
-      (name, str(path), _command.human_bytes(_command.disk_usage(path)))
+      (name, str(path), _text.human_bytes(_command.disk_usage(path)))
       for name, path in outputs.items()
     ]
     console.print(
-      _plan_view.table_or_stacked(
+      _text.table_or_stacked(
         ('what', 'path', 'size'),
         rows,
         console.width,

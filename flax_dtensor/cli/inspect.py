@@ -15,7 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
-from flax_dtensor import _specs
+from flax_dtensor import _text
+from flax_dtensor._rules import _specs
 from flax_dtensor.cli import _command
 
 
@@ -163,7 +164,7 @@ def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
 
 def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   """What to print for a SavedModel: its signatures and its variables."""
-  from flax_dtensor import _plan_view
+  from flax_dtensor import _text
 
   manifest = _read_manifest(path)
   signatures = dict(manifest.signatures) if manifest is not None else {}
@@ -191,7 +192,7 @@ def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   ]
   return [
     *_title('SavedModel', path, width, 'signatures'),
-    _plan_view.table_or_stacked(
+    _text.table_or_stacked(
       ('signature', 'inputs', 'outputs'), signature_rows, width
     ),
     *_title('SavedModel', path, width, 'variables'),
@@ -249,7 +250,7 @@ def verify_export(
     problems = _manifest.problems_of(manifest, pool)
   title = _title(what, path, width)
   if not problems:
-    size = _command.human_bytes(sum(f.size for f in manifest.files.values()))
+    size = _text.human_bytes(sum(f.size for f in manifest.files.values()))
     text = (
       f'intact: {_count(len(manifest.files), "file")}, {size}, checked '
       f'against {manifest.location}'
@@ -267,9 +268,9 @@ def verify_export(
 
 
 def _count(n: int, noun: str) -> str:
-  from flax_dtensor import _plan_view
+  from flax_dtensor import _text
 
-  return _plan_view.count(n, noun)
+  return _text.count(n, noun)
 
 
 def _title(
@@ -278,13 +279,13 @@ def _title(
   """'WHAT PATH[: PART]' in bold; a long path on lines of its own."""
   import rich.text
 
-  from flax_dtensor import _plan_view
+  from flax_dtensor import _text
 
   suffix = f': {part}' if part else ''
   text = f'{what} {path}{suffix}'
   if len(text) <= width:
     return [rich.text.Text(text, style='bold')]
-  lines = [what, *_plan_view.wrap_path(f'{path}{suffix}', width)]
+  lines = [what, *_text.wrap_path(f'{path}{suffix}', width)]
   return [rich.text.Text(line, style='bold') for line in lines]
 
 
@@ -295,7 +296,7 @@ def _caption(text: str) -> Any:
 
 
 def _variables(rows: Sequence[Row], width: int) -> list[Any]:
-  from flax_dtensor import _plan_view
+  from flax_dtensor import _text
 
   def details(row: Sequence[str]) -> list[str]:
     _, kind, shape, dtype, jax_text, dtensor_text = row
@@ -306,7 +307,7 @@ def _variables(rows: Sequence[Row], width: int) -> list[Any]:
     ]
 
   return [
-    _plan_view.table_or_stacked(
+    _text.table_or_stacked(
       _VARIABLE_COLUMNS, rows, width, paths=('variable',), details=details
     )
   ]

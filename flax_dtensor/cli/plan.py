@@ -185,9 +185,9 @@ def plan(
     if min_bytes is not None:
       min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')
     if suggest:
-      from flax_dtensor import _rules
+      from flax_dtensor._rules import _logical
 
-      rules_ = _rules.LogicalRules([], unknown='replicate')
+      rules_ = _logical.LogicalRules([], unknown='replicate')
     else:
       rules_ = _inputs.load_rules(
         rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
@@ -235,7 +235,7 @@ def plan(
         _command.console().print(str(report), highlight=False, markup=False)
       _command.exit_findings(report)
     elif golden_text is not None:
-      from flax_dtensor import _plan
+      from flax_dtensor._planning import _plan
 
       golden = _plan.plan_from_json(golden_text, f'--diff {str(diff)!r}')
       changes = result.diff(golden)

@@ -25,7 +25,8 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 from flax_dtensor.dtensor import _names, _paths
 
 if TYPE_CHECKING:

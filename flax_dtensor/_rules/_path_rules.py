@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 
 PATH_RULES_FIX_MSG = (
   'Each path rule is a (pattern, target) pair, a dict with `pattern` and '

@@ -22,7 +22,8 @@ import jax
 import yaml
 from flax.core import spmd as core_spmd
 
-from flax_dtensor import _errors, _meshes, _path_rules
+from flax_dtensor import _errors
+from flax_dtensor._rules import _meshes, _path_rules
 
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
@@ -595,11 +596,6 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 # Pickled, printed and documented as `flax_dtensor.LogicalRules`.
 LogicalRules.__module__ = 'flax_dtensor'
-
-
-def _rebuild(pairs, unknown, strict) -> LogicalRules:
-  """Unpickles rules pickled by flax_dtensor 0.1.0 (by this function)."""
-  return LogicalRules(pairs, unknown=unknown, strict=strict)
 
 
 RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]

@@ -25,7 +25,8 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 from flax_dtensor.dtensor import _names, _paths
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def sharding_record(
   []]` for `P(('data', 'model'), None)`); `dtensor_layout` is the layout it
   was written with (a fused DTensor axis 'data+model' of size 8 there).
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
@@ -190,7 +191,7 @@ def crc(data: Any, as_dtype: Any = None) -> int:
   copy stored widened is hashed as the saved dtype it was widened from (an
   exact conversion), a bounded chunk at a time.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   flat = np.ascontiguousarray(data).reshape(-1)
   if as_dtype is None or np.dtype(as_dtype) == flat.dtype:
@@ -839,9 +840,9 @@ def verify_index(
     ExportError: If a variable is missing on either side, or its shape or
       stored dtype differs.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
-  from flax_dtensor.dtensor import _dtypes  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _dtypes
 
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
@@ -925,7 +926,7 @@ def verify_read(
 
 
 def _volume(index: Index) -> int:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
@@ -950,7 +951,7 @@ def _check_shard(
     slice(i0 - h0, i1 - h0)
     for (i0, i1), (h0, _) in zip(index, held, strict=True)
   )
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   got = crc(np.asarray(data)[local])
   if got != expected:

@@ -22,7 +22,9 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output, _rules, _variables
+from flax_dtensor import _errors, _output
+from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _logical
 from flax_dtensor.dtensor import (
   _atomic,
   _background,
@@ -368,7 +370,7 @@ def restore_checkpoint(
   include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   allow_extra: bool = False,
   convert_dtypes: bool = False,
   rng_seed: int | None = None,
@@ -452,7 +454,7 @@ def restore_checkpoint(
     ...   model = restore_checkpoint('/tmp/ckpt', abstract)
   """
   path = _paths.local(directory, 'checkpoint directory')
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
   with _peers.session(
     f'the restore from {path!r}', 'The target was not changed.'
@@ -470,7 +472,7 @@ def _read_all(
   target: Any,
   entries: Sequence[_selection.Entry],
   mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   allow_extra: bool,
   convert_dtypes: bool,
   progress: bool | None,

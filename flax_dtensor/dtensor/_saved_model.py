@@ -24,7 +24,8 @@ from flax import nnx
 from flax.nnx import filterlib
 from jax.experimental import multihost_utils
 
-from flax_dtensor import _errors, _output, _plan_view, _variables
+from flax_dtensor import _errors, _output, _text
+from flax_dtensor._placement import _variables
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -351,8 +352,8 @@ def _check_gather_size(module: Any, limit: int) -> None:
     raise _errors.ExportError(
       f'save_saved_model in a run of {jax.process_count()} processes gathers '
       'the model onto process 0, which writes the SavedModel: expected at '
-      f'most max_gather_bytes={limit} ({_plan_view.human_bytes(limit)}) of '
-      f'variables, got {nbytes} ({_plan_view.human_bytes(nbytes)}). A '
+      f'most max_gather_bytes={limit} ({_text.human_bytes(limit)}) of '
+      f'variables, got {nbytes} ({_text.human_bytes(nbytes)}). A '
       'served SavedModel loads whole into one TF process: pass a larger '
       '`max_gather_bytes=` if process 0 has the memory for it, or leave '
       'variables out with `include=`/`exclude=` (they are then baked in as '

@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _text
 
 try:
   import resource
@@ -140,16 +140,6 @@ def out_of_room(e: BaseException) -> int | None:
   return None
 
 
-def _size(n: int) -> str:
-  """'1.5 GiB (1610612736 bytes)', or '80 bytes'."""
-  value = float(n)
-  for unit in ('KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
-    value /= 1024
-    if value < 1024 or unit == 'PiB':
-      break
-  return f'{n} bytes' if n < 1024 else f'{value:.1f} {unit} ({n} bytes)'
-
-
 def _free_bytes(path: str) -> int | None:
   """Bytes free for this user on the filesystem holding `path`."""
   while path and not os.path.exists(path):
@@ -171,11 +161,11 @@ def no_room_message(path: str, needed: int, code: int) -> str:
   parent = os.path.dirname(path)
   free = _free_bytes(parent)
   space = (
-    f'{_size(free)} are free on the filesystem of {parent!r}'
+    f'{_text.exact_bytes(free)} are free on the filesystem of {parent!r}'
     if free is not None
     else f'the free space on {parent!r} is unknown'
   )
-  wants = f"the export's variables alone take {_size(needed)}"
+  wants = f"the export's variables alone take {_text.exact_bytes(needed)}"
   kept = (
     f'The previous export at {path!r}, if any, is unchanged, and the '
     'partial one was removed.'
@@ -186,7 +176,7 @@ def no_room_message(path: str, needed: int, code: int) -> str:
       limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if limit is not None and limit != resource.RLIM_INFINITY:
       why = (
-        f'this process may write files of at most {_size(limit)}, its '
+        f'this process may write files of at most {_text.exact_bytes(limit)}, its '
         'RLIMIT_FSIZE (`ulimit -f`)'
       )
       fix = (

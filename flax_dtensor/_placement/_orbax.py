@@ -16,7 +16,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors, _rules, _variables
+from flax_dtensor import _errors
+from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _logical
 
 _FIX = (
   'Expected the directory written by orbax.checkpoint.StandardCheckpointer()'
@@ -68,7 +70,7 @@ def restore(
   path: pathlib.Path,
   abstract_model: Any,
   mesh: jax.sharding.Mesh,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
 ) -> Any:
   """Restores an Orbax checkpoint of ``nnx.state(model)`` onto `mesh`.
 
@@ -86,7 +88,7 @@ def restore(
   """
   import orbax.checkpoint as ocp
 
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   graphdef, abstract_state = nnx.split(abstract_model)
 
   def target(keypath: Any, variable: nnx.Variable) -> nnx.Variable:

@@ -232,3 +232,20 @@ def test_the_root_holds_few_modules():
     if p.stem not in ('__init__', '__main__')
   }
   assert root == {m.rpartition('.')[2] for m in UTILITIES | {'_lazy'}}, root
+
+
+def test_the_atomic_layer_knows_no_export_format():
+  """`_atomic` writes directories atomically and knows nothing of what an
+  export holds: the format's layer passes what it must know (`is_export`),
+  so it imports neither the manifest nor anything that writes or reads
+  one."""
+  format_layer = {
+    'flax_dtensor.dtensor._manifest',
+    'flax_dtensor.dtensor._checkpoint',
+    'flax_dtensor.dtensor._restore',
+    'flax_dtensor.dtensor._saved_model',
+    'flax_dtensor.dtensor._host_read',
+    'flax_dtensor.dtensor._host_write',
+  }
+  imported = _internal(GRAPH['flax_dtensor.dtensor._atomic'])
+  assert not imported & format_layer, imported & format_layer

@@ -20,7 +20,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor.dtensor import _atomic, _checkpoint, _convert, _dtypes
+from flax_dtensor.dtensor import (
+  _atomic,
+  _checkpoint,
+  _convert,
+  _dtypes,
+  _manifest,
+)
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -1259,7 +1265,9 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
 
   monkeypatch.setattr(_atomic.os, 'rename', flaky_rename)
   with pytest.raises(OSError, match='rename failed'):
-    with _atomic.atomic_directory(target, overwrite=True) as tmp:
+    with _atomic.atomic_directory(
+      target, overwrite=True, is_export=_manifest.is_export
+    ) as tmp:
       with open(os.path.join(tmp, 'new.txt'), 'w') as f:
         f.write('new')
   # Both names say who writes them: token, pid, start time, host.

@@ -196,7 +196,7 @@ _UNWRITABLE = textwrap.dedent(
   jax.config.update('jax_num_cpu_devices', 8)
   from flax import nnx
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _atomic, _tf
+  from flax_dtensor.dtensor import _atomic, _manifest, _tf
 
   fdt_tf.initialize()
   tf = _tf.tf()
@@ -229,7 +229,8 @@ _UNWRITABLE = textwrap.dedent(
     'read-only parent, SavedModel': lambda: fdt_tf.save_saved_model(
         model, at('ro', 'sm'), input_signature=spec),
     'read-only parent, export command': lambda: _atomic.all_or_nothing(
-        at('ro', 'out'), ['checkpoint'], overwrite=False).__enter__(),
+        at('ro', 'out'), ['checkpoint'], overwrite=False,
+        is_export=_manifest.is_export).__enter__(),
     'parent is a file': lambda: fdt_tf.save_checkpoint(
         model, at('a_file', 'c')),
     'not deletable': lambda: fdt_tf.save_checkpoint(

@@ -718,7 +718,9 @@ def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
 
   staging(_dead_pid())
   live = staging(live_pid)
-  with _atomic.all_or_nothing(tmp_path, ['out'], overwrite=False) as staged:
+  with _atomic.all_or_nothing(
+    tmp_path, ['out'], overwrite=False, is_export=_manifest.is_export
+  ) as staged:
     os.mkdir(staged['out'])
     (tmp_path / staged['out'] / 'a.txt').write_text('new')
     # Its own scratch directory stays while it writes.

@@ -142,7 +142,7 @@ def export(
 
     import flax_dtensor as fdt
     from flax_dtensor import _text
-    from flax_dtensor.dtensor import _atomic
+    from flax_dtensor.dtensor import _atomic, _manifest
 
     mesh_ = _inputs.make_mesh(axes, mesh)
     dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
@@ -156,7 +156,10 @@ def export(
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
     with _atomic.all_or_nothing(
-      str(out), list(outputs), overwrite=overwrite
+      str(out),
+      list(outputs),
+      overwrite=overwrite,
+      is_export=_manifest.is_export,
     ) as staged:
       relaid = None
       if single_mesh:

@@ -438,7 +438,9 @@ def save_checkpoint(
       )
     ]
     with (
-      _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+      _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      ) as tmp,
       concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
       concurrent.futures.ThreadPoolExecutor(1) as flusher,
     ):
@@ -481,7 +483,9 @@ def _save_in_background(
     # Before the copy: the processes meet here once, then each copies at
     # its own pace.
     tmp = stack.enter_context(
-      _atomic.atomic_directory(directory, overwrite=overwrite)
+      _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      )
     )
     try:
       with _tf_errors.translated('Copying the state', directory, WRITE_FIX):

@@ -627,6 +627,20 @@ def read(path: str) -> Manifest | None:
   return Manifest(kind, version, root, prefix, files, records, signatures)
 
 
+def is_export(directory: str) -> bool:
+  """Whether `directory` is an export this package wrote, for itself.
+
+  Its own manifest (not an enclosing export's) is valid and names it as
+  its root. What the atomic layer (`_atomic`) asks before it replaces a
+  directory, or moves an old export back into place.
+  """
+  try:
+    manifest = read(directory)
+  except _errors.ExportError:
+    return False
+  return manifest is not None and manifest.root == os.path.abspath(directory)
+
+
 def _signatures(raw: Any, file: str) -> dict[str, Signature]:
   if not isinstance(raw, dict):
     raise _malformed(file, f'`signatures` is {raw!r:.80}, expected a dict')

@@ -5,8 +5,8 @@ hears process 0's decisions (`share`), through the key-value store of JAX's
 coordination service, never through device collectives, so a background
 save may meet them from a thread of its own (`begin` numbers a session on
 the caller's thread, `joined` runs it on any). Every process beats a
-heartbeat there, so a process that stops (killed, or hung) is named in an
-`ExportError` after `peer_timeout()` seconds of silence, and a process that
+heartbeat there, so a process that stops (killed, or hung) is named in a
+`PeerError` after `peer_timeout()` seconds of silence, and a process that
 fails tells the others at once; nobody waits for a dead peer forever.
 `exchange` gives every process each one's value (DTensor's addresses).
 """
@@ -152,7 +152,7 @@ class Session:
   prefix: str
   what: str
   aftermath: str
-  error: type[Exception] = _errors.ExportError
+  error: type[Exception] = _errors.PeerError
   rounds: int = 0
   left: bool = False
 
@@ -365,11 +365,11 @@ def sync(name: str) -> None:
   """Returns once every process got here (a no-op in one process).
 
   Each process reports to process 0, which waits for all and then lets
-  them go; a process that stopped or failed is named in an ExportError on
+  them go; a process that stopped or failed is named in a PeerError on
   every process.
 
   Raises:
-    ExportError: If a process stops (no heartbeat for `peer_timeout()` s)
+    PeerError: If a process stops (no heartbeat for `peer_timeout()` s)
       or fails before getting here.
   """
   if jax.process_count() == 1:
@@ -384,7 +384,7 @@ def sync(name: str) -> None:
     client.key_value_set(f'{base}/at/{me}', '')
     error = json.loads(_wait(session, f'{base}/go', [0]))
     if error:
-      raise _errors.ExportError(error)
+      raise _errors.PeerError(error)
     return
   try:
     for p in range(1, jax.process_count()):
@@ -400,7 +400,7 @@ def share(value: Any) -> Any:
   """Process 0's `value` (JSON-able) on every process.
 
   Raises:
-    ExportError: If process 0 stops or fails before sharing it.
+    PeerError: If process 0 stops or fails before sharing it.
   """
   if jax.process_count() == 1:
     return value
@@ -419,6 +419,19 @@ def share(value: Any) -> Any:
   return json.loads(_wait(session, key, [0]))
 
 
+def shared_kind(name: str) -> type[_errors.ExportError]:
+  """The class to raise on every process for process 0's error class `name`.
+
+  A condition of the export itself (a full disk, a damaged or malformed
+  export, none there, another save in progress) is the same for every
+  process; anything else is, for the others, a peer that failed.
+  """
+  kind = _errors.export_error_named(name)
+  if kind in (_errors.ExportError, _errors.PeerError):
+    return _errors.PeerError
+  return kind
+
+
 def agree(error: Exception | None, what: str) -> None:
   """Every process raises if process 0 failed; process 0 its own error.
 
@@ -428,13 +441,16 @@ def agree(error: Exception | None, what: str) -> None:
   after `peer_timeout()` seconds.
 
   Raises:
-    ExportError: On the other processes, if process 0 failed or stopped.
+    PeerError: On the other processes, if process 0 stopped or failed.
+    ExportError: On the other processes, the kind process 0 raised when it
+      is one of the export's own condition (`DiskFullError`,
+      `DamagedExportError`, ...), as every process finds it alike.
   """
   message = share(None if error is None else f'{type(error).__name__}: {error}')
   if error is not None:
     raise error
   if message is not None:
-    raise _errors.ExportError(
+    raise shared_kind(message.partition(':')[0])(
       f'{what} failed: {message.rstrip(".")}. Every process stops here: fix '
       "the cause (process 0's log has the details) and run the export again."
     )

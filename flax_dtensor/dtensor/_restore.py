@@ -294,7 +294,7 @@ def read_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   _background.wait_for(path)  # A save of this process to it finishes first.
   with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
-    _atomic.recover_for_reading(path)
+    _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   reader, shapes, _ = _reader(prefix, manifest)
@@ -479,7 +479,7 @@ def _read_all(
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
   _background.wait_for(path)  # A save of this process to it finishes first.
-  _atomic.recover_for_reading(path)
+  _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)

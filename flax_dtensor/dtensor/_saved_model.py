@@ -199,7 +199,9 @@ def save_saved_model(
         max_gather_bytes=max_gather_bytes,
       )
     else:
-      with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+      with _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      ) as tmp:
         _write(module, tmp, served)
   return directory
 
@@ -414,7 +416,9 @@ def _save_gathered(
       f'the SavedModel export to {directory!r}',
       f'{directory!r} holds the previous export or the new one, whole.',
     ),
-    _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+    _atomic.atomic_directory(
+      directory, overwrite=overwrite, is_export=_manifest.is_export
+    ) as tmp,
   ):
     local = _gathered(module)
     error = None

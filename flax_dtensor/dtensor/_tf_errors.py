@@ -3,7 +3,7 @@
 `translated` wraps the body of a public function: an ``OSError`` or a TF
 ``OpError`` leaving it becomes an `ExportError` naming the action, the path
 and the fix; `space_checked` does the same for a full disk or file-size
-limit, wherever in a write it struck (TF reports one as an ``OpError``
+limit (a `DiskFullError`), wherever in a write it struck (TF reports one as an ``OpError``
 whose text holds the OS's words). `describe` gives a TF error's cause on
 one line (DTensor runs its ops asynchronously; the op that fails may only
 report a ``CancelledError`` while the `cause` waits in TF's executors);
@@ -205,7 +205,7 @@ def no_room_message(path: str, needed: int, code: int) -> str:
 
 @contextlib.contextmanager
 def space_checked(path: str, needed: int) -> Iterator[None]:
-  """Re-raises a full disk or file-size limit in the block as `ExportError`.
+  """Re-raises a full disk or file-size limit in the block as `DiskFullError`.
 
   Wrap the whole write, outside the atomic directory (so the partial export
   is gone when the free space is measured).
@@ -220,4 +220,4 @@ def space_checked(path: str, needed: int) -> Iterator[None]:
     code = out_of_room(e)
     if code is None:
       raise
-    raise _errors.ExportError(no_room_message(path, needed, code)) from e
+    raise _errors.DiskFullError(no_room_message(path, needed, code)) from e

@@ -37,10 +37,11 @@ def find_checkpoint(path: pathlib.Path) -> pathlib.Path:
   """The Orbax checkpoint directory at or below `path`.
 
   Raises:
-    ExportError: If there is no Orbax checkpoint there.
+    ExportNotFoundError: If there is no Orbax checkpoint there.
+    ExportError: If `path` is a file.
   """
   if not path.exists():
-    raise _errors.ExportError(
+    raise _errors.ExportNotFoundError(
       f'Orbax checkpoint {str(path)!r} does not exist. {_FIX}'
     )
   if not path.is_dir():
@@ -60,7 +61,7 @@ def find_checkpoint(path: pathlib.Path) -> pathlib.Path:
     items = [p for p in latest.iterdir() if p.is_dir() and _is_checkpoint(p)]
     if len(items) == 1:
       return items[0]
-  raise _errors.ExportError(
+  raise _errors.ExportNotFoundError(
     f'{str(path)!r} holds no Orbax checkpoint (no _CHECKPOINT_METADATA or '
     f'_METADATA file). {_FIX}'
   )

@@ -62,8 +62,9 @@ class SaveHandle:
       timeout: Seconds to wait at most; None waits as long as it takes.
 
     Raises:
-      ExportError: The error a blocking save would have raised (full disk,
-        a failed write, ...); the directory then holds what it held before.
+      ExportError: The error a blocking save would have raised (a
+        `DiskFullError`, a `PeerError`, a failed write, ...); the directory
+        then holds what it held before.
       TimeoutError: If `timeout` passed before the save finished.
     """
     _unasked.discard(self)

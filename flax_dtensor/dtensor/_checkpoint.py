@@ -391,11 +391,15 @@ def save_checkpoint(
     ExportError: If `directory` is a URL, exists and `overwrite` is false,
       is not an export of this package (or one this user may not delete),
       its parent does not exist or is not writable, no variable is
-      selected, a variable cannot be exported (e.g. uint64), the disk is
-      full (the bytes needed and free), another process of the run stopped
-      or failed, or writing fails (the message names the cause and the
-      fix); with `blocking=False`, errors found while writing are raised
-      by the handle's `wait()` and `result()`.
+      selected, a variable cannot be exported (e.g. uint64), or writing
+      fails (the message names the cause and the fix). Each error below is
+      an ExportError too; with `blocking=False`, errors found while writing
+      are raised by the handle's `wait()` and `result()`.
+    DiskFullError: If the disk is full or a quota or file-size limit is
+      reached (the message gives the bytes needed and free); the previous
+      checkpoint is unchanged.
+    SaveInProgressError: If another process is saving to `directory`.
+    PeerError: If another process of the run stopped or failed.
 
   Example:
     >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP

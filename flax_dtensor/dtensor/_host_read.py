@@ -143,7 +143,7 @@ def _read(
         dtypes=[tf.as_dtype(stored)] * len(slices),
       )
   except tf.errors.OpError as e:
-    raise _errors.ExportError(
+    raise _errors.DamagedExportError(
       f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
       f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
       'data file of the checkpoint is complete and readable (or that no '

@@ -377,8 +377,8 @@ def locate(path: str) -> tuple[str, str] | None:
   return None
 
 
-def _malformed(file: str, problem: str) -> _errors.ExportError:
-  return _errors.ExportError(
+def _malformed(file: str, problem: str) -> _errors.MalformedExportError:
+  return _errors.MalformedExportError(
     f'{file!r} is not a valid flax_dtensor manifest: {problem}. Expected the '
     'JSON file save_checkpoint or save_saved_model writes. Re-export the '
     'checkpoint, or get an intact copy (`flax-dtensor inspect --verify '
@@ -512,7 +512,7 @@ def _load(file: str) -> Any:
       data = f.read(MAX_BYTES + 1)
   except FileNotFoundError as e:
     # `locate` saw the file an instant ago: the export is being replaced.
-    raise _errors.ExportError(
+    raise _errors.SaveInProgressError(
       f'failed to read the manifest {file!r}: it vanished after it was '
       f'found ({e.strerror}). Expected the export to stay in place while '
       'it is read; another process may be replacing it. Retry once that '
@@ -564,8 +564,10 @@ def read(path: str) -> Manifest | None:
   lead on disk.
 
   Raises:
-    ExportError: If the file is unreadable or not a valid manifest, or it
+    MalformedExportError: If the file is not a valid manifest, or it
       resolves outside its export (a symbolic link).
+    SaveInProgressError: If it vanished once found (being replaced).
+    ExportError: If the file is unreadable.
   """
   found = locate(path)
   if found is None:
@@ -682,13 +684,23 @@ def _tensor_spec(raw: Any, file: str, signature: str) -> TensorSpec:
 
 
 def damaged(
-  manifest: Manifest, problems: list[str], *, read: bool = False
+  manifest: Manifest,
+  problems: list[str],
+  *,
+  read: bool = False,
+  kind: type[_errors.ExportError] = _errors.DamagedExportError,
 ) -> _errors.ExportError:
+  """The error naming what is wrong with an export's files.
+
+  `kind` is `DamagedExportError` (bytes changed, a file truncated or
+  missing) or `MalformedExportError` (a file outside the export or not in
+  the manifest; a manifest that disagrees with TF's index).
+  """
   shown = '; '.join(problems[:4]) + (
     f'; and {len(problems) - 4} more' if len(problems) > 4 else ''
   )
   if read:
-    return _errors.ExportError(
+    return kind(
       f'The export at {manifest.root!r} is damaged: {shown} (expected what '
       f'its manifest {manifest.location} records; found in the bytes read, '
       'so the files may also have changed during the read). Nothing was '
@@ -696,7 +708,7 @@ def damaged(
       're-export it; if another process was saving to that path, read again '
       'once it is done.'
     )
-  return _errors.ExportError(
+  return kind(
     f'The export at {manifest.root!r} is damaged: {shown} (expected what its '
     f'manifest {manifest.location} records). Nothing was read into '
     'TensorFlow. Restore from an intact copy, or re-export it.'
@@ -837,12 +849,22 @@ def verify_files(
   checked whole first).
 
   Raises:
-    ExportError: Naming every file outside the export, unlisted, missing,
-      resized or changed.
+    MalformedExportError: Naming every file outside the export or
+      unlisted (and any other problem found), if there is one.
+    DamagedExportError: Naming every file missing, resized or changed.
   """
   problems = problems_of(manifest, pool, data=data)
   if problems:
-    raise damaged(manifest, problems)
+    untrusted = bool(confinement_problems(manifest))
+    raise damaged(
+      manifest,
+      problems,
+      kind=(
+        _errors.MalformedExportError
+        if untrusted
+        else _errors.DamagedExportError
+      ),
+    )
 
 
 def verify_index(
@@ -851,8 +873,8 @@ def verify_index(
   """Checks TF's index (key -> shape, dtype) against the manifest.
 
   Raises:
-    ExportError: If a variable is missing on either side, or its shape or
-      stored dtype differs.
+    MalformedExportError: If a variable is missing on either side, or its
+      shape or stored dtype differs.
   """
   import numpy as np
 
@@ -899,7 +921,7 @@ def verify_index(
         f'{r.dtype} is stored as {_dtypes.stored(saved)}'
       )
   if problems:
-    raise damaged(manifest, problems)
+    raise damaged(manifest, problems, kind=_errors.MalformedExportError)
 
 
 def verify_read(
@@ -919,8 +941,8 @@ def verify_read(
   refused.
 
   Raises:
-    ExportError: If a shard's bytes differ from what was saved, or the
-      recorded shards leave part of a slice read unchecked.
+    DamagedExportError: If a shard's bytes differ from what was saved, or
+      the recorded shards leave part of a slice read unchecked.
   """
   for held, data in read.items():
     checked = 0

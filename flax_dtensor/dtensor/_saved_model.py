@@ -160,10 +160,15 @@ def save_saved_model(
       something other than arrays and None, `directory` exists and
       `overwrite` is false,
       its parent is not writable, a variable cannot be exported,
-      `max_gather_bytes` is not a non-negative int, the disk is full (the
-      bytes needed and free), or, in a multi-process run, the variables take
-      more than `max_gather_bytes`, another process stopped, or process 0
-      failed to write (on every process).
+      `max_gather_bytes` is not a non-negative int, or, in a multi-process
+      run, the variables take more than `max_gather_bytes`. Each error below
+      is an ExportError too.
+    DiskFullError: If the disk is full or a quota or file-size limit is
+      reached (the message gives the bytes needed and free).
+    SaveInProgressError: If another save to `directory` is in progress.
+    PeerError: In a multi-process run, if another process stopped, or
+      process 0 failed to write (on every process but 0; a full disk is a
+      DiskFullError on every process).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP

@@ -68,13 +68,20 @@ def describe(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def translated(action: str, path: str, fix: str) -> Iterator[None]:
+def translated(
+  action: str,
+  path: str,
+  fix: str,
+  tf_kind: type[_errors.ExportError] = _errors.ExportError,
+) -> Iterator[None]:
   """Re-raises OS and TF errors from the block as `ExportError`.
 
   Args:
     action: What was being done, e.g. 'Writing the checkpoint'.
     path: The path it was done to.
     fix: How to fix it, one sentence.
+    tf_kind: The class of the error a TF error becomes (e.g.
+      `DamagedExportError` where TF can only fail on damaged data).
   """
   try:
     yield
@@ -87,7 +94,7 @@ def translated(action: str, path: str, fix: str) -> Iterator[None]:
   except Exception as e:
     op_error = _op_error_type()
     if op_error is not None and isinstance(e, op_error):
-      raise _errors.ExportError(
+      raise tf_kind(
         f'{action} {path!r} failed in TensorFlow: {describe(e)}. {fix}'
       ) from e
     raise

@@ -95,6 +95,7 @@ def restore(mesh, ckpt, out_dir):
     fdt_tf.restore_checkpoint(ckpt, target)
   except fdt.ExportError as e:
     result['error'] = str(e)
+    result['kind'] = type(e).__name__
   sevens = values(7)
   result['unchanged'] = all(
     np.array_equal(
@@ -127,6 +128,7 @@ def main():
     fdt_tf.save_checkpoint(new, ckpt, overwrite=True)
   except fdt.ExportError as e:
     result['error'] = str(e)
+    result['kind'] = type(e).__name__
   result['listing'] = sorted(os.listdir(out_dir))
   print('RESULT ' + json.dumps(result), flush=True)
   os._exit(0)

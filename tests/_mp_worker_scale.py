@@ -152,12 +152,18 @@ def four(root):
     overwrite=True,
     blocking=False,
   )
-  error = None
+  error = kind = None
   try:
     handle.wait()
   except fdt.ExportError as e:
-    error = str(e)
-  report(dead_peer={'error': error, 'seconds': time.monotonic() - start})
+    error, kind = str(e), type(e).__name__
+  report(
+    dead_peer={
+      'error': error,
+      'kind': kind,
+      'seconds': time.monotonic() - start,
+    }
+  )
   os._exit(0)
 
 

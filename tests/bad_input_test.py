@@ -26,13 +26,16 @@ def test_bad_input(case, ctx, monkeypatch):
 
 
 def test_every_error_class_appears():
+  import flax_dtensor.dtensor as fdt_tf
+
   documented = {c.error for c in CASES}
   errors = {
-    getattr(fdt, name)
-    for name in fdt.__all__
-    if isinstance(getattr(fdt, name), type)
-    and issubclass(getattr(fdt, name), fdt.FlaxDTensorError)
-    and getattr(fdt, name) is not fdt.FlaxDTensorError
+    getattr(module, name)
+    for module in (fdt, fdt_tf)
+    for name in module.__all__
+    if isinstance(getattr(module, name), type)
+    and issubclass(getattr(module, name), fdt.FlaxDTensorError)
+    and getattr(module, name) is not fdt.FlaxDTensorError
   }
   assert errors - documented == set()
 

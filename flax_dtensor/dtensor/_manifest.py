@@ -941,8 +941,9 @@ def verify_read(
   refused.
 
   Raises:
-    DamagedExportError: If a shard's bytes differ from what was saved, or
-      the recorded shards leave part of a slice read unchecked.
+    DamagedExportError: If a shard's bytes differ from what was saved.
+    MalformedExportError: If the recorded shards leave part of a slice
+      read unchecked.
   """
   for held, data in read.items():
     checked = 0
@@ -958,6 +959,7 @@ def verify_read(
           f'cover [{_slices(held)}], so its bytes cannot be checked'
         ],
         read=True,
+        kind=_errors.MalformedExportError,
       )
 
 

@@ -20,44 +20,27 @@ from flax_dtensor._rules import _specs
 from flax_dtensor.cli import _command
 
 
-def _axes_text(mesh: dict[str, Any]) -> str:
-  names, sizes = mesh.get('axis_names', []), mesh.get('axis_sizes', [])
-  return ','.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))
-
-
 def sharding_texts(record: Any) -> tuple[str, str]:
   """(JAX sharding, DTensor layout) texts of a flax_dtensor.json record.
 
-  The record is the structured ``sharding`` of a variable (the JAX spec as
-  mesh axes per dimension, the JAX mesh, and the DTensor layout it was
-  written with), e.g. ``P('data', 'model') @ data=2,model=4`` and
+  The record is the ``sharding`` of a variable as `_manifest.read` checked
+  it (a `_manifest.ShardingRecord`: the JAX spec as mesh axes per
+  dimension, the JAX mesh, and the DTensor layout it was written with),
+  e.g. ``P('data', 'model') @ data=2,model=4`` and
   ``data,model @ data=2,model=4``. A dimension over two JAX axes is on a
   fused DTensor axis: ``P(('data', 'model'), None) @ data=2,model=4`` and
   ``data+model,unsharded @ data+model=8``. A record of an older
   flax_dtensor (a display string) is shown as it is, with no DTensor
   layout; a missing one as '-'.
   """
-  if not isinstance(record, dict):
-    return (str(record) if record else '-'), '-'
-  try:
-    if record['kind'] == 'single_device':
-      jax_text = 'one device'
-    else:
-      spec = record['spec']
-      if not isinstance(spec, list) or not all(
-        isinstance(d, list) and all(isinstance(a, str) for a in d) for d in spec
-      ):
-        raise ValueError(f'spec {spec!r:.60}')
-      jax_text = f'{_specs.format_spec(spec)} @ {_axes_text(record["mesh"])}'
-    layout = record['dtensor_layout']
-    specs = ','.join(layout['sharding_specs']) or 'scalar'
-    dtensor_text = f'{specs} @ {_axes_text(layout["mesh"])}'
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    raise _command.BadInputError(
-      f'Malformed sharding record in flax_dtensor.json: {record!r:.200} '
-      f'(it lacks or garbles {e}). Re-export the checkpoint.'
-    ) from e
-  return jax_text, dtensor_text
+  if record is None or isinstance(record, str):
+    return (record or '-'), '-'
+  if record.kind == 'single_device':
+    jax_text = 'one device'
+  else:
+    jax_text = f'{_specs.format_spec(record.spec)} @ {record.mesh.text()}'
+  specs = ','.join(record.dtensor_specs) or 'scalar'
+  return jax_text, f'{specs} @ {record.dtensor_mesh.text()}'
 
 
 def _read_manifest(path: pathlib.Path) -> Any:

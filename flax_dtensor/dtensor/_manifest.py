@@ -64,6 +64,56 @@ class FileSum:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshAxes:
+  """A mesh's axis names and sizes, as the manifest records them."""
+
+  names: tuple[str, ...]
+  sizes: tuple[int, ...]
+
+  def text(self) -> str:
+    """'data=2,model=4'."""
+    return ','.join(
+      f'{n}={s}' for n, s in zip(self.names, self.sizes, strict=True)
+    )
+
+  def to_json(self) -> dict[str, Any]:
+    return {'axis_names': list(self.names), 'axis_sizes': list(self.sizes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRecord:
+  """How a variable was laid out when saved (`sharding_record`).
+
+  Attributes:
+    kind: 'named' (a `NamedSharding`) or 'single_device'.
+    spec: The JAX mesh axes of each dimension (``(('data', 'model'), ())``
+      for ``P(('data', 'model'), None)``).
+    mesh: The JAX mesh.
+    dtensor_specs: The DTensor layout's sharding spec of each dimension
+      (a fused axis 'data+model' for the spec above).
+    dtensor_mesh: The DTensor mesh.
+  """
+
+  kind: str
+  spec: tuple[tuple[str, ...], ...]
+  mesh: MeshAxes
+  dtensor_specs: tuple[str, ...]
+  dtensor_mesh: MeshAxes
+
+  def to_json(self) -> dict[str, Any]:
+    """The record as the manifest stores it."""
+    return {
+      'kind': self.kind,
+      'spec': [list(d) for d in self.spec],
+      'mesh': self.mesh.to_json(),
+      'dtensor_layout': {
+        'sharding_specs': list(self.dtensor_specs),
+        'mesh': self.dtensor_mesh.to_json(),
+      },
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class Record:
   """One variable of the manifest."""
 
@@ -74,7 +124,8 @@ class Record:
   stored_dtype: str
   shape: tuple[int, ...]
   key_impl: str | None
-  sharding: Mapping[str, Any] | None
+  # A display string in the records of early flax_dtensor versions.
+  sharding: ShardingRecord | str | None
   shards: tuple[tuple[Index, int], ...]  # (global slice, CRC-32 of bytes)
 
 
@@ -143,13 +194,13 @@ class Manifest:
 # ------------------------------------------------------------------------------
 
 
-def _axes(names: Iterable[Any], sizes: Iterable[Any]) -> dict[str, Any]:
-  return {'axis_names': [str(n) for n in names], 'axis_sizes': list(sizes)}
+def _axes(names: Iterable[Any], sizes: Iterable[Any]) -> MeshAxes:
+  return MeshAxes(tuple(str(n) for n in names), tuple(int(s) for s in sizes))
 
 
 def sharding_record(
   sharding: jax.sharding.Sharding, layout: Any, ndim: int
-) -> dict[str, Any]:
+) -> ShardingRecord:
   """A variable's layout as data: the JAX spec and mesh, the DTensor layout.
 
   `spec` lists the JAX mesh axes of each dimension (`[['data', 'model'],
@@ -161,23 +212,19 @@ def sharding_record(
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
     kind = 'named'
-    spec = [list(_specs.axes_of(entry)) for entry in entries]
+    spec = tuple(tuple(_specs.axes_of(entry)) for entry in entries)
     mesh = _axes(sharding.mesh.axis_names, sharding.mesh.axis_sizes)
   else:
     kind = 'single_device'
-    spec = [[] for _ in range(ndim)]
+    spec = tuple(() for _ in range(ndim))
     mesh = _axes([], [])
-  return {
-    'kind': kind,
-    'spec': spec,
-    'mesh': mesh,
-    'dtensor_layout': {
-      'sharding_specs': list(layout.sharding_specs),
-      'mesh': _axes(
-        layout.mesh.dim_names, (int(s) for s in layout.mesh.shape())
-      ),
-    },
-  }
+  return ShardingRecord(
+    kind=kind,
+    spec=spec,
+    mesh=mesh,
+    dtensor_specs=tuple(str(s) for s in layout.sharding_specs),
+    dtensor_mesh=_axes(layout.mesh.dim_names, layout.mesh.shape()),
+  )
 
 
 # Elements narrowed at a time by `crc`: a bounded scratch copy.
@@ -312,7 +359,11 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
         'stored_dtype': r.stored_dtype,
         'shape': list(r.shape),
         'key_impl': r.key_impl,
-        'sharding': r.sharding,
+        'sharding': (
+          r.sharding.to_json()
+          if isinstance(r.sharding, ShardingRecord)
+          else r.sharding
+        ),
         'shards': [
           {'index': [list(d) for d in index], 'crc32': crc}
           for index, crc in r.shards
@@ -423,6 +474,70 @@ def _shard(raw: Any, checksum: str, file: str) -> Any:
   return tuple(index), crc
 
 
+def _strings(value: Any) -> bool:
+  return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _mesh_axes(raw: Any) -> MeshAxes | None:
+  """The `MeshAxes` of a recorded mesh, or None if it is not one."""
+  if not isinstance(raw, dict):
+    return None
+  names, sizes = raw.get('axis_names'), raw.get('axis_sizes')
+  if (
+    not _strings(names)
+    or not isinstance(sizes, list)
+    or len(sizes) != len(names)
+    or not all(
+      isinstance(s, int) and not isinstance(s, bool) and 0 < s < _MAX_INT
+      for s in sizes
+    )
+  ):
+    return None
+  return MeshAxes(tuple(names), tuple(sizes))
+
+
+def read_sharding(
+  raw: Any, file: str, path: _names.Path
+) -> ShardingRecord | str | None:
+  """A variable's recorded sharding, checked once, as it is read.
+
+  None or a display string (early flax_dtensor versions) is kept as it
+  is; anything else must be what `sharding_record` writes.
+  """
+  if raw is None or isinstance(raw, str):
+    return raw
+  layout = raw.get('dtensor_layout') if isinstance(raw, dict) else None
+  spec = raw.get('spec') if isinstance(raw, dict) else None
+  kind = raw.get('kind') if isinstance(raw, dict) else None
+  mesh = _mesh_axes(raw.get('mesh')) if isinstance(raw, dict) else None
+  dtensor_mesh = (
+    _mesh_axes(layout.get('mesh')) if isinstance(layout, dict) else None
+  )
+  dtensor_specs = (
+    layout.get('sharding_specs') if isinstance(layout, dict) else None
+  )
+  if (
+    kind not in ('named', 'single_device')
+    or not isinstance(spec, list)
+    or not all(_strings(d) for d in spec)
+    or mesh is None
+    or dtensor_mesh is None
+    or not _strings(dtensor_specs)
+  ):
+    raise _malformed(
+      file,
+      f'the sharding of {list(path)!r:.80} is {raw!r:.200}, expected its '
+      'kind, spec, mesh and dtensor_layout',
+    )
+  return ShardingRecord(
+    kind=kind,
+    spec=tuple(tuple(d) for d in spec),
+    mesh=mesh,
+    dtensor_specs=tuple(dtensor_specs),
+    dtensor_mesh=dtensor_mesh,
+  )
+
+
 def _record(raw: Any, file: str, checksum: str) -> Record:
   if not isinstance(raw, dict):
     raise _malformed(file, f'a variable record is {raw!r:.80}')
@@ -467,7 +582,7 @@ def _record(raw: Any, file: str, checksum: str) -> Record:
     stored_dtype=text['stored_dtype'] or text['dtype'],
     shape=shape,
     key_impl=text['key_impl'],
-    sharding=raw.get('sharding'),
+    sharding=read_sharding(raw.get('sharding'), file, path),
     shards=tuple(_shard(s, checksum, file) for s in shards),
   )
 

@@ -48,6 +48,11 @@ CHECKS = {
     "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
     "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"
   ),
+  'export_guide.md:failure-kinds': (
+    'import numpy as np\n'
+    "saved = fdt_dt.read_checkpoint('ckpt_loop')[('w',)]\n"
+    'np.testing.assert_array_equal(saved, np.full((8, 16), 3.0))\n'
+  ),
   'export_guide.md:multi-host': (
     'import os\n'
     "assert len(os.environ['DTENSOR_JOBS'].split(',')) == 2\n"

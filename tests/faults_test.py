@@ -633,3 +633,28 @@ def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
     fdt_tf.DamagedExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
   ):
     _manifest.verify_read(manifest, record, {((0, 8), (0, 16)): changed})
+
+
+def test_every_process_raises_the_kind_found_of_the_export():
+  """A condition of the export one process found (a full disk, damage, ...)
+  is the same kind on every other; any other failure is a PeerError."""
+  from flax_dtensor.dtensor import _peers
+
+  for kind in (
+    fdt_tf.DiskFullError,
+    fdt_tf.DamagedExportError,
+    fdt_tf.MalformedExportError,
+    fdt_tf.ExportNotFoundError,
+    fdt_tf.SaveInProgressError,
+  ):
+    assert _peers.shared_kind(kind.__name__) is kind
+  for other in ('ExportError', 'PeerError', 'KeyError', ''):
+    assert _peers.shared_kind(other) is fdt_tf.PeerError
+  session = _peers.Session(None, 'p', 'the save to /c', 'Nothing changed.')
+  full = _peers._failed(session, 1, 'DiskFullError: Writing /c failed')
+  assert type(full) is fdt_tf.DiskFullError
+  assert re.match(r'Process 1 of \d+ failed during the save to /c', str(full))
+  assert type(_peers._failed(session, 1, 'KeyError: x')) is fdt_tf.PeerError
+  setup = dataclasses.replace(session, error=fdt.DTensorInitializationError)
+  failed = _peers._failed(setup, 1, 'DiskFullError: x')
+  assert type(failed) is fdt.DTensorInitializationError

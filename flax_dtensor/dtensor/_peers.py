@@ -217,7 +217,16 @@ def stopped(process: int, why: str) -> Exception:
 
 
 def _failed(session: Session, process: int, message: str) -> Exception:
-  return session.error(
+  """The error telling that `process` failed with `message` ('Type: text').
+
+  A condition of the export itself that it found (a full disk, a damaged
+  export, ...) is raised as the same kind here (`shared_kind`); anything
+  else as the session's error, a `PeerError` for a save or restore.
+  """
+  kind = session.error
+  if kind is _errors.PeerError:
+    kind = shared_kind(message.partition(':')[0])
+  return kind(
     f'Process {process} of {jax.process_count()} failed during '
     f'{session.what}, so this process stops too. {session.aftermath} '
     f'Its error: {message}'

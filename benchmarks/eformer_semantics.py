@@ -125,7 +125,7 @@ def _ours(case: dict) -> dict[str, list | None]:
   from jax.sharding import PartitionSpec as P
 
   import flax_dtensor as fdt
-  from flax_dtensor import _variables
+  from flax_dtensor._placement import _variables
 
   def spec(entries):
     return P(*[tuple(e) if isinstance(e, list) else e for e in entries])

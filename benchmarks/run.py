@@ -99,6 +99,33 @@ _VS_ORBAX_RESTORE = {
 }
 
 
+# One model (512 MiB, every array split over the 8 devices) in 1, 2 and 4
+# local processes: each process's peak RSS and the shards it holds, and the
+# stall of a background save against a host copy of those shards.
+_MULTIPROCESS = {
+  'ours': 'save',
+  'ours_async': 'save_async',
+  'ours_stall': 'save_async_stall',
+  'limit': 'host_copy',
+  'ours_restore': 'restore',
+}
+
+
+def _multiprocess(arrays, mib, counts, repeat=None):
+  return [
+    _case(
+      'multiprocess',
+      {'processes': n, 'arrays': arrays, 'mib': mib},
+      _MULTIPROCESS,
+      [('ours_stall', 'limit')],
+      repeat=repeat,
+      note=f'{n} process(es) of {8 // n} devices; peak RSS and seconds of '
+      'the process with the largest',
+    )
+    for n in counts
+  ]
+
+
 # The command line: each command in a fresh process, against the bare
 # interpreter (the floor) and a process that only imports JAX and Flax (what
 # a command line importing them at start-up could not go below).
@@ -285,6 +312,7 @@ def _full():
         note='restore against reading the unique bytes and placing them',
       ),
     ],
+    'multiprocess': _multiprocess(32, 16, (1, 2, 4), repeat=3),
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -337,6 +365,7 @@ def _quick():
         [('ours', 'limit_place')],
       )
     ],
+    'multiprocess': _multiprocess(4, 1, (1, 2)),
     'single_mesh': [
       _case(
         'to_tf',
@@ -412,11 +441,22 @@ def _summary(runs):
     'param_bytes',
     'bytes',
     'copied_bytes',
+    'shard_bytes',
     'variables',
     'shard_shape',
   ):
     if key in ok[0]:
       out[key] = ok[0][key]
+  if 'per_process' in ok[0]:
+    # Each process's peak RSS above its baseline (MiB), median of the runs.
+    out['per_process_rss_above_baseline_mib'] = [
+      statistics.median(
+        r['per_process'][i]['rss_peak_mib']
+        - r['per_process'][i]['rss_before_mib']
+        for r in ok
+      )
+      for i in range(len(ok[0]['per_process']))
+    ]
   for key in ('ours_share', 'ours_calls'):
     if key in ok[0]:
       out[key] = _spread([r[key] for r in ok])

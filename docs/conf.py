@@ -145,6 +145,7 @@ def setup(app) -> None:
   # Before myst-nb reads its configuration (also on builder-inited).
   app.connect('builder-inited', _execute_notebooks_for_html_only, priority=1)
 
+
 # The docstring examples run under the same flags as tests/doctest_test.py
 # (wrapped expected output compares equal to one long line).
 doctest_default_flags = (

@@ -84,7 +84,7 @@ def _flags(width: int) -> list[str]:
 
 def _crop(png: pathlib.Path) -> None:
   """Removes the blank space below the page's content."""
-  from PIL import Image, ImageChops  # pylint: disable=g-import-not-at-top
+  from PIL import Image, ImageChops
 
   image = Image.open(png).convert('RGB')
   background = Image.new(
@@ -110,7 +110,7 @@ def overflows(chromium: str, page: pathlib.Path, width: int) -> list[dict]:
   m = re.search(r'<pre id="overflow-report"[^>]*>(.*?)</pre>', dom, re.S)
   if m is None:
     return [{'tag': 'page', 'text': 'the probe did not run', 'over': -1}]
-  import html  # pylint: disable=g-import-not-at-top
+  import html
 
   return json.loads(html.unescape(m.group(1)))
 

@@ -14,9 +14,6 @@ from typing import TYPE_CHECKING
 from flax_dtensor import _lazy
 
 if TYPE_CHECKING:
-  from flax_dtensor._check import CheckReport as CheckReport
-  from flax_dtensor._check import Finding as Finding
-  from flax_dtensor._check import check as check
   from flax_dtensor._errors import DTensorError as DTensorError
   from flax_dtensor._errors import (
     DTensorInitializationError as DTensorInitializationError,
@@ -41,35 +38,40 @@ if TYPE_CHECKING:
   from flax_dtensor._errors import (
     UnknownLogicalAxisError as UnknownLogicalAxisError,
   )
-  from flax_dtensor._init import init as init
-  from flax_dtensor._memory import MemoryReport as MemoryReport
-  from flax_dtensor._memory import memory_report as memory_report
-  from flax_dtensor._path_rules import PathRule as PathRule
-  from flax_dtensor._placement import shard_module as shard_module
-  from flax_dtensor._placement import shard_value as shard_value
-  from flax_dtensor._placement import (
+  from flax_dtensor._placement._init import init as init
+  from flax_dtensor._placement._placing import shard_module as shard_module
+  from flax_dtensor._placement._placing import shard_value as shard_value
+  from flax_dtensor._placement._placing import (
     with_logical_constraint as with_logical_constraint,
   )
-  from flax_dtensor._plan import PlanDiff as PlanDiff
-  from flax_dtensor._plan import PlanEntry as PlanEntry
-  from flax_dtensor._plan import ShardingPlan as ShardingPlan
-  from flax_dtensor._plan import plan as plan
-  from flax_dtensor._resolution import (
-    logical_to_mesh_axes as logical_to_mesh_axes,
-  )
-  from flax_dtensor._rules import LogicalRules as LogicalRules
-  from flax_dtensor._rules import (
+  from flax_dtensor._placement._trees import gather_tree as gather_tree
+  from flax_dtensor._placement._trees import shard_tree as shard_tree
+  from flax_dtensor._planning._check import CheckReport as CheckReport
+  from flax_dtensor._planning._check import Finding as Finding
+  from flax_dtensor._planning._check import check as check
+  from flax_dtensor._planning._memory import MemoryReport as MemoryReport
+  from flax_dtensor._planning._memory import memory_report as memory_report
+  from flax_dtensor._planning._plan import PlanDiff as PlanDiff
+  from flax_dtensor._planning._plan import PlanEntry as PlanEntry
+  from flax_dtensor._planning._plan import ShardingPlan as ShardingPlan
+  from flax_dtensor._planning._plan import plan as plan
+  from flax_dtensor._planning._suggest import RulesSuggestion as RulesSuggestion
+  from flax_dtensor._planning._suggest import suggest_rules as suggest_rules
+  from flax_dtensor._rules._logical import LogicalRules as LogicalRules
+  from flax_dtensor._rules._logical import (
     get_logical_axis_rules as get_logical_axis_rules,
   )
-  from flax_dtensor._rules import logical_axis_rules as logical_axis_rules
-  from flax_dtensor._rules import propagate as propagate
-  from flax_dtensor._rules import (
+  from flax_dtensor._rules._logical import (
+    logical_axis_rules as logical_axis_rules,
+  )
+  from flax_dtensor._rules._logical import propagate as propagate
+  from flax_dtensor._rules._logical import (
     set_logical_axis_rules as set_logical_axis_rules,
   )
-  from flax_dtensor._suggest import RulesSuggestion as RulesSuggestion
-  from flax_dtensor._suggest import suggest_rules as suggest_rules
-  from flax_dtensor._trees import gather_tree as gather_tree
-  from flax_dtensor._trees import shard_tree as shard_tree
+  from flax_dtensor._rules._path_rules import PathRule as PathRule
+  from flax_dtensor._rules._resolution import (
+    logical_to_mesh_axes as logical_to_mesh_axes,
+  )
 
 __version__ = '0.1.0'
 
@@ -116,9 +118,9 @@ __all__ = (
 
 # {public name: the private module that defines it}.
 _MODULES = {
-  'CheckReport': '_check',
-  'Finding': '_check',
-  'check': '_check',
+  'CheckReport': '_planning._check',
+  'Finding': '_planning._check',
+  'check': '_planning._check',
   'DTensorError': '_errors',
   'DTensorInitializationError': '_errors',
   'EagerShardingOffWarning': '_errors',
@@ -133,27 +135,27 @@ _MODULES = {
   'RuleTargetTypeError': '_errors',
   'ShardingResolutionError': '_errors',
   'UnknownLogicalAxisError': '_errors',
-  'init': '_init',
-  'MemoryReport': '_memory',
-  'memory_report': '_memory',
-  'PathRule': '_path_rules',
-  'shard_module': '_placement',
-  'shard_value': '_placement',
-  'with_logical_constraint': '_placement',
-  'PlanDiff': '_plan',
-  'PlanEntry': '_plan',
-  'ShardingPlan': '_plan',
-  'plan': '_plan',
-  'logical_to_mesh_axes': '_resolution',
-  'LogicalRules': '_rules',
-  'get_logical_axis_rules': '_rules',
-  'logical_axis_rules': '_rules',
-  'propagate': '_rules',
-  'set_logical_axis_rules': '_rules',
-  'RulesSuggestion': '_suggest',
-  'suggest_rules': '_suggest',
-  'gather_tree': '_trees',
-  'shard_tree': '_trees',
+  'init': '_placement._init',
+  'MemoryReport': '_planning._memory',
+  'memory_report': '_planning._memory',
+  'PathRule': '_rules._path_rules',
+  'shard_module': '_placement._placing',
+  'shard_value': '_placement._placing',
+  'with_logical_constraint': '_placement._placing',
+  'PlanDiff': '_planning._plan',
+  'PlanEntry': '_planning._plan',
+  'ShardingPlan': '_planning._plan',
+  'plan': '_planning._plan',
+  'logical_to_mesh_axes': '_rules._resolution',
+  'LogicalRules': '_rules._logical',
+  'get_logical_axis_rules': '_rules._logical',
+  'logical_axis_rules': '_rules._logical',
+  'propagate': '_rules._logical',
+  'set_logical_axis_rules': '_rules._logical',
+  'RulesSuggestion': '_planning._suggest',
+  'suggest_rules': '_planning._suggest',
+  'gather_tree': '_placement._trees',
+  'shard_tree': '_placement._trees',
 }
 
 

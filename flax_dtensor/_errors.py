@@ -95,6 +95,87 @@ class ExportError(FlaxDTensorError, ValueError):
   """
 
 
+# The kinds of ExportError a caller may handle apart (a training loop: retry
+# elsewhere on a full disk, restart the job when a peer died, fall back to
+# an older checkpoint when this one is damaged). Each keeps ExportError's
+# bases, so ``except ExportError`` still catches them all.
+
+
+class DiskFullError(ExportError):
+  """A write found no room: the disk is full, or a limit was reached.
+
+  The filesystem has no space left (ENOSPC), this user's disk quota is used
+  up (EDQUOT), or a file grew past the largest size allowed (EFBIG, e.g.
+  ``ulimit -f``). The message gives the bytes needed and free. The previous
+  export at the path, if any, is unchanged, and the partial one removed.
+  """
+
+
+class PeerError(ExportError):
+  """Another process of a multi-process save or restore stopped or failed.
+
+  A process that died or hangs is named after ``FLAX_DTENSOR_PEER_TIMEOUT``
+  seconds without its heartbeat (60 by default); a process that failed
+  tells the others at once, and its error is quoted. Every process of the
+  job should be restarted.
+  """
+
+
+class DamagedExportError(ExportError):
+  """An export's files are not what its manifest records.
+
+  A file is missing, truncated or resized, its bytes fail their CRC-32, or
+  TensorFlow cannot read its data. Nothing was restored: restore from an
+  intact copy, or re-export.
+  """
+
+
+class MalformedExportError(ExportError):
+  """An export is untrusted or malformed: it is refused before it is read.
+
+  Its manifest is not valid JSON or holds values of the wrong type or
+  range; a path it names escapes the export directory (or a checkpoint
+  state file's does); a file on disk is not in the manifest; or the
+  manifest disagrees with TensorFlow's index (a variable, shape or dtype).
+  """
+
+
+class ExportNotFoundError(ExportError):
+  """No export is at the path: nothing to restore, read or inspect."""
+
+
+class SaveInProgressError(ExportError):
+  """Another save to the path is in progress, or replaced it during a read.
+
+  Another live process writes the path (its temporary directory is held),
+  or the export changed while it was located or read. Wait for that save
+  to finish, then try again.
+  """
+
+
+_EXPORT_ERRORS = {
+  cls.__name__: cls
+  for cls in (
+    ExportError,
+    DiskFullError,
+    PeerError,
+    DamagedExportError,
+    MalformedExportError,
+    ExportNotFoundError,
+    SaveInProgressError,
+  )
+}
+
+
+def export_error_named(name: str) -> type[ExportError]:
+  """The `ExportError` class called `name`, else `ExportError` itself.
+
+  For an error one process found and shares with the others as text (its
+  class name and message), so each raises the same kind.
+  """
+  return _EXPORT_ERRORS.get(name, ExportError)
+
+
 class EagerShardingOffWarning(UserWarning):
   """Variables were created unplaced: Flax's eager sharding was off.
 

@@ -33,7 +33,7 @@ def module_getattr(
     if module is None:
       raise AttributeError(f'module {package!r} has no attribute {name!r}')
     if module != '_errors':  # Errors need no Flax: `except` always works.
-      from flax_dtensor import _hook  # pylint: disable=g-import-not-at-top
+      from flax_dtensor._placement import _hook
 
       _hook.ensure_installed()
     value = getattr(importlib.import_module(f'{package}.{module}'), name)

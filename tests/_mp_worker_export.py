@@ -152,15 +152,6 @@ def main():
   except fdt.ExportError as e:
     local_error = str(e)
 
-  # A background save is refused in a multi-process run, on every process.
-  async_error = ''
-  try:
-    fdt_tf.save_checkpoint(
-      model, os.path.join(out_dir, 'async'), blocking=False
-    )
-  except fdt.ExportError as e:
-    async_error = str(e)
-
   # Overwrite from every process.
   with jax.set_mesh(mesh):
     model.step.set_value(jnp.asarray(8, jnp.int32))
@@ -177,7 +168,6 @@ def main():
     'restored_spec': str(spec),
     'leftovers': leftovers,
     'local_error': local_error,
-    'async_error': async_error,
     'files': sorted(os.listdir(ckpt)),
   }
   print('RESULT ' + json.dumps(result), flush=True)

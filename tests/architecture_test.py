@@ -45,6 +45,16 @@ def _imports():
         found.add(base)
         found.update(f'{base}.{a.name}' for a in node.names)
     graph[name] = found
+  # `from package import module` imports the module; the package's own
+  # __init__ only in that it runs first (not an edge of the layering).
+  for name, found in graph.items():
+    graph[name] = {
+      m
+      for m in found
+      if not any(
+        other.startswith(m + '.') and other in graph for other in found
+      )
+    } | {m for m in found if m not in graph}
   return graph
 
 
@@ -122,9 +132,10 @@ def test_no_import_cycles():
     visit(node)
 
 
-def _lazy_namespace(init: pathlib.Path):
+def _lazy_namespace(init: pathlib.Path, package: str = ''):
   """(names imported under TYPE_CHECKING, module-level imports) of a lazy
-  package's ``__init__.py``: {name: module}, and the modules it imports."""
+  package's ``__init__.py``: {name: module relative to `package`}, and the
+  modules it imports."""
   tree = ast.parse(init.read_text())
   typed, eager = {}, set()
   for node in tree.body:
@@ -133,7 +144,7 @@ def _lazy_namespace(init: pathlib.Path):
         assert isinstance(child, ast.ImportFrom), ast.unparse(child)
         for alias in child.names:
           assert alias.asname == alias.name, ast.unparse(child)
-          typed[alias.name] = child.module.rpartition('.')[2]
+          typed[alias.name] = child.module.removeprefix(package + '.')
     elif isinstance(node, ast.Import):
       eager.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom):
@@ -149,7 +160,7 @@ def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
 
   for package in (flax_dtensor, bridge):
     init = pathlib.Path(package.__file__)
-    typed, eager = _lazy_namespace(init)
+    typed, eager = _lazy_namespace(init, package.__name__)
     allowed = {'__future__.annotations', 'typing.TYPE_CHECKING'}
     assert eager <= allowed | {'flax_dtensor._lazy'}, (init, eager)
     assert typed == package._MODULES, init
@@ -164,3 +175,77 @@ def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
     'importlib',
     'typing',
   }, eager
+
+
+# The layers, lowest first: a module imports only from its own layer or
+# below (outside `if TYPE_CHECKING:`). Below them all, the package's own
+# utilities (`_errors`, `_compat`, `_output`, `_text`). Above them all, the
+# lazy namespaces (the packages' `__init__` and `_lazy`, which installs the
+# hook when a name is first used).
+NAMESPACE = {'flax_dtensor', 'flax_dtensor._lazy'}
+LAYERS = (
+  ('flax_dtensor._rules',),
+  ('flax_dtensor._placement',),
+  ('flax_dtensor._planning',),
+  ('flax_dtensor.dtensor',),
+  ('flax_dtensor.cli', 'flax_dtensor.demo', 'flax_dtensor.__main__'),
+)
+UTILITIES = {
+  'flax_dtensor._errors',
+  'flax_dtensor._compat',
+  'flax_dtensor._output',
+  'flax_dtensor._text',
+}
+
+
+def _layer(module):
+  if module in UTILITIES:
+    return -1
+  for i, prefixes in enumerate(LAYERS):
+    if any(module == p or module.startswith(p + '.') for p in prefixes):
+      return i
+  return None
+
+
+def test_every_module_is_in_a_layer():
+  loose = {m for m in MODULES if m not in NAMESPACE and _layer(m) is None}
+  assert not loose, loose
+
+
+def test_imports_run_downwards_through_the_layers():
+  upward = []
+  for module, imported in GRAPH.items():
+    if module in NAMESPACE:
+      continue
+    for target in _internal(imported) - NAMESPACE:
+      if _layer(target) > _layer(module):
+        upward.append(f'{module} -> {target}')
+  assert not upward, upward
+
+
+def test_the_root_holds_few_modules():
+  """The core's modules live in its three families; the root keeps the
+  namespace and the utilities everything uses."""
+  root = {
+    p.stem
+    for p in PACKAGE.glob('*.py')
+    if p.stem not in ('__init__', '__main__')
+  }
+  assert root == {m.rpartition('.')[2] for m in UTILITIES | {'_lazy'}}, root
+
+
+def test_the_atomic_layer_knows_no_export_format():
+  """`_atomic` writes directories atomically and knows nothing of what an
+  export holds: the format's layer passes what it must know (`is_export`),
+  so it imports neither the manifest nor anything that writes or reads
+  one."""
+  format_layer = {
+    'flax_dtensor.dtensor._manifest',
+    'flax_dtensor.dtensor._checkpoint',
+    'flax_dtensor.dtensor._restore',
+    'flax_dtensor.dtensor._saved_model',
+    'flax_dtensor.dtensor._host_read',
+    'flax_dtensor.dtensor._host_write',
+  }
+  imported = _internal(GRAPH['flax_dtensor.dtensor._atomic'])
+  assert not imported & format_layer, imported & format_layer

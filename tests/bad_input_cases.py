@@ -25,11 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scale_runs
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
+import flax_dtensor.dtensor as fdt_tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,18 +394,26 @@ def _shard_module_too_big(ctx):
   fdt.shard_module(model, mesh=_TOO_BIG, rules=ctx.rules)
 
 
-def _recorded_text(message: str | None) -> None:
-  """Re-raises the ExportError text a fault run recorded."""
-  if message is None:
+def _topology():
+  from flax_dtensor.dtensor import _topology
+
+  return _topology
+
+
+def _recorded_text(result: dict[str, Any]) -> None:
+  """Re-raises the error a multi-process run recorded as its 'kind' (the
+  class name) and 'error' (the text)."""
+  if result['error'] is None:
     raise AssertionError('the fault run raised nothing')
-  raise fdt.ExportError(message)
+  _recorded([result['kind'], result['error']])
 
 
 def _recorded(error: list[str] | None) -> None:
   """Re-raises an error a fault run (fault_runs.py) recorded as [type, text]."""
   if error is None:
     raise AssertionError('the fault run raised nothing')
-  raise getattr(fdt, error[0], RuntimeError)(error[1])
+  kind = getattr(fdt, error[0], None) or getattr(fdt_tf, error[0], None)
+  raise (kind or RuntimeError)(error[1])
 
 
 def _no_space(ctx):
@@ -1287,7 +1297,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     'a directory without a checkpoint',
-    fdt.ExportError,
+    fdt_tf.ExportNotFoundError,
     r'holds no TF checkpoint',
     'Pass the directory save_checkpoint returned.',
     lambda ctx: ctx.dt.read_checkpoint(ctx.tmp),
@@ -1296,7 +1306,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     'a manifest edited by hand',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'is damaged: bias has shape \(16,\) in the data, \(1, 2\) in the manifest',
     'Restore an intact copy, or re-export.',
     _edited_manifest,
@@ -1305,7 +1315,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.restore_checkpoint',
     'a manifest naming files outside its directory (../, /abs)',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r"the checkpoint_prefix '\.\./ckpt/ckpt' is refused: it has a `\.\.` "
     'component',
     'Use only checkpoints whose manifest names paths inside them; re-export.',
@@ -1315,7 +1325,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.restore_checkpoint',
     'a checkpoint file that is a symbolic link out of the directory',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'is damaged: ckpt\.index is refused: it resolves to .*, outside the '
     r'export \(a symbolic link\)',
     'Copy the real files into the directory (cp -L), or re-export.',
@@ -1325,7 +1335,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     'a data file on disk that the manifest does not list',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'is damaged: .*ckpt\.data-\S+ is on disk but not in the manifest',
     'Restore an intact copy, or re-export.',
     _unlisted,
@@ -1334,7 +1344,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     'a version-2 manifest (no checksums)',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'its version is 2;.*version 2, without checksums, is not read: re-save',
     'Re-save the model with save_checkpoint or save_saved_model.',
     _version_2,
@@ -1343,7 +1353,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.restore_checkpoint',
     'a deeply nested manifest',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'is not a valid flax_dtensor manifest: it nests deeper than Python',
     'Restore an intact copy, or re-export.',
     _deeply_nested,
@@ -1352,7 +1362,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     'a manifest with a key twice in one object',
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r"is not a valid flax_dtensor manifest: ValueError: the key 'version' "
     'appears twice',
     'Restore an intact copy, or re-export.',
@@ -1362,7 +1372,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.read_checkpoint',
     "a TF 'checkpoint' file naming a checkpoint elsewhere",
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     r'The checkpoint state file of .* names the prefix .*outside the export',
     'Pass the prefix itself if you trust that checkpoint.',
     _state_file_outside,
@@ -1371,7 +1381,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.restore_checkpoint',
     'a data file damaged on disk',
-    fdt.ExportError,
+    fdt_tf.DamagedExportError,
     r'is damaged: ckpt\.data-\S+ bytes 0\.\.\d+ changed.*Nothing was '
     r'restored: the target is unchanged',
     'Restore an intact copy, or re-export.',
@@ -1458,7 +1468,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.restore_checkpoint',
     'files replaced by another save during the restore',
-    fdt.ExportError,
+    fdt_tf.DamagedExportError,
     r'is damaged: bias\[0:16\] read back with CRC-32 .*found in the bytes '
     r'read, so the files may also have changed during the read.*Nothing was '
     r'restored: the target is unchanged',
@@ -1502,7 +1512,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
     'another save to the same path in progress',
-    fdt.ExportError,
+    fdt_tf.SaveInProgressError,
     r'Another save to .* is in progress \(pid 1 on host .*Wait for it to '
     r'finish, or save elsewhere',
     'Wait for the other save, or save elsewhere.',
@@ -1512,7 +1522,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
     'no space left on the disk (ENOSPC)',
-    fdt.ExportError,
+    fdt_tf.DiskFullError,
     r"failed: No space left on device: the export's variables alone take "
     r'.* bytes\), and .* bytes\) are free on the filesystem of .*is '
     r'unchanged, and the partial one was removed',
@@ -1523,7 +1533,7 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
     'a file-size limit reached mid-save (EFBIG, `ulimit -f`)',
-    fdt.ExportError,
+    fdt_tf.DiskFullError,
     r'failed: File too large: this process may write files of at most .*'
     r'RLIMIT_FSIZE.*is unchanged, and the partial one was removed\. Raise '
     r'the limit',
@@ -1534,31 +1544,59 @@ CASES = [
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
     'another process of a multi-process save died',
-    fdt.ExportError,
+    fdt_tf.PeerError,
     r'Process 1 of 2 stopped during the save to .*: no heartbeat from it '
     r'for \d+ s .*FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*holds the '
     r'previous checkpoint or the new one, whole',
     'Restart every process of the job; set FLAX_DTENSOR_PEER_TIMEOUT for '
     'another bound.',
-    lambda ctx: _recorded_text(fault_runs.dead_peer('at-barrier')['error']),
-    tf=True,
-  ),
-  Case(
-    'flax_dtensor.dtensor.save_checkpoint',
-    '`blocking=False` in a multi-process run',
-    fdt.ExportError,
-    r'save_checkpoint\(\.\.\., blocking=False\) runs in one process only, '
-    r'but this run has 2 processes \(saving to .*\)\. Pass blocking=True',
-    'Save with blocking=True (the default) in a multi-process run.',
-    lambda ctx: _recorded_text(
-      fault_runs.dead_peer('at-barrier')['async_error']
-    ),
+    lambda ctx: _recorded_text(fault_runs.dead_peer('at-barrier')),
     tf=True,
   ),
   Case(
     'flax_dtensor.dtensor.SaveHandle',
+    'another process of a multi-process background save died (at `wait()`)',
+    fdt_tf.PeerError,
+    r'Process 2 of 4 stopped during the save to .*: no heartbeat from it '
+    r'for \d+ s .*FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*holds the '
+    r'previous checkpoint or the new one, whole',
+    'Restart every process of the job; set FLAX_DTENSOR_PEER_TIMEOUT for '
+    'another bound.',
+    lambda ctx: _recorded_text(
+      scale_runs.four_processes()['results'][0]['dead_peer']
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'a process of the job never calls it (no DTENSOR_* variables set)',
+    fdt.DTensorInitializationError,
+    r'Process 1 of 2 stopped during the set-up of TF DTensor, which every '
+    r"process's flax_dtensor\.dtensor\.initialize\(\) joins: no heartbeat "
+    r'from it for \d+ s',
+    'Call initialize() in every process, after jax.distributed.initialize().',
+    lambda ctx: _recorded(
+      ['DTensorInitializationError', fault_runs.absent_peer()['error']]
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'a JAX coordinator address this host has no route to (what it sets '
+    'DTENSOR_JOBS from)',
+    fdt.DTensorInitializationError,
+    r'TF DTensor needs an address and a free port in each process: expected '
+    r"to find this host's address towards JAX's coordinator "
+    r"'no-such-host\.invalid:1234' and a free port on it, got gaierror",
+    "Fix jax.distributed.initialize()'s coordinator_address, or set the "
+    'DTENSOR_* variables yourself.',
+    # What initialize() runs with JAX's coordinator address (a job of one
+    # process never gets there).
+    lambda ctx: _topology().reserve('no-such-host.invalid:1234'),
+  ),
+  Case(
+    'flax_dtensor.dtensor.SaveHandle',
     'a file-size limit reached by a background save (raised by `wait()`)',
-    fdt.ExportError,
+    fdt_tf.DiskFullError,
     r'failed: File too large: this process may write files of at most .*'
     r'RLIMIT_FSIZE.*is unchanged, and the partial one was removed\. Raise '
     r'the limit',

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 import flax_dtensor as fdt
-from flax_dtensor import _check
+from flax_dtensor._planning import _check
 
 MESH = AbstractMesh((2, 4), ('data', 'model'))
 

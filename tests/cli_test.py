@@ -28,9 +28,11 @@ import pytest
 import typer
 from flax import nnx
 
+import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _inputs
 from flax_dtensor.cli import inspect as inspect_command
 from flax_dtensor.demo import verify
+from flax_dtensor.dtensor import _manifest
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
@@ -340,7 +342,7 @@ def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
       'axis_sizes': [s for _, s in pairs],
     }
 
-  return {
+  raw = {
     'kind': kind,
     'spec': spec,
     'mesh': axes(mesh),
@@ -349,6 +351,11 @@ def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
       'mesh': axes(dtensor_mesh),
     },
   }
+  # As the manifest is read: checked once, into a ShardingRecord, which
+  # writes back the JSON it came from.
+  record = _manifest.read_sharding(raw, 'flax_dtensor.json', ('w',))
+  assert record.to_json() == raw
+  return record
 
 
 _GRID = [('data', 2), ('model', 4)]
@@ -412,14 +419,29 @@ def test_sharding_texts(record, expected):
 
 @pytest.mark.parametrize(
   'record',
-  [{'kind': 'named'}, {'kind': 'named', 'spec': 3, 'mesh': {}}],
-  ids=['missing-keys', 'bad-spec'],
+  [
+    {'kind': 'named'},
+    {'kind': 'named', 'spec': 3, 'mesh': {}},
+    {
+      'kind': 'named',
+      'spec': [['data']],
+      'mesh': {'axis_names': ['data'], 'axis_sizes': [2, 4]},
+      'dtensor_layout': {
+        'sharding_specs': ['data'],
+        'mesh': {'axis_names': ['data'], 'axis_sizes': [2]},
+      },
+    },
+  ],
+  ids=['missing-keys', 'bad-spec', 'sizes-unlike-names'],
 )
-def test_sharding_texts_malformed(record):
+def test_a_malformed_sharding_record_is_refused_as_it_is_read(record):
+  """Checked once, when the manifest is read (`inspect` then shows it
+  as a bad input, as every other refusal of the manifest)."""
   with pytest.raises(
-    _command.BadInputError, match=r'Malformed sharding record.*Re-export'
+    fdt_tf.MalformedExportError,
+    match=r"the sharding of \['w'\] is .*expected its kind, spec, mesh",
   ):
-    inspect_command.sharding_texts(record)
+    _manifest.read_sharding(record, 'flax_dtensor.json', ('w',))
 
 
 # plan

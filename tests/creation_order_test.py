@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import flax_dtensor as fdt
-from flax_dtensor import _creation, _creation_order, _init
+from flax_dtensor._placement import _creation, _creation_order, _init
 
 RULES = fdt.LogicalRules(
   [('embed', 'data'), ('mlp', 'model')],
@@ -152,7 +152,7 @@ def test_leaf_modules_compile_once_per_distinct_leaf():
     InAList(nnx.Rngs(0))
     InAList(nnx.Rngs(1))
   # Block's 'up' and 'down' Linear: two programs for six leaves, twice.
-  assert len(_creation.leaves._data) == 2  # pylint: disable=protected-access
+  assert len(_creation.leaves._data) == 2
 
 
 class Flaky(nnx.Module):

@@ -18,7 +18,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _creation
+from flax_dtensor._placement import _creation
 
 RULES = fdt.LogicalRules(
   [('embed', 'fsdp'), ('embed', 'data'), ('mlp', 'model'), ('heads', 'model')]

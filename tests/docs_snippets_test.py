@@ -48,7 +48,14 @@ CHECKS = {
     "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
     "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"
   ),
+  'export_guide.md:failure-kinds': (
+    'import numpy as np\n'
+    "saved = fdt_dt.read_checkpoint('ckpt_loop')[('w',)]\n"
+    'np.testing.assert_array_equal(saved, np.full((8, 16), 3.0))\n'
+  ),
   'export_guide.md:multi-host': (
+    'import os\n'
+    "assert len(os.environ['DTENSOR_JOBS'].split(',')) == 2\n"
     'print("PROCESS", jax.process_index(), jax.device_count())\n'
   ),
   'export_guide.md:way-back': (
@@ -175,14 +182,21 @@ def _run(chain: list[script_util.Block], tmp: pathlib.Path):
     script.write_text(code)
     run = script_util.run_script(script, tmp, timeout=600)
     return run.returncode, run.stdout, run.stderr
-  # A block of a multi-process job: each process gets the environment of a
-  # local job (DTENSOR_*, free ports), the coordinator's address too.
+  # A block of a multi-process job, run as the reader runs it: process i
+  # gets i as its argument, and no DTENSOR_* variable; the coordinator's
+  # address is a free port.
   script.write_text(
     'import os\n'
     + code.replace("'127.0.0.1:9000'", "os.environ['FDT_MP_COORDINATOR']")
   )
   try:
-    outputs = multiprocess_util.run_workers(script, processes, timeout=600)
+    outputs = multiprocess_util.run_workers(
+      script,
+      processes,
+      args=lambda i: [str(i)],
+      timeout=600,
+      dtensor_env=False,
+    )
   except multiprocess_util.WorkerError as e:
     return 1, '', str(e)
   return 0, '\n'.join(outputs), ''

@@ -33,9 +33,9 @@ MODULES = _modules_with_examples()
 
 def test_the_core_modules_have_examples():
   assert {
-    'flax_dtensor._rules',
-    'flax_dtensor._plan',
-    'flax_dtensor._init',
+    'flax_dtensor._rules._logical',
+    'flax_dtensor._planning._plan',
+    'flax_dtensor._placement._init',
   } <= set(MODULES)
 
 

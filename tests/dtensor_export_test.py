@@ -20,7 +20,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor.dtensor import _atomic, _checkpoint, _convert, _dtypes
+from flax_dtensor.dtensor import (
+  _atomic,
+  _checkpoint,
+  _convert,
+  _dtypes,
+  _manifest,
+)
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -892,9 +898,9 @@ def test_restore_errors(auto_mesh, tmp_path):
     r'.*build the target with dtype float32',
   ):
     fdt_tf.restore_checkpoint(path, half)
-  with pytest.raises(fdt.ExportError, match=r'holds no TF checkpoint'):
+  with pytest.raises(fdt_tf.ExportNotFoundError, match=r'got .*, which holds'):
     fdt_tf.restore_checkpoint(tmp_path, model)
-  with pytest.raises(fdt.ExportError, match=r'holds no TF checkpoint'):
+  with pytest.raises(fdt_tf.ExportNotFoundError, match=r"got '.*missing'"):
     fdt_tf.read_checkpoint(tmp_path / 'missing')
   with jax.set_mesh(auto_mesh):
     abstract = nnx.eval_shape(lambda: MLP(nnx.Rngs(0)))
@@ -1005,7 +1011,7 @@ def test_restore_checks_the_metadata(tmp_path):
   # shard CRCs (over the saved bytes) do not.
   _rewrite_metadata(path, lambda m: _edit_record(m, dtype='bfloat16'))
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     match=r'is recorded as bfloat16 stored as float32, but bfloat16 is '
     r'stored as bfloat16.*Nothing was read into TensorFlow',
   ):
@@ -1028,7 +1034,7 @@ def test_restore_checks_the_metadata(tmp_path):
       lambda: fdt_tf.read_checkpoint(path),
     ):
       with pytest.raises(
-        fdt.ExportError,
+        fdt_tf.MalformedExportError,
         match=r"flax_dtensor.json' is not a valid flax_dtensor manifest.*"
         r'inspect --verify PATH.*move the file away only for a checkpoint '
         r'you trust',
@@ -1259,7 +1265,9 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
 
   monkeypatch.setattr(_atomic.os, 'rename', flaky_rename)
   with pytest.raises(OSError, match='rename failed'):
-    with _atomic.atomic_directory(target, overwrite=True) as tmp:
+    with _atomic.atomic_directory(
+      target, overwrite=True, is_export=_manifest.is_export
+    ) as tmp:
       with open(os.path.join(tmp, 'new.txt'), 'w') as f:
         f.write('new')
   # Both names say who writes them: token, pid, start time, host.

@@ -12,6 +12,8 @@
   drops to user `nobody` after its setup (root may write anywhere).
 - `dead_peer`: two processes save one checkpoint, and one of them is killed
   mid-save.
+- `absent_peer`: two processes without `DTENSOR_*` variables, of which only
+  process 0 calls `flax_dtensor.dtensor.initialize()`.
 
 Each returns what the processes reported; `faults_test.py` and
 `multiprocess_faults_test.py` check what each fault left on disk, and
@@ -42,7 +44,7 @@ NOBODY = 65534
 
 _FULL_DISK = textwrap.dedent(
   """
-  import hashlib, json, os, resource, signal, sys
+  import hashlib, json, os, resource, shutil, signal, sys
   import jax
   jax.config.update('jax_num_cpu_devices', 8)
   import jax.numpy as jnp
@@ -57,12 +59,13 @@ _FULL_DISK = textwrap.dedent(
   path = os.path.join(root, 'ckpt')
 
   def model(version):
-    # Many small variables: the manifest is the biggest file.
+    # Many small variables: the manifest is the biggest file, in a blocking
+    # save (a data file per device) and a background one (one per process).
     s = NamedSharding(mesh, P('data', 'model'))
     return nnx.Dict({
       f'layer{i}': nnx.Param(jax.device_put(
-          jnp.full((8, 64), 1000 * version + i, jnp.float32), s))
-      for i in range(32)})
+          jnp.full((8, 8), 1000 * version + i, jnp.float32), s))
+      for i in range(256)})
 
   def files():
     out = {}
@@ -73,11 +76,19 @@ _FULL_DISK = textwrap.dedent(
               hashlib.sha256(f.read()).hexdigest())
     return out
 
+  def sizes(path):
+    return {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
+
+  probe = os.path.join(root, 'probe')
+  fdt_tf.save_checkpoint(model(1), probe, blocking=False).wait()
+  written = sizes(probe)
+  shutil.rmtree(probe)
   fdt_tf.save_checkpoint(model(1), path)
-  sizes = {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)}
-  manifest = sizes.pop('flax_dtensor.json')
+  written = list(written.items()) + list(sizes(path).items())
+  manifest = max(n for name, n in written if name == 'flax_dtensor.json')
+  other = max(n for name, n in written if name != 'flax_dtensor.json')
   out = {'before': files(), 'manifest_bytes': manifest,
-         'other_bytes': max(sizes.values()), 'attempts': {}}
+         'other_bytes': other, 'attempts': {}}
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
   def attempt(name, limit, save):
@@ -99,10 +110,10 @@ _FULL_DISK = textwrap.dedent(
 
   # Between the largest file TF writes and the manifest: only the
   # manifest's write fails.
-  attempt('manifest', (manifest + max(sizes.values())) // 2,
+  attempt('manifest', (manifest + other) // 2,
           lambda: fdt_tf.save_checkpoint(model(2), path, overwrite=True))
   # The same, saved in the background: `wait()` raises what the save did.
-  attempt('manifest_async', (manifest + max(sizes.values())) // 2,
+  attempt('manifest_async', (manifest + other) // 2,
           lambda: fdt_tf.save_checkpoint(
               model(2), path, overwrite=True, blocking=False).wait())
   tf = _tf.tf()
@@ -185,7 +196,7 @@ _UNWRITABLE = textwrap.dedent(
   jax.config.update('jax_num_cpu_devices', 8)
   from flax import nnx
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _atomic, _tf
+  from flax_dtensor.dtensor import _atomic, _manifest, _tf
 
   fdt_tf.initialize()
   tf = _tf.tf()
@@ -218,7 +229,8 @@ _UNWRITABLE = textwrap.dedent(
     'read-only parent, SavedModel': lambda: fdt_tf.save_saved_model(
         model, at('ro', 'sm'), input_signature=spec),
     'read-only parent, export command': lambda: _atomic.all_or_nothing(
-        at('ro', 'out'), ['checkpoint'], overwrite=False).__enter__(),
+        at('ro', 'out'), ['checkpoint'], overwrite=False,
+        is_export=_manifest.is_export).__enter__(),
     'parent is a file': lambda: fdt_tf.save_checkpoint(
         model, at('a_file', 'c')),
     'not deletable': lambda: fdt_tf.save_checkpoint(
@@ -417,3 +429,55 @@ def dead_peer(moment: str) -> dict[str, Any]:
 # The dead-peer run's bound: well above a live process's heartbeat interval
 # (a tenth of it) on a loaded machine, well below JAX's own 100 s.
 PEER_TIMEOUT = 10
+
+
+_ABSENT_PEER = textwrap.dedent(
+  """
+  import json, os, pathlib, sys, time
+  import multiprocess_util
+  multiprocess_util.initialize_jax()
+  import jax
+  done = pathlib.Path(sys.argv[1], 'done')
+  if jax.process_index() == 1:  # Never sets DTensor up.
+    while not done.exists():
+      time.sleep(0.05)
+    os._exit(0)
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor as fdt_tf
+  start = time.monotonic()
+  result = {'error': None}
+  try:
+    fdt_tf.initialize()
+  except fdt.DTensorInitializationError as e:
+    result['error'] = str(e)
+  result['seconds'] = time.monotonic() - start
+  result['tensorflow'] = 'tensorflow' in sys.modules
+  print('RESULT ' + json.dumps(result), flush=True)
+  done.touch()
+  os._exit(0)
+  """
+)
+# The absent peer's bound: short, as nothing but that wait is measured.
+ABSENT_PEER_TIMEOUT = 3
+
+
+@functools.cache
+def absent_peer() -> dict[str, Any]:
+  """Process 0's RESULT: the error of its `initialize()`, and how long."""
+  root = _scratch('fdt_absent_peer_')
+  script = pathlib.Path(root, 'worker.py')
+  script.write_text(_ABSENT_PEER)
+  outputs = multiprocess_util.run_workers(
+    script,
+    2,
+    args=[root],
+    timeout=TIMEOUT,
+    env={'FLAX_DTENSOR_PEER_TIMEOUT': str(ABSENT_PEER_TIMEOUT)},
+    dtensor_env=False,
+  )
+  lines = [
+    line for line in outputs[0].splitlines() if line.startswith('RESULT ')
+  ]
+  if not lines:
+    raise RuntimeError(f'process 0 printed no result:\n{outputs[0][-5000:]}')
+  return json.loads(lines[-1][len('RESULT ') :])

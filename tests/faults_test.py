@@ -57,9 +57,9 @@ _EFBIG = (
 @pytest.mark.parametrize(
   'where, needed, cause',
   [
-    ('manifest', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
-    ('manifest_async', 32 * 8 * 64 * 4, ['OSError', errno.EFBIG]),
-    ('data', 32 * 8 * 64 * 4, ['OutOfRangeError', None]),
+    ('manifest', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
+    ('manifest_async', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
+    ('data', 256 * 8 * 8 * 4, ['OutOfRangeError', None]),
     ('saved_model', 16 * 16 * 4 + 16 * 4, ['OutOfRangeError', None]),
   ],
 )
@@ -71,7 +71,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_bit_for_bit(
   if where.startswith('manifest'):  # The limit lands on the manifest alone.
     assert run['other_bytes'] < attempt['limit'] < run['manifest_bytes']
   name, message, chain = attempt['error']
-  assert name == 'ExportError'
+  assert name == 'DiskFullError'
   target = 'sm' if where == 'saved_model' else 'ckpt'
   pattern = _EFBIG.format(
     path=re.escape(os.path.join(run['root'], target)),
@@ -92,7 +92,7 @@ def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
   run = fault_runs.full_disk()
   path = os.path.join(run['root'], 'ckpt')
   expected = {
-    (f'layer{i}',): np.full((8, 64), 1000 + i, np.float32) for i in range(32)
+    (f'layer{i}',): np.full((8, 8), 1000 + i, np.float32) for i in range(256)
   }
   read = fdt_tf.read_checkpoint(path)
   assert set(read) == set(expected)
@@ -101,10 +101,7 @@ def test_after_a_full_disk_the_old_checkpoint_restores_exactly(explicit_mesh):
   # Restored onto another layout too.
   sharding = NamedSharding(explicit_mesh, P('model', 'data'))
   target = nnx.Dict(
-    {
-      k[0]: nnx.Param(jax.device_put(jnp.zeros((8, 64)), sharding))
-      for k in read
-    }
+    {k[0]: nnx.Param(jax.device_put(jnp.zeros((8, 8)), sharding)) for k in read}
   )
   fdt_tf.restore_checkpoint(path, target)
   for key, value in expected.items():
@@ -119,7 +116,7 @@ def test_no_space_left_mid_save_leaves_the_previous_checkpoint():
     pytest.skip(f'no mount namespace here: {run["unavailable"]}')
   assert run['restorable']  # The old version read back exactly, before.
   name, message, chain = run['error']
-  assert name == 'ExportError'
+  assert name == 'DiskFullError'
   path = os.path.join(run['fs'], 'ckpt')
   match = re.match(
     rf"Writing '{re.escape(path)}' failed: No space left on device: the "
@@ -141,7 +138,7 @@ def test_no_space_left_mid_save_leaves_the_previous_checkpoint():
 def test_a_full_disk_is_measured_with_statvfs(tmp_path):
   """ENOSPC, for real: /dev/full refuses every write."""
   path = str(tmp_path / 'ckpt')
-  with pytest.raises(fdt.ExportError) as raised:
+  with pytest.raises(fdt_tf.DiskFullError) as raised:
     with _tf_errors.space_checked(path, 3 * 2**30):
       with open('/dev/full', 'w') as f:
         f.write('x')
@@ -283,9 +280,10 @@ def _after_the_check(monkeypatch, damage):
   monkeypatch.setattr(_manifest, 'verify_files', check_then_damage)
 
 
-def _refused_unchanged(read, path, target, before, match):
-  """`read` ('restore' or 'read_checkpoint') of `path` refused; target kept."""
-  with pytest.raises(fdt.ExportError, match=match):
+def _refused_unchanged(read, path, target, before, kind, match):
+  """`read` ('restore' or 'read_checkpoint') of `path` refused, in a `kind`
+  error; target kept."""
+  with pytest.raises(kind, match=match):
     if read == 'restore':
       fdt_tf.restore_checkpoint(path, target)
     else:
@@ -333,8 +331,8 @@ def test_a_file_damaged_after_the_check_is_refused(
   # TF's own checksum (or a short read) stops the read; the whole check
   # that follows names the file and the bytes.
   with pytest.raises(
-    fdt.ExportError,
-    match=rf'is damaged: {match}.*found in the bytes read.*Nothing '
+    fdt_tf.DamagedExportError,
+    match=rf'{match}.*found in the bytes read.*Nothing '
     r'was restored: the target is unchanged',
   ) as refused:
     fdt_tf.restore_checkpoint(path, target)
@@ -378,6 +376,7 @@ def test_a_checkpoint_replaced_during_a_restore_is_refused(
     path,
     target,
     before,
+    fdt_tf.DamagedExportError,
     r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32 '
     r'[0-9a-f]{8}, recorded [0-9a-f]{8} \(expected what its manifest '
     r'flax_dtensor.json records; found in the bytes read, so the files may '
@@ -414,7 +413,7 @@ def test_a_manifest_that_vanishes_once_found_is_a_read_failure(
 
   monkeypatch.setattr(_manifest, 'locate', locate_then_move)
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.SaveInProgressError,
     match=r"failed to read the manifest '.*c/flax_dtensor\.json': it "
     r'vanished after it was found \(No such file or directory\)\. Expected '
     r'the export to stay in place while it is read; another process may '
@@ -480,6 +479,7 @@ def test_a_plain_checkpoint_replaced_during_a_read_is_refused(
     path,
     target,
     before,
+    fdt_tf.SaveInProgressError,
     r"The checkpoint '.*c/ckpt' changed while it was read \(its files "
     r'are not the ones it had when the read began\), so what was read may '
     r'mix two versions\. Nothing was restored: the target is unchanged\. '
@@ -611,7 +611,7 @@ def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
   shards = tuple(
-    (index, _manifest._crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
+    (index, _manifest.crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
     for index, _ in _grid(shape, (2, 2))
   )
   manifest = _manifest.Manifest(
@@ -622,7 +622,7 @@ def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
   _manifest.verify_read(manifest, record, whole)  # Every byte checked.
   partial = dataclasses.replace(record, shards=shards[:-1])
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.MalformedExportError,
     match=r'the shards recorded for w do not cover \[0:8, 0:16\], so its '
     r'bytes cannot be checked',
   ):
@@ -630,6 +630,31 @@ def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
   changed = full.copy()
   changed[7, 15] += 1
   with pytest.raises(
-    fdt.ExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
+    fdt_tf.DamagedExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
   ):
     _manifest.verify_read(manifest, record, {((0, 8), (0, 16)): changed})
+
+
+def test_every_process_raises_the_kind_found_of_the_export():
+  """A condition of the export one process found (a full disk, damage, ...)
+  is the same kind on every other; any other failure is a PeerError."""
+  from flax_dtensor.dtensor import _peers
+
+  for kind in (
+    fdt_tf.DiskFullError,
+    fdt_tf.DamagedExportError,
+    fdt_tf.MalformedExportError,
+    fdt_tf.ExportNotFoundError,
+    fdt_tf.SaveInProgressError,
+  ):
+    assert _peers.shared_kind(kind.__name__) is kind
+  for other in ('ExportError', 'PeerError', 'KeyError', ''):
+    assert _peers.shared_kind(other) is fdt_tf.PeerError
+  session = _peers.Session(None, 'p', 'the save to /c', 'Nothing changed.')
+  full = _peers._failed(session, 1, 'DiskFullError: Writing /c failed')
+  assert type(full) is fdt_tf.DiskFullError
+  assert re.match(r'Process 1 of \d+ failed during the save to /c', str(full))
+  assert type(_peers._failed(session, 1, 'KeyError: x')) is fdt_tf.PeerError
+  setup = dataclasses.replace(session, error=fdt.DTensorInitializationError)
+  failed = _peers._failed(setup, 1, 'DiskFullError: x')
+  assert type(failed) is fdt.DTensorInitializationError

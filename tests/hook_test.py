@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _hook
+from flax_dtensor._placement import _hook
 
 RULES = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
 

@@ -11,7 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _init
+from flax_dtensor._placement import _init
 
 RULES = fdt.LogicalRules(
   [

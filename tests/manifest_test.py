@@ -395,9 +395,9 @@ def test_a_crafted_manifest_is_refused(
   target = _model(mesh, 1)
   before = _values(target)
   with _watched(monkeypatch, base, root):
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.restore_checkpoint(root, target)
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.read_checkpoint(root)
   after = _values(target)
   assert before.keys() == after.keys()
@@ -635,9 +635,9 @@ def test_a_crafted_saved_model_manifest_is_refused(
     os.symlink(outside, os.path.join(root, 'assets'))
     match = r'the manifest itself is refused: it resolves to .*-assets/'
   with _watched(monkeypatch, base, root):
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.restore_checkpoint(root, _Net())
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.read_checkpoint(root)
 
 
@@ -671,9 +671,9 @@ def test_a_checkpoint_state_file_naming_elsewhere_is_refused(
     'only inside itself'
   )
   with _watched(monkeypatch, base, root):
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.restore_checkpoint(root, _model(mesh, 1))
-    with pytest.raises(fdt.ExportError, match=match):
+    with pytest.raises(fdt_tf.MalformedExportError, match=match):
       fdt_tf.read_checkpoint(root)
 
 

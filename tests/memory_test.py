@@ -71,7 +71,7 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   from flax import nnx
 
   import flax_dtensor as fdt
-  from flax_dtensor import _creation, _init
+  from flax_dtensor._placement import _creation, _init
 
   sys.path.insert(0, str(CASES.parent))
   try:
@@ -88,7 +88,7 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   blocks = {(str(width // 2), str(width)), (str(width), str(width // 2))}
   _creation.clear_caches()
   fdt.init(factory, nnx.Rngs(0), mesh=mesh, rules=rules)
-  leaves = list(_creation.leaves._data.values())  # pylint: disable=protected-access
+  leaves = list(_creation.leaves._data.values())
   assert len(leaves) == 2  # The 'up' and the 'down' nnx.Linear.
   shapes = set()
   for leaf in leaves:

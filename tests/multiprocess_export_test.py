@@ -13,7 +13,6 @@ JAX, no DTensor) and compares with the global values the workers gathered.
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import textwrap
@@ -102,11 +101,6 @@ def test_two_processes_write_one_checkpoint(tmp_path, kind):
     assert r['restored_spec'] == "P('model', 'data')"
     assert r['leftovers'] == [], r
     assert "'w' lives on the devices of processes [" in r['local_error']
-    assert re.match(
-      r'save_checkpoint\(\.\.\., blocking=False\) runs in one process only, '
-      r'but this run has 2 processes',
-      r['async_error'],
-    ), r['async_error']
     assert 'checkpoint' in r['files']
     assert 'flax_dtensor.json' in r['files']
   assert sorted(os.listdir(tmp_path)) == [

@@ -1,4 +1,4 @@
-"""A process killed in a two-process save: the other fails, bounded, in words.
+"""A process killed in a multi-process save: the others fail, bounded, in words.
 
 Two local processes (jax.distributed and DTensor on 127.0.0.1, see
 fault_runs.dead_peer and _mp_worker_dead_peer.py) save a checkpoint, then
@@ -8,7 +8,9 @@ write or at our barrier after its shards, or as a restore begins. Process
 heartbeat timeout or FLAX_DTENSOR_PEER_TIMEOUT (10 s here) rather than hang
 until JAX's own heartbeat timeout aborts it (100 s); the checkpoint must be
 the old version, whole, with nothing else left, and a restore's target
-unchanged.
+unchanged. In four processes (scale_runs.four_processes), process 2 is
+killed during a background save: the three others raise at `wait()`. And
+`initialize()` names a process that never joins the set-up of DTensor.
 """
 
 import os
@@ -17,6 +19,7 @@ import re
 import fault_runs
 import numpy as np
 import pytest
+import scale_runs
 
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -73,3 +76,45 @@ def test_a_dead_peer_is_named_and_the_checkpoint_stays_whole(moment):
   for key, value in expected.items():
     np.testing.assert_array_equal(read[key], value)
   assert os.listdir(run['root']) == ['ckpt']
+
+
+def test_a_dead_peer_of_a_background_save_is_named_at_every_wait():
+  """Process 2 of 4 dies mid-save: 0, 1 and 3 raise at `wait()`, bounded."""
+  run = scale_runs.four_processes()
+  path = os.path.join(run['root'], 'c4')
+  survivors = [r for r in run['results'] if r['process'] != scale_runs.DEAD]
+  assert [r['process'] for r in survivors] == [0, 1, 3]
+  assert 'dead_peer' not in run['results'][scale_runs.DEAD]
+  for r in survivors:
+    error = r['dead_peer']['error']
+    assert error is not None, f'process {r["process"]} saved without 2'
+    assert re.match(
+      rf"Process 2 of 4 stopped during the save to '{re.escape(path)}': "
+      rf'no heartbeat from it for {scale_runs.PEER_TIMEOUT} s \(it died, or '
+      r'hangs; FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*'
+      rf'{re.escape(repr(path))} holds the previous checkpoint or the new '
+      r'one, whole\. Restart every process of the job',
+      error,
+    ), error
+    # Within the bound of the last heartbeat (plus writing and a margin).
+    assert r['dead_peer']['seconds'] < scale_runs.PEER_TIMEOUT + 30
+  # Process 0 removed the temporary, the dead process's part with it.
+  assert sorted(os.listdir(run['root'])) == ['c2', 'c4', 's4']
+  read = fdt_tf.read_checkpoint(path)
+  for name, value in scale_runs.values(1).items():
+    assert read[(name,)].tobytes() == value.tobytes(), name
+
+
+def test_initialize_names_a_process_that_never_joins():
+  """Without DTENSOR_*: a process that never calls initialize() is named."""
+  run = fault_runs.absent_peer()
+  assert re.match(
+    r'Process 1 of 2 stopped during the set-up of TF DTensor, which every '
+    r"process's flax_dtensor\.dtensor\.initialize\(\) joins: no heartbeat "
+    rf'from it for {fault_runs.ABSENT_PEER_TIMEOUT} s .*TF DTensor was not '
+    r'set up\.',
+    run['error'],
+  ), run['error']
+  assert run['seconds'] < fault_runs.ABSENT_PEER_TIMEOUT + 30
+  # The addresses are exchanged before TensorFlow is imported.
+  assert not run['tensorflow']

@@ -12,8 +12,10 @@ Worker side (first thing in the script, before anything touches JAX):
 
 which calls `jax.distributed.initialize` from the environment set here. The
 environment also holds `DTENSOR_JOBS`, `DTENSOR_CLIENT_ID` and
-`DTENSOR_JOB_NAME`, so `flax_dtensor.dtensor.initialize()` then sets up one
-DTensor client per JAX process.
+`DTENSOR_JOB_NAME` (unless `dtensor_env=False`: then
+`flax_dtensor.dtensor.initialize()` sets them from JAX), so
+`flax_dtensor.dtensor.initialize()` then sets up one DTensor client per JAX
+process.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -65,18 +67,27 @@ def worker_env(
   dtensor_ports: Sequence[int],
   devices_per_process: int,
   extra: Mapping[str, str] | None = None,
+  dtensor_env: bool = True,
 ) -> dict[str, str]:
-  """Returns the environment of worker `process_id`."""
+  """Returns the environment of worker `process_id`.
+
+  With `dtensor_env=False`, no `DTENSOR_*` variable is set.
+  """
   env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  if dtensor_env:
+    env.update(
+      {
+        'DTENSOR_JOBS': ','.join(f'127.0.0.1:{p}' for p in dtensor_ports),
+        'DTENSOR_CLIENT_ID': str(process_id),
+        'DTENSOR_JOB_NAME': 'worker',
+      }
+    )
   env.update(
     {
       COORDINATOR_ENV: f'127.0.0.1:{coordinator_port}',
       NUM_PROCESSES_ENV: str(num_processes),
       PROCESS_ID_ENV: str(process_id),
       DEVICES_ENV: str(devices_per_process),
-      'DTENSOR_JOBS': ','.join(f'127.0.0.1:{p}' for p in dtensor_ports),
-      'DTENSOR_CLIENT_ID': str(process_id),
-      'DTENSOR_JOB_NAME': 'worker',
       'XLA_FLAGS': (
         f'--xla_force_host_platform_device_count={devices_per_process}'
       ),
@@ -97,23 +108,27 @@ def run_workers(
   script_path: str | os.PathLike[str],
   num_processes: int = 2,
   *,
-  args: Sequence[str] = (),
+  args: Sequence[str] | Callable[[int], Sequence[str]] = (),
   timeout: float = 300,
   devices_per_process: int = 4,
   env: Mapping[str, str] | None = None,
   may_die: Collection[int] = (),
+  dtensor_env: bool = True,
 ) -> list[str]:
   """Runs `script_path` in `num_processes` local processes; returns outputs.
 
   Args:
     script_path: The worker script. It calls `initialize_jax()` first.
     num_processes: How many processes (JAX processes and DTensor clients).
-    args: Command-line arguments for every worker.
+    args: Command-line arguments for every worker, or a function of the
+      process id returning each one's.
     timeout: Seconds for the whole run; then every process is killed.
     devices_per_process: CPU devices of each process.
     env: Extra environment variables for every worker.
     may_die: Processes whose death (any exit status) does not fail the
       run: a test kills them on purpose, and the others go on.
+    dtensor_env: Set the `DTENSOR_*` variables; if false, the workers'
+      `flax_dtensor.dtensor.initialize()` sets them from JAX.
 
   Returns:
     Each process's combined stdout and stderr, by process id.
@@ -132,7 +147,11 @@ def run_workers(
         with open(logs[i], 'wb') as log:
           procs.append(
             subprocess.Popen(
-              [sys.executable, str(script_path), *args],
+              [
+                sys.executable,
+                str(script_path),
+                *(args(i) if callable(args) else args),
+              ],
               env=worker_env(
                 i,
                 num_processes,
@@ -140,6 +159,7 @@ def run_workers(
                 dtensor_ports=dtensor_ports,
                 devices_per_process=devices_per_process,
                 extra=env,
+                dtensor_env=dtensor_env,
               ),
               cwd=REPO_ROOT,
               stdout=log,

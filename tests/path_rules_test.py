@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _variables
+from flax_dtensor._placement import _variables
 
 SIZES = {'data': 2, 'model': 4}
 # Auto axes, as the messages below spell them (the default axis type of an

@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _plan_view
+from flax_dtensor._planning import _plan_view
 from flax_dtensor.demo import model as demo_model
 from flax_dtensor.demo import train as demo_train
 

@@ -50,8 +50,14 @@ EXPECTED = (
 
 # flax_dtensor.dtensor, the TensorFlow bridge.
 EXPECTED_DTENSOR = (
+  'DamagedExportError',
+  'DiskFullError',
+  'ExportNotFoundError',
+  'MalformedExportError',
+  'PeerError',
   'RelaidVariable',
   'SaveHandle',
+  'SaveInProgressError',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
@@ -91,6 +97,23 @@ def test_errors_subclass_valueerror_or_typeerror():
       assert issubclass(obj, fdt.FlaxDTensorError)
       if obj is not fdt.FlaxDTensorError:
         assert issubclass(obj, (ValueError, TypeError)), name
+
+
+def test_the_bridge_errors_are_export_errors():
+  """The bridge's own error classes are kinds of ExportError, so that
+  ``except ExportError`` still catches each."""
+  import flax_dtensor.dtensor as fdt_tf
+
+  errors = [
+    getattr(fdt_tf, name)
+    for name in fdt_tf.__all__
+    if isinstance(getattr(fdt_tf, name), type)
+    and issubclass(getattr(fdt_tf, name), Exception)
+  ]
+  assert len(errors) == 6, errors
+  for error in errors:
+    assert issubclass(error, fdt.ExportError), error
+    assert error.__name__.endswith('Error'), error
 
 
 def _run(code, **env):

@@ -137,8 +137,8 @@ def test_damaged_files_are_refused_before_tf_reads(
     lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
   ):
     with pytest.raises(
-      fdt.ExportError,
-      match=rf'is damaged: {match}.*Nothing was read into TensorFlow',
+      fdt_tf.DamagedExportError,
+      match=rf'{match}.*Nothing was read into TensorFlow',
     ):
       read()
 
@@ -179,7 +179,7 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, how):
     )
     try:
       fdt_tf.restore_checkpoint(path, target)
-    except fdt.ExportError as e:
+    except fdt_tf.DamagedExportError as e:
       assert re.search(
         rf'is damaged: {re.escape(problem)} \(.*found in the bytes read.*'
         r'Nothing was restored: the target is unchanged',
@@ -188,7 +188,7 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, how):
       for p, v in nnx.to_flat_state(nnx.state(target)):
         np.testing.assert_array_equal(np.asarray(v.get_value()), before[p])
       with pytest.raises(
-        fdt.ExportError, match=rf'is damaged: {re.escape(problem)} \('
+        fdt_tf.DamagedExportError, match=rf'{re.escape(problem)} \('
       ):
         fdt_tf.read_checkpoint(path)
       outcomes[name] = 'refused'
@@ -218,7 +218,7 @@ def test_a_plain_checkpoint_without_its_index_is_named(explicit_mesh, tmp_path):
     lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
   ):
     with pytest.raises(
-      fdt.ExportError,
+      fdt_tf.DamagedExportError,
       match=r"Expected a TF checkpoint in '.*c': its checkpoint state file "
       r"names the prefix 'ckpt', but ckpt\.index is not there\. The "
       r'checkpoint is incomplete: restore it from an intact copy, or '
@@ -230,7 +230,9 @@ def test_a_plain_checkpoint_without_its_index_is_named(explicit_mesh, tmp_path):
 def test_missing_file_is_refused(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')
   os.remove(os.path.join(path, 'ckpt.index'))
-  with pytest.raises(fdt.ExportError, match=r'damaged: ckpt\.index is missing'):
+  with pytest.raises(
+    fdt_tf.DamagedExportError, match=r'ckpt\.index is missing'
+  ):
     fdt_tf.read_checkpoint(path)
 
 
@@ -303,30 +305,38 @@ def _record_of(meta, name):
 
 
 @pytest.mark.parametrize(
-  'edit, match',
+  'edit, kind, match',
   [
     (
       lambda m: _record_of(m, 'w').update(shape=[16, 8]),
+      fdt_tf.MalformedExportError,
       r'w has shape \(8, 16\) in the data, \(16, 8\) in the manifest',
     ),
     (
       lambda m: _record_of(m, 'n').update(
         dtype='float32', stored_dtype='float32'
       ),
+      fdt_tf.MalformedExportError,
       r'n is stored as int32 in the data, as float32 in the manifest',
     ),
     (
       lambda m: m['variables'].remove(_record_of(m, 'b')),
+      fdt_tf.MalformedExportError,
       r'the data holds b, which the manifest does not list',
     ),
     (
       lambda m: _record_of(m, 'w')['shards'][0].update(crc32=12345),
+      # Bytes that do not match their recorded CRC: damaged, as far as
+      # anything can tell.
+      fdt_tf.DamagedExportError,
       r'w\[0:4, 0:4\] read back with CRC-32 [0-9a-f]{8}, recorded 00003039',
     ),
   ],
   ids=['shape', 'dtype', 'dropped-record', 'shard-crc'],
 )
-def test_an_edited_manifest_is_refused(explicit_mesh, tmp_path, edit, match):
+def test_an_edited_manifest_is_refused(
+  explicit_mesh, tmp_path, edit, kind, match
+):
   model = _model(explicit_mesh)
   path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
   _edit_manifest(path, edit)
@@ -334,7 +344,7 @@ def test_an_edited_manifest_is_refused(explicit_mesh, tmp_path, edit, match):
     lambda: fdt_tf.read_checkpoint(path),
     lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
   ):
-    with pytest.raises(fdt.ExportError, match=rf'is damaged: {match}'):
+    with pytest.raises(kind, match=rf'is damaged: {match}'):
       read()
 
 
@@ -346,11 +356,13 @@ def test_read_checkpoint_never_casts(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
   _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='float16'))
   with pytest.raises(
-    fdt.ExportError, match=r'w\[0:512\] read back with CRC-32'
+    fdt_tf.DamagedExportError, match=r'w\[0:512\] read back with CRC-32'
   ):
     fdt_tf.read_checkpoint(path)
   _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='bfloat16'))
-  with pytest.raises(fdt.ExportError, match='bfloat16 is stored as bfloat16'):
+  with pytest.raises(
+    fdt_tf.MalformedExportError, match='bfloat16 is stored as bfloat16'
+  ):
     fdt_tf.read_checkpoint(path)
 
 
@@ -413,7 +425,7 @@ def test_permission_errors_are_ours_even_for_root(explicit_mesh, tmp_path):
   with open(os.path.join(path, 'ckpt.index'), 'wb') as f:
     f.write(b'not an index')
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.DamagedExportError,
     match=r'Reading the index of the checkpoint .* failed in TensorFlow: '
     r'.*The checkpoint is damaged or not a TF checkpoint: restore it from an '
     r'intact copy',
@@ -697,7 +709,7 @@ def test_a_temporary_is_owned_from_the_moment_it_exists(
   # A live writer is never disturbed, whatever its temporary holds.
   live = _named(path, '.tmp-', live_pid)
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.SaveInProgressError,
     match=rf'Another save to .* is in progress \(pid {live_pid} on host',
   ):
     fdt_tf.save_checkpoint(_model(explicit_mesh), path, overwrite=True)
@@ -718,7 +730,9 @@ def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
 
   staging(_dead_pid())
   live = staging(live_pid)
-  with _atomic.all_or_nothing(tmp_path, ['out'], overwrite=False) as staged:
+  with _atomic.all_or_nothing(
+    tmp_path, ['out'], overwrite=False, is_export=_manifest.is_export
+  ) as staged:
     os.mkdir(staged['out'])
     (tmp_path / staged['out'] / 'a.txt').write_text('new')
     # Its own scratch directory stays while it writes.
@@ -757,7 +771,7 @@ def test_temporaries_of_older_versions_are_judged_by_their_marker(
   os.mkdir(tmp_path / '.c.tmp-00000008')
   (tmp_path / '.c.tmp-00000008' / 'ckpt.index').write_text('partial')
   with pytest.raises(
-    fdt.ExportError,
+    fdt_tf.SaveInProgressError,
     match=rf'Another save to .* is in progress \(pid {live_pid}',
   ):
     fdt_tf.save_checkpoint(_model(explicit_mesh, seed=1), path, overwrite=True)

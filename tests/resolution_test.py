@@ -14,7 +14,7 @@ import reference_semantics
 from jax.sharding import AbstractMesh
 
 import flax_dtensor as fdt
-from flax_dtensor import _resolution
+from flax_dtensor._rules import _resolution
 
 NAMES = ('batch', 'embed', 'mlp', 'heads', 'vocab')
 AXES = ('data', 'fsdp', 'model', 'expert')

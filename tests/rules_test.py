@@ -246,7 +246,7 @@ def test_resolution_with_mesh_and_shape(axes, shape, expected):
 
 
 def test_resolution_records_skips():
-  from flax_dtensor import _resolution
+  from flax_dtensor._rules import _resolution
 
   res = _resolution.resolve_dims(
     ('batch', 'mlp'), (8, 6), mesh=MESH, rules=RULES
@@ -538,3 +538,33 @@ def test_from_yaml_path_that_does_not_exist_says_so():
     fdt.LogicalRulesError, match=r'Expected YAML text \(a str\)'
   ):
     fdt.LogicalRules.from_yaml_text(b'logical_axis_rules: []')
+
+
+def test_pickles_of_every_earlier_form_still_load():
+  """0.1.0 pickled rules by `flax_dtensor._rules._rebuild`; later versions
+  by `LogicalRules._unpickled` with the options in their declared order."""
+  import pickle
+
+  old = (
+    b'\x80\x04\x95D\x00\x00\x00\x00\x00\x00\x00\x8c\x13flax_dtensor._rules'
+    b'\x94\x8c\x08_rebuild\x94\x93\x94\x8c\x05embed\x94\x8c\x04data\x94\x86'
+    b'\x94\x85\x94\x8c\x05error\x94\x89\x87\x94R\x94.'
+  )
+  assert pickle.loads(old) == fdt.LogicalRules([('embed', 'data')])
+  rules = fdt.LogicalRules(
+    [('embed', 'data')], unknown='replicate', strict=True, min_bytes=64
+  )
+  assert pickle.loads(pickle.dumps(rules)) == rules
+  three = fdt.LogicalRules._unpickled((('embed', 'data'),), 'replicate', True)
+  assert three == fdt.LogicalRules(
+    [('embed', 'data')], unknown='replicate', strict=True
+  )
+
+
+def test_replace_names_the_options_it_knows():
+  with pytest.raises(
+    fdt.LogicalRulesError,
+    match=r"LogicalRules has no option \['unknwon'\]; expected some of "
+    r"\['unknown', 'strict', 'path_rules', 'min_size', 'min_bytes'\]",
+  ):
+    fdt.LogicalRules([]).replace(unknwon='replicate')

@@ -376,7 +376,8 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
   ]
   assert len(kernels) == 2
   data = b''.join(
-    f.read_bytes() for f in pathlib.Path(sm, 'variables').glob('variables.data*')
+    f.read_bytes()
+    for f in pathlib.Path(sm, 'variables').glob('variables.data*')
   )
   for kernel in kernels:
     assert kernel.std() > 0

@@ -10,8 +10,8 @@ docs/getting_started.md). The markers a page may use:
 - ``# Continues: NAME[, NAME]`` as a block's first line: it runs after the
   named blocks of the same page (and theirs), in that order.
 - ``# Run in each of the N processes ...`` as a block's first line: it runs
-  in N processes at once, each with the ``DTENSOR_*`` environment of a
-  multi-process job (docs/export_guide.md, multi host).
+  in N processes at once, process i with i as its argument (and no
+  ``DTENSOR_*`` variable: docs/export_guide.md, multi host).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from flax.core import spmd as core_spmd
 from jax.sharding import AxisType
 
 import flax_dtensor as fdt
-from flax_dtensor import _hook, _resolution
+from flax_dtensor._placement import _hook
+from flax_dtensor._rules import _resolution
 
 SIZES = {'data': 2, 'model': 4}
 NAMES = ('embed', 'mlp', 'vocab', 'heads')

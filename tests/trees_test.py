@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _specs
+from flax_dtensor._rules import _specs
 
 RULES = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
 

@@ -17,7 +17,8 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor import _init, _specs
+from flax_dtensor._placement import _init
+from flax_dtensor._rules import _specs
 
 RULES = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
 ABSTRACT = AbstractMesh((2, 4), ('data', 'model'))
@@ -288,7 +289,7 @@ def test_an_orbax_checkpoint_restores_by_path_rules(auto_mesh, tmp_path):
   """The restore behind `flax-dtensor export`: an Orbax checkpoint of the
   unsharded model, read into its path-ruled placement."""
   ocp = pytest.importorskip('orbax.checkpoint')
-  from flax_dtensor import _orbax
+  from flax_dtensor._placement import _orbax
 
   with nnx.use_eager_sharding(False):
     saved = um.make_small()

@@ -187,6 +187,36 @@ def _from_tf_copied(r):
   return e.get('methods', {}).get('ours', {}).get('copied_bytes')
 
 
+def _mp_above_shards(role, processes=4):
+  """Multi-process: the largest peak RSS above what a process must hold,
+  divided by the bytes of its shards.
+
+  What it must hold: its shards for a save (held before the step, so in its
+  baseline), its shards and its background copy of the shards it writes
+  for a background save, the restored shards for a restore.
+  """
+
+  def value(r):
+    e = _find(r, 'multiprocess', role, processes=processes)
+    m = e.get('methods', {}).get(role, {})
+    peak = _median(e, role, 'rss_above_baseline_mib')
+    shards = m.get('shard_bytes')
+    if peak is None or not shards:
+      return None
+    held = {'ours_async': m.get('copied_bytes', 0), 'ours_restore': shards}
+    return (peak * 2**20 - held.get(role, 0)) / shards
+
+  return value
+
+
+def _mp_stall(processes):
+  def value(r):
+    e = _find(r, 'multiprocess', 'ours_stall', processes=processes)
+    return _ratio(e, 'ours_stall', 'limit')
+
+  return value
+
+
 def _cli(role, what='seconds'):
   def value(r):
     return _median(_find(r, 'cli', role), role, what)
@@ -489,6 +519,44 @@ TARGETS: list[tuple[str, Callable[[Any], float | None], str, str, Any]] = [
     'x',
     '(the limit for JAX arrays)',
     None,
+  ),
+  (
+    'blocking save of 512 MiB in 4 processes (2 devices each): peak RSS '
+    "above each process's shards ÷ its shard bytes",
+    _mp_above_shards('ours'),
+    'x',
+    '≤ 0.25x',
+    lambda v: v <= 0.25,
+  ),
+  (
+    'same, background save until written: above its shards and its copy of '
+    'those it writes',
+    _mp_above_shards('ours_async'),
+    'x',
+    '≤ 0.25x',
+    lambda v: v <= 0.25,
+  ),
+  (
+    'same, restore: above the shards it restores',
+    _mp_above_shards('ours_restore'),
+    'x',
+    '≤ 0.25x',
+    lambda v: v <= 0.25,
+  ),
+  (
+    "background save in 2 processes: the caller's stall ÷ a NumPy copy of "
+    "the process's shards",
+    _mp_stall(2),
+    'x',
+    '≤ 1.5x',
+    lambda v: v <= 1.5,
+  ),
+  (
+    'same in 4 processes',
+    _mp_stall(4),
+    'x',
+    '≤ 1.5x',
+    lambda v: v <= 1.5,
   ),
 ]
 

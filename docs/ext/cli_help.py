@@ -25,9 +25,9 @@ WIDTH = 80
 
 def command_help(args: list[str]) -> str:
   """Returns the help text of ``flax-dtensor ARGS --help``."""
-  import typer.testing  # pylint: disable=g-import-not-at-top
+  import typer.testing
 
-  from flax_dtensor.cli import _app  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.cli import _app
 
   runner = typer.testing.CliRunner()
   result = runner.invoke(

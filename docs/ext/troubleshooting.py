@@ -68,6 +68,19 @@ def _table(cases) -> nodes.table:
   return table
 
 
+def _qualified(error: type) -> str:
+  """How a user spells `error`: fdt.NAME, flax_dtensor.dtensor.NAME, or
+  a builtin's name."""
+  import flax_dtensor.dtensor
+
+  name = error.__name__
+  if not error.__module__.startswith('flax_dtensor'):
+    return name
+  if name in flax_dtensor.dtensor.__all__:
+    return f'flax_dtensor.dtensor.{name}'
+  return f'fdt.{name}'
+
+
 class Troubleshooting(Directive):
   has_content = False
 
@@ -78,9 +91,7 @@ class Troubleshooting(Directive):
     out = []
     for error in sorted(by_error, key=lambda e: e.__name__):
       name = error.__name__
-      qualified = (
-        f'fdt.{name}' if error.__module__.startswith('flax_dtensor') else name
-      )
+      qualified = _qualified(error)
       section = nodes.section(ids=[nodes.make_id(f'error-{name}')])
       section += nodes.title(text=qualified)
       doc = (inspect.getdoc(error) or '').split('\n\n')[0]

@@ -33,7 +33,7 @@ _VERSIONS = (
 
 def _versions() -> str:
   """'flax-dtensor 0.1.0', then Python's and each library's, one a line."""
-  import flax_dtensor  # pylint: disable=g-import-not-at-top
+  import flax_dtensor
 
   lines = [
     f'flax-dtensor {flax_dtensor.__version__}',
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   except typer.Abort:
     print('interrupted', file=sys.stderr)
     sys.exit(130)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     # Click's usage errors (exit status 2; Typer vendors Click, so they are
     # matched by what they carry rather than by class).
     if getattr(e, 'exit_code', None) != 2 or not hasattr(e, 'format_message'):

@@ -74,9 +74,9 @@ def console(*, stderr: bool = False) -> rich.console.Console:
   On a terminal it is rich's own. Piped or captured, it is COLUMNS wide if
   set, else 80 (never a guess), and its lines carry no trailing spaces.
   """
-  import rich.console  # pylint: disable=g-import-not-at-top
+  import rich.console
 
-  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _output
 
   file = _output.stream() if stderr else sys.stdout
   out = rich.console.Console(file=file)
@@ -109,7 +109,7 @@ def _own_messages_only(debug: bool) -> Iterator[str | None]:
   Yields:
     The log file's path, or None with `debug`.
   """
-  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _output
 
   if debug:
     yield None
@@ -137,7 +137,7 @@ def _own_messages_only(debug: bool) -> Iterator[str | None]:
 
 def _message(e: BaseException) -> tuple[str, int]:
   """The ``error:`` line's text and the exit status for `e`."""
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors
 
   if isinstance(e, BadInputError):
     return str(e), EXIT_BAD_INPUT
@@ -164,7 +164,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
   Also keeps other libraries' output off stderr (see `_own_messages_only`).
   The class of an exception shows only in the traceback of ``--debug``.
   """
-  from flax_dtensor import _output  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _output
 
   with _own_messages_only(debug) as log:
     keep_log = False
@@ -175,7 +175,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
     except KeyboardInterrupt:
       print('interrupted', file=_output.stream(), flush=True)
       raise typer.Exit(130) from None
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       message, status = _message(e)
       if status == EXIT_FAILURE:
         message = f'{message.rstrip(".")}. {REPORT_MSG}'
@@ -194,12 +194,6 @@ def handle_errors(debug: bool) -> Iterator[None]:
 def _remove(path: str) -> None:
   with contextlib.suppress(OSError):
     os.remove(path)
-
-
-def human_bytes(n: float) -> str:
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
-
-  return _plan_view.human_bytes(n)
 
 
 def disk_usage(path: pathlib.Path) -> int:

@@ -112,7 +112,7 @@ class InputSpec:
 
   def tensor_spec(self) -> Any:
     """The `tf.TensorSpec` of the input, or None (imports TensorFlow)."""
-    from flax_dtensor.dtensor import _tf  # pylint: disable=g-import-not-at-top
+    from flax_dtensor.dtensor import _tf
 
     if self.dims is None:
       return None
@@ -121,7 +121,7 @@ class InputSpec:
 
   def polymorphic_shape(self, index: int) -> str | None:
     """jax2tf's polymorphic shape of the input (`index`: its position)."""
-    from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
+    from flax_dtensor.dtensor import _signature
 
     if self.dims is None:
       return None
@@ -229,21 +229,22 @@ def load_rules(
   Raises:
     BadInputError: If the file is missing or malformed.
   """
-  from flax_dtensor import _errors, _rules  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors
+  from flax_dtensor._rules import _logical
 
   if mesh_axes is not None:
-    identity = _rules.LogicalRules.for_mesh_axes(tuple(mesh_axes))
+    identity = _logical.LogicalRules.for_mesh_axes(tuple(mesh_axes))
     if path is None:
       return identity
     rules = load_rules(path)
-    return _rules.LogicalRules([*rules, *identity]).replace(
+    return _logical.LogicalRules([*rules, *identity]).replace(
       unknown=rules.unknown,
       strict=rules.strict,
       path_rules=rules.path_rules,
       min_size=rules.min_size,
       min_bytes=rules.min_bytes,
     )
-  from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.demo import train
 
   if path is None:
     return train.default_rules()
@@ -350,7 +351,7 @@ def configure_cpu_devices(count: int) -> None:
     _DEVICE_COUNT_FLAG + r'=\S*', '', os.environ.get('XLA_FLAGS', '')
   )
   os.environ['XLA_FLAGS'] = f'{flags} {_DEVICE_COUNT_FLAG}={count}'.strip()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   try:
     jax.config.update('jax_platforms', 'cpu')
@@ -365,17 +366,17 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
   Raises:
     BadInputError: If the mesh size differs from the device count.
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _text
 
   size = math.prod(s for _, s in axes)
   count = jax.device_count()
   if size != count:
     raise BadInputError(
-      f'--mesh {mesh_text} needs {_plan_view.count(size, "device")}, but '
+      f'--mesh {mesh_text} needs {_text.count(size, "device")}, but '
       f'JAX has {count} ({jax.default_backend()}). Pass a mesh of '
-      f'{_plan_view.count(count, "device")}, or on CPU run on {size} '
+      f'{_text.count(count, "device")}, or on CPU run on {size} '
       f'virtual devices with --cpu-devices {size}.'
     )
   return jax.make_mesh(
@@ -386,7 +387,7 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
 
 
 def abstract_mesh(axes: Sequence[tuple[str, int]]) -> Any:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   return jax.sharding.AbstractMesh(
     tuple(s for _, s in axes),
@@ -404,29 +405,26 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   Raises:
     BadInputError: If the factory raises or does not return an nnx.Module.
   """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
-  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
-    _errors,
-    _hook,
-    _init,
-    _rules,
-  )
+  from flax_dtensor import _errors
+  from flax_dtensor._placement import _hook, _init
+  from flax_dtensor._rules import _logical
 
   _hook.ensure_installed()  # Before the factory builds anything.
 
   # Built with unmentioned names replicated, so that a name the rules lack
   # is reported by the plan the caller makes next, with the variable's path
   # (creation does not know it yet).
-  rules = _rules.get_logical_axis_rules()
+  rules = _logical.get_logical_axis_rules()
   lenient = (
     rules.replace(unknown='replicate')
-    if isinstance(rules, _rules.LogicalRules)
+    if isinstance(rules, _logical.LogicalRules)
     else None
   )
   try:
     if lenient is not None:
-      with _rules.logical_axis_rules(lenient):
+      with _logical.logical_axis_rules(lenient):
         model = _init.build_abstract(factory)
     else:
       model = _init.build_abstract(factory)
@@ -449,7 +447,7 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
 
 
 def initialize_dtensor() -> Any:
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import dtensor
 
   dtensor.initialize()
   return dtensor
@@ -471,14 +469,11 @@ def check_served_inputs(
     ExportError: If the method's result holds something other than arrays
       and None.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  from flax import nnx
 
-  from flax_dtensor import (  # pylint: disable=g-import-not-at-top
-    _errors,
-    _plan_view,
-  )
-  from flax_dtensor.dtensor import _signature  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors, _text
+  from flax_dtensor.dtensor import _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
@@ -491,7 +486,7 @@ def check_served_inputs(
   if parameters is not None and not parameters.fits(len(specs)):
     raise BadInputError(
       f'--input-shape {given} gives '
-      f'{_plan_view.count(len(specs), "argument")}, but '
+      f'{_text.count(len(specs), "argument")}, but '
       f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
       'per positional parameter, in order, and NAME:none for an argument '
       'passed as None (e.g. --input-shape cache:none).'
@@ -525,7 +520,7 @@ def check_served_inputs(
     nnx.eval_shape(call, abstract, *examples)
   except _errors.FlaxDTensorError:
     raise
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     own = _signature.own_symbols([s.dims for s in specs])
     if own and _signature.names_a_symbol(e, own):
       examples_text = [

@@ -71,7 +71,7 @@ def demo(
     _inputs.check_out(out)
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
-    from flax_dtensor.demo import run, train  # pylint: disable=g-import-not-at-top
+    from flax_dtensor.demo import run, train
 
     run.run(
       mesh=mesh_,

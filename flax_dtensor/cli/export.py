@@ -122,7 +122,7 @@ def export(
         '--input-shape only applies with --saved-model; add --saved-model '
         'or drop --input-shape.'
       )
-    from flax_dtensor import _orbax  # pylint: disable=g-import-not-at-top
+    from flax_dtensor._placement import _orbax
 
     source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
@@ -138,11 +138,11 @@ def export(
         )
     if cpu_devices is not None:
       _inputs.configure_cpu_devices(cpu_devices)
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
 
-    import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
-    from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
-    from flax_dtensor.dtensor import _atomic  # pylint: disable=g-import-not-at-top
+    import flax_dtensor as fdt
+    from flax_dtensor import _text
+    from flax_dtensor.dtensor import _atomic, _manifest
 
     mesh_ = _inputs.make_mesh(axes, mesh)
     dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
@@ -156,7 +156,10 @@ def export(
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
     with _atomic.all_or_nothing(
-      str(out), list(outputs), overwrite=overwrite
+      str(out),
+      list(outputs),
+      overwrite=overwrite,
+      is_export=_manifest.is_export,
     ) as staged:
       relaid = None
       if single_mesh:
@@ -182,11 +185,11 @@ def export(
       markup=False,
     )
     rows = [('restored', str(source), '')] + [
-      (name, str(path), _command.human_bytes(_command.disk_usage(path)))
+      (name, str(path), _text.human_bytes(_command.disk_usage(path)))
       for name, path in outputs.items()
     ]
     console.print(
-      _plan_view.table_or_stacked(
+      _text.table_or_stacked(
         ('what', 'path', 'size'),
         rows,
         console.width,

@@ -15,54 +15,38 @@ from typing import Annotated, Any
 
 import typer
 
-from flax_dtensor import _specs
+from flax_dtensor import _text
+from flax_dtensor._rules import _specs
 from flax_dtensor.cli import _command
-
-
-def _axes_text(mesh: dict[str, Any]) -> str:
-  names, sizes = mesh.get('axis_names', []), mesh.get('axis_sizes', [])
-  return ','.join(f'{n}={s}' for n, s in zip(names, sizes, strict=True))
 
 
 def sharding_texts(record: Any) -> tuple[str, str]:
   """(JAX sharding, DTensor layout) texts of a flax_dtensor.json record.
 
-  The record is the structured ``sharding`` of a variable (the JAX spec as
-  mesh axes per dimension, the JAX mesh, and the DTensor layout it was
-  written with), e.g. ``P('data', 'model') @ data=2,model=4`` and
+  The record is the ``sharding`` of a variable as `_manifest.read` checked
+  it (a `_manifest.ShardingRecord`: the JAX spec as mesh axes per
+  dimension, the JAX mesh, and the DTensor layout it was written with),
+  e.g. ``P('data', 'model') @ data=2,model=4`` and
   ``data,model @ data=2,model=4``. A dimension over two JAX axes is on a
   fused DTensor axis: ``P(('data', 'model'), None) @ data=2,model=4`` and
   ``data+model,unsharded @ data+model=8``. A record of an older
   flax_dtensor (a display string) is shown as it is, with no DTensor
   layout; a missing one as '-'.
   """
-  if not isinstance(record, dict):
-    return (str(record) if record else '-'), '-'
-  try:
-    if record['kind'] == 'single_device':
-      jax_text = 'one device'
-    else:
-      spec = record['spec']
-      if not isinstance(spec, list) or not all(
-        isinstance(d, list) and all(isinstance(a, str) for a in d) for d in spec
-      ):
-        raise ValueError(f'spec {spec!r:.60}')
-      jax_text = f'{_specs.format_spec(spec)} @ {_axes_text(record["mesh"])}'
-    layout = record['dtensor_layout']
-    specs = ','.join(layout['sharding_specs']) or 'scalar'
-    dtensor_text = f'{specs} @ {_axes_text(layout["mesh"])}'
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    raise _command.BadInputError(
-      f'Malformed sharding record in flax_dtensor.json: {record!r:.200} '
-      f'(it lacks or garbles {e}). Re-export the checkpoint.'
-    ) from e
-  return jax_text, dtensor_text
+  if record is None or isinstance(record, str):
+    return (record or '-'), '-'
+  if record.kind == 'single_device':
+    jax_text = 'one device'
+  else:
+    jax_text = f'{_specs.format_spec(record.spec)} @ {record.mesh.text()}'
+  specs = ','.join(record.dtensor_specs) or 'scalar'
+  return jax_text, f'{specs} @ {record.dtensor_mesh.text()}'
 
 
 def _read_manifest(path: pathlib.Path) -> Any:
   """The manifest of the export in `path` itself, or None."""
-  from flax_dtensor import _errors  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.dtensor import _manifest  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _errors
+  from flax_dtensor.dtensor import _manifest
 
   try:
     manifest = _manifest.read(str(path))
@@ -93,7 +77,7 @@ _VARIABLE_COLUMNS = (
 
 
 def _manifest_rows(manifest: Any) -> list[Row]:
-  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names
 
   rows = []
   for record in sorted(manifest.records, key=lambda r: r.key):
@@ -116,7 +100,7 @@ def _manifest_rows(manifest: Any) -> list[Row]:
 
 def _tf_rows(items: Any) -> list[Row]:
   """Rows of (NNX path, shape, stored dtype) read by TF: no layouts."""
-  from flax_dtensor.dtensor import _names  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names
 
   return [
     (_names.path_text(p), '-', str(tuple(shape)), dtype, '-', '-')
@@ -141,7 +125,7 @@ def inspect_checkpoint(path: pathlib.Path, width: int) -> list[Any]:
 
 
 def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
-  from flax_dtensor.dtensor import _names, _tf  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _names, _tf
 
   tf = _tf.tf()
   try:
@@ -163,7 +147,7 @@ def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
 
 def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   """What to print for a SavedModel: its signatures and its variables."""
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _text
 
   manifest = _read_manifest(path)
   signatures = dict(manifest.signatures) if manifest is not None else {}
@@ -191,7 +175,7 @@ def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   ]
   return [
     *_title('SavedModel', path, width, 'signatures'),
-    _plan_view.table_or_stacked(
+    _text.table_or_stacked(
       ('signature', 'inputs', 'outputs'), signature_rows, width
     ),
     *_title('SavedModel', path, width, 'variables'),
@@ -208,7 +192,7 @@ def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
   graph of the SavedModel runs (`tf.saved_model.load` would restore its
   functions).
   """
-  from flax_dtensor.dtensor import _saved_model  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _saved_model
 
   try:
     signatures = _saved_model.written_signatures(str(path))
@@ -231,11 +215,11 @@ def verify_export(
   Checks where every file the manifest names leads and every file's size
   and checksums (`_manifest.problems_of`), without JAX or TensorFlow.
   """
-  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  import concurrent.futures
 
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
-  from flax_dtensor.dtensor import _manifest  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _manifest
 
   what = 'DTensor checkpoint' if kind == 'checkpoint' else 'SavedModel'
   manifest = _read_manifest(path)
@@ -249,7 +233,7 @@ def verify_export(
     problems = _manifest.problems_of(manifest, pool)
   title = _title(what, path, width)
   if not problems:
-    size = _command.human_bytes(sum(f.size for f in manifest.files.values()))
+    size = _text.human_bytes(sum(f.size for f in manifest.files.values()))
     text = (
       f'intact: {_count(len(manifest.files), "file")}, {size}, checked '
       f'against {manifest.location}'
@@ -267,35 +251,35 @@ def verify_export(
 
 
 def _count(n: int, noun: str) -> str:
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _text
 
-  return _plan_view.count(n, noun)
+  return _text.count(n, noun)
 
 
 def _title(
   what: str, path: pathlib.Path, width: int, part: str = ''
 ) -> list[Any]:
   """'WHAT PATH[: PART]' in bold; a long path on lines of its own."""
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _text
 
   suffix = f': {part}' if part else ''
   text = f'{what} {path}{suffix}'
   if len(text) <= width:
     return [rich.text.Text(text, style='bold')]
-  lines = [what, *_plan_view.wrap_path(f'{path}{suffix}', width)]
+  lines = [what, *_text.wrap_path(f'{path}{suffix}', width)]
   return [rich.text.Text(line, style='bold') for line in lines]
 
 
 def _caption(text: str) -> Any:
-  import rich.text  # pylint: disable=g-import-not-at-top
+  import rich.text
 
   return rich.text.Text(text, style='dim')
 
 
 def _variables(rows: Sequence[Row], width: int) -> list[Any]:
-  from flax_dtensor import _plan_view  # pylint: disable=g-import-not-at-top
+  from flax_dtensor import _text
 
   def details(row: Sequence[str]) -> list[str]:
     _, kind, shape, dtype, jax_text, dtensor_text = row
@@ -306,7 +290,7 @@ def _variables(rows: Sequence[Row], width: int) -> list[Any]:
     ]
 
   return [
-    _plan_view.table_or_stacked(
+    _text.table_or_stacked(
       _VARIABLE_COLUMNS, rows, width, paths=('variable',), details=details
     )
   ]

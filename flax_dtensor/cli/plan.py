@@ -185,17 +185,17 @@ def plan(
     if min_bytes is not None:
       min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')
     if suggest:
-      from flax_dtensor import _rules  # pylint: disable=g-import-not-at-top
+      from flax_dtensor._rules import _logical
 
-      rules_ = _rules.LogicalRules([], unknown='replicate')
+      rules_ = _logical.LogicalRules([], unknown='replicate')
     else:
       rules_ = _inputs.load_rules(
         rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
       )
     factory = _inputs.load_target(target)
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
 
-    import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
+    import flax_dtensor as fdt
 
     mesh_ = _inputs.abstract_mesh(axes)
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
@@ -235,7 +235,7 @@ def plan(
         _command.console().print(str(report), highlight=False, markup=False)
       _command.exit_findings(report)
     elif golden_text is not None:
-      from flax_dtensor import _plan  # pylint: disable=g-import-not-at-top
+      from flax_dtensor._planning import _plan
 
       golden = _plan.plan_from_json(golden_text, f'--diff {str(diff)!r}')
       changes = result.diff(golden)

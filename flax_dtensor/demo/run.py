@@ -19,7 +19,7 @@ import rich.console
 import rich.progress
 import rich.text
 
-from flax_dtensor import _plan_view
+from flax_dtensor import _text
 
 
 def _disk_usage(path: pathlib.Path) -> int:
@@ -174,15 +174,15 @@ def run(
   start = time.perf_counter()
   rules_ = rules
 
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from flax import nnx
 
-  import flax_dtensor as fdt  # pylint: disable=g-import-not-at-top
-  from flax_dtensor import dtensor  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.demo import data, train, verify  # pylint: disable=g-import-not-at-top
-  from flax_dtensor.demo import model as model_lib  # pylint: disable=g-import-not-at-top
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor
+  from flax_dtensor.demo import data, train, verify
+  from flax_dtensor.demo import model as model_lib
 
   mesh_ = mesh
   mesh_text = ','.join(
@@ -190,13 +190,13 @@ def run(
   )
   console.print(
     f'[bold]flax-dtensor demo[/] on '
-    f'{_plan_view.count(jax.device_count(), "device")} '
+    f'{_text.count(jax.device_count(), "device")} '
     f'({jax.default_backend()}), mesh {mesh_text}',
     highlight=False,
   )
   console.print(
-    f'{_plan_view.count(steps, "step")} of '
-    f'{_plan_view.count(batch_size, "sequence")}, seed {seed}',
+    f'{_text.count(steps, "step")} of '
+    f'{_text.count(batch_size, "sequence")}, seed {seed}',
     highlight=False,
   )
 
@@ -288,7 +288,7 @@ def run(
 
 
 def next_batch(batches: Any) -> Any:
-  from flax_dtensor.demo import train  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.demo import train
 
   return train.shard_batch(next(batches))
 
@@ -305,7 +305,7 @@ def _print_summary(
     (
       label,
       summary['files'][key],
-      _plan_view.human_bytes(summary['bytes'][key]),
+      _text.human_bytes(summary['bytes'][key]),
     )
     for key, label in labels.items()
   ]
@@ -341,6 +341,6 @@ def _print_summary(
   ):
     console.print(rich.text.Text(title, style='bold'))
     console.print(
-      _plan_view.table_or_stacked(columns, rows, width, **options),
+      _text.table_or_stacked(columns, rows, width, **options),
       highlight=False,
     )

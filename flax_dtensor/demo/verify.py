@@ -62,7 +62,7 @@ def verify_saved_model(
   Raises:
     RuntimeError: If the subprocess fails or times out.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   with tempfile.TemporaryDirectory(prefix='flax_dtensor_verify_') as tmp:
     tokens_path = os.path.join(tmp, 'tokens.npy')

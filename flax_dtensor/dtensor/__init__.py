@@ -29,6 +29,20 @@ if TYPE_CHECKING:
   )
   from flax_dtensor.dtensor._convert import flat_variables as flat_variables
   from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
+  from flax_dtensor.dtensor._errors import (
+    DamagedExportError as DamagedExportError,
+  )
+  from flax_dtensor.dtensor._errors import DiskFullError as DiskFullError
+  from flax_dtensor.dtensor._errors import (
+    ExportNotFoundError as ExportNotFoundError,
+  )
+  from flax_dtensor.dtensor._errors import (
+    MalformedExportError as MalformedExportError,
+  )
+  from flax_dtensor.dtensor._errors import PeerError as PeerError
+  from flax_dtensor.dtensor._errors import (
+    SaveInProgressError as SaveInProgressError,
+  )
   from flax_dtensor.dtensor._from_tf import from_tf_module as from_tf_module
   from flax_dtensor.dtensor._layouts import layout_for as layout_for
   from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
@@ -52,8 +66,14 @@ if TYPE_CHECKING:
   from flax_dtensor.dtensor._topology import shutdown as shutdown
 
 __all__ = (
+  'DamagedExportError',
+  'DiskFullError',
+  'ExportNotFoundError',
+  'MalformedExportError',
+  'PeerError',
   'RelaidVariable',
   'SaveHandle',
+  'SaveInProgressError',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
@@ -81,6 +101,12 @@ _MODULES = {
   'save_checkpoint': '_checkpoint',
   'flat_variables': '_convert',
   'to_tf_module': '_convert',
+  'DamagedExportError': '_errors',
+  'DiskFullError': '_errors',
+  'ExportNotFoundError': '_errors',
+  'MalformedExportError': '_errors',
+  'PeerError': '_errors',
+  'SaveInProgressError': '_errors',
   'from_tf_module': '_from_tf',
   'layout_for': '_layouts',
   'mesh_to_dtensor': '_layouts',

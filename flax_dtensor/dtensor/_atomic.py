@@ -8,6 +8,10 @@ writers left, whatever moment they died at, and finishes an interrupted
 swap. `check_writable` and `check_replaceable` refuse, before any byte is
 written, places this process cannot write and what this package did not
 write. In a multi-process run, process 0 does the filesystem work.
+
+This layer knows nothing of what an export holds: the format's layer
+passes `is_export`, which tells a directory it wrote (its manifest) from
+anything else.
 """
 
 from __future__ import annotations
@@ -23,13 +27,20 @@ import shutil
 import socket
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import _manifest, _peers
+from flax_dtensor.dtensor import _peers
+
+IsExport = Callable[[str], bool]
+"""Whether a directory holds an export of this package, written for it.
+
+Given by the format's layer (`_manifest.is_export`): true for a directory
+whose own manifest is valid and describes it, false for anything else.
+"""
 
 # Marks a temporary complete (all files written and flushed): its writer's
 # identity and `COMPLETE`. Not part of the export.
@@ -285,7 +296,7 @@ def _temporaries(directory: str) -> list[_Temporary]:
   return out
 
 
-def recover(directory: str, *, writing: bool) -> None:
+def recover(directory: str, *, writing: bool, is_export: IsExport) -> None:
   """Finishes or undoes what a killed writer left at `directory`.
 
   If `directory` is missing and a dead writer left a complete new export,
@@ -297,10 +308,12 @@ def recover(directory: str, *, writing: bool) -> None:
   Args:
     directory: The export directory.
     writing: Whether a save follows (a live writer is then an error).
+    is_export: Whether a directory holds an export (an old one renamed
+      aside is moved back only then).
 
   Raises:
-    ExportError: If another writer is alive, or the export is missing and
-      only another host's writer could say where it is.
+    SaveInProgressError: If another writer is alive, or the export is
+      missing and only another host's writer could say where it is.
   """
   temporaries = _temporaries(directory)
   live = [t for t in temporaries if t.alive is True]
@@ -308,19 +321,17 @@ def recover(directory: str, *, writing: bool) -> None:
   exists = os.path.lexists(directory)
   changed = False
   if live and (writing or not exists):
-    raise _errors.ExportError(
+    raise _errors.SaveInProgressError(
       f'Another save to {directory!r} is in progress '
       f'({live[0].writer.describe()}, writing {live[0].path!r}). Wait for it '
       'to finish, or save elsewhere.'
     )
   if not exists and not live:
     complete = [t for t in temporaries if _TMP in t.path and t.complete]
-    old = [
-      t for t in temporaries if _OLD in t.path and _manifest.locate(t.path)
-    ]
+    old = [t for t in temporaries if _OLD in t.path and is_export(t.path)]
     chosen = (complete or old or [None])[-1]
     if chosen is None and unknown:
-      raise _errors.ExportError(
+      raise _errors.SaveInProgressError(
         f'{directory!r} does not exist, and a writer on another host left '
         f'{[t.path for t in unknown]!r}. Check that host; a complete export '
         'there holds its flax_dtensor.json and can be renamed into place.'
@@ -432,11 +443,12 @@ def _check_removable(directory: str) -> None:
         )
 
 
-def check_replaceable(directory: str) -> None:
+def check_replaceable(directory: str, *, is_export: IsExport) -> None:
   """Raises unless `directory` is an export this package wrote (or empty).
 
   Also raises if this process could not remove it after writing the new
-  one (someone else's directory).
+  one (someone else's directory). `is_export` tells an export of this
+  package (its manifest) from any other non-empty directory.
 
   Raises:
     ExportError: For the filesystem root, the home directory, the current
@@ -458,16 +470,11 @@ def check_replaceable(directory: str) -> None:
     why = 'it is a symbolic link'
   elif not os.path.isdir(directory):
     why = 'it is a file, not an export directory'
-  elif os.listdir(directory):
-    try:
-      manifest = _manifest.read(directory)
-    except _errors.ExportError:
-      manifest = None
-    if manifest is None or manifest.root != os.path.abspath(directory):
-      why = (
-        'it is a non-empty directory without a flax_dtensor.json manifest, '
-        'so not an export of this package'
-      )
+  elif os.listdir(directory) and not is_export(os.path.abspath(directory)):
+    why = (
+      'it is a non-empty directory without a flax_dtensor.json manifest, '
+      'so not an export of this package'
+    )
   if why is not None:
     raise _errors.ExportError(
       f'Refusing to overwrite {directory!r}: {why}. `overwrite=True` only '
@@ -520,14 +527,14 @@ def _move_into_place(tmp: str, directory: str) -> None:
     _active.discard(old)
 
 
-def _prepare(directory: str, overwrite: bool) -> str:
+def _prepare(directory: str, overwrite: bool, is_export: IsExport) -> str:
   """Process 0's part before writing: checks, recovery; the temporary."""
   check_writable(directory)
-  recover(directory, writing=True)
+  recover(directory, writing=True, is_export=is_export)
   if os.path.lexists(directory):
     if not overwrite:
       raise _errors.ExportError(_exists_message(directory))
-    check_replaceable(directory)
+    check_replaceable(directory, is_export=is_export)
   tmp = _sibling(directory, _TMP)
   _active.add(tmp)
   os.mkdir(tmp)
@@ -536,12 +543,14 @@ def _prepare(directory: str, overwrite: bool) -> str:
 
 @contextlib.contextmanager
 def atomic_directory(
-  directory: str, *, overwrite: bool = False
+  directory: str, *, is_export: IsExport, overwrite: bool = False
 ) -> Iterator[str]:
   """Yields a temporary directory that becomes `directory` on success.
 
   Args:
     directory: The final directory (absolute). Its parent must exist.
+    is_export: Whether a directory holds an export of this package (only
+      one is replaced, or moved back after an interrupted save).
     overwrite: Whether to replace an existing export at `directory`.
 
   Yields:
@@ -549,14 +558,17 @@ def atomic_directory(
     every process).
 
   Raises:
+    SaveInProgressError: If another save to it is in progress.
+    PeerError: If another process stopped or failed.
     ExportError: If `directory` exists and `overwrite` is false, is not an
-      export of this package, its parent does not exist or is not writable,
-      another save to it is in progress, or another process stopped.
+      export of this package, or its parent does not exist or is not
+      writable.
 
   Example:
     >>> import os, tempfile
     >>> root = tempfile.mkdtemp()
-    >>> with atomic_directory(os.path.join(root, 'out')) as tmp:
+    >>> out = os.path.join(root, 'out')
+    >>> with atomic_directory(out, is_export=lambda path: False) as tmp:
     ...   open(os.path.join(tmp, 'a.txt'), 'w').close()
     >>> os.listdir(os.path.join(root, 'out'))
     ['a.txt']
@@ -566,7 +578,7 @@ def atomic_directory(
   tmp, error = None, None
   if lead:
     try:
-      tmp = _prepare(directory, overwrite)
+      tmp = _prepare(directory, overwrite, is_export)
     except _errors.ExportError as e:
       error = e
     except OSError as e:
@@ -575,11 +587,17 @@ def atomic_directory(
         f'{e}. Check the path and its permissions.'
       )
       error.__cause__ = e
-  shared = _peers.share({'tmp': tmp, 'error': error and str(error)})
+  shared = _peers.share(
+    {
+      'tmp': tmp,
+      'error': error and str(error),
+      'kind': error and type(error).__name__,
+    }
+  )
   if error is not None:
     raise error
   if shared['error'] is not None:
-    raise _errors.ExportError(shared['error'])
+    raise _errors.export_error_named(shared['kind'])(shared['error'])
   tmp = shared['tmp']
   try:
     yield tmp
@@ -596,7 +614,8 @@ def atomic_directory(
     if error is not None:
       raise error
     if 'error' in outcome:
-      raise _errors.ExportError(
+      kind = _peers.shared_kind(outcome['error'].partition(':')[0])
+      raise kind(
         f'Process 0 could not move the finished export into {directory!r}: '
         f'{outcome["error"]}'
       )
@@ -632,25 +651,32 @@ def staging_directory(parent: str) -> Iterator[str]:
     _active.discard(path)
 
 
-def commit(staged: str, directory: str, *, overwrite: bool) -> None:
+def commit(
+  staged: str, directory: str, *, overwrite: bool, is_export: IsExport
+) -> None:
   """Moves a complete export into place, as `atomic_directory` does.
 
   Raises:
+    SaveInProgressError: If another save to `directory` is in progress.
     ExportError: If `directory` exists and `overwrite` is false, or it is
       not an export of this package.
   """
   check_writable(directory)
-  recover(directory, writing=True)
+  recover(directory, writing=True, is_export=is_export)
   if os.path.lexists(directory):
     if not overwrite:
       raise _errors.ExportError(_exists_message(directory))
-    check_replaceable(directory)
+    check_replaceable(directory, is_export=is_export)
   _move_into_place(staged, directory)
 
 
 @contextlib.contextmanager
 def all_or_nothing(
-  parent: str, names: Iterator[str] | list[str], *, overwrite: bool
+  parent: str,
+  names: Iterator[str] | list[str],
+  *,
+  overwrite: bool,
+  is_export: IsExport,
 ) -> Iterator[dict[str, str]]:
   """Yields scratch paths for several exports in `parent`; commits all.
 
@@ -670,12 +696,17 @@ def all_or_nothing(
       target = os.path.join(parent, name)
       check_writable(target)
       if os.path.lexists(target) and overwrite:
-        check_replaceable(target)
+        check_replaceable(target, is_export=is_export)
     with staging_directory(parent) as staging:
       staged = {name: os.path.join(staging, name) for name in names}
       yield staged
       for name, path in staged.items():
-        commit(path, os.path.join(parent, name), overwrite=overwrite)
+        commit(
+          path,
+          os.path.join(parent, name),
+          overwrite=overwrite,
+          is_export=is_export,
+        )
   except BaseException:
     if created:
       with contextlib.suppress(OSError):
@@ -683,17 +714,19 @@ def all_or_nothing(
     raise
 
 
-def recover_for_reading(directory: str) -> None:
+def recover_for_reading(directory: str, *, is_export: IsExport) -> None:
   """`recover` before a read, on process 0; the others wait for it.
 
   Raises:
-    ExportError: If recovering fails (e.g. another writer is alive and the
-      export is missing), or another process stopped.
+    SaveInProgressError: If another writer is alive and the export is
+      missing.
+    PeerError: If another process stopped.
+    ExportError: If recovering fails otherwise.
   """
   error: BaseException | None = None
   if jax.process_index() == 0:
     try:
-      recover(directory, writing=False)
+      recover(directory, writing=False, is_export=is_export)
     except OSError as e:
       error = _errors.ExportError(
         f'Checking {directory!r} for an interrupted save failed: {e}. '
@@ -702,8 +735,12 @@ def recover_for_reading(directory: str) -> None:
       error.__cause__ = e
     except _errors.ExportError as e:
       error = e
-  message = _peers.share(str(error) if error is not None else None)
+  shared = _peers.share(
+    None
+    if error is None
+    else {'kind': type(error).__name__, 'error': str(error)}
+  )
   if error is not None:
     raise error
-  if message is not None:
-    raise _errors.ExportError(message)
+  if shared is not None:
+    raise _errors.export_error_named(shared['kind'])(shared['error'])

@@ -62,8 +62,9 @@ class SaveHandle:
       timeout: Seconds to wait at most; None waits as long as it takes.
 
     Raises:
-      ExportError: The error a blocking save would have raised (full disk,
-        a failed write, ...); the directory then holds what it held before.
+      ExportError: The error a blocking save would have raised (a
+        `DiskFullError`, a `PeerError`, a failed write, ...); the directory
+        then holds what it held before.
       TimeoutError: If `timeout` passed before the save finished.
     """
     _unasked.discard(self)
@@ -105,7 +106,7 @@ def wait_for(directory: str) -> None:
   with _lock:
     handle = _pending.get(directory)
   if handle is not None:
-    handle._done.wait()  # pylint: disable=protected-access
+    handle._done.wait()
 
 
 class StartedPool(concurrent.futures.ThreadPoolExecutor):
@@ -148,16 +149,16 @@ def start(
 
   def run() -> None:
     try:
-      handle._value = work(*started)  # pylint: disable=protected-access
+      handle._value = work(*started)
     except BaseException as e:  # Re-raised by `wait`.
-      handle._error = e  # pylint: disable=protected-access
+      handle._error = e
     finally:
       for pool in started:
         pool.shutdown()
       with _lock:
         if _pending.get(directory) is handle:
           del _pending[directory]
-      handle._done.set()  # pylint: disable=protected-access
+      handle._done.set()
 
   with _lock:
     _pending[directory] = handle
@@ -184,7 +185,7 @@ def wait_all() -> None:
     if not handles:
       return
     for handle in handles:
-      handle._done.wait()  # pylint: disable=protected-access
+      handle._done.wait()
 
 
 def _install_exit_hook() -> None:
@@ -201,7 +202,7 @@ def _install_exit_hook() -> None:
     if _exit_hook_installed:
       return
     _exit_hook_installed = True
-  threading._register_atexit(_at_exit)  # pylint: disable=protected-access
+  threading._register_atexit(_at_exit)
 
 
 EXIT_STATUS = 1
@@ -218,13 +219,13 @@ def _at_exit() -> None:
   handlers registered with `atexit` then do not run.
   """
   wait_all()
-  failed = [h for h in list(_unasked) if h._error is not None]  # pylint: disable=protected-access
+  failed = [h for h in list(_unasked) if h._error is not None]
   if not failed:
     return
   for handle in failed:
     print(
       f'flax_dtensor: the background save to {handle.directory!r} failed '
-      f'and nobody called wait() on it: {handle._error}. The process exits '  # pylint: disable=protected-access
+      f'and nobody called wait() on it: {handle._error}. The process exits '
       f'with status {EXIT_STATUS}.',
       file=sys.stderr,
     )

@@ -3,8 +3,10 @@
 `save_checkpoint` writes, atomically (`_atomic`), one DTensor sharded save
 per DTensor mesh (every process writes its own shards, straight from the
 JAX buffers), merges them into ``ckpt.*`` with the object graph
-``tf.train.Checkpoint`` needs, and writes the manifest (`_manifest`) last,
-with a CRC-32 of every shard (hashed while TF writes) and of every file.
+``tf.train.Checkpoint`` needs (`merge`), and writes the manifest
+(`_manifest`) last, with a CRC-32 of every shard (hashed while TF writes)
+and of every file. A background save (`blocking=False`) writes the same
+checkpoint from host copies instead, without DTensor (`_host_write`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
-import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
@@ -28,7 +29,7 @@ from flax_dtensor.dtensor import (
   _atomic,
   _background,
   _convert,
-  _host_read,
+  _host_write,
   _layouts,
   _manifest,
   _names,
@@ -51,11 +52,6 @@ _PART = 'flax_dtensor.part-{}.json'
 TF_POISONED_MSG = (
   'TF DTensor cancels every later TensorFlow operation of this process '
   'after such an error: restart the process once the cause is fixed.'
-)
-ASYNC_MULTIPROCESS_MSG = (
-  'save_checkpoint(..., blocking=False) runs in one process only, but '
-  'this run has {} processes (saving to {!r}). Pass blocking=True (the '
-  'default) in a multi-process run.'
 )
 WRITE_FIX = (
   'Check the disk space, the permissions and the path (on several hosts: a '
@@ -111,8 +107,12 @@ def _write_tf_checkpoint(
   entries: Sequence[_selection.Entry],
   tensors: Sequence[tf.Tensor],
   directory: str,
-) -> None:
-  """Writes `directory/ckpt.*` (all processes, collectively)."""
+) -> list[str]:
+  """Writes every process's shards collectively; the prefixes written.
+
+  One DTensor sharded save per DTensor mesh, under `directory`'s scratch
+  directory; process 0 merges them (`merge`).
+  """
   tf = _tf.tf()
   dtensor = _tf.dtensor()
   scratch = os.path.join(directory, _SCRATCH)
@@ -143,31 +143,42 @@ def _write_tf_checkpoint(
         + TF_POISONED_MSG
       ) from e
     prefixes.append(prefix)
-  if jax.process_index() == 0:
-    prefixes.append(_write_object_graph(entries, scratch))
-    tf.raw_ops.MergeV2Checkpoints(
-      checkpoint_prefixes=prefixes,
-      destination_prefix=os.path.join(directory, PREFIX),
-      delete_old_dirs=True,
+  return prefixes
+
+
+def merge(
+  entries: Sequence[_selection.Entry], prefixes: Sequence[str], directory: str
+) -> None:
+  """Merges TF bundles into `directory/ckpt.*` (process 0, alone).
+
+  Adds the object graph and the ``checkpoint`` state file; removes the
+  bundles and the scratch directory.
+  """
+  tf = _tf.tf()
+  scratch = os.path.join(directory, _SCRATCH)
+  os.makedirs(scratch, exist_ok=True)
+  tf.raw_ops.MergeV2Checkpoints(
+    checkpoint_prefixes=[*prefixes, _write_object_graph(entries, scratch)],
+    destination_prefix=os.path.join(directory, PREFIX),
+    delete_old_dirs=True,
+  )
+  shutil.rmtree(scratch, ignore_errors=True)
+  # `tf.train.load_checkpoint(directory)` and `latest_checkpoint` need
+  # it; relative, since the directory is renamed after writing.
+  with open(os.path.join(directory, 'checkpoint'), 'w') as f:
+    f.write(
+      f'model_checkpoint_path: "{PREFIX}"\n'
+      f'all_model_checkpoint_paths: "{PREFIX}"\n'
     )
-    shutil.rmtree(scratch, ignore_errors=True)
-    # `tf.train.load_checkpoint(directory)` and `latest_checkpoint` need
-    # it; relative, since the directory is renamed after writing.
-    with open(os.path.join(directory, 'checkpoint'), 'w') as f:
-      f.write(
-        f'model_checkpoint_path: "{PREFIX}"\n'
-        f'all_model_checkpoint_paths: "{PREFIX}"\n'
-      )
 
 
 def records(
   entries: Sequence[_selection.Entry],
-  values: Sequence[jax.Array],
-  tensors: Sequence[Any],
+  shardings: Sequence[jax.sharding.Sharding],
+  layouts: Sequence[Any],
   shards: Sequence[Sequence[tuple[Any, int]]],
 ) -> tuple[_manifest.Record, ...]:
-  """The manifest's variable records."""
-  dtensor = _tf.dtensor()
+  """The manifest's variable records (each array's sharding and layout)."""
   return tuple(
     _manifest.Record(
       path=e.path,
@@ -177,41 +188,53 @@ def records(
       stored_dtype=e.stored_dtype.name,
       shape=e.shape,
       key_impl=e.key_impl,
-      sharding=_manifest.sharding_record(
-        v.sharding, dtensor.fetch_layout(t), len(e.shape)
-      ),
+      sharding=_manifest.sharding_record(sharding, layout, len(e.shape)),
       shards=tuple(s),
     )
-    for e, v, t, s in zip(entries, values, tensors, shards, strict=True)
+    for e, sharding, layout, s in zip(
+      entries, shardings, layouts, shards, strict=True
+    )
   )
 
 
 def gather_shards(
-  futures: Sequence[concurrent.futures.Future], directory: str
-) -> list[list[tuple[Any, int]]] | None:
-  """Every process's shard CRCs, on process 0 (None elsewhere).
+  mine: Sequence[Sequence[tuple[Any, int]]],
+  directory: str,
+  bundles: Sequence[str] = (),
+) -> tuple[list[list[tuple[Any, int]]], list[str]] | None:
+  """Every process's shard CRCs and TF bundles, on process 0 (None elsewhere).
 
-  Each process writes its own to a part file in the (shared) export
-  directory; process 0 reads them all after a barrier and merges them.
+  `mine` lists, per variable, the (slice, CRC-32) of the shards this
+  process wrote; `bundles`, the prefixes of the TF bundles it wrote. Each
+  process writes both to a part file in the (shared) export directory;
+  process 0 reads them all after a barrier and merges them.
   """
-  mine = [f.result() for f in futures]
   if jax.process_count() == 1:
-    return mine
+    return [list(m) for m in mine], list(bundles)
   path = os.path.join(directory, _PART.format(jax.process_index()))
   with open(path, 'w') as f:
-    json.dump([[[list(map(list, i)), c] for i, c in v] for v in mine], f)
+    json.dump(
+      {
+        'shards': [[[list(map(list, i)), c] for i, c in v] for v in mine],
+        'bundles': [os.path.relpath(b, directory) for b in bundles],
+      },
+      f,
+    )
   _peers.sync('manifest-parts')
   if jax.process_index() != 0:
     return None
   merged: list[dict[Any, int]] = [{} for _ in mine]
+  written = []
   for p in range(jax.process_count()):
     part = os.path.join(directory, _PART.format(p))
     with open(part) as f:
-      for i, shards in enumerate(json.load(f)):
-        for index, crc in shards:
-          merged[i][tuple(tuple(d) for d in index)] = crc
+      raw = json.load(f)
+    for i, shards in enumerate(raw['shards']):
+      for index, crc in shards:
+        merged[i][tuple(tuple(d) for d in index)] = crc
+    written += [os.path.join(directory, b) for b in raw['bundles']]
     os.remove(part)
-  return [sorted(m.items()) for m in merged]
+  return [sorted(m.items()) for m in merged], written
 
 
 def write_manifest(
@@ -320,20 +343,24 @@ def save_checkpoint(
   written; `restore_checkpoint` places by the target, as always.
 
   With `blocking=False` this returns a `SaveHandle` once the state is
-  copied (to new buffers in host memory on CPU): the caller may then
-  overwrite or donate its arrays, and the checkpoint holds the values of
-  the call. Writing, checking, flushing and the final rename run on a
-  thread of their own; `handle.wait()` raises what a blocking save would.
-  A path that cannot be written, an existing directory without
-  `overwrite` and an empty selection are still refused at the call. A
-  save to a path waits for a pending save to the same path, and the
-  interpreter waits for pending saves at exit. Asynchronous saves run in
-  one process only (a multi-process run saves with `blocking=True`).
+  copied to host memory: each process copies the saved shards it writes
+  (each distinct shard is written by one process holding it), and the
+  caller may then overwrite or donate its arrays; the checkpoint holds the
+  values of the call. Writing, checking, flushing, the barriers between
+  processes and process 0's final rename run on a thread of their own,
+  without device collectives (TF's plain SaveV2 on the host; process 0
+  merges the processes' files), and write the same checkpoint a blocking
+  save writes; `handle.wait()` raises what a blocking save would. A path
+  that cannot be written, an existing directory without `overwrite` and an
+  empty selection are still refused at the call. A save or restore of a
+  path waits for this process's pending save to the same path, and the
+  interpreter waits for pending saves at exit.
 
   In a multi-process run every process must call this with the same
   arguments (see the export guide for the recipe). If another process dies
-  or hangs, this raises within `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by
-  default) of its last heartbeat, naming it.
+  or hangs, this (or, with `blocking=False`, `wait()`) raises within
+  `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by default) of its last
+  heartbeat, naming it.
 
   Args:
     module_or_state: An NNX module, graph node (`nnx.Optimizer`) or
@@ -364,12 +391,15 @@ def save_checkpoint(
     ExportError: If `directory` is a URL, exists and `overwrite` is false,
       is not an export of this package (or one this user may not delete),
       its parent does not exist or is not writable, no variable is
-      selected, a variable cannot be exported (e.g. uint64), the disk is
-      full (the bytes needed and free), another process of the run stopped
-      or failed, or writing fails (the message names the cause and the
-      fix); with `blocking=False`, errors found while writing are raised
-      by the handle's `wait()` and `result()`, and `blocking=False` in a
-      multi-process run is refused.
+      selected, a variable cannot be exported (e.g. uint64), or writing
+      fails (the message names the cause and the fix). Each error below is
+      an ExportError too; with `blocking=False`, errors found while writing
+      are raised by the handle's `wait()` and `result()`.
+    DiskFullError: If the disk is full or a quota or file-size limit is
+      reached (the message gives the bytes needed and free); the previous
+      checkpoint is unchanged.
+    SaveInProgressError: If another process is saving to `directory`.
+    PeerError: If another process of the run stopped or failed.
 
   Example:
     >>> path = save_checkpoint(model, '/tmp/ckpt')  # doctest: +SKIP
@@ -377,120 +407,166 @@ def save_checkpoint(
     ...   checkpoint_key('linear/kernel'))
   """
   directory = _paths.local(directory, 'checkpoint directory')
-  if not blocking and jax.process_count() > 1:
-    raise _errors.ExportError(
-      ASYNC_MULTIPROCESS_MSG.format(jax.process_count(), directory)
-    )
   entries = _selection.select(
     module_or_state, include, exclude, what='module_or_state'
   )
   _background.wait_for(directory)
   show = _convert.show_progress(progress, len(entries))
   nbytes = sum(e.nbytes for e in entries)
-  if blocking:
-    with (
-      _tf_errors.space_checked(directory, nbytes),
-      _peers.session(
-        f'the save to {directory!r}',
-        f'{directory!r} holds the previous checkpoint or the new one, whole.',
-      ),
-      _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
-    ):
-      entries, values, tensors, report = _prepare(
-        entries, single_mesh=single_mesh, show=show, snapshot=False
-      )
-      with (
-        _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
-        concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
-        concurrent.futures.ThreadPoolExecutor(1) as flusher,
-      ):
-        _write(entries, values, tensors, tmp, directory, show, pool, flusher)
-    return (directory, report) if single_mesh else directory
-  with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
-    entries, values, tensors, report = _prepare(
-      entries, single_mesh=single_mesh, show=show, snapshot=True
-    )
-  # Entered here, so that a path that cannot be written is refused at the
-  # call; left on the writing thread, which moves the result into place.
-  stack = contextlib.ExitStack()
-  tmp = stack.enter_context(
-    _atomic.atomic_directory(directory, overwrite=overwrite)
+  what = f'the save to {directory!r}'
+  aftermath = (
+    f'{directory!r} holds the previous checkpoint or the new one, whole.'
   )
-
-  def work(
-    pool: concurrent.futures.Executor, flusher: concurrent.futures.Executor
-  ) -> str | tuple[str, _single_mesh.SingleMeshReport]:
+  if not blocking:
+    return _save_in_background(
+      entries,
+      directory,
+      _peers.begin(what, aftermath),
+      overwrite=overwrite,
+      single_mesh=single_mesh,
+      show=show,
+    )
+  with (
+    _tf_errors.space_checked(directory, nbytes),
+    _peers.session(what, aftermath),
+    _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
+  ):
+    values, report = _arrays_to_save(entries, single_mesh)
+    tensors = [
+      _convert.to_dtensor(e, widen=True, value=v)
+      for e, v in _convert.progress(
+        zip(entries, values, strict=True),
+        show=show,
+        total=len(entries),
+        desc='flax_dtensor: to DTensor',
+      )
+    ]
     with (
-      _tf_errors.space_checked(directory, nbytes),
+      _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      ) as tmp,
+      concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+      concurrent.futures.ThreadPoolExecutor(1) as flusher,
+    ):
+      _write(entries, values, tensors, tmp, directory, show, pool, flusher)
+  return (directory, report) if single_mesh else directory
+
+
+def _arrays_to_save(
+  entries: Sequence[_selection.Entry], single_mesh: bool
+) -> tuple[list[jax.Array], _single_mesh.SingleMeshReport | None]:
+  """The arrays to write (moved onto one mesh if asked), and the report."""
+  values = [_selection.to_jax_array(e) for e in entries]
+  if not single_mesh:
+    return values, None
+  return _single_mesh.onto_one_mesh(entries, values)
+
+
+def _save_in_background(
+  entries: list[_selection.Entry],
+  directory: str,
+  session: _peers.Session | None,
+  *,
+  overwrite: bool,
+  single_mesh: bool,
+  show: bool,
+) -> _background.SaveHandle:
+  """`save_checkpoint(..., blocking=False)`: the copy here, the rest later.
+
+  On the caller's thread: the arrays, the temporary directory (so that a
+  path that cannot be written is refused at the call), this process's
+  shards copied to host memory (`_host_write`) and the layouts for the
+  manifest. On the save's own thread, which continues `session`: every
+  process writes and hashes its shards, process 0 merges them, writes the
+  manifest and moves the result into place (`_write_merged`).
+  """
+  stack = contextlib.ExitStack()
+  with _peers.joined(session, last=False):
+    with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
+      values, report = _arrays_to_save(entries, single_mesh)
+    # Before the copy: the processes meet here once, then each copies at
+    # its own pace.
+    tmp = stack.enter_context(
+      _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      )
+    )
+    try:
+      with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
+        pieces = _host_write.snapshot(entries, values)
+        shardings = [v.sharding for v in values]
+        layouts = [_layouts.layout_for(v.sharding, v.ndim) for v in values]
+        del values  # The caller's arrays: not kept alive by the save.
+    except BaseException as e:
+      stack.__exit__(type(e), e, e.__traceback__)  # Removes the temporary.
+      raise
+  # The copies go to the writing thread, which drops them once written.
+  copies = [pieces]
+  del pieces
+
+  def work(pool: concurrent.futures.Executor) -> Any:
+    with (
+      _peers.joined(session),
+      _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
       _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
       stack,
     ):
-      _write(entries, values, tensors, tmp, directory, show, pool, flusher)
+      _write_merged(
+        entries, copies.pop(), shardings, layouts, tmp, directory, show, pool
+      )
     return (directory, report) if single_mesh else directory
 
   try:
-    return _background.start(directory, work, pools=(_manifest.THREADS, 1))
-  except BaseException:
-    stack.close()
+    return _background.start(directory, work, pools=(_manifest.THREADS,))
+  except BaseException as e:
+    if session is not None:  # Tells the others, and leaves.
+      session.fail(e)
+      session.leave()
+    stack.__exit__(type(e), e, e.__traceback__)  # Removes the temporary.
     raise
 
 
-def _snapshot(values: Sequence[jax.Array]) -> list[jax.Array]:
-  """Copies of `values` in host buffers of their own, complete on return.
-
-  Each distinct shard is copied once with NumPy into an aligned buffer,
-  which JAX on CPU then uses as the device buffer of every device holding
-  that shard, without another copy (other platforms copy it back to the
-  device). The caller may then donate or overwrite the originals.
-  """
-  out = []
-  for v in values:
-    shards = v.addressable_shards
-    copies: dict[Any, np.ndarray] = {}
-    buffers = []
-    for s in shards:
-      index = _layouts.normalize_index(s.index, v.shape)
-      if index not in copies:
-        data = np.asarray(s.data)
-        copies[index] = _host_read.aligned_empty(data.shape, data.dtype)
-        np.copyto(copies[index], data)
-      buffers.append(copies[index])
-    placed = jax.device_put(buffers, [s.device for s in shards])
-    out.append(
-      jax.make_array_from_single_device_arrays(v.shape, v.sharding, placed)
-    )
-  return jax.block_until_ready(out)
-
-
-def _prepare(
-  entries: list[_selection.Entry],
-  *,
-  single_mesh: bool,
+def _write_merged(
+  entries: Sequence[_selection.Entry],
+  pieces: list[_host_write.Piece],
+  shardings: Sequence[jax.sharding.Sharding],
+  layouts: Sequence[Any],
+  tmp: str,
+  directory: str,
   show: bool,
-  snapshot: bool,
-) -> tuple[
-  list[_selection.Entry],
-  list[jax.Array],
-  list[Any],
-  _single_mesh.SingleMeshReport | None,
-]:
-  """The arrays to write and their DTensors (views of them)."""
-  values = [_selection.to_jax_array(e) for e in entries]
-  report = None
-  if single_mesh:
-    values, report = _single_mesh.onto_one_mesh(entries, values)
-  if snapshot:
-    values = _snapshot(values)
-  tensors = [
-    _convert.to_dtensor(e, widen=True, value=v)
-    for e, v in _convert.progress(
-      zip(entries, values, strict=True),
-      show=show,
-      total=len(entries),
-      desc='flax_dtensor: to DTensor',
+  pool: concurrent.futures.Executor,
+) -> None:
+  """A background save's writing, into the temporary `tmp`.
+
+  Each process writes its copied shards as a TF bundle of its own (and
+  drops them), hashed meanwhile by `pool`; process 0 then merges every
+  bundle into the checkpoint and writes the manifest.
+  """
+  nbytes = sum(e.nbytes for e in entries)
+  _output.announce(
+    show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
+  )
+  start = time.perf_counter()
+  scratch = os.path.join(tmp, _SCRATCH)
+  os.makedirs(scratch, exist_ok=True)
+  prefix = os.path.join(scratch, f'process{jax.process_index()}')
+  shards = _host_write.write(entries, pieces, prefix, pool)
+  bundles = [prefix] if pieces else []
+  pieces.clear()  # The copies are on disk: their memory goes.
+  gathered = gather_shards(shards, tmp, bundles)
+  if gathered is not None:
+    shards, bundles = gathered
+    merge(entries, bundles, tmp)
+    write_manifest(
+      tmp,
+      _manifest.CHECKPOINT_FORMAT,
+      PREFIX,
+      records(entries, shardings, layouts, shards),
+      pool,
     )
-  ]
-  return entries, values, tensors, report
+  _output.announce(
+    show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
+  )
 
 
 def _write(
@@ -514,18 +590,25 @@ def _write(
   )
   start = time.perf_counter()
   hashing = _manifest.shard_checksums(values, pool)
-  _write_tf_checkpoint(entries, tensors, tmp)
+  prefixes = _write_tf_checkpoint(entries, tensors, tmp)
+  if jax.process_index() == 0:
+    merge(entries, prefixes, tmp)
   # The disk flushes what TF wrote while the CRCs read it back from the
   # page cache; the directory's final flush then finds little to do.
   flushed = flusher.submit(_atomic.flush_files, tmp)
   try:
-    shards = gather_shards(hashing, tmp)
-    if shards is not None:
+    gathered = gather_shards([f.result() for f in hashing], tmp)
+    if gathered is not None:
       write_manifest(
         tmp,
         _manifest.CHECKPOINT_FORMAT,
         PREFIX,
-        records(entries, values, tensors, shards),
+        records(
+          entries,
+          [v.sharding for v in values],
+          [_tf.dtensor().fetch_layout(t) for t in tensors],
+          gathered[0],
+        ),
         pool,
       )
   finally:

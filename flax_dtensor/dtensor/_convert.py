@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output, _variables
+from flax_dtensor import _errors, _output
+from flax_dtensor._placement import _variables
 from flax_dtensor.dtensor import _arrays, _names, _selection, _single_mesh, _tf
 
 if TYPE_CHECKING:

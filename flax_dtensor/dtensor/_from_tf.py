@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _meshes, _output, _rules
+from flax_dtensor import _errors, _output
+from flax_dtensor._rules import _logical, _meshes
 from flax_dtensor.dtensor import (
   _arrays,
   _convert,
@@ -187,7 +188,7 @@ def from_tf_module(
   include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   allow_extra: bool = False,
   convert_dtypes: bool = False,
   rng_seed: int | None = None,
@@ -267,7 +268,7 @@ def from_tf_module(
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
   variables, source = _variables_of(tf_module_or_dvariables)
   held = {p: _held(v) for p, v in variables.items()}

@@ -31,8 +31,10 @@ AHEAD = 2
 """Variables TF reads ahead of the one JAX is placing (host copies alive)."""
 
 
-def _slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
-  """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-'."""
+def slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
+  """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-' ('' if whole)."""
+  if all((a, b) == (0, n) for (a, b), n in zip(index, shape, strict=True)):
+    return ''
   dims = [
     '-' if (a, b) == (0, n) else f'{a},{b - a}'
     for (a, b), n in zip(index, shape, strict=True)
@@ -137,13 +139,11 @@ def _read(
       tensors = tf.raw_ops.RestoreV2(
         prefix=prefix,
         tensor_names=[entry.key] * len(slices),
-        shape_and_slices=[
-          '' if i == full else _slice_spec(shape, i) for i in slices
-        ],
+        shape_and_slices=[slice_spec(shape, i) for i in slices],
         dtypes=[tf.as_dtype(stored)] * len(slices),
       )
   except tf.errors.OpError as e:
-    raise _errors.ExportError(
+    raise _errors.DamagedExportError(
       f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
       f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
       'data file of the checkpoint is complete and readable (or that no '

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 from flax_dtensor.dtensor import _tf, _topology
 
 if TYPE_CHECKING:

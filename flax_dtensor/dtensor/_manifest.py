@@ -8,7 +8,7 @@ strict about the document's shape and the paths it names;
 `verify_files` checks where the files lead and their bytes before
 TensorFlow reads them (`problems_of` lists what is wrong, for `--verify`);
 `verify_index` checks the variables against TF's index; `verify_read`
-checks every value read back, and `_crc` is the one hash of values.
+checks every value read back, and `crc` is the one hash of values.
 Reading (`read`) imports neither JAX nor TensorFlow: the command line's
 ``inspect`` shows an export from its manifest alone.
 """
@@ -25,7 +25,8 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 from flax_dtensor.dtensor import _names, _paths
 
 if TYPE_CHECKING:
@@ -63,6 +64,56 @@ class FileSum:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshAxes:
+  """A mesh's axis names and sizes, as the manifest records them."""
+
+  names: tuple[str, ...]
+  sizes: tuple[int, ...]
+
+  def text(self) -> str:
+    """'data=2,model=4'."""
+    return ','.join(
+      f'{n}={s}' for n, s in zip(self.names, self.sizes, strict=True)
+    )
+
+  def to_json(self) -> dict[str, Any]:
+    return {'axis_names': list(self.names), 'axis_sizes': list(self.sizes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRecord:
+  """How a variable was laid out when saved (`sharding_record`).
+
+  Attributes:
+    kind: 'named' (a `NamedSharding`) or 'single_device'.
+    spec: The JAX mesh axes of each dimension (``(('data', 'model'), ())``
+      for ``P(('data', 'model'), None)``).
+    mesh: The JAX mesh.
+    dtensor_specs: The DTensor layout's sharding spec of each dimension
+      (a fused axis 'data+model' for the spec above).
+    dtensor_mesh: The DTensor mesh.
+  """
+
+  kind: str
+  spec: tuple[tuple[str, ...], ...]
+  mesh: MeshAxes
+  dtensor_specs: tuple[str, ...]
+  dtensor_mesh: MeshAxes
+
+  def to_json(self) -> dict[str, Any]:
+    """The record as the manifest stores it."""
+    return {
+      'kind': self.kind,
+      'spec': [list(d) for d in self.spec],
+      'mesh': self.mesh.to_json(),
+      'dtensor_layout': {
+        'sharding_specs': list(self.dtensor_specs),
+        'mesh': self.dtensor_mesh.to_json(),
+      },
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class Record:
   """One variable of the manifest."""
 
@@ -73,7 +124,8 @@ class Record:
   stored_dtype: str
   shape: tuple[int, ...]
   key_impl: str | None
-  sharding: Mapping[str, Any] | None
+  # A display string in the records of early flax_dtensor versions.
+  sharding: ShardingRecord | str | None
   shards: tuple[tuple[Index, int], ...]  # (global slice, CRC-32 of bytes)
 
 
@@ -142,48 +194,60 @@ class Manifest:
 # ------------------------------------------------------------------------------
 
 
-def _axes(names: Iterable[Any], sizes: Iterable[Any]) -> dict[str, Any]:
-  return {'axis_names': [str(n) for n in names], 'axis_sizes': list(sizes)}
+def _axes(names: Iterable[Any], sizes: Iterable[Any]) -> MeshAxes:
+  return MeshAxes(tuple(str(n) for n in names), tuple(int(s) for s in sizes))
 
 
 def sharding_record(
   sharding: jax.sharding.Sharding, layout: Any, ndim: int
-) -> dict[str, Any]:
+) -> ShardingRecord:
   """A variable's layout as data: the JAX spec and mesh, the DTensor layout.
 
   `spec` lists the JAX mesh axes of each dimension (`[['data', 'model'],
   []]` for `P(('data', 'model'), None)`); `dtensor_layout` is the layout it
   was written with (a fused DTensor axis 'data+model' of size 8 there).
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
     kind = 'named'
-    spec = [list(_specs.axes_of(entry)) for entry in entries]
+    spec = tuple(tuple(_specs.axes_of(entry)) for entry in entries)
     mesh = _axes(sharding.mesh.axis_names, sharding.mesh.axis_sizes)
   else:
     kind = 'single_device'
-    spec = [[] for _ in range(ndim)]
+    spec = tuple(() for _ in range(ndim))
     mesh = _axes([], [])
-  return {
-    'kind': kind,
-    'spec': spec,
-    'mesh': mesh,
-    'dtensor_layout': {
-      'sharding_specs': list(layout.sharding_specs),
-      'mesh': _axes(
-        layout.mesh.dim_names, (int(s) for s in layout.mesh.shape())
-      ),
-    },
-  }
+  return ShardingRecord(
+    kind=kind,
+    spec=spec,
+    mesh=mesh,
+    dtensor_specs=tuple(str(s) for s in layout.sharding_specs),
+    dtensor_mesh=_axes(layout.mesh.dim_names, layout.mesh.shape()),
+  )
 
 
-def _crc(data: Any) -> int:
-  """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+# Elements narrowed at a time by `crc`: a bounded scratch copy.
+_NARROW_CHUNK = 2**22
 
-  return zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+def crc(data: Any, as_dtype: Any = None) -> int:
+  """CRC-32 of an array's bytes in C order (any dtype, ml_dtypes too).
+
+  With `as_dtype`, of the bytes of its values converted to that dtype: a
+  copy stored widened is hashed as the saved dtype it was widened from (an
+  exact conversion), a bounded chunk at a time.
+  """
+  import numpy as np
+
+  flat = np.ascontiguousarray(data).reshape(-1)
+  if as_dtype is None or np.dtype(as_dtype) == flat.dtype:
+    return zlib.crc32(flat.view(np.uint8))
+  value = 0
+  for start in range(0, flat.size, _NARROW_CHUNK):
+    part = flat[start : start + _NARROW_CHUNK].astype(as_dtype)
+    value = zlib.crc32(part.view(np.uint8), value)
+  return value
 
 
 def _index(index: Sequence[slice], shape: Sequence[int]) -> Index:
@@ -208,7 +272,7 @@ def shard_checksums(
     for shard in value.addressable_shards:
       index = _index(shard.index, value.shape)
       if index not in seen:
-        seen[index] = _crc(shard.data)
+        seen[index] = crc(shard.data)
     return sorted(seen.items())
 
   return [pool.submit(work, v) for v in values]
@@ -295,7 +359,11 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
         'stored_dtype': r.stored_dtype,
         'shape': list(r.shape),
         'key_impl': r.key_impl,
-        'sharding': r.sharding,
+        'sharding': (
+          r.sharding.to_json()
+          if isinstance(r.sharding, ShardingRecord)
+          else r.sharding
+        ),
         'shards': [
           {'index': [list(d) for d in index], 'crc32': crc}
           for index, crc in r.shards
@@ -360,8 +428,8 @@ def locate(path: str) -> tuple[str, str] | None:
   return None
 
 
-def _malformed(file: str, problem: str) -> _errors.ExportError:
-  return _errors.ExportError(
+def _malformed(file: str, problem: str) -> _errors.MalformedExportError:
+  return _errors.MalformedExportError(
     f'{file!r} is not a valid flax_dtensor manifest: {problem}. Expected the '
     'JSON file save_checkpoint or save_saved_model writes. Re-export the '
     'checkpoint, or get an intact copy (`flax-dtensor inspect --verify '
@@ -404,6 +472,70 @@ def _shard(raw: Any, checksum: str, file: str) -> Any:
     )
   crc = _checksum(raw.get(checksum), f'the {checksum} of a shard', file)
   return tuple(index), crc
+
+
+def _strings(value: Any) -> bool:
+  return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _mesh_axes(raw: Any) -> MeshAxes | None:
+  """The `MeshAxes` of a recorded mesh, or None if it is not one."""
+  if not isinstance(raw, dict):
+    return None
+  names, sizes = raw.get('axis_names'), raw.get('axis_sizes')
+  if (
+    not _strings(names)
+    or not isinstance(sizes, list)
+    or len(sizes) != len(names)
+    or not all(
+      isinstance(s, int) and not isinstance(s, bool) and 0 < s < _MAX_INT
+      for s in sizes
+    )
+  ):
+    return None
+  return MeshAxes(tuple(names), tuple(sizes))
+
+
+def read_sharding(
+  raw: Any, file: str, path: _names.Path
+) -> ShardingRecord | str | None:
+  """A variable's recorded sharding, checked once, as it is read.
+
+  None or a display string (early flax_dtensor versions) is kept as it
+  is; anything else must be what `sharding_record` writes.
+  """
+  if raw is None or isinstance(raw, str):
+    return raw
+  layout = raw.get('dtensor_layout') if isinstance(raw, dict) else None
+  spec = raw.get('spec') if isinstance(raw, dict) else None
+  kind = raw.get('kind') if isinstance(raw, dict) else None
+  mesh = _mesh_axes(raw.get('mesh')) if isinstance(raw, dict) else None
+  dtensor_mesh = (
+    _mesh_axes(layout.get('mesh')) if isinstance(layout, dict) else None
+  )
+  dtensor_specs = (
+    layout.get('sharding_specs') if isinstance(layout, dict) else None
+  )
+  if (
+    kind not in ('named', 'single_device')
+    or not isinstance(spec, list)
+    or not all(_strings(d) for d in spec)
+    or mesh is None
+    or dtensor_mesh is None
+    or not _strings(dtensor_specs)
+  ):
+    raise _malformed(
+      file,
+      f'the sharding of {list(path)!r:.80} is {raw!r:.200}, expected its '
+      'kind, spec, mesh and dtensor_layout',
+    )
+  return ShardingRecord(
+    kind=kind,
+    spec=tuple(tuple(d) for d in spec),
+    mesh=mesh,
+    dtensor_specs=tuple(dtensor_specs),
+    dtensor_mesh=dtensor_mesh,
+  )
 
 
 def _record(raw: Any, file: str, checksum: str) -> Record:
@@ -450,7 +582,7 @@ def _record(raw: Any, file: str, checksum: str) -> Record:
     stored_dtype=text['stored_dtype'] or text['dtype'],
     shape=shape,
     key_impl=text['key_impl'],
-    sharding=raw.get('sharding'),
+    sharding=read_sharding(raw.get('sharding'), file, path),
     shards=tuple(_shard(s, checksum, file) for s in shards),
   )
 
@@ -495,7 +627,7 @@ def _load(file: str) -> Any:
       data = f.read(MAX_BYTES + 1)
   except FileNotFoundError as e:
     # `locate` saw the file an instant ago: the export is being replaced.
-    raise _errors.ExportError(
+    raise _errors.SaveInProgressError(
       f'failed to read the manifest {file!r}: it vanished after it was '
       f'found ({e.strerror}). Expected the export to stay in place while '
       'it is read; another process may be replacing it. Retry once that '
@@ -547,8 +679,10 @@ def read(path: str) -> Manifest | None:
   lead on disk.
 
   Raises:
-    ExportError: If the file is unreadable or not a valid manifest, or it
+    MalformedExportError: If the file is not a valid manifest, or it
       resolves outside its export (a symbolic link).
+    SaveInProgressError: If it vanished once found (being replaced).
+    ExportError: If the file is unreadable.
   """
   found = locate(path)
   if found is None:
@@ -610,6 +744,20 @@ def read(path: str) -> Manifest | None:
   return Manifest(kind, version, root, prefix, files, records, signatures)
 
 
+def is_export(directory: str) -> bool:
+  """Whether `directory` is an export this package wrote, for itself.
+
+  Its own manifest (not an enclosing export's) is valid and names it as
+  its root. What the atomic layer (`_atomic`) asks before it replaces a
+  directory, or moves an old export back into place.
+  """
+  try:
+    manifest = read(directory)
+  except _errors.ExportError:
+    return False
+  return manifest is not None and manifest.root == os.path.abspath(directory)
+
+
 def _signatures(raw: Any, file: str) -> dict[str, Signature]:
   if not isinstance(raw, dict):
     raise _malformed(file, f'`signatures` is {raw!r:.80}, expected a dict')
@@ -651,13 +799,23 @@ def _tensor_spec(raw: Any, file: str, signature: str) -> TensorSpec:
 
 
 def damaged(
-  manifest: Manifest, problems: list[str], *, read: bool = False
+  manifest: Manifest,
+  problems: list[str],
+  *,
+  read: bool = False,
+  kind: type[_errors.ExportError] = _errors.DamagedExportError,
 ) -> _errors.ExportError:
+  """The error naming what is wrong with an export's files.
+
+  `kind` is `DamagedExportError` (bytes changed, a file truncated or
+  missing) or `MalformedExportError` (a file outside the export or not in
+  the manifest; a manifest that disagrees with TF's index).
+  """
   shown = '; '.join(problems[:4]) + (
     f'; and {len(problems) - 4} more' if len(problems) > 4 else ''
   )
   if read:
-    return _errors.ExportError(
+    return kind(
       f'The export at {manifest.root!r} is damaged: {shown} (expected what '
       f'its manifest {manifest.location} records; found in the bytes read, '
       'so the files may also have changed during the read). Nothing was '
@@ -665,7 +823,7 @@ def damaged(
       're-export it; if another process was saving to that path, read again '
       'once it is done.'
     )
-  return _errors.ExportError(
+  return kind(
     f'The export at {manifest.root!r} is damaged: {shown} (expected what its '
     f'manifest {manifest.location} records). Nothing was read into '
     'TensorFlow. Restore from an intact copy, or re-export it.'
@@ -806,12 +964,22 @@ def verify_files(
   checked whole first).
 
   Raises:
-    ExportError: Naming every file outside the export, unlisted, missing,
-      resized or changed.
+    MalformedExportError: Naming every file outside the export or
+      unlisted (and any other problem found), if there is one.
+    DamagedExportError: Naming every file missing, resized or changed.
   """
   problems = problems_of(manifest, pool, data=data)
   if problems:
-    raise damaged(manifest, problems)
+    untrusted = bool(confinement_problems(manifest))
+    raise damaged(
+      manifest,
+      problems,
+      kind=(
+        _errors.MalformedExportError
+        if untrusted
+        else _errors.DamagedExportError
+      ),
+    )
 
 
 def verify_index(
@@ -820,12 +988,12 @@ def verify_index(
   """Checks TF's index (key -> shape, dtype) against the manifest.
 
   Raises:
-    ExportError: If a variable is missing on either side, or its shape or
-      stored dtype differs.
+    MalformedExportError: If a variable is missing on either side, or its
+      shape or stored dtype differs.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
-  from flax_dtensor.dtensor import _dtypes  # pylint: disable=g-import-not-at-top
+  from flax_dtensor.dtensor import _dtypes
 
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
@@ -868,7 +1036,7 @@ def verify_index(
         f'{r.dtype} is stored as {_dtypes.stored(saved)}'
       )
   if problems:
-    raise damaged(manifest, problems)
+    raise damaged(manifest, problems, kind=_errors.MalformedExportError)
 
 
 def verify_read(
@@ -883,19 +1051,20 @@ def verify_read(
   replaced by another save), a restore places only bytes that match what
   was saved. `read` maps each global slice TF returned to its host array,
   in the saved dtype: the whole variable, or whole saved shards. Each saved
-  shard found in a slice is hashed (`_crc`) and compared; a slice that the
+  shard found in a slice is hashed (`crc`) and compared; a slice that the
   recorded shards do not cover whole (a record without shards, too) is
   refused.
 
   Raises:
-    ExportError: If a shard's bytes differ from what was saved, or the
-      recorded shards leave part of a slice read unchecked.
+    DamagedExportError: If a shard's bytes differ from what was saved.
+    MalformedExportError: If the recorded shards leave part of a slice
+      read unchecked.
   """
   for held, data in read.items():
     checked = 0
-    for index, crc in record.shards:
+    for index, expected in record.shards:
       if contains(held, index):
-        _check_shard(manifest, record, index, crc, data, held)
+        _check_shard(manifest, record, index, expected, data, held)
         checked += _volume(index)
     if checked != _volume(held):
       raise damaged(
@@ -905,11 +1074,12 @@ def verify_read(
           f'cover [{_slices(held)}], so its bytes cannot be checked'
         ],
         read=True,
+        kind=_errors.MalformedExportError,
       )
 
 
 def _volume(index: Index) -> int:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
@@ -926,7 +1096,7 @@ def _check_shard(
   manifest: Manifest,
   record: Record,
   index: Index,
-  crc: int,
+  expected: int,
   data: Any,
   held: Index,
 ) -> None:
@@ -934,15 +1104,15 @@ def _check_shard(
     slice(i0 - h0, i1 - h0)
     for (i0, i1), (h0, _) in zip(index, held, strict=True)
   )
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
-  got = _crc(np.asarray(data)[local])
-  if got != crc:
+  got = crc(np.asarray(data)[local])
+  if got != expected:
     raise damaged(
       manifest,
       [
         f'{_names.path_text(record.path)}[{_slices(index)}] read back '
-        f'with CRC-32 {got:08x}, recorded {crc:08x}'
+        f'with CRC-32 {got:08x}, recorded {expected:08x}'
       ],
       read=True,
     )

@@ -2,10 +2,13 @@
 
 A save or restore meets the other processes at a few points (`sync`) and
 hears process 0's decisions (`share`), through the key-value store of JAX's
-coordination service, never through device collectives. Every process beats
-a heartbeat there, so a process that stops (killed, or hung) is named in an
-`ExportError` after `peer_timeout()` seconds of silence, and a process that
+coordination service, never through device collectives, so a background
+save may meet them from a thread of its own (`begin` numbers a session on
+the caller's thread, `joined` runs it on any). Every process beats a
+heartbeat there, so a process that stops (killed, or hung) is named in a
+`PeerError` after `peer_timeout()` seconds of silence, and a process that
 fails tells the others at once; nobody waits for a dead peer forever.
+`exchange` gives every process each one's value (DTensor's addresses).
 """
 
 from __future__ import annotations
@@ -136,61 +139,102 @@ def start() -> None:
 
 
 @dataclasses.dataclass
-class _Session:
-  """One multi-process operation: its key prefix and what it is doing."""
+class Session:
+  """One multi-process operation: its key prefix and what it is doing.
+
+  Opened by `begin` on the caller's thread, so that every process numbers
+  its sessions in the same order, and run by `joined` on that thread or
+  another (a background save runs the rest of its session on its own
+  thread).
+  """
 
   client: Any
   prefix: str
   what: str
   aftermath: str
+  error: type[Exception] = _errors.PeerError
   rounds: int = 0
+  left: bool = False
 
   def key(self, name: str) -> str:
     self.rounds += 1
     return f'{self.prefix}/{self.rounds}-{name}'
 
+  def fail(self, e: BaseException) -> None:
+    """Tells the other processes that this one failed (best effort)."""
+    with contextlib.suppress(Exception):
+      self.client.key_value_set(
+        f'{self.prefix}/failed/{jax.process_index()}',
+        f'{type(e).__name__}: {e}',
+        allow_overwrite=True,
+      )
+
+  def leave(self) -> None:
+    """Records that this process is done with the session's keys."""
+    if self.left:
+      return
+    self.left = True
+    with contextlib.suppress(Exception):
+      self.client.key_value_set(
+        f'{self.prefix}/left/{jax.process_index()}', '', allow_overwrite=True
+      )
+
 
 class _Sessions(threading.local):
-  current: _Session | None = None
+  current: Session | None = None
 
 
 _local = _Sessions()
+_lock = threading.Lock()
 _counter = iter(range(1, 2**63))
 # Process 0: the key prefixes of sessions not yet deleted.
 _unswept: list[str] = []
 
 
-def _new_session(client: Any, what: str, aftermath: str) -> _Session:
-  session = _Session(client, f'{_ROOT}/s{next(_counter)}', what, aftermath)
-  if jax.process_index() == 0:
-    _unswept.append(session.prefix)
+def _new_session(
+  client: Any, what: str, aftermath: str, *, swept: bool = True
+) -> Session:
+  """A session numbered in this process's order; swept once all left it."""
+  with _lock:
+    session = Session(client, f'{_ROOT}/s{next(_counter)}', what, aftermath)
+    if swept and jax.process_index() == 0:
+      _unswept.append(session.prefix)
   return session
 
 
-def _stopped(session: _Session, process: int, why: str) -> _errors.ExportError:
-  return _errors.ExportError(
+def _stopped(session: Session, process: int, why: str) -> Exception:
+  return session.error(
     f'Process {process} of {jax.process_count()} stopped during '
     f'{session.what}: {why}. {session.aftermath} Restart every process of '
     'the job, then try again.'
   )
 
 
-def stopped(process: int, why: str) -> _errors.ExportError:
+def stopped(process: int, why: str) -> Exception:
   """The error naming `process` as stopped, in this operation's words."""
-  current = _local.current or _Session(None, '', 'an export', '')
+  current = _local.current or Session(None, '', 'an export', '')
   return _stopped(current, process, why)
 
 
-def _failed(session: _Session, process: int, message: str) -> Exception:
-  return _errors.ExportError(
+def _failed(session: Session, process: int, message: str) -> Exception:
+  """The error telling that `process` failed with `message` ('Type: text').
+
+  A condition of the export itself that it found (a full disk, a damaged
+  export, ...) is raised as the same kind here (`shared_kind`); anything
+  else as the session's error, a `PeerError` for a save or restore.
+  """
+  kind = session.error
+  if kind is _errors.PeerError:
+    kind = shared_kind(message.partition(':')[0])
+  return kind(
     f'Process {process} of {jax.process_count()} failed during '
     f'{session.what}, so this process stops too. {session.aftermath} '
     f'Its error: {message}'
   )
 
 
-def _wait(session: _Session, key: str, watched: list[int]) -> str:
-  """The value at `key` once set; ExportError if a watched process stops.
+def _wait(session: Session, key: str, watched: list[int]) -> str:
+  """The value at `key` once set; an error if a watched process stops.
 
   Reads the store in slices; between them, raises as soon as a process of
   the session reported a failure, or a watched process's heartbeat has not
@@ -243,23 +287,27 @@ def _wait(session: _Session, key: str, watched: list[int]) -> str:
         )
 
 
-def _sweep(client: Any, current: str) -> None:
-  """Deletes the keys of earlier sessions: every process has left them."""
-  for prefix in _unswept:
-    if prefix != current:
-      with contextlib.suppress(jax.errors.JaxRuntimeError):
+def _sweep(client: Any) -> None:
+  """Deletes the keys of sessions every process has left (process 0)."""
+  with _lock:
+    prefixes = list(_unswept)
+  done = []
+  for prefix in prefixes:
+    with contextlib.suppress(jax.errors.JaxRuntimeError):
+      left = client.key_value_dir_get(f'{prefix}/left/')
+      if len(left) == jax.process_count():
         client.key_value_delete(prefix)
-  _unswept[:] = [current]
+        done.append(prefix)
+  with _lock:
+    _unswept[:] = [p for p in _unswept if p not in done]
 
 
-@contextlib.contextmanager
-def session(what: str, aftermath: str) -> Iterator[None]:
-  """Groups this thread's `sync` and `share` calls into one operation.
+def begin(what: str, aftermath: str) -> Session | None:
+  """Opens a session on this thread, for `joined` to run (here or on another).
 
-  Every process must enter the same sessions in the same order (as they
-  call the same functions). If the block raises, the other processes hear
-  of it at their next wait, and raise too, rather than wait for this one.
-  A session inside a session is part of it.
+  Every process must begin the same sessions in the same order (as they
+  call the same functions). None in one process, or inside a session of
+  this thread (a session inside a session is part of it).
 
   Args:
     what: The operation, for messages ('the save to /ckpt').
@@ -268,39 +316,69 @@ def session(what: str, aftermath: str) -> Iterator[None]:
   peer_timeout()  # A bad setting is an error in a single process too.
   client = _client()
   if client is None or _local.current is not None:
+    return None
+  start()
+  return _new_session(client, what, aftermath)
+
+
+@contextlib.contextmanager
+def joined(session: Session | None, *, last: bool = True) -> Iterator[None]:
+  """Runs the block as part of `session` (from `begin`), on this thread.
+
+  If the block raises, the other processes hear of it at their next wait,
+  and raise too, rather than wait for this one; the session is then over
+  for this process. With `last`, it is over when the block ends (a
+  session run in two parts, on two threads, joins with `last=False` first).
+  None (one process, or a nested session) runs the block as it is.
+  """
+  if session is None:
     yield
     return
-  start()
-  _local.current = _new_session(client, what, aftermath)
+  _local.current = session
   try:
     yield
   except BaseException as e:
-    with contextlib.suppress(Exception):
-      client.key_value_set(
-        f'{_local.current.prefix}/failed/{jax.process_index()}',
-        f'{type(e).__name__}: {e}',
-        allow_overwrite=True,
-      )
+    session.fail(e)
+    session.leave()
     raise
   finally:
     _local.current = None
+  if last:
+    session.leave()
 
 
-def _current() -> _Session:
+@contextlib.contextmanager
+def session(what: str, aftermath: str) -> Iterator[None]:
+  """Groups this thread's `sync` and `share` calls into one operation.
+
+  `begin` then `joined`, on this thread: every process must enter the same
+  sessions in the same order; if the block raises, the other processes
+  hear of it at their next wait, and raise too.
+
+  Args:
+    what: The operation, for messages ('the save to /ckpt').
+    aftermath: What a failure leaves, one sentence for messages.
+  """
+  with joined(begin(what, aftermath)):
+    yield
+
+
+def _current() -> Session:
   if _local.current is not None:
     return _local.current
-  return _new_session(_client(), 'an export', '')
+  # A single wait outside any session: nobody leaves it, it is not swept.
+  return _new_session(_client(), 'an export', '', swept=False)
 
 
 def sync(name: str) -> None:
   """Returns once every process got here (a no-op in one process).
 
   Each process reports to process 0, which waits for all and then lets
-  them go; a process that stopped or failed is named in an ExportError on
+  them go; a process that stopped or failed is named in a PeerError on
   every process.
 
   Raises:
-    ExportError: If a process stops (no heartbeat for `peer_timeout()` s)
+    PeerError: If a process stops (no heartbeat for `peer_timeout()` s)
       or fails before getting here.
   """
   if jax.process_count() == 1:
@@ -315,7 +393,7 @@ def sync(name: str) -> None:
     client.key_value_set(f'{base}/at/{me}', '')
     error = json.loads(_wait(session, f'{base}/go', [0]))
     if error:
-      raise _errors.ExportError(error)
+      raise _errors.PeerError(error)
     return
   try:
     for p in range(1, jax.process_count()):
@@ -324,14 +402,14 @@ def sync(name: str) -> None:
     client.key_value_set(f'{base}/go', json.dumps(str(e)))
     raise
   client.key_value_set(f'{base}/go', json.dumps(None))
-  _sweep(client, session.prefix)
+  _sweep(client)
 
 
 def share(value: Any) -> Any:
   """Process 0's `value` (JSON-able) on every process.
 
   Raises:
-    ExportError: If process 0 stops or fails before sharing it.
+    PeerError: If process 0 stops or fails before sharing it.
   """
   if jax.process_count() == 1:
     return value
@@ -350,6 +428,19 @@ def share(value: Any) -> Any:
   return json.loads(_wait(session, key, [0]))
 
 
+def shared_kind(name: str) -> type[_errors.ExportError]:
+  """The class to raise on every process for process 0's error class `name`.
+
+  A condition of the export itself (a full disk, a damaged or malformed
+  export, none there, another save in progress) is the same for every
+  process; anything else is, for the others, a peer that failed.
+  """
+  kind = _errors.export_error_named(name)
+  if kind in (_errors.ExportError, _errors.PeerError):
+    return _errors.PeerError
+  return kind
+
+
 def agree(error: Exception | None, what: str) -> None:
   """Every process raises if process 0 failed; process 0 its own error.
 
@@ -359,13 +450,47 @@ def agree(error: Exception | None, what: str) -> None:
   after `peer_timeout()` seconds.
 
   Raises:
-    ExportError: On the other processes, if process 0 failed or stopped.
+    PeerError: On the other processes, if process 0 stopped or failed.
+    ExportError: On the other processes, the kind process 0 raised when it
+      is one of the export's own condition (`DiskFullError`,
+      `DamagedExportError`, ...), as every process finds it alike.
   """
   message = share(None if error is None else f'{type(error).__name__}: {error}')
   if error is not None:
     raise error
   if message is not None:
-    raise _errors.ExportError(
+    raise shared_kind(message.partition(':')[0])(
       f'{what} failed: {message.rstrip(".")}. Every process stops here: fix '
       "the cause (process 0's log has the details) and run the export again."
     )
+
+
+def exchange(
+  name: str,
+  value: str,
+  *,
+  what: str,
+  aftermath: str,
+  error: type[Exception],
+) -> list[str]:
+  """Every process's `value` (a str), in process order (multi-process only).
+
+  Each process sets its own key under `name` and reads the others', each
+  waited for as `sync` waits: a process that never arrives is named in an
+  `error` after `peer_timeout()` seconds without a heartbeat from it.
+
+  Args:
+    name: The exchange's name, unique in the job ('dtensor-jobs').
+    value: This process's value.
+    what: The operation, for messages ('setting up TF DTensor').
+    aftermath: What a failure leaves, one sentence for messages.
+    error: The class of the error raised.
+  """
+  client = _client()
+  me = jax.process_index()
+  session = Session(client, f'{_ROOT}/{name}', what, aftermath, error)
+  client.key_value_set(f'{session.prefix}/{me}', value, allow_overwrite=True)
+  return [
+    value if p == me else _wait(session, f'{session.prefix}/{p}', [p])
+    for p in range(jax.process_count())
+  ]

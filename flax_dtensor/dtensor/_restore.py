@@ -22,7 +22,9 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output, _rules, _variables
+from flax_dtensor import _errors, _output
+from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _logical
 from flax_dtensor.dtensor import (
   _atomic,
   _background,
@@ -53,7 +55,7 @@ _READ_FIX = (
 
 
 def _no_checkpoint(path: str) -> _errors.ExportError:
-  return _errors.ExportError(
+  return _errors.ExportNotFoundError(
     f'Expected a checkpoint directory written by save_checkpoint, a '
     f'SavedModel directory, or a TF checkpoint prefix; got {path!r}, which '
     'holds no TF checkpoint. Pass the directory save_checkpoint returned.'
@@ -69,14 +71,18 @@ def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
   not be read then as a plain TF checkpoint, unchecked.
 
   Raises:
-    ExportError: If `path` holds no checkpoint, or its manifest is invalid
-      or describes another checkpoint.
+    ExportNotFoundError: If `path` holds no checkpoint.
+    MalformedExportError: If its manifest is invalid, or its checkpoint
+      state file names a prefix outside it.
+    DamagedExportError: If the index its state file names is missing.
+    SaveInProgressError: If its manifest keeps coming and going (another
+      process replaces it).
   """
   for _ in range(_LOCATE_TRIES):
     prefix, manifest = _locate_once(path)
     if manifest is not None or _plain_at_once(path, prefix):
       return prefix, manifest
-  raise _errors.ExportError(
+  raise _errors.SaveInProgressError(
     f'The checkpoint at {path!r} kept changing while it was located: its '
     f'manifest came and went {_LOCATE_TRIES} times. Expected the export '
     'to stay in place while it is read; another process may be replacing '
@@ -147,7 +153,7 @@ def _locate_once(path: str) -> tuple[str, _manifest.Manifest | None]:
       _check_state_prefix(path, prefix)
       if os.path.exists(prefix + '.index'):
         return prefix, None
-      raise _errors.ExportError(
+      raise _errors.DamagedExportError(
         f'Expected a TF checkpoint in {path!r}: its checkpoint state file '
         f'names the prefix {os.path.relpath(prefix, path)!r}, but '
         f'{os.path.basename(prefix)}.index is not there. The checkpoint is '
@@ -162,7 +168,7 @@ def _check_state_prefix(directory: str, prefix: str) -> None:
   """Refuses a `checkpoint` state file naming a prefix outside `directory`."""
   escape = _paths.escape_problem(directory, os.path.relpath(prefix, directory))
   if escape is not None:
-    raise _errors.ExportError(
+    raise _errors.MalformedExportError(
       f'The checkpoint state file of {directory!r} names the prefix '
       f'{prefix!r}, and {escape}. A checkpoint directory is read only '
       'inside itself: if you trust that checkpoint, pass its prefix itself.'
@@ -217,7 +223,7 @@ def _plain_identity(
 def _check_unchanged(prefix: str, before: tuple[Any, ...] | None) -> None:
   """Refuses a plain TF checkpoint whose files changed while it was read."""
   if before is not None and _identity(prefix) != before:
-    raise _errors.ExportError(
+    raise _errors.SaveInProgressError(
       f'The checkpoint {prefix!r} changed while it was read (its files are '
       'not the ones it had when the read began), so what was read may mix '
       'two versions. Nothing was restored: the target is unchanged. '
@@ -243,6 +249,7 @@ def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:
     prefix,
     'The checkpoint is damaged or not a TF checkpoint: restore it from an '
     'intact copy, or re-export it.',
+    tf_kind=_errors.DamagedExportError,
   ):
     reader = tf.train.load_checkpoint(prefix)
     shapes = reader.get_variable_to_shape_map()
@@ -280,9 +287,15 @@ def read_checkpoint(
     (`arrays['layers/0/kernel']`).
 
   Raises:
-    ExportError: If `directory` holds no TF checkpoint, is damaged (a file
-      changed, truncated or missing; the index disagreeing with the
-      manifest), or its manifest is invalid.
+    ExportNotFoundError: If `directory` holds no TF checkpoint.
+    DamagedExportError: If it is damaged: a file changed, truncated or
+      missing, or bytes read back differ from their recorded CRC-32.
+    MalformedExportError: If its manifest is invalid, names a file outside
+      the export, or disagrees with TF's index.
+    SaveInProgressError: If another save to it is in progress, or it
+      changed during the read.
+    PeerError: If another process of the run stopped or failed.
+    ExportError: If TensorFlow fails to read it otherwise.
 
   Example:
     >>> arrays = read_checkpoint('/tmp/ckpt')  # doctest: +SKIP
@@ -292,7 +305,7 @@ def read_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   _background.wait_for(path)  # A save of this process to it finishes first.
   with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
-    _atomic.recover_for_reading(path)
+    _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   reader, shapes, _ = _reader(prefix, manifest)
@@ -368,7 +381,7 @@ def restore_checkpoint(
   include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   allow_extra: bool = False,
   convert_dtypes: bool = False,
   rng_seed: int | None = None,
@@ -434,13 +447,19 @@ def restore_checkpoint(
 
   Raises:
     NotAModelError: If `target` is not an NNX module or state.
-    ExportError: If `directory` holds no checkpoint or a damaged one (also
-      when its files change during the restore), the checkpoint lacks a
-      selected variable, holds one the target lacks, holds it with another
-      shape or dtype, an abstract target would keep abstract variables, an
-      abstract sharding has no concrete mesh, TensorFlow fails to read, or
-      another process of the run stopped or failed. The target is then
-      unchanged.
+    ExportNotFoundError: If `directory` holds no checkpoint.
+    DamagedExportError: If it is damaged (a file changed, truncated or
+      missing; bytes read back differ from their CRC-32).
+    MalformedExportError: If its manifest is invalid, names a file outside
+      the export, or disagrees with TF's index.
+    SaveInProgressError: If another save to it is in progress, or its
+      files change during the restore.
+    PeerError: If another process of the run stopped or failed.
+    ExportError: If the checkpoint lacks a selected variable, holds one the
+      target lacks, holds it with another shape or dtype, an abstract
+      target would keep abstract variables, an abstract sharding has no
+      concrete mesh, or TensorFlow fails to read. Each of the above is an
+      ExportError too. The target is then unchanged.
     UnknownLogicalAxisError: If the rules do not mention a logical axis of
       an annotated variable.
     ShardingResolutionError: If an annotated variable's logical axes cannot
@@ -452,7 +471,7 @@ def restore_checkpoint(
     ...   model = restore_checkpoint('/tmp/ckpt', abstract)
   """
   path = _paths.local(directory, 'checkpoint directory')
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
   with _peers.session(
     f'the restore from {path!r}', 'The target was not changed.'
@@ -470,14 +489,14 @@ def _read_all(
   target: Any,
   entries: Sequence[_selection.Entry],
   mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   allow_extra: bool,
   convert_dtypes: bool,
   progress: bool | None,
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
   _background.wait_for(path)  # A save of this process to it finishes first.
-  _atomic.recover_for_reading(path)
+  _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)

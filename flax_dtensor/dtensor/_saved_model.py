@@ -24,7 +24,8 @@ from flax import nnx
 from flax.nnx import filterlib
 from jax.experimental import multihost_utils
 
-from flax_dtensor import _errors, _output, _plan_view, _variables
+from flax_dtensor import _errors, _output, _text
+from flax_dtensor._placement import _variables
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -159,10 +160,15 @@ def save_saved_model(
       something other than arrays and None, `directory` exists and
       `overwrite` is false,
       its parent is not writable, a variable cannot be exported,
-      `max_gather_bytes` is not a non-negative int, the disk is full (the
-      bytes needed and free), or, in a multi-process run, the variables take
-      more than `max_gather_bytes`, another process stopped, or process 0
-      failed to write (on every process).
+      `max_gather_bytes` is not a non-negative int, or, in a multi-process
+      run, the variables take more than `max_gather_bytes`. Each error below
+      is an ExportError too.
+    DiskFullError: If the disk is full or a quota or file-size limit is
+      reached (the message gives the bytes needed and free).
+    SaveInProgressError: If another save to `directory` is in progress.
+    PeerError: In a multi-process run, if another process stopped, or
+      process 0 failed to write (on every process but 0; a full disk is a
+      DiskFullError on every process).
 
   Example:
     >>> save_saved_model(  # doctest: +SKIP
@@ -198,7 +204,9 @@ def save_saved_model(
         max_gather_bytes=max_gather_bytes,
       )
     else:
-      with _atomic.atomic_directory(directory, overwrite=overwrite) as tmp:
+      with _atomic.atomic_directory(
+        directory, overwrite=overwrite, is_export=_manifest.is_export
+      ) as tmp:
         _write(module, tmp, served)
   return directory
 
@@ -234,7 +242,12 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   )
   with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
     shards = [f.result() for f in _manifest.shard_checksums(values, pool)]
-  recs = _checkpoint.records(entries, values, dvars, shards)
+  recs = _checkpoint.records(
+    entries,
+    [v.sharding for v in values],
+    [_tf.dtensor().fetch_layout(d) for d in dvars],
+    shards,
+  )
   del values
   tf_module = _convert.make_module(
     (e.path, v) for e, v in zip(entries, dvars, strict=True)
@@ -346,8 +359,8 @@ def _check_gather_size(module: Any, limit: int) -> None:
     raise _errors.ExportError(
       f'save_saved_model in a run of {jax.process_count()} processes gathers '
       'the model onto process 0, which writes the SavedModel: expected at '
-      f'most max_gather_bytes={limit} ({_plan_view.human_bytes(limit)}) of '
-      f'variables, got {nbytes} ({_plan_view.human_bytes(nbytes)}). A '
+      f'most max_gather_bytes={limit} ({_text.human_bytes(limit)}) of '
+      f'variables, got {nbytes} ({_text.human_bytes(nbytes)}). A '
       'served SavedModel loads whole into one TF process: pass a larger '
       '`max_gather_bytes=` if process 0 has the memory for it, or leave '
       'variables out with `include=`/`exclude=` (they are then baked in as '
@@ -408,7 +421,9 @@ def _save_gathered(
       f'the SavedModel export to {directory!r}',
       f'{directory!r} holds the previous export or the new one, whole.',
     ),
-    _atomic.atomic_directory(directory, overwrite=overwrite) as tmp,
+    _atomic.atomic_directory(
+      directory, overwrite=overwrite, is_export=_manifest.is_export
+    ) as tmp,
   ):
     local = _gathered(module)
     error = None

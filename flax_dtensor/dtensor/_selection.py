@@ -1,6 +1,6 @@
 """Selection: which NNX variables an export takes, and their arrays.
 
-`select` walks a module or state (`flax_dtensor._variables`), keeps the
+`select` walks a module or state (`flax_dtensor._placement._variables`), keeps the
 variables matching `include` and not `exclude`, and describes each as an
 `Entry`: path, shape and dtype as exported (a typed PRNG key as its key
 data), and the dtype it is stored as.
@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _variables
+from flax_dtensor import _errors
+from flax_dtensor._placement import _variables
 from flax_dtensor.dtensor import _dtypes, _names
 
 NO_VARIABLES_MSG = (

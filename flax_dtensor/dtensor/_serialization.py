@@ -54,7 +54,7 @@ def tf_stablehlo_version() -> str | None:
 def jax_stablehlo_target() -> str | None:
   """The StableHLO version JAX writes artifacts for, or None if unknown."""
   try:
-    from jax._src.lib.mlir.dialects import hlo  # pylint: disable=g-import-not-at-top
+    from jax._src.lib.mlir.dialects import hlo
 
     return str(
       hlo.get_version_from_compatibility_requirement(
@@ -76,11 +76,11 @@ def _install() -> bool:
   `check_readable` still refuses what TF cannot read.
   """
   try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    from jax._src.export import _export  # pylint: disable=g-import-not-at-top
-    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    from jax._src import xla_bridge
+    from jax._src.export import _export
+    from jax._src.lib import _jax
 
-    original = _export._module_to_bytecode  # pylint: disable=protected-access
+    original = _export._module_to_bytecode
     serialize = _jax.mlir.serialize_portable_artifact
   except (ImportError, AttributeError):
     return False
@@ -93,7 +93,7 @@ def _install() -> bool:
       module, _target.version, xla_bridge.get_backend().serialize_with_sdy
     )
 
-  _export._module_to_bytecode = module_to_bytecode  # pylint: disable=protected-access
+  _export._module_to_bytecode = module_to_bytecode
   return True
 
 
@@ -176,7 +176,7 @@ def export_version(version: int) -> Iterator[None]:
   if version == int(jax.config.jax_export_calling_convention_version):
     yield
     return
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  from jax._src import config as jax_config
 
   with jax_config.jax_export_calling_convention_version(version):
     yield

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from flax_dtensor import _errors, _plan_view
+from flax_dtensor import _errors, _text
 from flax_dtensor.dtensor import _tf
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class Parameters:
 
 
 def _count(n: int) -> str:
-  return _plan_view.count(n, 'positional argument')
+  return _text.count(n, 'positional argument')
 
 
 def parameters(module: Any, method: str) -> Parameters | None:

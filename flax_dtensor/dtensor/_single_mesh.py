@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_dtensor import _meshes, _plan_view, _specs
+from flax_dtensor import _text
+from flax_dtensor._rules import _meshes, _specs
 from flax_dtensor.dtensor import _host_read, _layouts, _selection
 
 
@@ -75,7 +76,7 @@ class SingleMeshReport:
       return head + 'none relaid.'
     lines = [
       head + f'{len(self.relaid)} relaid by JAX '
-      f'({_plan_view.human_bytes(self.moved_bytes)}).'
+      f'({_text.human_bytes(self.moved_bytes)}).'
     ]
     rows = [('variable', 'was', 'now')] + [
       (r.path, r.original, _specs.format_spec(r.spec)) for r in self.relaid

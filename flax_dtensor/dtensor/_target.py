@@ -20,7 +20,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Format, Layout
 
-from flax_dtensor import _errors, _meshes, _rules, _variables
+from flax_dtensor import _errors
+from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _logical, _meshes
 from flax_dtensor.dtensor import _dtypes, _names, _selection
 
 
@@ -115,7 +117,7 @@ def _own_sharding(
 def target_sharding(
   entry: _selection.Entry,
   mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
 ) -> jax.sharding.Sharding:
   """The concrete sharding the restored array of `entry` must have.
 
@@ -124,7 +126,7 @@ def target_sharding(
   when no rules are in effect at all, keeps its value's own sharding.
   """
   sharding = None
-  no_rules = isinstance(rules, _rules.FlaxRules) and not rules.pairs
+  no_rules = isinstance(rules, _logical.FlaxRules) and not rules.pairs
   placement = _meshes.mesh_for(entry.variable, mesh=mesh)
   if not isinstance(placement, jax.sharding.Mesh) or (
     no_rules and not entry.variable.get_metadata('sharding_rules', None)
@@ -154,7 +156,7 @@ def target_sharding(
 def target_shardings(
   entries: Sequence[_selection.Entry],
   mesh: jax.sharding.Mesh | None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
 ) -> list[jax.sharding.Sharding]:
   """`target_sharding` of each entry; each over every process if several."""
   out = []

@@ -3,7 +3,7 @@
 `translated` wraps the body of a public function: an ``OSError`` or a TF
 ``OpError`` leaving it becomes an `ExportError` naming the action, the path
 and the fix; `space_checked` does the same for a full disk or file-size
-limit, wherever in a write it struck (TF reports one as an ``OpError``
+limit (a `DiskFullError`), wherever in a write it struck (TF reports one as an ``OpError``
 whose text holds the OS's words). `describe` gives a TF error's cause on
 one line (DTensor runs its ops asynchronously; the op that fails may only
 report a ``CancelledError`` while the `cause` waits in TF's executors);
@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _text
 
 try:
   import resource
@@ -68,13 +68,20 @@ def describe(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def translated(action: str, path: str, fix: str) -> Iterator[None]:
+def translated(
+  action: str,
+  path: str,
+  fix: str,
+  tf_kind: type[_errors.ExportError] = _errors.ExportError,
+) -> Iterator[None]:
   """Re-raises OS and TF errors from the block as `ExportError`.
 
   Args:
     action: What was being done, e.g. 'Writing the checkpoint'.
     path: The path it was done to.
     fix: How to fix it, one sentence.
+    tf_kind: The class of the error a TF error becomes (e.g.
+      `DamagedExportError` where TF can only fail on damaged data).
   """
   try:
     yield
@@ -87,7 +94,7 @@ def translated(action: str, path: str, fix: str) -> Iterator[None]:
   except Exception as e:
     op_error = _op_error_type()
     if op_error is not None and isinstance(e, op_error):
-      raise _errors.ExportError(
+      raise tf_kind(
         f'{action} {path!r} failed in TensorFlow: {describe(e)}. {fix}'
       ) from e
     raise
@@ -140,16 +147,6 @@ def out_of_room(e: BaseException) -> int | None:
   return None
 
 
-def _size(n: int) -> str:
-  """'1.5 GiB (1610612736 bytes)', or '80 bytes'."""
-  value = float(n)
-  for unit in ('KiB', 'MiB', 'GiB', 'TiB', 'PiB'):
-    value /= 1024
-    if value < 1024 or unit == 'PiB':
-      break
-  return f'{n} bytes' if n < 1024 else f'{value:.1f} {unit} ({n} bytes)'
-
-
 def _free_bytes(path: str) -> int | None:
   """Bytes free for this user on the filesystem holding `path`."""
   while path and not os.path.exists(path):
@@ -171,11 +168,11 @@ def no_room_message(path: str, needed: int, code: int) -> str:
   parent = os.path.dirname(path)
   free = _free_bytes(parent)
   space = (
-    f'{_size(free)} are free on the filesystem of {parent!r}'
+    f'{_text.exact_bytes(free)} are free on the filesystem of {parent!r}'
     if free is not None
     else f'the free space on {parent!r} is unknown'
   )
-  wants = f"the export's variables alone take {_size(needed)}"
+  wants = f"the export's variables alone take {_text.exact_bytes(needed)}"
   kept = (
     f'The previous export at {path!r}, if any, is unchanged, and the '
     'partial one was removed.'
@@ -186,7 +183,7 @@ def no_room_message(path: str, needed: int, code: int) -> str:
       limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if limit is not None and limit != resource.RLIM_INFINITY:
       why = (
-        f'this process may write files of at most {_size(limit)}, its '
+        f'this process may write files of at most {_text.exact_bytes(limit)}, its '
         'RLIMIT_FSIZE (`ulimit -f`)'
       )
       fix = (
@@ -215,7 +212,7 @@ def no_room_message(path: str, needed: int, code: int) -> str:
 
 @contextlib.contextmanager
 def space_checked(path: str, needed: int) -> Iterator[None]:
-  """Re-raises a full disk or file-size limit in the block as `ExportError`.
+  """Re-raises a full disk or file-size limit in the block as `DiskFullError`.
 
   Wrap the whole write, outside the atomic directory (so the partial export
   is gone when the free space is measured).
@@ -230,4 +227,4 @@ def space_checked(path: str, needed: int) -> Iterator[None]:
     code = out_of_room(e)
     if code is None:
       raise
-    raise _errors.ExportError(no_room_message(path, needed, code)) from e
+    raise _errors.DiskFullError(no_room_message(path, needed, code)) from e

@@ -1,19 +1,22 @@
 """TF DTensor's set-up, mirroring this process's JAX topology.
 
 `initialize` gives TF one logical CPU device per local JAX device and one
-DTensor client per JAX process; `shutdown` undoes it; `require_initialized`
-guards every conversion.
+DTensor client per JAX process (described by JAX when the ``DTENSOR_*``
+variables are unset: `_client_env_from_jax`); `shutdown` undoes it;
+`require_initialized` guards every conversion.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax._src import distributed  # The client; JAX has no public accessor.
 
 from flax_dtensor import _errors
 from flax_dtensor.dtensor import _peers, _tf
@@ -26,13 +29,17 @@ NOT_INITIALIZED_MSG = (
 )
 _ENV_HELP = (
   'In a multi-process job, call jax.distributed.initialize() before '
-  'flax_dtensor.dtensor.initialize(). Set, in every process and before '
+  'flax_dtensor.dtensor.initialize(), and leave DTENSOR_JOBS, '
+  'DTENSOR_CLIENT_ID and DTENSOR_JOB_NAME unset: initialize() then sets '
+  'them from JAX. To set them yourself, set, in every process and before '
   'initialize(): DTENSOR_JOBS to a '
   'comma-separated list of one free host:port per JAX process, in '
   'jax.process_index() order (the same list everywhere); DTENSOR_CLIENT_ID to '
   'jax.process_index(); and DTENSOR_JOB_NAME to one job name shared by all '
   'processes (e.g. "worker"). For a single process leave DTENSOR_JOBS unset.'
 )
+# The DTENSOR_* job name `initialize` sets when it sets the variables.
+JOB_NAME = 'worker'
 
 _lock = threading.RLock()
 _topology_checked = False
@@ -44,10 +51,18 @@ def initialize(*, reset_context: bool = False) -> None:
   """Sets up TF DTensor to mirror the JAX topology of this process.
 
   Configures one TF logical CPU device per local JAX device
-  (`jax.local_device_count()`), and one DTensor client per JAX process: in a
-  multi-process job, the environment variables `DTENSOR_JOBS`,
-  `DTENSOR_CLIENT_ID` and `DTENSOR_JOB_NAME` must describe the same processes
-  as `jax.distributed.initialize` (client id == `jax.process_index()`).
+  (`jax.local_device_count()`), and one DTensor client per JAX process.
+
+  In a multi-process job, call `jax.distributed.initialize` first. When
+  the environment variables `DTENSOR_JOBS`, `DTENSOR_CLIENT_ID` and
+  `DTENSOR_JOB_NAME` are unset, this sets them: each process picks a free
+  port on the address it reaches JAX's coordinator from (127.0.0.1 when
+  the coordinator is local), and the processes exchange their addresses
+  through JAX's coordination service (a process that never arrives is
+  named after `FLAX_DTENSOR_PEER_TIMEOUT` seconds). Variables that are set
+  win, and must describe the same processes as JAX (client id ==
+  `jax.process_index()`). TF's DTensor server listens on that port on
+  every interface of the host.
 
   Call it once per process, before any other TensorFlow operation (TF fixes
   its devices the first time it runs anything). Calling it again is a no-op.
@@ -73,34 +88,42 @@ def initialize(*, reset_context: bool = False) -> None:
   """
   global _topology_checked
   _peers.start()  # So that the other processes can tell this one lives.
-  dt = _tf.dtensor()
-  _tf.quiet_cpp_logs()
   with _lock:
-    if _tf.accelerator_util().is_initialized():
-      _check_topology()
-      return
-    _check_client_env()
+    # Before TF's import, so that the other processes wait less for this.
+    reserved = None if is_initialized() else _client_env_from_jax()
     try:
-      with warnings.catch_warnings():
-        # TF's reset path calls the deprecated `logging.warn`.
-        warnings.simplefilter('ignore', DeprecationWarning)
-        dt.initialize_accelerator_system(
-          device_type='CPU',
-          num_logical_cpu_devices=jax.local_device_count(),
-          experimental_reset_context=reset_context,
-        )
-    except ValueError as e:
-      if 'already been initialized' not in str(e):
-        raise
-      raise _errors.DTensorInitializationError(
-        'TensorFlow was already initialized: expected '
-        'flax_dtensor.dtensor.initialize() to run before any other '
-        'TensorFlow operation, but TF already ran something (got '
-        f'{str(e).splitlines()[0]!r}). Call '
-        'flax_dtensor.dtensor.initialize() first thing in the program, or '
-        'pass `reset_context=True` (invalidates every existing TF tensor '
-        'and variable).'
-      ) from e
+      dt = _tf.dtensor()
+      _tf.quiet_cpp_logs()
+      if _tf.accelerator_util().is_initialized():
+        _check_topology()
+        return
+      _check_client_env()
+      if reserved is not None:  # TF's server binds the port now.
+        reserved.close()
+      try:
+        with warnings.catch_warnings():
+          # TF's reset path calls the deprecated `logging.warn`.
+          warnings.simplefilter('ignore', DeprecationWarning)
+          dt.initialize_accelerator_system(
+            device_type='CPU',
+            num_logical_cpu_devices=jax.local_device_count(),
+            experimental_reset_context=reset_context,
+          )
+      except ValueError as e:
+        if 'already been initialized' not in str(e):
+          raise
+        raise _errors.DTensorInitializationError(
+          'TensorFlow was already initialized: expected '
+          'flax_dtensor.dtensor.initialize() to run before any other '
+          'TensorFlow operation, but TF already ran something (got '
+          f'{str(e).splitlines()[0]!r}). Call '
+          'flax_dtensor.dtensor.initialize() first thing in the program, or '
+          'pass `reset_context=True` (invalidates every existing TF tensor '
+          'and variable).'
+        ) from e
+    finally:
+      if reserved is not None:
+        reserved.close()
     _topology_checked = False
     _check_topology()
 
@@ -152,6 +175,90 @@ def is_initialized() -> bool:
   if not _tf.is_imported():
     return False
   return bool(_tf.accelerator_util().is_initialized())
+
+
+def _client_env_from_jax() -> socket.socket | None:
+  """Sets the DTENSOR_* variables from JAX's processes, if none is set.
+
+  Multi-process only, and only when none of `DTENSOR_JOBS`,
+  `DTENSOR_CLIENT_ID` and `DTENSOR_JOB_NAME` is set. Returns the socket
+  holding this process's port until TF takes it, or None when nothing was
+  set.
+
+  Raises:
+    DTensorInitializationError: If no address and port can be picked, or
+      another process never arrives.
+  """
+  names = ('DTENSOR_JOBS', 'DTENSOR_CLIENT_ID', 'DTENSOR_JOB_NAME')
+  if jax.process_count() == 1 or any(n in os.environ for n in names):
+    return None
+  coordinator = distributed.global_state.coordinator_address
+  # Several JAX processes always come from jax.distributed.initialize().
+  assert coordinator, 'several JAX processes without a coordinator'
+  reserved, job = reserve(coordinator)
+  try:
+    jobs = _peers.exchange(
+      'dtensor-jobs',
+      job,
+      what=(
+        "the set-up of TF DTensor, which every process's "
+        'flax_dtensor.dtensor.initialize() joins'
+      ),
+      aftermath='TF DTensor was not set up.',
+      error=_errors.DTensorInitializationError,
+    )
+  except BaseException:
+    reserved.close()
+    raise
+  os.environ['DTENSOR_JOBS'] = ','.join(jobs)
+  os.environ['DTENSOR_CLIENT_ID'] = str(jax.process_index())
+  os.environ['DTENSOR_JOB_NAME'] = JOB_NAME
+  return reserved
+
+
+def reserve(coordinator: str) -> tuple[socket.socket, str]:
+  """A free port for TF DTensor, held open; its DTENSOR_JOBS entry.
+
+  The address is the one this host reaches JAX's coordinator from (the
+  local address of a UDP socket connected towards it: 127.0.0.1 for a
+  coordinator on 127.0.0.1); the port is free on every interface, as TF's
+  server listens on all of them. The socket holds the port until TF's
+  server binds it (`SO_REUSEADDR`: TF may bind it once it is closed).
+
+  Args:
+    coordinator: JAX's coordinator address, 'host:port' ('[v6]:port').
+
+  Raises:
+    DTensorInitializationError: If the address cannot be found or no port
+      bound.
+  """
+  host, _, port = coordinator.rpartition(':')
+  held = None
+  try:
+    family, kind, proto, _, where = socket.getaddrinfo(
+      host.strip('[]'), int(port), type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, kind, proto) as probe:
+      probe.connect(where)
+      address = probe.getsockname()[0]
+    held = socket.socket(family, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(('::' if family == socket.AF_INET6 else '0.0.0.0', 0))
+    held.listen(1)
+  except (OSError, ValueError) as e:
+    if held is not None:
+      held.close()
+    raise _errors.DTensorInitializationError(
+      'TF DTensor needs an address and a free port in each process: '
+      "expected to find this host's address towards JAX's coordinator "
+      f'{coordinator!r} and a free port on it, got {type(e).__name__}: '
+      f"{e}. Check jax.distributed.initialize()'s `coordinator_address`, "
+      'or set the DTENSOR_* variables. ' + _ENV_HELP
+    ) from e
+  free = held.getsockname()[1]
+  if family == socket.AF_INET6:
+    return held, f'[{address}]:{free}'
+  return held, f'{address}:{free}'
 
 
 def _expected_clients() -> tuple[int, int, str | None, str | None]:

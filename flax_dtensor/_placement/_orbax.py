@@ -16,7 +16,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors, _rules, _variables
+from flax_dtensor import _errors
+from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _logical
 
 _FIX = (
   'Expected the directory written by orbax.checkpoint.StandardCheckpointer()'
@@ -35,10 +37,11 @@ def find_checkpoint(path: pathlib.Path) -> pathlib.Path:
   """The Orbax checkpoint directory at or below `path`.
 
   Raises:
-    ExportError: If there is no Orbax checkpoint there.
+    ExportNotFoundError: If there is no Orbax checkpoint there.
+    ExportError: If `path` is a file.
   """
   if not path.exists():
-    raise _errors.ExportError(
+    raise _errors.ExportNotFoundError(
       f'Orbax checkpoint {str(path)!r} does not exist. {_FIX}'
     )
   if not path.is_dir():
@@ -58,7 +61,7 @@ def find_checkpoint(path: pathlib.Path) -> pathlib.Path:
     items = [p for p in latest.iterdir() if p.is_dir() and _is_checkpoint(p)]
     if len(items) == 1:
       return items[0]
-  raise _errors.ExportError(
+  raise _errors.ExportNotFoundError(
     f'{str(path)!r} holds no Orbax checkpoint (no _CHECKPOINT_METADATA or '
     f'_METADATA file). {_FIX}'
   )
@@ -68,7 +71,7 @@ def restore(
   path: pathlib.Path,
   abstract_model: Any,
   mesh: jax.sharding.Mesh,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
 ) -> Any:
   """Restores an Orbax checkpoint of ``nnx.state(model)`` onto `mesh`.
 
@@ -86,7 +89,7 @@ def restore(
   """
   import orbax.checkpoint as ocp
 
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   graphdef, abstract_state = nnx.split(abstract_model)
 
   def target(keypath: Any, variable: nnx.Variable) -> nnx.Variable:

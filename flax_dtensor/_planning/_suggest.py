@@ -22,17 +22,10 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from flax_dtensor import (
-  _errors,
-  _init,
-  _path_rules,
-  _plan,
-  _plan_view,
-  _presets,
-  _rules,
-  _specs,
-  _trees,
-)
+from flax_dtensor import _errors, _text
+from flax_dtensor._placement import _init, _trees
+from flax_dtensor._planning import _plan, _presets
+from flax_dtensor._rules import _logical, _path_rules, _specs
 
 DEFAULT_MIN_BYTES = 2**16
 """Variables below this size are replicated unless a budget needs them."""
@@ -118,7 +111,7 @@ class RulesSuggestion:
       lowered.
   """
 
-  rules: _rules.LogicalRules
+  rules: _logical.LogicalRules
   plan: _plan.ShardingPlan
   preset: str | None
   recognition: str
@@ -141,11 +134,11 @@ class RulesSuggestion:
 
   def budget_text(self) -> str:
     """One sentence on the budget: met, or the smallest total found."""
-    total = _plan_view.human_bytes(self.bytes_per_device)
-    ideal = _plan_view.human_bytes(math.ceil(self.plan.ideal_bytes_per_device))
+    total = _text.human_bytes(self.bytes_per_device)
+    ideal = _text.human_bytes(math.ceil(self.plan.ideal_bytes_per_device))
     if self.budget is None:
       return f'{total} per device (ideal {ideal}); no budget given.'
-    budget = _plan_view.human_bytes(self.budget)
+    budget = _text.human_bytes(self.budget)
     if self.fits:
       return f'{total} per device fits the budget of {budget} (ideal {ideal}).'
     why = (
@@ -210,7 +203,7 @@ class RulesSuggestion:
       e = by_path[path]
       lines.append(
         f'  {path:<{width}}  {_specs.format_spec(e.spec)}  '
-        f'{_plan_view.human_bytes(e.bytes_per_device)}  {why}'
+        f'{_text.human_bytes(e.bytes_per_device)}  {why}'
       )
     return '\n'.join(lines)
 
@@ -246,7 +239,7 @@ def _roles(sizes: dict[str, int]) -> dict[str, str | None]:
 
 def _abstract(target: Any, mesh: Any, optimizer: Any) -> tuple[Any, Any]:
   """(model, optimizer) as abstract values, whatever was given."""
-  lenient = _rules.LogicalRules([], unknown='replicate')
+  lenient = _logical.LogicalRules([], unknown='replicate')
   if _trees.is_array_tree(target):
     tree = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target
@@ -518,7 +511,7 @@ class _Proposal:
     ]
     return min([self.min_bytes, *small])
 
-  def rules(self) -> tuple[_rules.LogicalRules, dict[str, str]]:
+  def rules(self) -> tuple[_logical.LogicalRules, dict[str, str]]:
     """The rules of this state, and {path: why} for every variable."""
     further = [
       f for f in self.families + self.small if id(f) in self.sharded_further
@@ -593,7 +586,7 @@ class _Proposal:
           'dimension divides)',
         )
       )
-    rules = _rules.LogicalRules(
+    rules = _logical.LogicalRules(
       _logical_rules(names, self.roles),
       path_rules=path_rules,
       min_bytes=self.threshold(),
@@ -710,7 +703,7 @@ def suggest_rules(
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
   roles = _roles(sizes)
   target, opt = _abstract(model_or_factory, mesh, optimizer)
-  lenient = _rules.LogicalRules([], unknown='replicate')
+  lenient = _logical.LogicalRules([], unknown='replicate')
   entries = _plan.plan(target, mesh=mesh, rules=lenient, optimizer=opt).entries
   variables = [
     _Variable(
@@ -746,7 +739,7 @@ def suggest_rules(
   if preset is not None and not proposal.used_preset_rules():
     recognition += '; none of its rules matches, so the proposal is generic'
 
-  def planned() -> tuple[_rules.LogicalRules, dict[str, str], Any]:
+  def planned() -> tuple[_logical.LogicalRules, dict[str, str], Any]:
     rules, why = proposal.rules()
     result = _plan.plan(target, mesh=mesh, rules=rules, optimizer=opt)
     return rules, why, result

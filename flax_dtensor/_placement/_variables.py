@@ -20,7 +20,8 @@ from flax import nnx
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors, _meshes, _path_rules, _resolution, _rules
+from flax_dtensor import _errors
+from flax_dtensor._rules import _logical, _meshes, _path_rules, _resolution
 
 Path = tuple[Any, ...]
 
@@ -188,7 +189,7 @@ def sharding_for(
 def spec_of_variable(
   variable: nnx.Variable,
   *,
-  rules: _rules.LogicalRules | _rules.FlaxRules | None = None,
+  rules: _logical.LogicalRules | _logical.FlaxRules | None = None,
   mesh: _meshes.MeshLike | None = None,
   path: str | None = None,
 ) -> _resolution.Resolution | None:
@@ -205,18 +206,18 @@ def spec_of_variable(
 
   Args:
     variable: The variable.
-    rules: The rules in effect; default `_rules.rules_in_effect()`.
+    rules: The rules in effect; default `_logical.rules_in_effect()`.
     mesh: A mesh the caller named; see `_meshes.mesh_for` for the order.
     path: The variable's '/'-joined path: path rules match it, and errors
       name it. Without it, path rules do not apply.
   """
   if rules is None:
-    rules = _rules.rules_in_effect()
+    rules = _logical.rules_in_effect()
   value = value_of(variable)
   shape = _shape_of(value)
   concrete = concrete_sharding_of(variable)
   axes = logical_axes_of(variable)
-  if path is not None and isinstance(rules, _rules.LogicalRules):
+  if path is not None and isinstance(rules, _logical.LogicalRules):
     found = path_rule_of(path, type(variable), shape, value, rules)
     if found is not None and (
       found[1].override or (concrete is None and axes is None)
@@ -231,7 +232,7 @@ def spec_of_variable(
       )
   if concrete is not None:
     spec = concrete.spec
-    if isinstance(rules, _rules.FlaxRules):
+    if isinstance(rules, _logical.FlaxRules):
       spec = _flax_renamed(variable, spec)
     return _resolution.Resolution(
       logical_axes=tuple(spec),
@@ -259,7 +260,7 @@ def path_rule_of(
   variable_type: type | None,
   shape: tuple[int, ...] | None,
   value: Any,
-  rules: _rules.LogicalRules,
+  rules: _logical.LogicalRules,
 ) -> tuple[int, _path_rules.PathRule] | None:
   """(index, rule) of the path rule for a variable, or None.
 
@@ -285,7 +286,7 @@ def _by_path_rule(
   found: tuple[int, _path_rules.PathRule],
   shape: tuple[int, ...] | None,
   *,
-  rules: _rules.LogicalRules,
+  rules: _logical.LogicalRules,
   mesh: _meshes.MeshLike | None,
   local_rules: Any,
   path: str,
@@ -319,7 +320,7 @@ def spec_of_array(
   *,
   path: str,
   logical_axes: Any = None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: _meshes.MeshLike | None,
 ) -> _resolution.Resolution | None:
   """Where a plain array in a pytree goes; None if nothing governs it.
@@ -328,7 +329,7 @@ def spec_of_array(
   annotation; a path rule with a `type` never matches a plain array.
   """
   shape = _shape_of(value)
-  if isinstance(rules, _rules.LogicalRules):
+  if isinstance(rules, _logical.LogicalRules):
     found = path_rule_of(path, None, shape, value, rules)
     if found is not None and (found[1].override or logical_axes is None):
       return _by_path_rule(
@@ -347,7 +348,7 @@ def source_of(
   variable_type: type | None,
   shape: tuple[int, ...] | None,
   value: Any,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
 ) -> str:
   """What decided a variable's placement, in words (the plan's `source`).
 
@@ -359,7 +360,7 @@ def source_of(
   if resolution is not None:
     if (
       resolution.source == _resolution.ANNOTATION
-      and isinstance(rules, _rules.LogicalRules)
+      and isinstance(rules, _logical.LogicalRules)
       and rules.path_rules
     ):
       found = path_rule_of(path, variable_type, shape, value, rules)
@@ -369,7 +370,7 @@ def source_of(
           'override=True)'
         )
     return resolution.source
-  if isinstance(rules, _rules.LogicalRules) and rules.path_rules:
+  if isinstance(rules, _logical.LogicalRules) and rules.path_rules:
     why = _path_rules.exemption(
       shape,
       dtype_of(value) if shape else None,
@@ -393,7 +394,7 @@ NO_SOURCE = 'none (replicated)'
 def resolved(
   node: Any,
   *,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: _meshes.MeshLike | None,
 ) -> list[tuple[str, nnx.Variable, _resolution.Resolution | None]]:
   """``(path text, variable, spec_of_variable(...))`` for every variable."""

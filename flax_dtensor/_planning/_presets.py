@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from flax_dtensor import _errors, _path_rules, _rules
+from flax_dtensor import _errors
+from flax_dtensor._rules import _logical, _path_rules
 
 GENERIC = 'generic'
 """The `style` that asks for the generic proposal, whatever the paths."""
@@ -64,7 +65,7 @@ def _requirement_text(names: Sequence[str]) -> str:
 def _read(file: str, text: str) -> Preset:
   document = yaml.safe_load(text)
   header = document['preset']
-  rules = _rules.LogicalRules.from_yaml_text(text)
+  rules = _logical.LogicalRules.from_yaml_text(text)
   return Preset(
     name=str(header['name']),
     description=str(header['description']),

@@ -17,19 +17,10 @@ from typing import Any
 
 import jax
 
-from flax_dtensor import (
-  _errors,
-  _init,
-  _meshes,
-  _path_rules,
-  _placement,
-  _plan,
-  _plan_view,
-  _rules,
-  _specs,
-  _trees,
-  _variables,
-)
+from flax_dtensor import _errors, _text
+from flax_dtensor._placement import _init, _placing, _trees, _variables
+from flax_dtensor._planning import _plan, _plan_view
+from flax_dtensor._rules import _logical, _meshes, _path_rules, _specs
 
 CODES = {
   'unused-rule': 'a logical name in the rules that no variable uses',
@@ -118,12 +109,12 @@ def _rule_text(name: str, target: Any) -> str:
 
 
 def _rule_findings(
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   used: set[str],
   sizes: dict[str, int] | None,
 ) -> list[Finding]:
   """Findings about the rules themselves, under their own semantics."""
-  flax = isinstance(rules, _rules.FlaxRules)
+  flax = isinstance(rules, _logical.FlaxRules)
   pairs = [(n, _flax_target(t)) for n, t in rules.pairs] if flax else rules
   out = []
   for name in dict.fromkeys(n for n, _ in pairs):
@@ -224,7 +215,7 @@ def _subjects(target: Any) -> list[_Subject]:
 
 
 def _path_rule_findings(
-  rules: _rules.LogicalRules, subjects: Sequence[_Subject]
+  rules: _logical.LogicalRules, subjects: Sequence[_Subject]
 ) -> list[Finding]:
   out = []
   examples = ', '.join(repr(s.path) for s in subjects[:3])
@@ -301,7 +292,7 @@ def _could_shard(entry: _plan.PlanEntry, sizes: dict[str, int] | None) -> str:
 
 def check(
   module_or_state: Any,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
   *,
   min_bytes: int = DEFAULT_MIN_BYTES,
@@ -377,7 +368,7 @@ def check(
       f'allow= names unknown finding codes {unknown}; expected some of '
       f'{sorted(CODES)}.'
     )
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   # The semantics creation takes: ours (unknown names replicated, so that
@@ -385,7 +376,7 @@ def check(
   # or none at all: then the names are mesh axes).
   planning = (
     rules_.replace(unknown='replicate')
-    if isinstance(rules_, _rules.LogicalRules)
+    if isinstance(rules_, _logical.LogicalRules)
     else rules_
   )
   target = module_or_state
@@ -396,19 +387,19 @@ def check(
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }
   findings = _rule_findings(rules_, used, sizes)
-  if isinstance(rules_, _rules.LogicalRules) and rules_.path_rules:
+  if isinstance(rules_, _logical.LogicalRules) and rules_.path_rules:
     findings += _path_rule_findings(rules_, _subjects(target))
   for e in result.entries:
     if e.misplaced and (e.misplaced_reason or '').startswith(
-      _placement.EAGER_OFF_REASON
+      _placing.EAGER_OFF_REASON
     ):
       findings.append(
         Finding(
           'eager-sharding-off',
           e.path,
           f'placed {_specs.format_spec(e.placed)}, but the rules say '
-          f'{_specs.format_spec(e.spec)}: {_placement.EAGER_OFF_REASON}. '
-          f'{_placement.EAGER_OFF_FIX}',
+          f'{_specs.format_spec(e.spec)}: {_placing.EAGER_OFF_REASON}. '
+          f'{_placing.EAGER_OFF_FIX}',
         )
       )
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
@@ -419,9 +410,9 @@ def check(
     ):
       continue
     whole = (
-      f'{_plan_view.shape_text(e)} ({_plan_view.human_bytes(e.bytes)}) '
+      f'{_plan_view.shape_text(e)} ({_text.human_bytes(e.bytes)}) '
       'is whole on each of the '
-      f'{_plan_view.count(result.num_devices, "device")}.'
+      f'{_text.count(result.num_devices, "device")}.'
     )
     if (e.source or '').startswith('none'):
       findings.append(
@@ -449,10 +440,10 @@ def check(
       Finding(
         'over-budget',
         'per device',
-        f'{_plan_view.human_bytes(result.bytes_per_device)} '
+        f'{_text.human_bytes(result.bytes_per_device)} '
         f'({result.bytes_per_device:,} bytes) per device is above the budget '
-        f'of {_plan_view.human_bytes(budget)} ({budget:,} bytes; ideal '
-        f'{_plan_view.human_bytes(math.ceil(result.ideal_bytes_per_device))}'
+        f'of {_text.human_bytes(budget)} ({budget:,} bytes; ideal '
+        f'{_text.human_bytes(math.ceil(result.ideal_bytes_per_device))}'
         '). Shard the largest replicated variables, or use more devices.',
       )
     )

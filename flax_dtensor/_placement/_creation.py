@@ -8,7 +8,7 @@ annotated initializer (``nnx.with_partitioning(init, axes)``) through
 `create` instead: the spec is resolved from the output's shape first, and
 the initializer runs under a cached ``jax.jit`` whose ``out_shardings`` is
 that spec, so each device computes its own shard. The value arrives at
-Flax's ``shard_value`` already placed, and `_placement.apply_spec` returns it
+Flax's ``shard_value`` already placed, and `_placing.apply_spec` returns it
 as it is.
 
 Only initializers from JAX and Flax (``jax.nn.initializers``,
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor import _meshes, _resolution, _rules
+from flax_dtensor._rules import _logical, _meshes, _resolution
 
 # Modules whose initializers are pure functions of their arguments.
 _PURE_MODULES = ('jax.', 'flax.')
@@ -265,11 +265,11 @@ def _spec_for(
     return None
   if not metadata.get('eager_sharding', _using_eager_sharding()):
     return None
-  rules = _rules.rules_in_effect()
+  rules = _logical.rules_in_effect()
   local = metadata.get('sharding_rules')
   if not (
-    isinstance(rules, _rules.LogicalRules)
-    or (not rules.pairs and isinstance(local, _rules.LogicalRules))
+    isinstance(rules, _logical.LogicalRules)
+    or (not rules.pairs and isinstance(local, _logical.LogicalRules))
   ):
     return None
   try:

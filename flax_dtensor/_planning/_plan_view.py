@@ -4,10 +4,8 @@ Paths are never cut. A table is used when every path fits whole beside the
 other columns; below that width each variable takes two lines, its path on
 the first. Fallbacks are grouped by reason under the table, with the
 variables each one affects. `blocks` draws which mesh position holds which
-block of one variable, for any number of dimensions. The text helpers
-every printed view of the package shares live here too: sizes
-(`human_bytes`), counts (`count`) and paths broken only after a ``/``
-(`wrap_path`).
+block of one variable, for any number of dimensions. Sizes, counts and
+paths are written by `_text`.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ import html
 import io
 import math
 import re
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import rich.box
@@ -28,103 +25,16 @@ import rich.padding
 import rich.table
 import rich.text
 
-from flax_dtensor import _specs
+from flax_dtensor import _text
+from flax_dtensor._rules import _specs
 
 if TYPE_CHECKING:
-  from flax_dtensor._plan import PlanEntry, ShardingPlan
+  from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
 
 LARGEST = 5
 """How many of the largest replicated variables the summary names."""
 
 _FALLBACK = re.compile(r'^dim \d+ \((?P<name>.*?)\): (?P<why>.*)$')
-
-
-def human_bytes(n: float) -> str:
-  """'1.5 MiB' for 1572864 (IEC units, everywhere in this package)."""
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if abs(n) < 1024 or unit == 'TiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-    n /= 1024
-  raise AssertionError('unreachable')
-
-
-def count(n: int, noun: str) -> str:
-  """'1 device', '8 devices' (`noun` is singular and takes an 's')."""
-  return f'{n} {noun}' + ('' if n == 1 else 's')
-
-
-def wrap_path(path: str, width: int) -> list[str]:
-  """`path` in lines of at most `width` columns, broken only after a '/'.
-
-  A component longer than `width` keeps its own line, whole: a path is
-  never cut inside a name.
-  """
-  lines = ['']
-  for part in re.findall(r'[^/]*/|[^/]+$', path):
-    if lines[-1] and len(lines[-1]) + len(part) > width:
-      lines.append('')
-    lines[-1] += part
-  return lines
-
-
-def terminal_width(default: int = 80) -> int:
-  """The terminal's width, or ``COLUMNS``, or `default` when piped."""
-  return shutil.get_terminal_size((default, 24)).columns
-
-
-def table_or_stacked(
-  columns: Sequence[str],
-  rows: Iterable[Sequence[str]],
-  width: int,
-  *,
-  paths: Sequence[str] = (),
-  right: Sequence[str] = (),
-  details: Callable[[Sequence[str]], list[str]] | None = None,
-) -> Any:
-  """A table of `rows` when it fits `width` unwrapped; else short lines.
-
-  Nothing is cut, or folded inside a word: in the stacked form each row's
-  first cell heads it on a line of its own, and each other cell follows on
-  its own line, labelled with its column (or the lines `details` makes of
-  the row). Cells of the `paths` columns are broken only after a '/'
-  (`wrap_path`); a cell holding several lines keeps them. `right` columns
-  are right-justified in the table.
-  """
-  rows = [list(row) for row in rows]
-  table = rich.table.Table()
-  for column in columns:
-    table.add_column(
-      column, no_wrap=True, justify='right' if column in right else 'left'
-    )
-  for row in rows:
-    table.add_row(*(rich.text.Text(c) for c in row))
-  if measure(table) <= width:
-    return table
-  label = max((len(c) for c in columns[1:]), default=0) + 2
-  items: list[Any] = []
-  for row in rows:
-    head = row[0]
-    for line in wrap_path(head, width) if columns[0] in paths else [head]:
-      items.append(rich.text.Text(line, style='bold'))
-    if details is not None:
-      items.extend(
-        rich.padding.Padding(rich.text.Text(line), (0, 0, 0, 2), expand=False)
-        for line in details(row)
-      )
-      continue
-    for column, cell in zip(columns[1:], row[1:], strict=True):
-      if not cell:
-        continue
-      if column in paths:
-        lines = wrap_path(cell, max(width - 2 - label, 1))
-      else:
-        lines = cell.split('\n')
-      for i, line in enumerate(lines):
-        text = (column if i == 0 else '').ljust(label) + line
-        items.append(
-          rich.padding.Padding(rich.text.Text(text), (0, 0, 0, 2), expand=False)
-        )
-  return rich.console.Group(*items)
 
 
 # What the views show
@@ -135,21 +45,21 @@ def mesh_text(plan: ShardingPlan) -> str:
   if not plan.mesh_axes:
     return 'no mesh (1 device)'
   axes = ', '.join(f'{k}={v}' for k, v in plan.mesh_axes.items())
-  return f'mesh {axes} ({count(plan.num_devices, "device")})'
+  return f'mesh {axes} ({_text.count(plan.num_devices, "device")})'
 
 
 def totals_text(plan: ShardingPlan) -> str:
   ideal = plan.ideal_bytes_per_device
   ratio = plan.bytes_per_device / ideal if ideal else 1.0
   text = (
-    f'{human_bytes(plan.bytes_per_device)} per device of '
-    f'{human_bytes(plan.total_bytes)} in {len(plan.entries)} variables; '
-    f'ideal {human_bytes(ideal)} ({ratio:.2f}x)'
+    f'{_text.human_bytes(plan.bytes_per_device)} per device of '
+    f'{_text.human_bytes(plan.total_bytes)} in {len(plan.entries)} variables; '
+    f'ideal {_text.human_bytes(ideal)} ({ratio:.2f}x)'
   )
   parts = {k: v for k, v in plan.bytes_per_device_by_category().items() if v}
   if len(parts) > 1:
     text += ' = ' + ' + '.join(
-      f'{human_bytes(v)} {k}' for k, v in parts.items()
+      f'{_text.human_bytes(v)} {k}' for k, v in parts.items()
     )
   return text
 
@@ -239,26 +149,9 @@ def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
     'logical axes': axes_text(e),
     'spec': spec_text(e),
     'source': e.source or '-',
-    'per device': human_bytes(e.bytes_per_device),
+    'per device': _text.human_bytes(e.bytes_per_device),
   }
   return [values[c] for c in columns]
-
-
-def _console(file: io.StringIO, width: int) -> rich.console.Console:
-  """A console writing plain text to `file` (never to Jupyter's display)."""
-  return rich.console.Console(
-    file=file,
-    width=width,
-    color_system=None,
-    force_terminal=False,
-    force_jupyter=False,
-    legacy_windows=False,
-  )
-
-
-def measure(renderable: Any) -> int:
-  """The columns `renderable` needs to print without wrapping."""
-  return _console(io.StringIO(), 100_000).measure(renderable).maximum
 
 
 def _table(entries: Sequence[PlanEntry]) -> rich.table.Table:
@@ -285,7 +178,7 @@ def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
   for e in entries:
     items.append(rich.text.Text(e.path, style='bold', overflow='fold'))
     detail = (
-      f'{human_bytes(e.bytes_per_device):>9}  '
+      f'{_text.human_bytes(e.bytes_per_device):>9}  '
       + (f'{e.kind} ' if kinds else '')
       + f'{shape_text(e)}  {axes_text(e)} -> {spec_text(e)}'
       + (f'  [{e.source or "-"}]' if sources else '')
@@ -301,13 +194,13 @@ def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   affected = len({p for _, paths in groups for p in paths})
   out: list[Any] = [
     rich.text.Text(
-      f'Fallbacks: {count(len(groups), "reason")}, '
-      f'{count(affected, "variable")}',
+      f'Fallbacks: {_text.count(len(groups), "reason")}, '
+      f'{_text.count(affected, "variable")}',
       style='bold',
     )
   ]
   for reason, paths in groups:
-    n = count(len(paths), 'variable')
+    n = _text.count(len(paths), 'variable')
     out.append(
       rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
     )
@@ -331,10 +224,10 @@ def _by_reason(
     return []
   total = sum(len(p) for p in groups.values())
   out: list[Any] = [
-    rich.text.Text(f'{title}: {count(total, "variable")}', style='bold')
+    rich.text.Text(f'{title}: {_text.count(total, "variable")}', style='bold')
   ]
   for reason, paths in groups.items():
-    n = count(len(paths), 'variable')
+    n = _text.count(len(paths), 'variable')
     out.append(
       rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
     )
@@ -394,7 +287,7 @@ def renderables(
         out.append(
           rich.padding.Padding(
             rich.text.Text(
-              f'{e.path}  {shape_text(e)}  {human_bytes(e.bytes)}',
+              f'{e.path}  {shape_text(e)}  {_text.human_bytes(e.bytes)}',
               overflow='fold',
             ),
             (0, 0, 0, 2),
@@ -405,7 +298,7 @@ def renderables(
     return out
   if plan.entries:
     table = _table(plan.entries)
-    fits = measure(table) <= width
+    fits = _text.measure(table) <= width
     out.append(table if fits else _stacked(plan.entries))
   out.extend(_fallbacks(plan.entries, list_paths=True))
   out.extend(_notes(plan.entries, list_paths=True))
@@ -416,9 +309,9 @@ def render_text(
   plan: ShardingPlan, width: int | None = None, *, summary: bool = False
 ) -> str:
   """The plan as plain text at `width` columns (default: the terminal's)."""
-  width = terminal_width() if width is None else width
+  width = _text.terminal_width() if width is None else width
   buffer = io.StringIO()
-  console = _console(buffer, width)
+  console = _text.console(buffer, width)
   for item in renderables(plan, width, summary=summary):
     console.print(item)
   return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
@@ -472,7 +365,7 @@ def render_html(plan: ShardingPlan, *, summary: bool = False) -> str:
     if largest:
       items = ''.join(
         f'<li><code>{_path_html(e.path)}</code> {html.escape(shape_text(e))} '
-        f'{human_bytes(e.bytes)}</li>'
+        f'{_text.human_bytes(e.bytes)}</li>'
         for e in largest
       )
       parts.append(f'<b>Largest replicated</b><ul>{items}</ul>')
@@ -555,21 +448,21 @@ def blocks_text(
   A grid when at most two dimensions are split (rows: the first split
   dimension's blocks; columns: the second's), then one line per block.
   """
-  width = terminal_width() if width is None else width
+  width = _text.terminal_width() if width is None else width
   blocks = device_blocks(entry.shape, entry.spec, mesh_axes)
   split = [
     d for d in range(len(entry.shape)) if len({b[d] for b in blocks}) > 1
   ]
   buffer = io.StringIO()
-  console = _console(buffer, width)
+  console = _text.console(buffer, width)
   console.print(
     rich.text.Text(
       f'{entry.path}  {shape_text(entry)}  {spec_text(entry)}', overflow='fold'
     )
   )
   console.print(
-    f'{count(len(blocks), "block")} of '
-    f'{count(sum(map(len, blocks.values())), "mesh position")} '
+    f'{_text.count(len(blocks), "block")} of '
+    f'{_text.count(sum(map(len, blocks.values())), "mesh position")} '
     f'({mesh_text_axes(mesh_axes)}); each block held by the positions listed'
   )
   if 1 <= len(split) <= 2:

@@ -22,7 +22,8 @@ import jax
 import yaml
 from flax.core import spmd as core_spmd
 
-from flax_dtensor import _errors, _meshes, _path_rules
+from flax_dtensor import _errors
+from flax_dtensor._rules import _meshes, _path_rules
 
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
@@ -65,6 +66,71 @@ def _normalize_target(target: Any, where: str) -> Target:
     f'{where}: expected a mesh axis name, a sequence of mesh axis names, or '
     f'None; got {type(target).__name__} {target!r}. {RULES_FIX_MSG}'
   )
+
+
+def _threshold(name: str) -> Callable[[Any], int]:
+  def check(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise _errors.LogicalRulesError(
+        f'`{name}` must be an int >= 0 (a threshold below which path rules '
+        f'leave a variable replicated); got {value!r}.'
+      )
+    return value
+
+  return check
+
+
+def _unknown(value: Any) -> Unknown:
+  if value not in _UNKNOWN_CHOICES:
+    raise _errors.LogicalRulesError(
+      f'`unknown` must be one of {_UNKNOWN_CHOICES}; got {value!r}.'
+    )
+  return value
+
+
+def _strict(value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise _errors.LogicalRulesError(f'`strict` must be a bool; got {value!r}.')
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+  """One option of `LogicalRules`: its default and how a value is checked."""
+
+  default: Any
+  check: Callable[[Any], Any]
+  doc: str
+
+
+# Every option of LogicalRules, once, in their pickled order.
+_OPTIONS: dict[str, _Option] = {
+  'unknown': _Option(
+    'error', _unknown, 'What happens to a logical name no rule mentions.'
+  ),
+  'strict': _Option(
+    False, _strict, 'Whether a dimension with no fitting candidate raises.'
+  ),
+  'path_rules': _Option(
+    (),
+    _path_rules.normalize,
+    'The path rules, in priority order (the first match wins).',
+  ),
+  'min_size': _Option(
+    0,
+    _threshold('min_size'),
+    'Path rules leave variables of fewer elements replicated.',
+  ),
+  'min_bytes': _Option(
+    0,
+    _threshold('min_bytes'),
+    'Path rules leave variables of fewer bytes replicated.',
+  ),
+}
+
+
+def _option(name: str) -> property:
+  return property(lambda self: self._options[name], doc=_OPTIONS[name].doc)
 
 
 class LogicalRules(tuple):
@@ -113,11 +179,7 @@ class LogicalRules(tuple):
     ('vocab', 'embed')
   """
 
-  __unknown: Unknown
-  __strict: bool
-  __path_rules: tuple[_path_rules.PathRule, ...]
-  __min_size: int
-  __min_bytes: int
+  _options: dict[str, Any]
 
   def __new__(
     cls,
@@ -129,41 +191,35 @@ class LogicalRules(tuple):
     min_size: int | None = None,
     min_bytes: int | None = None,
   ) -> LogicalRules:
+    given = {
+      'unknown': unknown,
+      'strict': strict,
+      'path_rules': path_rules,
+      'min_size': min_size,
+      'min_bytes': min_bytes,
+    }
+    return cls._new(pairs, given)
+
+  @classmethod
+  def _new(cls, pairs: Any, given: Mapping[str, Any]) -> LogicalRules:
+    """The rules of `pairs` with the options `given` (None: inherited from
+    `pairs` if they are rules, else the default)."""
     if isinstance(pairs, LogicalRules):
-      if (
-        cls is LogicalRules
-        and unknown in (None, pairs.unknown)
-        and strict in (None, pairs.strict)
-        and path_rules is None
-        and min_size in (None, pairs.min_size)
-        and min_bytes in (None, pairs.min_bytes)
+      if cls is LogicalRules and all(
+        value is None
+        or (name != 'path_rules' and value == pairs._options[name])
+        for name, value in given.items()
       ):
         return pairs  # Immutable: the same rules need no copy.
-      unknown = pairs.unknown if unknown is None else unknown
-      strict = pairs.strict if strict is None else strict
-      path_rules = pairs.path_rules if path_rules is None else path_rules
-      min_size = pairs.min_size if min_size is None else min_size
-      min_bytes = pairs.min_bytes if min_bytes is None else min_bytes
-    if unknown is None:
-      unknown = 'error'
-    if strict is None:
-      strict = False
-    for option, value in (('min_size', min_size), ('min_bytes', min_bytes)):
-      if value is not None and (
-        not isinstance(value, int) or isinstance(value, bool) or value < 0
-      ):
-        raise _errors.LogicalRulesError(
-          f'`{option}` must be an int >= 0 (a threshold below which path '
-          f'rules leave a variable replicated); got {value!r}.'
-        )
-    if unknown not in _UNKNOWN_CHOICES:
-      raise _errors.LogicalRulesError(
-        f'`unknown` must be one of {_UNKNOWN_CHOICES}; got {unknown!r}.'
+      inherited = pairs._options
+    else:
+      inherited = {name: o.default for name, o in _OPTIONS.items()}
+    options = {
+      name: option.check(
+        inherited[name] if given.get(name) is None else given[name]
       )
-    if not isinstance(strict, bool):
-      raise _errors.LogicalRulesError(
-        f'`strict` must be a bool; got {strict!r}.'
-      )
+      for name, option in _OPTIONS.items()
+    }
     if isinstance(pairs, Mapping):
       items = list(pairs.items())
     elif isinstance(pairs, (str, bytes)) or not isinstance(
@@ -194,13 +250,7 @@ class LogicalRules(tuple):
         )
       normalized.append((name, _normalize_target(target, where)))
     self = super().__new__(cls, normalized)
-    object.__setattr__(self, '_LogicalRules__unknown', unknown)
-    object.__setattr__(self, '_LogicalRules__strict', strict)
-    object.__setattr__(
-      self, '_LogicalRules__path_rules', _path_rules.normalize(path_rules)
-    )
-    object.__setattr__(self, '_LogicalRules__min_size', min_size or 0)
-    object.__setattr__(self, '_LogicalRules__min_bytes', min_bytes or 0)
+    object.__setattr__(self, '_options', options)
     return self
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -212,62 +262,22 @@ class LogicalRules(tuple):
   def __reduce__(self):
     # By the public name (see `__module__` below): unpickling goes through
     # the package's namespace, which installs the Flax hook before these
-    # rules exist in the new process.
+    # rules exist in the new process. The options follow in `_OPTIONS`'s
+    # order, which pickles of earlier versions share.
     return (
       self._unpickled,
-      (
-        tuple(self),
-        self.unknown,
-        self.strict,
-        self.path_rules,
-        self.min_size,
-        self.min_bytes,
-      ),
+      (tuple(self), *(self._options[name] for name in _OPTIONS)),
     )
 
   @classmethod
-  def _unpickled(
-    cls,
-    pairs: Any,
-    unknown: Unknown,
-    strict: bool,
-    path_rules: Any = (),
-    min_size: int = 0,
-    min_bytes: int = 0,
-  ) -> LogicalRules:
-    return cls(
-      pairs,
-      unknown=unknown,
-      strict=strict,
-      path_rules=path_rules,
-      min_size=min_size,
-      min_bytes=min_bytes,
-    )
+  def _unpickled(cls, pairs: Any, *options: Any) -> LogicalRules:
+    return cls._new(pairs, dict(zip(_OPTIONS, options, strict=False)))
 
-  @property
-  def unknown(self) -> Unknown:
-    """What happens to a logical name no rule mentions."""
-    return self.__unknown
-
-  @property
-  def strict(self) -> bool:
-    """Whether a dimension with no fitting candidate raises."""
-    return self.__strict
-
-  @property
-  def path_rules(self) -> tuple[_path_rules.PathRule, ...]:
-    """The path rules, in priority order (the first match wins)."""
-    return self.__path_rules
-
-  @property
-  def min_size(self) -> int:
-    """Path rules leave variables of fewer elements replicated."""
-    return self.__min_size
-
-  @property
-  def min_bytes(self) -> int:
-    """Path rules leave variables of fewer bytes replicated."""
-    return self.__min_bytes
+  unknown = _option('unknown')
+  strict = _option('strict')
+  path_rules = _option('path_rules')
+  min_size = _option('min_size')
+  min_bytes = _option('min_bytes')
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -278,24 +288,23 @@ class LogicalRules(tuple):
     """Returns the targets for `name`, in priority order."""
     return tuple(target for n, target in self if n == name)
 
-  def replace(
-    self,
-    *,
-    unknown: Unknown | None = None,
-    strict: bool | None = None,
-    path_rules: Sequence[Any] | None = None,
-    min_size: int | None = None,
-    min_bytes: int | None = None,
-  ) -> LogicalRules:
-    """Returns a copy with some options changed."""
-    return LogicalRules(
-      self,
-      unknown=unknown,
-      strict=strict,
-      path_rules=path_rules,
-      min_size=min_size,
-      min_bytes=min_bytes,
-    )
+  def replace(self, **options: Any) -> LogicalRules:
+    """Returns a copy with some options changed.
+
+    Args:
+      **options: Any of `unknown`, `strict`, `path_rules`, `min_size` and
+        `min_bytes` (see `LogicalRules`).
+
+    Raises:
+      LogicalRulesError: If an option is unknown or its value invalid.
+    """
+    wrong = sorted(set(options) - set(_OPTIONS))
+    if wrong:
+      raise _errors.LogicalRulesError(
+        f'LogicalRules has no option {wrong}; expected some of '
+        f'{list(_OPTIONS)}.'
+      )
+    return LogicalRules._new(self, options)
 
   @classmethod
   def for_mesh_axes(cls, mesh: Any, **options: Any) -> LogicalRules:
@@ -330,24 +339,11 @@ class LogicalRules(tuple):
     """Returns rules where `pairs` take priority over these rules."""
     if not pairs:
       return self
-    return LogicalRules([*LogicalRules(pairs), *self]).replace(
-      unknown=self.unknown,
-      strict=self.strict,
-      path_rules=self.path_rules,
-      min_size=self.min_size,
-      min_bytes=self.min_bytes,
-    )
+    return LogicalRules._new([*LogicalRules(pairs), *self], self._options)
 
   def __eq__(self, other: object) -> bool:
     if isinstance(other, LogicalRules):
-      return (
-        tuple(self) == tuple(other)
-        and self.unknown == other.unknown
-        and self.strict == other.strict
-        and self.path_rules == other.path_rules
-        and self.min_size == other.min_size
-        and self.min_bytes == other.min_bytes
-      )
+      return tuple(self) == tuple(other) and self._options == other._options
     return tuple.__eq__(self, other)
 
   def __ne__(self, other: object) -> bool:
@@ -358,17 +354,13 @@ class LogicalRules(tuple):
     return tuple.__hash__(self)
 
   def __repr__(self) -> str:
-    options = ''
-    if self.unknown != 'error':
-      options += f', unknown={self.unknown!r}'
-    if self.strict:
-      options += ', strict=True'
-    if self.path_rules:
-      options += f', path_rules={list(self.path_rules)!r}'
-    if self.min_size:
-      options += f', min_size={self.min_size}'
-    if self.min_bytes:
-      options += f', min_bytes={self.min_bytes}'
+    options = ''.join(
+      f', {name}={value!r}'
+      if name != 'path_rules'
+      else f', path_rules={list(value)!r}'
+      for name, value in self._options.items()
+      if value != _OPTIONS[name].default
+    )
     return f'LogicalRules({list(self)!r}{options})'
 
   @classmethod
@@ -595,11 +587,6 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 # Pickled, printed and documented as `flax_dtensor.LogicalRules`.
 LogicalRules.__module__ = 'flax_dtensor'
-
-
-def _rebuild(pairs, unknown, strict) -> LogicalRules:
-  """Unpickles rules pickled by flax_dtensor 0.1.0 (by this function)."""
-  return LogicalRules(pairs, unknown=unknown, strict=strict)
 
 
 RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]

@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _errors, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _specs
 
 PATH_RULES_FIX_MSG = (
   'Each path rule is a (pattern, target) pair, a dict with `pattern` and '
@@ -442,7 +443,7 @@ def first_match(
 
 def itemsize(dtype: Any) -> int:
   """Bytes per element (a typed PRNG key counts its key data)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))

@@ -15,7 +15,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from flax_dtensor import _errors, _plan, _plan_view
+from flax_dtensor import _errors, _text
+from flax_dtensor._planning import _plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +43,16 @@ class MemoryReport:
     width = max(map(len, [*self.estimate, *self.xla, 'total']))
     lines = ['Memory per device', '  static estimate (arguments):']
     lines += [
-      f'    {k:<{width}}  {_plan_view.human_bytes(v):>10}'
+      f'    {k:<{width}}  {_text.human_bytes(v):>10}'
       for k, v in self.estimate.items()
     ]
     lines.append(
       f'    {"total":<{width}}  '
-      f'{_plan_view.human_bytes(self.estimated_arguments):>10}'
+      f'{_text.human_bytes(self.estimated_arguments):>10}'
     )
     lines.append('  compiled by XLA:')
     lines += [
-      f'    {k:<{width}}  {_plan_view.human_bytes(v):>10}'
+      f'    {k:<{width}}  {_text.human_bytes(v):>10}'
       for k, v in self.xla.items()
     ]
     return '\n'.join(lines)

@@ -19,16 +19,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from flax_dtensor import (
+from flax_dtensor import _errors
+from flax_dtensor._placement import (
   _creation,
   _creation_order,
-  _errors,
   _hook,
-  _meshes,
-  _placement,
-  _rules,
+  _placing,
   _variables,
 )
+from flax_dtensor._rules import _logical, _meshes
 
 M = TypeVar('M')
 
@@ -37,13 +36,15 @@ builds: collections.Counter[str] = collections.Counter()
 
 
 @contextlib.contextmanager
-def scope(mesh: Mesh | None, rules: _rules.RulesLike | None) -> Iterator[None]:
+def scope(
+  mesh: Mesh | None, rules: _logical.RulesLike | None
+) -> Iterator[None]:
   """Enters ``jax.set_mesh(mesh)`` and `logical_axis_rules(rules)` if given."""
   with contextlib.ExitStack() as stack:
     if mesh is not None:
       stack.enter_context(jax.set_mesh(mesh))
     if rules is not None:
-      stack.enter_context(_rules.logical_axis_rules(rules))
+      stack.enter_context(_logical.logical_axis_rules(rules))
     yield
 
 
@@ -55,7 +56,7 @@ def init(
   factory: Callable[..., M],
   *args: Any,
   mesh: Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   **kwargs: Any,
 ) -> M:
   """Builds a module so that no parameter ever exists unsharded.
@@ -125,9 +126,9 @@ def init(
       raise _errors.MeshError(
         'Expected a concrete mesh for `fdt.init`, but no mesh is set'
         + (f' (got the abstract {mesh_})' if mesh_ is not None else '')
-        + f'. {hint or _placement.NO_MESH_MSG}'
+        + f'. {hint or _placing.NO_MESH_MSG}'
       )
-    rules_ = _rules.rules_in_effect()
+    rules_ = _logical.rules_in_effect()
     leaves, treedef = jax.tree_util.tree_flatten(
       (args, kwargs), is_leaf=_is_node
     )
@@ -137,7 +138,7 @@ def init(
     nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
     in_shards, order = (
       _builds_in_shards(factory, args, kwargs, mesh_)
-      if isinstance(rules_, _rules.LogicalRules)
+      if isinstance(rules_, _logical.LogicalRules)
       else (False, None)
     )
     if in_shards:
@@ -176,8 +177,10 @@ def _builds_in_shards(
   """
   found: list[Any] = []
   verdict: list[bool] = []
-  rules = _rules.rules_in_effect()
-  path_rules = isinstance(rules, _rules.LogicalRules) and bool(rules.path_rules)
+  rules = _logical.rules_in_effect()
+  path_rules = isinstance(rules, _logical.LogicalRules) and bool(
+    rules.path_rules
+  )
   recording = _creation_order.Recording() if path_rules else None
 
   def probe(*a: Any, **k: Any) -> None:
@@ -227,7 +230,7 @@ def _builds_in_shards(
 
 def _traced_build(
   factory: Callable[..., Any],
-  rules_: _rules.LogicalRules | _rules.FlaxRules,
+  rules_: _logical.LogicalRules | _logical.FlaxRules,
   mesh_: Mesh,
   leaves: list[Any],
   treedef: Any,
@@ -266,7 +269,7 @@ def _traced_build(
 
 def _creator(
   factory: Callable[..., Any],
-  rules_: _rules.LogicalRules | _rules.FlaxRules,
+  rules_: _logical.LogicalRules | _logical.FlaxRules,
   mesh_: Mesh,
   leaves: list[Any],
   treedef: Any,
@@ -296,7 +299,7 @@ def compiled_build(
   factory: Callable[..., Any],
   *args: Any,
   mesh: Mesh,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   **kwargs: Any,
 ) -> Any:
   """The traced build of `init`, compiled, not run: XLA's program per device.
@@ -312,7 +315,7 @@ def compiled_build(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     create = _creator(
-      factory, _rules.rules_in_effect(), mesh, leaves, treedef, dynamic
+      factory, _logical.rules_in_effect(), mesh, leaves, treedef, dynamic
     )
     with jax.set_mesh(_meshes.auto_copy(mesh)):
       return create.lower([leaves[i] for i in dynamic]).compile(
@@ -324,7 +327,7 @@ def build_abstract(
   factory: Callable[[], M],
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.RulesLike | _rules.FlaxRules | None = None,
+  rules: _logical.RulesLike | _logical.FlaxRules | None = None,
 ) -> M:
   """``factory()`` built abstractly (nothing allocated), in linear time.
 
@@ -340,8 +343,8 @@ def build_abstract(
       stack.enter_context(jax.set_mesh(mesh))
     elif mesh is not None:
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    if rules is not None and not isinstance(rules, _rules.FlaxRules):
-      stack.enter_context(_rules.logical_axis_rules(rules))
+    if rules is not None and not isinstance(rules, _logical.FlaxRules):
+      stack.enter_context(_logical.logical_axis_rules(rules))
     stack.enter_context(_hook.building())
     built = nnx.eval_shape(factory)
   if not nnx.graph.is_node(built):
@@ -361,7 +364,7 @@ def _restore(x: Any, sharding: Any) -> Any:
 
 def _constrain(
   built: Any,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: Mesh,
   auto: Mesh,
 ) -> None:
@@ -388,7 +391,7 @@ def _constrain(
 
 
 def _place_result(
-  built: Any, rules: _rules.LogicalRules | _rules.FlaxRules, mesh: Mesh
+  built: Any, rules: _logical.LogicalRules | _logical.FlaxRules, mesh: Mesh
 ) -> None:
   """Moves the built variables onto `mesh` (zero-copy), where planned."""
   for _, variable, resolution in _variables.resolved(

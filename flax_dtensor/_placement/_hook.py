@@ -38,17 +38,14 @@ from flax.nnx.transforms import transforms as nnx_transforms
 from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor import (
-  _compat,
+from flax_dtensor import _compat, _errors
+from flax_dtensor._placement import (
   _creation,
   _creation_order,
-  _errors,
-  _meshes,
-  _placement,
-  _resolution,
-  _rules,
+  _placing,
   _variables,
 )
+from flax_dtensor._rules import _logical, _meshes, _resolution
 
 _MARK = '__flax_dtensor_hook__'
 
@@ -181,22 +178,22 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return flax_fn(*args, **kwargs)
   if _state.building:
     return value
-  rules = _rules.rules_in_effect()
+  rules = _logical.rules_in_effect()
   local = named.get('sharding_rules')
   if isinstance(out_sharding, NamedSharding | Format):
     # Flax fails on these under a context mesh (its assertion compares the
     # abstract mesh with a concrete one; a Format has no `.mesh`).
-    return _placement.place_concrete(
+    return _placing.place_concrete(
       value, out_sharding, rules=rules, local_rules=local
     )
-  uses_ours = isinstance(rules, _rules.LogicalRules) or (
-    not rules.pairs and isinstance(local, _rules.LogicalRules)
+  uses_ours = isinstance(rules, _logical.LogicalRules) or (
+    not rules.pairs and isinstance(local, _logical.LogicalRules)
   )
   if not uses_ours or not isinstance(
     out_sharding, tuple | list | PartitionSpec
   ):
     return flax_fn(*args, **kwargs)
-  mesh = _placement.require_mesh(named.get('mesh'), 'a new variable')
+  mesh = _placing.require_mesh(named.get('mesh'), 'a new variable')
   resolution = _resolution.resolve(
     tuple(out_sharding),
     np.shape(value),
@@ -204,7 +201,7 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     rules=rules,
     local_rules=local,
   )
-  return _placement.apply_spec(value, resolution.spec, mesh)
+  return _placing.apply_spec(value, resolution.spec, mesh)
 
 
 def _with_metadata(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
@@ -253,10 +250,10 @@ def _get_var_pspec(
     return flax_fn(*args, **kwargs)
   if _state.probe is not None:
     _state.probe.append('get_var_pspec')
-  rules = _rules.rules_in_effect()
+  rules = _logical.rules_in_effect()
   local = variable.get_metadata('sharding_rules', None)
-  uses_ours = isinstance(rules, _rules.LogicalRules) or (
-    not rules.pairs and isinstance(local, _rules.LogicalRules)
+  uses_ours = isinstance(rules, _logical.LogicalRules) or (
+    not rules.pairs and isinstance(local, _logical.LogicalRules)
   )
   path = _state.paths.get(id(variable)) if _state.paths else None
   concrete = _variables.concrete_sharding_of(variable) is not None
@@ -286,7 +283,7 @@ def _get_partition_spec(flax_fn: Callable[..., Any], *args: Any, **kwargs):
   if _state.probe is not None:
     _state.probe.append('get_partition_spec')
   rules = core_spmd.get_logical_axis_rules()
-  if not isinstance(rules, _rules.LogicalRules) or not rules.path_rules:
+  if not isinstance(rules, _logical.LogicalRules) or not rules.path_rules:
     return flax_fn(*args, **kwargs)
   named = _bind(flax_fn, args, kwargs)
   if 'tree' not in named:
@@ -322,7 +319,7 @@ def _get_named_sharding(flax_fn: Callable[..., Any], *args: Any, **kwargs):
 def _as_abstract(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
   """``nnx.as_abstract``, concrete ``out_sharding`` kept with its layout."""
   out = flax_fn(*args, **kwargs)
-  _placement.type_concrete(out)
+  _placing.type_concrete(out)
   return out
 
 
@@ -336,11 +333,11 @@ def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
   out = flax_fn(*args, **kwargs)
   rules = core_spmd.get_logical_axis_rules()
   if (
-    isinstance(rules, _rules.LogicalRules)
+    isinstance(rules, _logical.LogicalRules)
     and rules.path_rules
     and not _state.building
   ):
-    _placement.type_abstract(out, rules)
+    _placing.type_abstract(out, rules)
   return out
 
 
@@ -355,7 +352,7 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
   module returns; when it returns, every variable a path rule covers is
   checked against its actual path and moved if it is not there. When eager
   sharding is off, nothing is placed, and that is said
-  (`_placement.warn_unplaced`).
+  (`_placing.warn_unplaced`).
   """
   state = _state
   if state.recording is not None:  # An abstract build: record, in order.
@@ -376,7 +373,7 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
     state.probe.append('module_call')
     return flax_call(cls, *args, **kwargs)
   rules = core_spmd.get_logical_axis_rules()
-  if not isinstance(rules, _rules.LogicalRules) or state.building:
+  if not isinstance(rules, _logical.LogicalRules) or state.building:
     return flax_call(cls, *args, **kwargs)
   eager = variablelib.using_eager_sharding()
   if eager and not rules.path_rules:
@@ -397,9 +394,9 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
     state.depth = 0
     state.order = old_order
   if eager:
-    _placement.place_by_path_rules(module, rules, order)
+    _placing.place_by_path_rules(module, rules, order)
   else:
-    _placement.warn_unplaced(module, rules)
+    _placing.warn_unplaced(module, rules)
   return module
 
 
@@ -408,7 +405,7 @@ def _planned_order(
   cls: Any,
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
-  rules: _rules.LogicalRules,
+  rules: _logical.LogicalRules,
   *,
   strict: bool = False,
 ) -> _creation_order.Order | None:
@@ -531,7 +528,7 @@ def install() -> None:
     state = _state
     if not state.depth and state.probe is None:
       rules = core_spmd.get_logical_axis_rules()
-      if not isinstance(rules, _rules.LogicalRules) or (
+      if not isinstance(rules, _logical.LogicalRules) or (
         not rules.path_rules and variablelib.using_eager_sharding()
       ):
         return flax_call(cls, *args, **kwargs)

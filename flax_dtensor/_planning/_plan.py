@@ -16,22 +16,17 @@ import rich.console
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import (
+from flax_dtensor import _errors
+from flax_dtensor._placement import (
   _creation_order,
-  _errors,
   _init,
-  _meshes,
-  _path_rules,
-  _placement,
-  _plan_diff,
-  _plan_view,
-  _rules,
-  _specs,
+  _placing,
   _trees,
   _variables,
 )
+from flax_dtensor._planning import _plan_diff, _plan_view
+from flax_dtensor._rules import _logical, _meshes, _path_rules, _specs
 
-human_bytes = _plan_view.human_bytes
 PlanDiff = _plan_diff.PlanDiff
 
 
@@ -452,8 +447,8 @@ def _optimizer_of(model: Any, optimizer: Any, mesh: Any, rules: Any) -> Any:
     if mesh is not None:
       abstract = getattr(mesh, 'abstract_mesh', mesh)
       stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
-    if isinstance(rules, _rules.LogicalRules):
-      stack.enter_context(_rules.logical_axis_rules(rules))
+    if isinstance(rules, _logical.LogicalRules):
+      stack.enter_context(_logical.logical_axis_rules(rules))
     return nnx.eval_shape(
       lambda m: nnx.Optimizer(m, optimizer, wrt=nnx.Param), model
     )
@@ -484,7 +479,7 @@ def _dim_label(resolution: Any, i: int) -> str:
 
 def _variable_rows(
   module_or_state: Any,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: Any,
   optimizer: Any,
 ) -> list[tuple[str, str, str, Any, Any, type, bool, str | None]]:
@@ -524,7 +519,7 @@ def _variable_rows(
 
 def _misplaced_reason(eager: bool) -> str:
   if not eager:
-    return f'{_placement.EAGER_OFF_REASON}. {_placement.EAGER_OFF_FIX}'
+    return f'{_placing.EAGER_OFF_REASON}. {_placing.EAGER_OFF_FIX}'
   return (
     'placed by other rules, on another mesh or by hand; '
     '`fdt.shard_module(model)` places it as the rules say'
@@ -535,7 +530,7 @@ def plan(
   module_or_state: Any,
   *,
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   optimizer: Any = None,
   logical_axes: Any = None,
 ) -> ShardingPlan:
@@ -607,7 +602,7 @@ def plan(
     ...          mesh=mesh, rules=rules)['kernel'].spec
     P('data', None)
   """
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   if _trees.is_array_tree(module_or_state):

@@ -19,14 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor import (
-  _errors,
-  _meshes,
-  _placement,
-  _resolution,
-  _rules,
-  _variables,
-)
+from flax_dtensor import _errors
+from flax_dtensor._placement import _placing, _variables
+from flax_dtensor._rules import _logical, _meshes, _resolution
 
 T = TypeVar('T')
 
@@ -78,7 +73,7 @@ def _axes_leaves(tree: Any, treedef: Any, logical_axes: Any) -> list[Any]:
 def resolved(
   tree: Any,
   *,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: _meshes.MeshLike | None,
   logical_axes: Any = None,
 ) -> tuple[list[tuple[str, Any, _resolution.Resolution | None]], Any]:
@@ -108,7 +103,7 @@ def resolved(
 
 def shard_tree(
   tree: T,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   *,
   mesh: Mesh | None = None,
   logical_axes: Any = None,
@@ -157,8 +152,8 @@ def shard_tree(
     >>> fdt.gather_tree(placed)['dense']['kernel'].shape
     (8, 16)
   """
-  rules_ = _rules.rules_in_effect(rules)
-  mesh_ = _placement.require_mesh(mesh, 'a tree of arrays')
+  rules_ = _logical.rules_in_effect(rules)
+  mesh_ = _placing.require_mesh(mesh, 'a tree of arrays')
   if not isinstance(mesh_, Mesh):
     raise _errors.MeshError(
       f'Expected a concrete mesh to place arrays, got the abstract '

@@ -19,16 +19,9 @@ from flax import nnx
 from jax.experimental.layout import Format
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from flax_dtensor import (
-  _creation,
-  _creation_order,
-  _errors,
-  _meshes,
-  _resolution,
-  _rules,
-  _specs,
-  _variables,
-)
+from flax_dtensor import _errors
+from flax_dtensor._placement import _creation, _creation_order, _variables
+from flax_dtensor._rules import _logical, _meshes, _resolution, _specs
 
 NO_MESH_MSG = (
   'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`. '
@@ -165,10 +158,10 @@ def _sharding_for(
 
 def shard_value(
   value: jax.typing.ArrayLike,
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   *,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
   path: str | None = None,
 ) -> jax.Array:
   """Places a value by its logical axes, by the mesh's axis types.
@@ -209,7 +202,7 @@ def shard_value(
     logical_axes,
     value.shape,
     mesh=mesh,
-    rules=_rules.rules_in_effect(rules),
+    rules=_logical.rules_in_effect(rules),
     path=path,
   )
   return apply_spec(value, resolution.spec, mesh, path=path)
@@ -217,10 +210,10 @@ def shard_value(
 
 def with_logical_constraint(
   x: jax.Array,
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   *,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
 ) -> jax.Array:
   """Constrains an activation's sharding by logical axes (inside jit).
 
@@ -244,10 +237,10 @@ def with_logical_constraint(
     UnknownLogicalAxisError: If a name is in no rule.
     ShardingResolutionError: If the names cannot be resolved.
   """
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   mesh = _meshes.mesh_for(mesh=mesh)
   if mesh is None or (
-    isinstance(rules_, _rules.FlaxRules) and not rules_.pairs
+    isinstance(rules_, _logical.FlaxRules) and not rules_.pairs
   ):
     return x
   resolution = _resolution.resolve(
@@ -271,12 +264,12 @@ EAGER_OFF_FIX = (
 )
 
 
-def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
+def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
   """Warns that a module built under our rules was not placed.
 
   Called when the outermost ``nnx.Module`` constructor returns under our
   rules while eager sharding is off. Said once per rules context
-  (`_rules.first_time_in_context`), with `EagerShardingOffWarning`, when
+  (`_logical.first_time_in_context`), with `EagerShardingOffWarning`, when
   the global flag ``flax_always_shard_variable`` is off (another library
   may have turned it off at import) and a concrete mesh is set: the user
   asked for placement with the rules and the mesh, and got none. A
@@ -284,14 +277,14 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
   on, is a deliberate choice: nothing is said (the plan still gives the
   reason).
   """
-  import flax  # pylint: disable=g-import-not-at-top
+  import flax
 
   if flax.config.flax_always_shard_variable:
     return
   mesh = _meshes.mesh_for()
   if not isinstance(mesh, jax.sharding.Mesh):
     return
-  if not _rules.first_time_in_context('eager-sharding-off'):
+  if not _logical.first_time_in_context('eager-sharding-off'):
     return
   unplaced = []
   for where, variable in _variables.iter_variables(module):
@@ -310,9 +303,9 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
       unplaced.append(_variables.path_str(where))
   if not unplaced:
     # Nothing to say here: ask again in this context for the next module.
-    _rules.forget_in_context('eager-sharding-off')
+    _logical.forget_in_context('eager-sharding-off')
     return
-  import warnings  # pylint: disable=g-import-not-at-top
+  import warnings
 
   warnings.warn(
     _errors.EagerShardingOffWarning(
@@ -330,7 +323,7 @@ def warn_unplaced(module: Any, rules: _rules.LogicalRules) -> None:
 
 def place_by_path_rules(
   module: Any,
-  rules: _rules.LogicalRules,
+  rules: _logical.LogicalRules,
   order: _creation_order.Order | None = None,
 ) -> None:
   """Moves the variables path rules cover to their placement, once.
@@ -409,7 +402,7 @@ def place_concrete(
   value: Any,
   out_sharding: NamedSharding | Format,
   *,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   local_rules: Any = None,
 ) -> Any:
   """A new variable's value placed by its concrete ``out_sharding``.
@@ -427,8 +420,8 @@ def place_concrete(
     else (out_sharding)
   )
   spec = named.spec
-  if not isinstance(rules, _rules.LogicalRules):
-    from flax.core import spmd as core_spmd  # pylint: disable=g-import-not-at-top
+  if not isinstance(rules, _logical.LogicalRules):
+    from flax.core import spmd as core_spmd
 
     spec = core_spmd.apply_rules(spec, local_rules)
   placed = apply_spec(value, spec, named.mesh)
@@ -449,7 +442,7 @@ def type_concrete(out: Any) -> None:
   ``out_sharding`` is a ``NamedSharding`` or ``Format`` gets that sharding
   (its spec as `_variables.spec_of_variable` resolves it), in its layout.
   """
-  rules = _rules.rules_in_effect()
+  rules = _logical.rules_in_effect()
   for where, variable in _variables.iter_variables(out):
     concrete = _variables.concrete_sharding_of(variable)
     value = _variables.value_of(variable)
@@ -469,7 +462,7 @@ def type_concrete(out: Any) -> None:
     )
 
 
-def type_abstract(out: Any, rules: _rules.LogicalRules) -> None:
+def type_abstract(out: Any, rules: _logical.LogicalRules) -> None:
   """Gives abstract variables the sharding path rules give them.
 
   For ``nnx.eval_shape``'s result: in each graph node of `out`, a variable
@@ -510,7 +503,7 @@ def shard_module(
   module: nnx.Module,
   *,
   mesh: jax.sharding.Mesh | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
 ) -> nnx.Module:
   """Shards, in place, the variables of an existing module by the rules.
 
@@ -538,7 +531,7 @@ def shard_module(
     ShardingResolutionError: If a variable's axes cannot be resolved, or a
       path rule's target does not fit a variable it matches.
   """
-  rules_ = _rules.rules_in_effect(rules)
+  rules_ = _logical.rules_in_effect(rules)
   mesh_ = require_mesh(mesh, 'the variables of a module')
   for where, variable, resolution in _variables.resolved(
     module, rules=rules_, mesh=mesh_

@@ -20,7 +20,8 @@ from typing import Any
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
-from flax_dtensor import _errors, _meshes, _rules, _specs
+from flax_dtensor import _errors
+from flax_dtensor._rules import _logical, _meshes, _specs
 
 FLAX_SEMANTICS = 'flax'
 FDT_SEMANTICS = 'flax_dtensor'
@@ -31,7 +32,7 @@ ANNOTATION = 'annotation'
 class SkippedCandidate:
   """A rule that could not shard a dimension, and why."""
 
-  target: _rules.Target
+  target: _logical.Target
   reason: str
 
   def __str__(self) -> str:
@@ -43,7 +44,7 @@ class DimResolution:
   """How one array dimension was resolved."""
 
   logical_name: str | None
-  target: _rules.Target
+  target: _logical.Target
   skipped: tuple[SkippedCandidate, ...] = ()
 
   @property
@@ -121,11 +122,11 @@ def _check_axes(
 
 
 def resolve_dims(
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.LogicalRules,
+  rules: _logical.LogicalRules,
   path: str | None = None,
 ) -> Resolution:
   """Resolves logical axes with flax_dtensor's semantics (module docstring).
@@ -186,7 +187,7 @@ def resolve_dims(
     )
   sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
 
-  targets: list[_rules.Target] = [None] * len(axes)
+  targets: list[_logical.Target] = [None] * len(axes)
   assigned = [not isinstance(a, str) for a in axes]
   skipped: list[list[SkippedCandidate]] = [[] for _ in axes]
   for name, target in rules:
@@ -229,9 +230,9 @@ def resolve_dims(
 
 
 def _unfit(
-  target: _rules.Target,
+  target: _logical.Target,
   pos: int,
-  targets: Sequence[_rules.Target],
+  targets: Sequence[_logical.Target],
   assigned: Sequence[bool],
   labels: Sequence[Any],
   shape: Sequence[int] | None,
@@ -269,7 +270,7 @@ def _unfit(
 
 
 def fit_spec(
-  entries: Sequence[_rules.Target],
+  entries: Sequence[_logical.Target],
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
@@ -291,7 +292,7 @@ def fit_spec(
   entries = tuple(entries)
   sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
   labels = [f'spec {_specs.format_entry(e)}' for e in entries]
-  targets: list[_rules.Target] = [None] * len(entries)
+  targets: list[_logical.Target] = [None] * len(entries)
   assigned = [False] * len(entries)
   skipped: list[tuple[SkippedCandidate, ...]] = [() for _ in entries]
   for pos, entry in enumerate(entries):
@@ -336,17 +337,17 @@ NO_RULES_FIX_MSG = (
 )
 
 
-def flax_fix(rules: _rules.FlaxRules) -> str:
+def flax_fix(rules: _logical.FlaxRules) -> str:
   """The fix for a resolution error under Flax's semantics."""
   return FLAX_FIX_MSG if rules.pairs else NO_RULES_FIX_MSG
 
 
 def resolve_flax(
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.FlaxRules,
+  rules: _logical.FlaxRules,
   local_rules: Sequence[Any] | None = None,
   path: str | None = None,
 ) -> Resolution:
@@ -425,11 +426,11 @@ def resolve_flax(
 
 
 def resolve(
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.LogicalRules | _rules.FlaxRules,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
   local_rules: Sequence[Any] | None = None,
   path: str | None = None,
 ) -> Resolution:
@@ -444,8 +445,8 @@ def resolve(
       `rules` (flax_dtensor), or composed with them (Flax).
     path: The variable path, for error messages.
   """
-  if isinstance(rules, _rules.FlaxRules):
-    if isinstance(local_rules, _rules.LogicalRules) and not rules.pairs:
+  if isinstance(rules, _logical.FlaxRules):
+    if isinstance(local_rules, _logical.LogicalRules) and not rules.pairs:
       rules = local_rules
       local_rules = None
     else:
@@ -463,11 +464,11 @@ def resolve(
 
 
 def logical_to_mesh_axes(
-  logical_axes: _rules.LogicalAxes | PartitionSpec,
+  logical_axes: _logical.LogicalAxes | PartitionSpec,
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _rules.RulesLike | None = None,
+  rules: _logical.RulesLike | None = None,
 ) -> PartitionSpec:
   """Resolves logical axis names to a `PartitionSpec` of mesh axes.
 
@@ -506,6 +507,6 @@ def logical_to_mesh_axes(
   """
   mesh = _meshes.mesh_for(mesh=mesh)
   resolution = resolve(
-    logical_axes, shape, mesh=mesh, rules=_rules.rules_in_effect(rules)
+    logical_axes, shape, mesh=mesh, rules=_logical.rules_in_effect(rules)
   )
   return resolution.spec

@@ -25,7 +25,7 @@ def axes_of(entry: Any) -> tuple[str, ...]:
     return (entry,)
   if isinstance(entry, tuple | list):
     return tuple(entry)
-  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec
 
   if entry is PartitionSpec.UNCONSTRAINED:
     return ()
@@ -59,7 +59,7 @@ def format_spec(spec: PartitionSpec | Sequence[Any]) -> str:
 
 def from_axes(dims: Sequence[Sequence[str]]) -> PartitionSpec:
   """The spec of per-dimension mesh axes (``[['data'], []]``)."""
-  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec
 
   return PartitionSpec(
     *(None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims)

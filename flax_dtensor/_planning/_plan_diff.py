@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from flax_dtensor import _plan_view, _specs
+from flax_dtensor import _text
+from flax_dtensor._planning import _plan_view
+from flax_dtensor._rules import _specs
 
 if TYPE_CHECKING:
-  from flax_dtensor._plan import PlanEntry, ShardingPlan
+  from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +78,8 @@ class Change:
       out.append(f'  source {b.source} -> {a.source}')
     if self.resized:
       out.append(
-        f'  per device {_plan_view.human_bytes(b.bytes_per_device)} -> '
-        f'{_plan_view.human_bytes(a.bytes_per_device)}'
+        f'  per device {_text.human_bytes(b.bytes_per_device)} -> '
+        f'{_text.human_bytes(a.bytes_per_device)}'
       )
     for f in sorted(set(b.fallbacks) - set(a.fallbacks)):
       out.append(f'  - fallback {f}')
@@ -137,7 +139,7 @@ class PlanDiff:
     lines = [
       f'{len(self.changed)} changed, {len(self.added)} added, '
       f'{len(self.removed)} removed; per device '
-      f'{_plan_view.human_bytes(before)} -> {_plan_view.human_bytes(after)}'
+      f'{_text.human_bytes(before)} -> {_text.human_bytes(after)}'
     ]
     if self.mesh is not None:
       lines.append(f'mesh {self.mesh[0]} -> {self.mesh[1]}')

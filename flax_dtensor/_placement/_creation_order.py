@@ -21,7 +21,7 @@ construction is the N-th record (`Order`):
 Nothing is trusted blindly: a construction whose class differs from the
 record stops the order for the rest of the build, and when the outermost
 constructor returns every variable is checked against its actual path
-(`_placement.place_by_path_rules`), so a variable whose path or shape the
+(`_placing.place_by_path_rules`), so a variable whose path or shape the
 abstract build did not predict is moved there, never left misplaced.
 `notes` keeps, per variable, how it was created, for the plan.
 """
@@ -39,7 +39,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor import _creation, _meshes, _rules, _variables
+from flax_dtensor._placement import _creation, _variables
+from flax_dtensor._rules import _logical, _meshes
 
 IN_SHARDS = 'in its shards'
 """A note: built under a jit that computes only its shards."""
@@ -168,7 +169,7 @@ class Order:
   """The concrete build following the abstract one's records."""
 
   records: list[Record]
-  rules: _rules.LogicalRules
+  rules: _logical.LogicalRules
   mesh: Mesh
   # A context in which Flax's calls do not reach the hook (`_hook.building`).
   quiet: Callable[[], Any]
@@ -382,7 +383,7 @@ def traced(args: Any, kwargs: Any) -> bool:
   ):
     return True
   try:  # JAX has no public name for it.
-    from jax._src import core  # pylint: disable=g-import-not-at-top
+    from jax._src import core
 
     return not core.trace_state_clean()
   except (ImportError, AttributeError):

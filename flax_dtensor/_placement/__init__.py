@@ -1,0 +1,9 @@
+"""Placement: arrays on the mesh where the rules say, as they are created.
+
+`_variables` walks NNX variables and answers "where does this variable
+go" (`spec_of_variable`) for every API; `_placing` places arrays by mesh
+axis type; `_hook` routes Flax's creation and queries through the rules;
+`_creation` and `_creation_order` compute variables in their shards;
+`_init` builds a model in shards (`fdt.init`); `_trees` places plain
+pytrees; `_orbax` restores Orbax checkpoints onto a mesh.
+"""

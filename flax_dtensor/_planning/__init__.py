@@ -1,0 +1,7 @@
+"""Planning: what goes where and why, before or after anything is placed.
+
+`_plan` builds a `ShardingPlan` (`_plan_view` renders it, `_plan_diff`
+compares two), `_check` lints rules against a model, `_memory` counts a
+training step's bytes per device, `_suggest` proposes rules for a model
+nobody annotated from the `_presets`.
+"""

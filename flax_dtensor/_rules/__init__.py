@@ -1,0 +1,14 @@
+"""Rules: what a logical axis or a path becomes on a mesh.
+
+`_logical` holds `LogicalRules` and their thread-local context, `_path_rules`
+the path rules, `_resolution` how logical axes become a PartitionSpec
+against a mesh and a shape, `_meshes` which mesh applies, `_specs` a
+PartitionSpec's axes and text. Nothing here places an array.
+"""
+
+
+def _rebuild(pairs, unknown, strict):
+  """Unpickles rules pickled by flax_dtensor 0.1.0, by this name."""
+  from flax_dtensor._rules import _logical
+
+  return _logical.LogicalRules(pairs, unknown=unknown, strict=strict)

@@ -1,0 +1,21 @@
+"""The kinds of `ExportError` the bridge raises, for callers to tell apart.
+
+Defined with the package's other errors (`flax_dtensor._errors`), handed
+out here, by `flax_dtensor.dtensor`.
+"""
+
+from flax_dtensor._errors import DamagedExportError as DamagedExportError
+from flax_dtensor._errors import DiskFullError as DiskFullError
+from flax_dtensor._errors import ExportNotFoundError as ExportNotFoundError
+from flax_dtensor._errors import MalformedExportError as MalformedExportError
+from flax_dtensor._errors import PeerError as PeerError
+from flax_dtensor._errors import SaveInProgressError as SaveInProgressError
+
+__all__ = (
+  'DamagedExportError',
+  'DiskFullError',
+  'ExportNotFoundError',
+  'MalformedExportError',
+  'PeerError',
+  'SaveInProgressError',
+)

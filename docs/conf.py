@@ -146,7 +146,7 @@ def setup(app) -> None:
   app.connect('builder-inited', _execute_notebooks_for_html_only, priority=1)
 
 
-# The docstring examples run under the same flags as tests/doctest_test.py
+# The docstring examples run under the same flags as tests/docs/doctest_test.py
 # (wrapped expected output compares equal to one long line).
 doctest_default_flags = (
   doctest.ELLIPSIS

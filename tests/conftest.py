@@ -1,6 +1,20 @@
-"""Test configuration: 8 virtual CPU devices, set before any backend starts."""
+"""Test configuration: 8 virtual CPU devices, set before any backend starts.
+
+The tests are laid out as the package is: core/ (rules, placement,
+planning), bridge/ (flax_dtensor.dtensor: TensorFlow, checkpoints,
+SavedModels, several processes), cli/, docs/ (the README, the pages, the
+docstrings and notebooks run); support/ holds what is not a test (helpers,
+case tables, and workers/, the scripts run in processes of their own), on
+sys.path here so that tests import them by bare name.
+"""
 
 import os
+import pathlib
+import sys
+
+SUPPORT_DIR = pathlib.Path(__file__).resolve().parent / 'support'
+if str(SUPPORT_DIR) not in sys.path:
+  sys.path.insert(0, str(SUPPORT_DIR))
 
 # Both knobs, before `jax` is imported anywhere: XLA_FLAGS for subprocesses
 # that inherit the environment, the config option for this process.

@@ -1,7 +1,7 @@
 """The ``troubleshooting`` directive: every error a user can meet, with fixes.
 
-It renders ``tests/bad_input_cases.py``'s ``CASES`` (the bad-input matrix
-the test suite runs), grouped by exception class: the class's description, then
+It renders ``tests/support/bad_input_cases.py``'s ``CASES`` (the bad-input
+matrix the test suite runs), grouped by exception class: the class's description, then
 per case the entry point, what went wrong, what the message says and the
 fix. So the page lists exactly what is tested, and cannot go stale.
 
@@ -22,7 +22,7 @@ from docutils import nodes
 from docutils.parsers.rst import Directive
 from sphinx.application import Sphinx
 
-TESTS = pathlib.Path(__file__).resolve().parents[2] / 'tests'
+TESTS = pathlib.Path(__file__).resolve().parents[2] / 'tests' / 'support'
 
 
 def _cases():

@@ -2,9 +2,10 @@
 
 Usage (from the repository root)::
 
-  python tests/busy.py -- python -m pytest
-  python tests/busy.py --loops 2 --repeat 20 -- \\
-      python -m pytest tests/kill_test.py tests/multiprocess_export_test.py
+  python tests/support/busy.py -- python -m pytest
+  python tests/support/busy.py --loops 2 --repeat 20 -- \\
+      python -m pytest tests/bridge/kill_test.py \\
+      tests/bridge/multiprocess_export_test.py
 
 Starts LOOPS processes that each keep one core busy (pure Python
 arithmetic, at normal priority), runs the command REPEAT times, stops the

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-CASES = pathlib.Path(__file__).resolve().parents[1] / 'benchmarks' / 'cases.py'
+CASES = pathlib.Path(__file__).resolve().parents[2] / 'benchmarks' / 'cases.py'
 
 
 def _measure(method: str, layers: int) -> dict:

@@ -409,7 +409,7 @@ def dead_peer(moment: str) -> dict[str, Any]:
   """
   root = _scratch('fdt_dead_peer_')
   outputs = multiprocess_util.run_workers(
-    pathlib.Path(__file__).resolve().parent / '_mp_worker_dead_peer.py',
+    multiprocess_util.WORKERS_DIR / '_mp_worker_dead_peer.py',
     2,
     args=[root, moment],
     timeout=TIMEOUT,

@@ -9,7 +9,7 @@ import pathlib
 
 import script_util
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_readme_blocks_run_alone(tmp_path):

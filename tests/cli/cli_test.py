@@ -5,8 +5,8 @@ JAX_PLATFORMS). Anything that needs TensorFlow runs in a subprocess too, so
 this test process never initializes TF.
 
 `user_model` below is the "user factory": the CLI loads it from this file
-(`tests/cli_test.py:user_model`) or as a module (`cli_test:user_model` with
-`tests/` on PYTHONPATH).
+(`tests/cli/cli_test.py:user_model`) or as a module (`cli_test:user_model` with
+`tests/cli/` on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from flax_dtensor.dtensor import _manifest
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
+SUPPORT_DIR = THIS_FILE.parents[1] / 'support'
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
 USER_TARGET = f'{THIS_FILE}:user_model'
 LM_TARGET = f'{THIS_FILE}:user_lm'
@@ -510,7 +511,7 @@ def test_plan_show_unknown_path():
 
 
 PATH_RULES_YAML = textwrap.dedent("""\
-  # A model without logical axes (tests/unannotated_model.py), by paths.
+  # A model without logical axes (tests/support/unannotated_model.py), by paths.
   logical_axis_rules:
     - ['vocab', 'model']
     - ['embed', 'data']
@@ -536,7 +537,7 @@ def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
 
   rules_file = tmp_path / 'rules.yaml'
   rules_file.write_text(PATH_RULES_YAML)
-  target = f'{TESTS_DIR / "unannotated_model.py"}:make_model'
+  target = f'{SUPPORT_DIR / "unannotated_model.py"}:make_model'
   out = ok(run_cli('plan', target, '--rules', rules_file))
   header = next(r for r in out.splitlines() if r.split()[:1] == ['path'])
   assert 'source' in header.split()
@@ -575,7 +576,7 @@ def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
 
 
 def test_plan_suggest_writes_rules_that_plan_and_check_read(tmp_path):
-  target = f'{TESTS_DIR / "suggest_models.py"}:make_gemma'
+  target = f'{SUPPORT_DIR / "suggest_models.py"}:make_gemma'
   written = tmp_path / 'rules.yaml'
   out = ok(
     run_cli(

@@ -1,4 +1,4 @@
-"""A model in another library's style (tests/gemma_style.py), end to end.
+"""A model in another library's style (tests/support/gemma_style.py).
 
 Mesh-axis annotations set with ``nnx.Param(value, sharding=...)``, einsum
 layers, and an import that turns Flax's eager sharding off: the plan,
@@ -29,7 +29,10 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:'sharding' is deprecated:DeprecationWarning"
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+SUPPORT = os.path.join(ROOT, 'tests', 'support')
 
 
 @pytest.fixture
@@ -88,7 +91,7 @@ def test_importing_it_turns_eager_sharding_off():
     capture_output=True,
     text=True,
     timeout=120,
-    env={**os.environ, 'PYTHONPATH': os.path.join(ROOT, 'tests')},
+    env={**os.environ, 'PYTHONPATH': SUPPORT},
     check=False,
   )
   assert proc.stdout.strip() == 'False', proc.stderr[-2000:]
@@ -290,7 +293,7 @@ def _cli(*args):
 def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
   import json
 
-  target = os.path.join(ROOT, 'tests', 'gemma_style.py') + ':make_model'
+  target = os.path.join(SUPPORT, 'gemma_style.py') + ':make_model'
   mesh = ('--mesh', 'fsdp=2,tp=4')
   proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--json')
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -395,7 +398,7 @@ def test_its_forward_serves_in_plain_tensorflow(gemma, tmp_path):
 def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
   pytest.importorskip('tensorflow')
   pytest.importorskip('orbax.checkpoint')
-  target = os.path.join(ROOT, 'tests', 'gemma_style.py') + ':make_model'
+  target = os.path.join(SUPPORT, 'gemma_style.py') + ':make_model'
   # An Orbax checkpoint of the model, as training in that library writes it.
   make = (
     'import sys, orbax.checkpoint as ocp; '
@@ -413,7 +416,7 @@ def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
       make,
       str(tmp_path / 'orbax'),
       '',
-      os.path.join(ROOT, 'tests'),
+      SUPPORT,
     ],
     capture_output=True,
     text=True,

@@ -35,7 +35,9 @@ import multiprocess_util
 import numpy as np
 
 TIMEOUT = 600
-WORKER = pathlib.Path(__file__).resolve().parent / '_mp_worker_scale.py'
+WORKER = (
+  pathlib.Path(__file__).resolve().parent / 'workers' / '_mp_worker_scale.py'
+)
 # The dead peer's bound in the four-process run (as fault_runs.PEER_TIMEOUT).
 PEER_TIMEOUT = 10
 # Killed in the four-process run's last save.

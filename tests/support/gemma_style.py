@@ -274,5 +274,5 @@ def causal_mask(length: int, batch: int = 1) -> jax.Array:
 
 
 def make_model(seed: int = 0) -> Transformer:
-  """A factory for the command line: ``tests/gemma_style.py:make_model``."""
+  """A factory for the command line: ``tests/support/gemma_style.py:make_model``."""
   return Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(seed))

@@ -1,19 +1,17 @@
 """Multi-process tests: 2 local JAX processes, one DTensor client each."""
 
-import pathlib
-
 import multiprocess_util
 import pytest
 
 pytest.importorskip('tensorflow')
 
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
+WORKERS_DIR = multiprocess_util.WORKERS_DIR
 
 
 @pytest.mark.multiprocess
 def test_dtensor_bridge_across_two_processes():
   outputs = multiprocess_util.run_workers(
-    TESTS_DIR / '_mp_worker_mesh.py', num_processes=2, timeout=400
+    WORKERS_DIR / '_mp_worker_mesh.py', num_processes=2, timeout=400
   )
   for i, out in enumerate(outputs):
     assert f'WORKER OK process={i} checks=40' in out, out
@@ -21,7 +19,7 @@ def test_dtensor_bridge_across_two_processes():
 
 def test_run_workers_reports_a_failing_worker(tmp_path):
   """One worker fails: the launcher kills the other and shows both outputs."""
-  script = TESTS_DIR / '_mp_worker_fail.py'
+  script = WORKERS_DIR / '_mp_worker_fail.py'
   with pytest.raises(
     multiprocess_util.WorkerError,
     match=r'(?s)worker\(s\) \[1\] failed.*process 0.*waiting.*'

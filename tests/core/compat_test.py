@@ -14,7 +14,7 @@ import pytest
 import flax_dtensor as fdt
 from flax_dtensor import _compat
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_pins_are_the_supported_ranges():

@@ -1,8 +1,8 @@
 """Two local processes save ONE checkpoint; plain single-process TF reads it.
 
-Each worker (tests/_mp_worker_export.py, started by multiprocess_util) runs
-jax.distributed on 127.0.0.1 with 4 CPU devices and a DTensor client of its
-own; together they shard a model over a (2, 4) mesh spanning both processes
+Each worker (tests/support/workers/_mp_worker_export.py, started by
+multiprocess_util) runs jax.distributed on 127.0.0.1 with 4 CPU devices and
+a DTensor client of its own; together they shard a model over a (2, 4) mesh spanning both processes
 (row-major, and transposed so each mesh row mixes the processes), save it
 with `save_checkpoint`, check that a second save and a process-local array
 are refused on both, restore it onto the other layout and overwrite it. The
@@ -12,7 +12,6 @@ JAX, no DTensor) and compares with the global values the workers gathered.
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.multiprocess
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
-WORKER = pathlib.Path(__file__).resolve().parent / '_mp_worker_export.py'
+WORKER = multiprocess_util.WORKERS_DIR / '_mp_worker_export.py'
 TIMEOUT = 400
 
 _READ_SCRIPT = textwrap.dedent(

@@ -1,8 +1,8 @@
 """Two local processes write ONE SavedModel; plain TF serves it without JAX.
 
-The workers (tests/_mp_worker_saved_model.py, started by multiprocess_util)
-run jax.distributed on 127.0.0.1 with 4 CPU devices each and a DTensor client
-of their own, on a transposed (2, 4) mesh spanning both processes. In the
+The workers (tests/support/workers/_mp_worker_saved_model.py, started by
+multiprocess_util) run jax.distributed on 127.0.0.1 with 4 CPU devices each
+and a DTensor client of their own, on a transposed (2, 4) mesh spanning both processes. In the
 same run they check that refusals and a failure on process 0 alone reach
 every process, and bring TF-changed DVariables back with from_tf_module. The
 parent then serves the SavedModel in a fresh process where JAX cannot be
@@ -12,7 +12,6 @@ own `saved_model_cli show --all` on it.
 
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ pytest.importorskip('tensorflow')
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = pathlib.Path(__file__).resolve().parent / '_mp_worker_saved_model.py'
+WORKER = multiprocess_util.WORKERS_DIR / '_mp_worker_saved_model.py'
 TIMEOUT = 400
 
 _SERVE_SCRIPT = textwrap.dedent(

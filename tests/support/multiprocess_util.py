@@ -30,8 +30,9 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+SUPPORT_DIR = pathlib.Path(__file__).resolve().parent
+WORKERS_DIR = SUPPORT_DIR / 'workers'
 
 # Environment variables read by `initialize_jax`.
 COORDINATOR_ENV = 'FDT_MP_COORDINATOR'
@@ -95,7 +96,7 @@ def worker_env(
       'TF_CPP_MIN_LOG_LEVEL': '2',
       'PYTHONUNBUFFERED': '1',
       'PYTHONPATH': os.pathsep.join(
-        [str(REPO_ROOT), str(TESTS_DIR)]
+        [str(REPO_ROOT), str(SUPPORT_DIR)]
         + [p for p in [os.environ.get('PYTHONPATH')] if p]
       ),
     }

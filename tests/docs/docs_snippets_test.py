@@ -20,7 +20,7 @@ import script_util
 
 import flax_dtensor as fdt
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / 'docs'
+DOCS = pathlib.Path(__file__).resolve().parents[2] / 'docs'
 PAGES = sorted(DOCS.glob('*.md'))
 BLOCKS = [b for page in PAGES for b in script_util.code_blocks(page)]
 CHAINS = script_util.chains(BLOCKS)

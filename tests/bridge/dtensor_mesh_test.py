@@ -34,7 +34,7 @@ P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
 AxisType = jax.sharding.AxisType
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope='session', autouse=True)

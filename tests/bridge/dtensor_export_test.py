@@ -713,7 +713,7 @@ def test_restore_resolves_logical_axes_by_the_rules(
 def test_an_unannotated_model_exports_and_restores_by_its_path_rules(
   auto_mesh, tmp_path
 ):
-  """A model without sharding metadata (tests/unannotated_model.py): the
+  """A model without sharding metadata (tests/support/unannotated_model.py): the
   DVariables' layouts, and a restore into a target built without a mesh,
   follow the path rules as the plan reports them."""
   import unannotated_model as um

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / 'notebooks'
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / 'notebooks'
 PAIRS = sorted(NOTEBOOKS.glob('*.md'))
 
 

@@ -10,8 +10,6 @@ the first. The full disk (tests/bridge/faults_test.py) and the kills
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -27,7 +25,7 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-import multiprocess_util  # noqa: E402
+import processes  # noqa: E402
 
 TIMEOUT = 300
 
@@ -240,16 +238,7 @@ _EXIT = textwrap.dedent(
 
 def test_exit_waits_for_a_pending_save(tmp_path):
   path = tmp_path / 'c'
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  env['PYTHONPATH'] = str(multiprocess_util.REPO_ROOT)
-  proc = subprocess.run(
-    [sys.executable, '-c', _EXIT, str(path)],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=env,
-    check=False,
-  )
+  proc = processes.run_python('-c', _EXIT, path, timeout=TIMEOUT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'cannot schedule new futures' not in proc.stderr
   assert os.listdir(tmp_path) == ['c']
@@ -280,16 +269,7 @@ _EXIT_FAILING = textwrap.dedent(
 def test_a_save_failing_at_exit_makes_the_exit_status_1(tmp_path):
   """Nobody waited for the save: its failure is the process's exit status."""
   path = tmp_path / 'c'
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  env['PYTHONPATH'] = str(multiprocess_util.REPO_ROOT)
-  proc = subprocess.run(
-    [sys.executable, '-c', _EXIT_FAILING, str(path)],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=env,
-    check=False,
-  )
+  proc = processes.run_python('-c', _EXIT_FAILING, path, timeout=TIMEOUT)
   assert proc.stdout == 'returned\n'
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.search(

@@ -4,7 +4,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import textwrap
 import zlib
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -1126,15 +1126,7 @@ def test_tf_errors_name_the_variables(tmp_path, what, pattern, files):
   script.write_text(_TF_FAILURE_SCRIPT)
   root = tmp_path / 'root'
   root.mkdir()
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  out = subprocess.run(
-    [sys.executable, str(script), what, str(root)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    check=False,
-  )
+  out = processes.run_python(script, what, root)
   assert out.returncode == 0, out.stderr[-4000:]
   lines = dict(line.split(' ', 1) for line in out.stdout.strip().splitlines())
   with pytest.raises(fdt.ExportError, match=pattern):
@@ -1345,15 +1337,7 @@ def test_restore_needs_no_dtensor(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(state, tmp_path / 'ckpt')
   script = tmp_path / 'script.py'
   script.write_text(_NO_DTENSOR_SCRIPT)
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  out = subprocess.run(
-    [sys.executable, str(script), path],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    check=False,
-  )
+  out = processes.run_python(script, path)
   assert out.returncode == 0, out.stderr[-4000:]
   lines = dict(line.split(' ', 1) for line in out.stdout.strip().splitlines())
   assert lines == {

@@ -8,11 +8,7 @@ TF's logical CPU device stands for. Tests that need a fresh process
 (initialization errors, shutdown) run in subprocesses.
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import hypothesis
@@ -21,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import processes
 import pytest
 
 tf = pytest.importorskip('tensorflow')
@@ -33,8 +30,6 @@ dtensor = tf.experimental.dtensor
 P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
 AxisType = jax.sharding.AxisType
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -227,26 +222,17 @@ def test_initialize_twice_is_a_no_op():
 
 def _run_python(script: str, *, env: dict[str, str] | None = None):
   """Runs `script` in a fresh Python with 8 CPU devices; returns stdout."""
-  child_env = {
-    k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')
-  }
-  child_env.update(
+  child_env = processes.clean_env(
     XLA_FLAGS='--xla_force_host_platform_device_count=8',
-    JAX_PLATFORMS='cpu',
     TF_CPP_MIN_LOG_LEVEL='2',
-    PYTHONPATH=os.pathsep.join(
-      [str(REPO_ROOT), *filter(None, [os.environ.get('PYTHONPATH')])]
-    ),
+    **(env or {}),
   )
-  child_env.update(env or {})
-  result = subprocess.run(
-    [sys.executable, '-c', _CHILD_PRELUDE + textwrap.dedent(script)],
+  result = processes.run_python(
+    '-c',
+    _CHILD_PRELUDE + textwrap.dedent(script),
     env=child_env,
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
+    cwd=processes.REPO_ROOT,
     timeout=240,
-    check=False,
   )
   if result.returncode != 0 or 'CHILD OK' not in result.stdout:
     pytest.fail(

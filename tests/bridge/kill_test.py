@@ -28,6 +28,7 @@ import threading
 import time
 
 import numpy as np
+import processes
 import pytest
 
 tf = pytest.importorskip('tensorflow')
@@ -108,8 +109,7 @@ class Zygote:
   """The process that forks one saving process per kill."""
 
   def __init__(self, script, path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-    env.update(OPENBLAS_NUM_THREADS='1', OMP_NUM_THREADS='1')
+    env = processes.clean_env(OPENBLAS_NUM_THREADS='1', OMP_NUM_THREADS='1')
     self.proc = subprocess.Popen(
       [sys.executable, str(script), str(path)],
       stdin=subprocess.PIPE,

@@ -12,12 +12,11 @@ JAX, no DTensor) and compares with the global values the workers gathered.
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import multiprocess_util
 import numpy as np
+import processes
 import pytest
 
 pytest.importorskip('tensorflow')
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.multiprocess
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
-WORKER = multiprocess_util.WORKERS_DIR / '_mp_worker_export.py'
+WORKER = processes.WORKERS_DIR / '_mp_worker_export.py'
 TIMEOUT = 400
 
 _READ_SCRIPT = textwrap.dedent(
@@ -72,15 +71,7 @@ def _plain_tf_read(checkpoint, out):
   script = os.path.join(os.path.dirname(out), 'read.py')
   with open(script, 'w') as f:
     f.write(_READ_SCRIPT)
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  done = subprocess.run(
-    [sys.executable, script, checkpoint, out],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=env,
-    check=False,
-  )
+  done = processes.run_python(script, checkpoint, out, timeout=TIMEOUT)
   assert done.returncode == 0, done.stderr[-4000:]
   dtypes = json.loads(done.stdout.strip().splitlines()[-1])
   with np.load(out) as data:

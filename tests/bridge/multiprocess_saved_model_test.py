@@ -13,19 +13,19 @@ own `saved_model_cli show --all` on it.
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
 import multiprocess_util
 import numpy as np
+import processes
 import pytest
 
 pytest.importorskip('tensorflow')
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = multiprocess_util.WORKERS_DIR / '_mp_worker_saved_model.py'
+WORKER = processes.WORKERS_DIR / '_mp_worker_saved_model.py'
 TIMEOUT = 400
 
 _SERVE_SCRIPT = textwrap.dedent(
@@ -50,10 +50,6 @@ _SERVE_SCRIPT = textwrap.dedent(
   }))
   """
 )
-
-
-def _plain_env():
-  return {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
 
 
 def _results(out_dir):
@@ -109,19 +105,8 @@ def test_two_processes_write_one_saved_model(tmp_path):
   # Served by plain TF, JAX blocked, in a process of its own.
   script = tmp_path / 'serve.py'
   script.write_text(_SERVE_SCRIPT)
-  served = subprocess.run(
-    [
-      sys.executable,
-      str(script),
-      sm,
-      str(tmp_path / 'x.npy'),
-      str(tmp_path / 'got.npy'),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=_plain_env(),
-    check=False,
+  served = processes.run_python(
+    script, sm, tmp_path / 'x.npy', tmp_path / 'got.npy', timeout=TIMEOUT
   )
   assert served.returncode == 0, served.stderr[-4000:]
   report = json.loads(served.stdout.strip().splitlines()[-1])
@@ -145,14 +130,7 @@ def test_two_processes_write_one_saved_model(tmp_path):
 
   # TF's own tool reads the signature we wrote.
   cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
-  shown = subprocess.run(
-    [cli, 'show', '--all', '--dir', sm],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=_plain_env(),
-    check=False,
-  )
+  shown = processes.run([cli, 'show', '--all', '--dir', sm], timeout=TIMEOUT)
   assert shown.returncode == 0, shown.stderr[-4000:]
   text = shown.stdout
   serving = text[text.index("signature_def['serving_default']") :]

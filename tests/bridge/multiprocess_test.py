@@ -1,11 +1,12 @@
 """Multi-process tests: 2 local JAX processes, one DTensor client each."""
 
 import multiprocess_util
+import processes
 import pytest
 
 pytest.importorskip('tensorflow')
 
-WORKERS_DIR = multiprocess_util.WORKERS_DIR
+WORKERS_DIR = processes.WORKERS_DIR
 
 
 @pytest.mark.multiprocess

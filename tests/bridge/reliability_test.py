@@ -21,6 +21,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -276,15 +277,7 @@ _NOT_POISONED = textwrap.dedent(
 def test_a_damaged_checkpoint_does_not_break_the_next_ones(tmp_path):
   script = tmp_path / 'script.py'
   script.write_text(_NOT_POISONED)
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  out = subprocess.run(
-    [sys.executable, str(script), str(tmp_path)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    check=False,
-  )
+  out = processes.run_python(script, tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()
   assert lines == ['REFUSED True', 'GOOD 1.0', "SAVED [('w',)]"]
@@ -606,7 +599,11 @@ def test_file_urls_are_local_paths(explicit_mesh, tmp_path):
 
 
 def _dead_pid():
-  proc = subprocess.Popen([sys.executable, '-c', 'pass'])
+  proc = subprocess.Popen(
+    [sys.executable, '-c', 'pass'],
+    env=processes.clean_env(),
+    stdin=subprocess.DEVNULL,
+  )
   proc.wait(timeout=60)
   return proc.pid
 
@@ -666,7 +663,9 @@ def test_a_kill_between_the_renames_is_recovered_by_a_save(
 def live_pid():
   """The pid of a process that lives through the test (another writer)."""
   proc = subprocess.Popen(
-    [sys.executable, '-c', 'import time; time.sleep(600)']
+    [sys.executable, '-c', 'import time; time.sleep(600)'],
+    env=processes.clean_env(),
+    stdin=subprocess.DEVNULL,
   )
   try:
     yield proc.pid

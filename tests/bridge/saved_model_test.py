@@ -4,14 +4,13 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -197,15 +196,7 @@ def _serve_in_plain_tf(tmp_path, models, checkpoint=None):
   job_path.write_text(json.dumps(job))
   script = tmp_path / 'serve.py'
   script.write_text(_SERVE_SCRIPT)
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  out = subprocess.run(
-    [sys.executable, str(script), str(job_path)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    check=False,
-  )
+  out = processes.run_python(script, job_path)
   assert out.returncode == 0, out.stderr[-4000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 

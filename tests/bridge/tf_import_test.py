@@ -1,8 +1,9 @@
 """TensorFlow's import-time noise is dropped at the descriptor level."""
 
 import os
-import subprocess
 import sys
+
+import processes
 
 from flax_dtensor.dtensor import _tf
 
@@ -33,13 +34,7 @@ def test_importing_tensorflow_through_flax_dtensor_prints_nothing():
     'tf = _tf.tf()\n'
     'print(tf.constant(2.0).numpy() * 2)\n'
   )
-  proc = subprocess.run(
-    [sys.executable, '-c', code],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  proc = processes.run_python('-c', code)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.strip() == '4.0'
   assert 'oneDNN' not in proc.stderr
@@ -84,15 +79,8 @@ TF_LINES = (
 
 
 def _run_tf_first(**env):
-  base = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
-  proc = subprocess.run(
-    [sys.executable, '-c', TF_FIRST],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env={**base, **env},
-    check=False,
-  )
+  env = processes.clean_env(**{'TF_CPP_MIN_LOG_LEVEL': None, **env})
+  proc = processes.run_python('-c', TF_FIRST, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip() == 'saved 128.0'
   return proc.stderr.partition('MARK\n')[2]

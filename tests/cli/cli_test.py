@@ -19,8 +19,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -135,21 +133,30 @@ def user_lm() -> UserLM:
 # ------------------------------------------------------------------------------
 
 
-def run_cli(*args: str, timeout: float = TIMEOUT, **kwargs):
+# The helpers of tests/support are imported in the functions below: the
+# command line loads this file as a user's model file, without tests/support
+# on its path.
+
+
+def clean_env(**overrides: str | None) -> dict[str, str]:
+  """`processes.clean_env`: the environment of a process a test starts."""
+  import processes
+
+  return processes.clean_env(**overrides)
+
+
+def run_cli(*args: str, timeout: float = TIMEOUT, env=None):
   """Runs `python -m flax_dtensor ARGS`; returns the CompletedProcess.
 
   Piped, the CLI prints at COLUMNS (80 when unset); unless a test gives its
   own environment, 200 columns keep one table row per line to parse.
   """
-  kwargs.setdefault('env', dict(os.environ, COLUMNS='200'))
-  return subprocess.run(
-    [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    stdin=subprocess.DEVNULL,
-    check=False,
-    **kwargs,
+  import processes
+
+  if env is None:
+    env = clean_env(COLUMNS='200')
+  return processes.run_python(
+    '-m', 'flax_dtensor', *args, env=env, timeout=timeout
   )
 
 
@@ -161,8 +168,6 @@ def ok(proc) -> str:
 
 
 def assert_fits(text: str, width: int, paths=()) -> None:
-  # Imported here: the command line loads this file as a user's model file,
-  # without tests/ on its path.
   import output_util
 
   output_util.assert_fits(text, width, paths)
@@ -189,14 +194,9 @@ def bad_input(proc, *fragments: str) -> str:
 
 
 def run_python(script: str, *args: str, timeout: float = TIMEOUT) -> str:
-  proc = subprocess.run(
-    [sys.executable, '-c', script, *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    stdin=subprocess.DEVNULL,
-    check=False,
-  )
+  import processes
+
+  proc = processes.run_python('-c', script, *args, timeout=timeout)
   assert proc.returncode == 0, proc.stderr
   return proc.stdout
 
@@ -450,7 +450,7 @@ def test_a_malformed_sharding_record_is_refused_as_it_is_read(record):
 
 
 def test_plan_demo_table():
-  piped = {k: v for k, v in os.environ.items() if k != 'COLUMNS'}
+  piped = clean_env(COLUMNS=None)
   out = ok(run_cli('plan', DEMO_TARGET, '--mesh', 'data=2,model=4', env=piped))
   assert 'Sharding plan: mesh data=2, model=4 (8 devices)' in out
   # The totals: bytes per device against the ideal.
@@ -468,7 +468,7 @@ def test_plan_demo_table():
 
 @pytest.mark.parametrize('columns', ['80', '120', '200'])
 def test_plan_respects_columns_and_keeps_paths_whole(columns):
-  env = dict(os.environ, COLUMNS=columns)
+  env = clean_env(COLUMNS=columns)
   out = ok(run_cli('plan', DEMO_TARGET, env=env))
   lines = out.splitlines()
   assert_fits(out, int(columns))
@@ -670,7 +670,7 @@ def test_plan_user_factory_with_rules(tmp_path):
 def test_plan_user_factory_as_module(tmp_path):
   rules = tmp_path / 'rules.yaml'
   rules.write_text(USER_RULES)
-  env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+  env = clean_env(PYTHONPATH=str(TESTS_DIR))
   result = json.loads(
     ok(
       run_cli(
@@ -1104,7 +1104,7 @@ def test_export_and_inspect_user_factory(tmp_path):
       rules,
       '--out',
       out,
-      env=dict(os.environ, COLUMNS='80'),
+      env=clean_env(COLUMNS='80'),
     )
   )
   assert_fits(stdout, 80, [orbax, out / 'checkpoint'])
@@ -1393,7 +1393,7 @@ def fused_export(tmp_path_factory):
 
 
 def test_inspect_shows_fused_dtensor_axes(fused_export):
-  wide = dict(os.environ, COLUMNS='200')  # One line per row, to parse.
+  wide = clean_env(COLUMNS='200')  # One line per row, to parse.
   stdout = ok(run_cli('inspect', fused_export, env=wide))
   rows = {}
   for line in stdout.splitlines():
@@ -1415,7 +1415,7 @@ def test_inspect_shows_fused_dtensor_axes(fused_export):
 
 
 def test_inspect_at_80_columns_wraps_and_cuts_nothing(fused_export):
-  narrow = dict(os.environ, COLUMNS='80')
+  narrow = clean_env(COLUMNS='80')
   stdout = ok(run_cli('inspect', fused_export, env=narrow))
   assert_fits(stdout, 80, [str(fused_export / 'checkpoint')])
   # The table does not fit: each variable on a few whole lines.
@@ -1451,7 +1451,7 @@ def test_inspect_without_a_manifest_reads_with_tensorflow(
   """A checkpoint written by plain TF: names, shapes and stored dtypes."""
   shutil.copytree(fused_export / 'checkpoint', tmp_path / 'checkpoint')
   (tmp_path / 'checkpoint' / 'flax_dtensor.json').unlink()
-  wide = dict(os.environ, COLUMNS='200')
+  wide = clean_env(COLUMNS='200')
   stdout = ok(run_cli('inspect', tmp_path, env=wide))
   rows = {}
   for line in stdout.splitlines():
@@ -1554,7 +1554,7 @@ def test_inspect_malformed_metadata(fused_export, tmp_path, text):
 
 def test_demo_trains_exports_and_verifies(tmp_path):
   out = tmp_path / 'demo'
-  narrow = dict(os.environ, COLUMNS='80')  # Piped, as in a CI log.
+  narrow = clean_env(COLUMNS='80')  # Piped, as in a CI log.
   stdout = ok(
     run_cli('demo', '--steps', '40', '--out', out, timeout=900, env=narrow)
   )

@@ -1,10 +1,8 @@
 """Rule linting: each finding by its code and its values; the CLI's exit."""
 
 import json
-import os
-import subprocess
-import sys
 
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -153,14 +151,8 @@ def test_rules_from_the_context_and_errors():
 
 
 def _cli(*args):
-  return subprocess.run(
-    [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=dict(os.environ, COLUMNS='200'),
-    stdin=subprocess.DEVNULL,
-    check=False,
+  return processes.run_python(
+    '-m', 'flax_dtensor', *args, env=processes.clean_env(COLUMNS='200')
   )
 
 

@@ -1,14 +1,12 @@
 """The supported JAX and Flax releases: the pins, the check, its refusal."""
 
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 import tomllib
 
 import flax
 import jax
+import processes
 import pytest
 
 import flax_dtensor as fdt
@@ -80,16 +78,8 @@ def test_the_first_public_name_refuses_an_unsupported_flax():
     print('wrapped', hasattr(spmd.shard_value, '__flax_dtensor_hook__'))
     """
   )
-  env = {k: v for k, v in os.environ.items() if k != _compat.SKIP_ENV}
-  env['PYTHONPATH'] = str(ROOT)
-  proc = subprocess.run(
-    [sys.executable, '-c', code],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env=env,
-    check=False,
-  )
+  env = processes.clean_env(**{_compat.SKIP_ENV: None})
+  proc = processes.run_python('-c', code, env=env, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   first, second = proc.stdout.strip().splitlines()
   assert first.startswith('FlaxCompatibilityError | flax_dtensor supports')

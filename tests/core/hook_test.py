@@ -7,15 +7,13 @@ scenarios in fresh processes with and without ``import flax_dtensor``.
 """
 
 import json
-import os
-import subprocess
-import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import processes
 import pytest
 from flax import nnx
 from flax.core import spmd as core_spmd
@@ -98,13 +96,7 @@ with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # Flax's context.
 
 
 def _python(code, *args):
-  proc = subprocess.run(
-    [sys.executable, '-c', code, *args],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  proc = processes.run_python('-c', code, *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout.splitlines()
 
@@ -465,14 +457,7 @@ print(json.dumps(out, sort_keys=True))
 def test_flax_behaviour_is_identical_with_and_without_flax_dtensor():
   runs = {}
   for mode in ('without', 'with'):
-    proc = subprocess.run(
-      [sys.executable, '-c', _SCENARIOS, mode],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
-      check=False,
-    )
+    proc = processes.run_python('-c', _SCENARIOS, mode)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
   assert len(runs['with']) == 3 * (3 * 3 * 2 + 1)

@@ -9,27 +9,17 @@ or kept every initializer's temporaries alive at once would exceed 1.5x.
 
 import json
 import pathlib
-import subprocess
 import sys
 
+import processes
 import pytest
 
 CASES = pathlib.Path(__file__).resolve().parents[2] / 'benchmarks' / 'cases.py'
 
 
 def _measure(method: str, layers: int) -> dict:
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(CASES),
-      'init',
-      method,
-      json.dumps({'layers': layers, 'width': 1024}),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
+  proc = processes.run_python(
+    CASES, 'init', method, json.dumps({'layers': layers, 'width': 1024})
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])

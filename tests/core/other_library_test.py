@@ -10,13 +10,12 @@ arrays are, by values.
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import flax
 import jax
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -86,13 +85,13 @@ def test_importing_it_turns_eager_sharding_off():
   code = (
     'import flax, gemma_style; print(flax.config.flax_always_shard_variable)'
   )
-  proc = subprocess.run(
-    [sys.executable, '-W', 'ignore', '-c', code],
-    capture_output=True,
-    text=True,
+  proc = processes.run_python(
+    '-W',
+    'ignore',
+    '-c',
+    code,
+    env=processes.clean_env(support=True),
     timeout=120,
-    env={**os.environ, 'PYTHONPATH': SUPPORT},
-    check=False,
   )
   assert proc.stdout.strip() == 'False', proc.stderr[-2000:]
 
@@ -279,14 +278,8 @@ def test_for_mesh_axes_refuses_what_is_not_a_mesh():
 
 
 def _cli(*args):
-  return subprocess.run(
-    [sys.executable, '-m', 'flax_dtensor', *args],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    stdin=subprocess.DEVNULL,
-    env={**os.environ, 'COLUMNS': '200'},
-    check=False,
+  return processes.run_python(
+    '-m', 'flax_dtensor', *args, env=processes.clean_env(COLUMNS='200')
   )
 
 
@@ -328,20 +321,8 @@ print(json.dumps(sorted(serve.structured_input_signature[1])))
 
 def _served(path, inputs, tmp_path):
   np.savez(tmp_path / 'inputs.npz', **inputs)
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-c',
-      _SERVE,
-      str(path),
-      str(tmp_path / 'inputs.npz'),
-      str(tmp_path / 'outputs.npz'),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env={k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')},
-    check=False,
+  proc = processes.run_python(
+    '-c', _SERVE, path, tmp_path / 'inputs.npz', tmp_path / 'outputs.npz'
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   with np.load(tmp_path / 'outputs.npz') as f:
@@ -407,21 +388,8 @@ def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
     'ckpt.save(sys.argv[1], nnx.state(gemma_style.make_model())); '
     'ckpt.wait_until_finished()'
   )
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-W',
-      'ignore',
-      '-c',
-      make,
-      str(tmp_path / 'orbax'),
-      '',
-      SUPPORT,
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
+  proc = processes.run_python(
+    '-W', 'ignore', '-c', make, tmp_path / 'orbax', '', SUPPORT
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   proc = _cli(

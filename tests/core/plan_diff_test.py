@@ -1,11 +1,9 @@
 """Golden layouts: a plan read back from JSON, and what changed (by values)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -136,15 +134,12 @@ def test_malformed_layouts(text, match):
 
 
 def _cli(*args, cwd):
-  return subprocess.run(
-    [sys.executable, '-m', 'flax_dtensor', *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=300,
+  return processes.run_python(
+    '-m',
+    'flax_dtensor',
+    *args,
     cwd=cwd,
-    env=dict(os.environ, COLUMNS='120'),
-    stdin=subprocess.DEVNULL,
-    check=False,
+    env=processes.clean_env(COLUMNS='120'),
   )
 
 

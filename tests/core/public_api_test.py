@@ -1,8 +1,6 @@
 """The public API is a contract: check it against a checked-in list."""
 
-import os
-import subprocess
-import sys
+import processes
 
 import flax_dtensor as fdt
 
@@ -117,15 +115,9 @@ def test_the_bridge_errors_are_export_errors():
 
 
 def _run(code, **env):
-  proc = subprocess.run(
-    [sys.executable, '-c', code],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env={**os.environ, 'JAX_PLATFORMS': 'cpu', **env},
-    check=False,
+  return processes.run_python(
+    '-c', code, env=processes.clean_env(**env), timeout=120
   )
-  return proc
 
 
 def test_import_pulls_in_only_what_the_core_needs():

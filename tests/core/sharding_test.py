@@ -1,14 +1,13 @@
 """Tests for placement by mesh axis type, the NNX hook, init and shard_module."""
 
 import concurrent.futures
-import subprocess
-import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -436,13 +435,7 @@ def test_hook_semantics_do_not_depend_on_history():
       'print(p.get_value().sharding.spec)',
     ]
   )
-  out = subprocess.run(
-    [sys.executable, '-c', code],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    check=False,
-  )
+  out = processes.run_python('-c', code, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   # Flax's last-write-wins dict would give P(None, 'data').
   assert out.stdout.strip() == "P(None, 'model')"

@@ -14,8 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import processes
 import scale_runs
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -159,8 +158,6 @@ def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
   """A case run by `script` in a fresh process; its error is re-raised."""
 
   def run(ctx):
-    env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR')}
-    env.update({'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': os.getcwd()})
     program = textwrap.dedent(
       """
       import json, sys
@@ -172,14 +169,7 @@ def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
         print(json.dumps(None))
       """
     ).format(body=textwrap.indent(textwrap.dedent(script), '  '))
-    proc = subprocess.run(
-      [sys.executable, '-c', program],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env=env,
-      check=False,
-    )
+    proc = processes.run_python('-c', program)
     assert proc.returncode == 0, proc.stderr[-3000:]
     raised = json.loads(proc.stdout.strip().splitlines()[-1])
     if raised is not None:

@@ -38,6 +38,7 @@ import textwrap
 from typing import Any
 
 import multiprocess_util
+import processes
 
 TIMEOUT = 400
 NOBODY = 65534
@@ -251,16 +252,6 @@ _UNWRITABLE = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = os.pathsep.join(
-    [str(multiprocess_util.REPO_ROOT)]
-    + [p for p in [os.environ.get('PYTHONPATH')] if p]
-  )
-  return env
-
-
 def _scratch(prefix: str) -> str:
   """A directory every user may enter, removed at exit."""
   path = tempfile.mkdtemp(prefix=prefix)
@@ -279,14 +270,8 @@ def _remove_tree(path: str) -> None:
 
 def _run(script: str, *args: str) -> tuple[dict[str, Any], str]:
   """Runs `script`; returns its RESULT line's JSON and its whole stdout."""
-  proc = subprocess.run(
-    [sys.executable, '-c', script, *args],
-    capture_output=True,
-    text=True,
-    timeout=TIMEOUT,
-    env=_env(),
-    cwd=multiprocess_util.REPO_ROOT,
-    check=False,
+  proc = processes.run_python(
+    '-c', script, *args, timeout=TIMEOUT, cwd=processes.REPO_ROOT
   )
   lines = [
     line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
@@ -331,9 +316,7 @@ def _can_unshare() -> str | None:
   """Why `unshare -rm` cannot run here, or None if it can."""
   if shutil.which('unshare') is None:
     return 'the unshare command is not installed'
-  probe = subprocess.run(
-    ['unshare', '-rm', 'true'], capture_output=True, text=True, check=False
-  )
+  probe = processes.run(['unshare', '-rm', 'true'], timeout=60)
   if probe.returncode != 0:
     return f'unshare -rm fails here: {probe.stderr.strip()}'
   return None
@@ -346,14 +329,10 @@ def no_space() -> dict[str, Any]:
   if why is not None:
     return {'unavailable': why}
   root = _scratch('fdt_no_space_')
-  proc = subprocess.run(
+  proc = processes.run(
     ['unshare', '-rm', sys.executable, '-c', _NO_SPACE, root],
-    capture_output=True,
-    text=True,
     timeout=TIMEOUT,
-    env=_env(),
-    cwd=multiprocess_util.REPO_ROOT,
-    check=False,
+    cwd=processes.REPO_ROOT,
   )
   lines = [
     line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
@@ -380,7 +359,7 @@ def unwritable() -> dict[str, Any]:
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
-    env=_env(),
+    env=processes.clean_env(),
     cwd=base,
   )
   try:
@@ -409,7 +388,7 @@ def dead_peer(moment: str) -> dict[str, Any]:
   """
   root = _scratch('fdt_dead_peer_')
   outputs = multiprocess_util.run_workers(
-    multiprocess_util.WORKERS_DIR / '_mp_worker_dead_peer.py',
+    processes.WORKERS_DIR / '_mp_worker_dead_peer.py',
     2,
     args=[root, moment],
     timeout=TIMEOUT,

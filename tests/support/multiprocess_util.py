@@ -30,9 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SUPPORT_DIR = pathlib.Path(__file__).resolve().parent
-WORKERS_DIR = SUPPORT_DIR / 'workers'
+import processes
 
 # Environment variables read by `initialize_jax`.
 COORDINATOR_ENV = 'FDT_MP_COORDINATOR'
@@ -74,7 +72,7 @@ def worker_env(
 
   With `dtensor_env=False`, no `DTENSOR_*` variable is set.
   """
-  env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
+  env = processes.clean_env(support=True)
   if dtensor_env:
     env.update(
       {
@@ -95,10 +93,6 @@ def worker_env(
       'JAX_PLATFORMS': 'cpu',
       'TF_CPP_MIN_LOG_LEVEL': '2',
       'PYTHONUNBUFFERED': '1',
-      'PYTHONPATH': os.pathsep.join(
-        [str(REPO_ROOT), str(SUPPORT_DIR)]
-        + [p for p in [os.environ.get('PYTHONPATH')] if p]
-      ),
     }
   )
   env.update(extra or {})
@@ -162,7 +156,7 @@ def run_workers(
                 extra=env,
                 dtensor_env=dtensor_env,
               ),
-              cwd=REPO_ROOT,
+              cwd=processes.REPO_ROOT,
               stdout=log,
               stderr=subprocess.STDOUT,
               stdin=subprocess.DEVNULL,

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import pathlib
 import re
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+import processes
 
 _FENCE = re.compile(
   r'^(?P<indent>[ ]*)```(?P<language>[\w-]*)[^\n]*\n(?P<code>.*?)^(?P=indent)```',
@@ -99,36 +97,21 @@ def chains(blocks: Sequence[Block]) -> list[list[Block]]:
   return [chain(b) for b in python if b.label not in continued]
 
 
-def reader_env(**extra: str) -> dict[str, str]:
-  """A reader's environment: none of the test suite's device settings."""
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k not in ('XLA_FLAGS', 'JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL')
-    and not k.startswith(('DTENSOR_', 'FDT_MP_'))
-  }
-  env['PYTHONPATH'] = os.pathsep.join(
-    [str(ROOT)] + [p for p in [os.environ.get('PYTHONPATH')] if p]
-  )
-  return {**env, **extra}
-
-
 def run_script(
   script: pathlib.Path,
   cwd: pathlib.Path,
   timeout: float,
   env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-  """Runs `script` in `cwd` as a reader would (bounded by `timeout`)."""
-  return subprocess.run(
-    [sys.executable, str(script)],
+  """Runs `script` in `cwd` as a reader would (bounded by `timeout`).
+
+  In `env`, or a reader's environment (`processes.reader_env`).
+  """
+  return processes.run_python(
+    script,
     cwd=cwd,
-    capture_output=True,
-    text=True,
     timeout=timeout,
-    env=reader_env() if env is None else env,
-    stdin=subprocess.DEVNULL,
-    check=False,
+    env=processes.reader_env() if env is None else env,
   )
 
 

@@ -668,15 +668,17 @@ def hook(method: str, blocks: int) -> dict:
     def __init__(self, rngs):
       self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
 
+  # The first public name used installs the hook (`import flax_dtensor`
+  # is lazy).
+  rules = fdt.LogicalRules(
+    [('embed', 'data'), ('mlp', 'model')],
+    path_rules=[] if method != 'path_rules' else [('kernel$', (..., 'mlp'))],
+  )
   if method == 'no_routing':
     call = module_lib.ModuleMeta.__call__
     module_lib.ModuleMeta.__call__ = call.__wrapped__
   elif method not in ('routing', 'rules', 'path_rules'):
     raise ValueError(method)
-  rules = fdt.LogicalRules(
-    [('embed', 'data'), ('mlp', 'model')],
-    path_rules=[] if method != 'path_rules' else [('kernel$', (..., 'mlp'))],
-  )
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
 
   def build():

@@ -280,7 +280,7 @@ class Order:
     finally:
       nnx.update(
         nodes,
-        jax.tree.map(_put_back, nnx.state(nodes, graph=True), shardings),
+        jax.tree.map(put_back, nnx.state(nodes, graph=True), shardings),
       )
     built = {
       _variables.path_str(path): variable
@@ -390,7 +390,8 @@ def traced(args: Any, kwargs: Any) -> bool:
     return False
 
 
-def _put_back(x: Any, sharding: Any) -> Any:
+def put_back(x: Any, sharding: Any) -> Any:
+  """`x` moved back to `sharding` (a leaf of a state; None leaves it)."""
   if sharding is None or not isinstance(x, jax.Array):
     return x
   return jax.device_put(x, sharding)

@@ -493,6 +493,9 @@ def install() -> None:
 
   @functools.wraps(flax_set_value)
   def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
+    # Outside a traced build (every eager one): Flax's, one frame.
+    if not _state.building:
+      return flax_set_value(variable, *args, **kwargs)
     return _set_value(flax_set_value, variable, *args, **kwargs)
 
   flax_get_partition_spec = nnx_spmd.get_partition_spec

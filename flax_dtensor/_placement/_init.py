@@ -262,7 +262,11 @@ def _traced_build(
   finally:
     nnx.update(
       nodes,
-      jax.tree.map(_restore, nnx.state(nodes, graph=True), original_shardings),
+      jax.tree.map(
+        _creation_order.put_back,
+        nnx.state(nodes, graph=True),
+        original_shardings,
+      ),
     )
   return built
 
@@ -354,12 +358,6 @@ def build_abstract(
       'builds the model with no arguments, e.g. lambda: Model(rngs=nnx.Rngs(0)).'
     )
   return built
-
-
-def _restore(x: Any, sharding: Any) -> Any:
-  if sharding is None or not isinstance(x, jax.Array):
-    return x
-  return jax.device_put(x, sharding)
 
 
 def _constrain(

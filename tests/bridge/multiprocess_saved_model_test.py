@@ -90,7 +90,7 @@ def test_two_processes_write_one_saved_model(tmp_path):
   assert first in ('TypeError', 'ValueError'), results[0]['broken']
   assert '(32,) and (64,)' in message
   kind, other = results[1]['broken']
-  assert kind == 'ExportError'
+  assert kind == 'PeerError'  # Process 0 failed: a peer, to process 1.
   assert other.startswith(
     f'Writing the SavedModel on process 0 failed: {first}: {message[:40]}'
   )

@@ -28,11 +28,9 @@ DEVICES_PER_PROCESS = 4
 WORKER = processes.WORKERS_DIR / '_mp_worker_export.py'
 TIMEOUT = 400
 
-_READ_SCRIPT = textwrap.dedent(
+_READ_SCRIPT = processes.NO_JAX + textwrap.dedent(
   """
   import json, os, sys
-  sys.modules['jax'] = None
-  sys.modules['jaxlib'] = None
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import numpy as np
   import tensorflow as tf
@@ -59,12 +57,10 @@ def _launch(out_dir, kind):
     timeout=TIMEOUT,
     devices_per_process=DEVICES_PER_PROCESS,
   )
-  results = []
-  for i, out in enumerate(outputs):
-    lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
-    assert lines, f'worker {i} printed no result:\n{out[-4000:]}'
-    results.append(json.loads(lines[-1][len('RESULT ') :]))
-  return results
+  return [
+    processes.result(out, context=f'(worker {i})')
+    for i, out in enumerate(outputs)
+  ]
 
 
 def _plain_tf_read(checkpoint, out):

@@ -28,11 +28,9 @@ pytestmark = pytest.mark.multiprocess
 WORKER = processes.WORKERS_DIR / '_mp_worker_saved_model.py'
 TIMEOUT = 400
 
-_SERVE_SCRIPT = textwrap.dedent(
+_SERVE_SCRIPT = processes.NO_JAX + textwrap.dedent(
   """
   import json, os, sys
-  sys.modules['jax'] = None
-  sys.modules['jaxlib'] = None
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import numpy as np
   import tensorflow as tf
@@ -56,12 +54,10 @@ def _results(out_dir):
   outputs = multiprocess_util.run_workers(
     WORKER, 2, args=[str(out_dir)], timeout=TIMEOUT, devices_per_process=4
   )
-  results = []
-  for i, out in enumerate(outputs):
-    lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
-    assert lines, f'worker {i} printed no result:\n{out[-4000:]}'
-    results.append(json.loads(lines[-1][len('RESULT ') :]))
-  return results
+  return [
+    processes.result(out, context=f'(worker {i})')
+    for i, out in enumerate(outputs)
+  ]
 
 
 def test_two_processes_write_one_saved_model(tmp_path):

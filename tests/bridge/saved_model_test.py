@@ -24,11 +24,9 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 # Runs in a fresh process that cannot import JAX (TF imports it when it is
 # installed, for TFLite's JAX converter; blocking it proves we need none of it)
 # and never initializes DTensor: plain TF serving.
-_SERVE_SCRIPT = textwrap.dedent(
+_SERVE_SCRIPT = processes.NO_JAX + textwrap.dedent(
   """
   import json, os, sys
-  sys.modules['jax'] = None
-  sys.modules['jaxlib'] = None
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import numpy as np
   import tensorflow as tf

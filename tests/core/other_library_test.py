@@ -303,12 +303,13 @@ def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
   assert '--mesh-axis-names' in proc.stderr
 
 
-# Serves a SavedModel in a process that never imports JAX: argv[1] the
+# Serves a SavedModel in a process that cannot import JAX: argv[1] the
 # SavedModel, argv[2] an .npz of inputs; prints the outputs' names and writes
 # them to argv[3].
-_SERVE = """
+_SERVE = (
+  processes.NO_JAX
+  + """
 import sys, json
-sys.modules['jax'] = None  # TF imports JAX when it can: prove it needs none.
 import numpy as np, tensorflow as tf
 serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
 with np.load(sys.argv[2]) as f:
@@ -317,6 +318,7 @@ out = serve(**inputs)
 np.savez(sys.argv[3], **{k: v.numpy() for k, v in out.items()})
 print(json.dumps(sorted(serve.structured_input_signature[1])))
 """
+)
 
 
 def _served(path, inputs, tmp_path):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import json
 import os
 import pathlib
 import shutil
@@ -273,14 +272,7 @@ def _run(script: str, *args: str) -> tuple[dict[str, Any], str]:
   proc = processes.run_python(
     '-c', script, *args, timeout=TIMEOUT, cwd=processes.REPO_ROOT
   )
-  lines = [
-    line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
-  ]
-  if proc.returncode != 0 or not lines:
-    raise RuntimeError(
-      f'exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
-    )
-  return json.loads(lines[-1][len('RESULT ') :]), proc.stdout
+  return processes.checked_result(proc), proc.stdout
 
 
 def snapshot(root: str) -> dict[str, list[Any]]:
@@ -334,14 +326,7 @@ def no_space() -> dict[str, Any]:
     timeout=TIMEOUT,
     cwd=processes.REPO_ROOT,
   )
-  lines = [
-    line for line in proc.stdout.splitlines() if line.startswith('RESULT ')
-  ]
-  if proc.returncode != 0 or not lines:
-    raise RuntimeError(
-      f'exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
-    )
-  return json.loads(lines[-1][len('RESULT ') :])
+  return processes.checked_result(proc)
 
 
 @functools.cache
@@ -371,10 +356,9 @@ def unwritable() -> dict[str, Any]:
     if proc.poll() is None:
       proc.kill()
       proc.wait(timeout=60)
-  lines = [line for line in out.splitlines() if line.startswith('RESULT ')]
-  if proc.returncode != 0 or not lines or not before:
+  if proc.returncode != 0 or not before:
     raise RuntimeError(f'exit {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}')
-  result = json.loads(lines[-1][len('RESULT ') :])
+  result = processes.result(out, context=err[-5000:])
   result.update(base=base, before=before, after=snapshot(base))
   return result
 
@@ -395,12 +379,7 @@ def dead_peer(moment: str) -> dict[str, Any]:
     env={'FLAX_DTENSOR_PEER_TIMEOUT': str(PEER_TIMEOUT)},
     may_die=[1],
   )
-  lines = [
-    line for line in outputs[0].splitlines() if line.startswith('RESULT ')
-  ]
-  if not lines:
-    raise RuntimeError(f'process 0 printed no result:\n{outputs[0][-5000:]}')
-  result = json.loads(lines[-1][len('RESULT ') :])
+  result = processes.result(outputs[0], context='(process 0)')
   result['root'] = root
   return result
 
@@ -454,9 +433,4 @@ def absent_peer() -> dict[str, Any]:
     env={'FLAX_DTENSOR_PEER_TIMEOUT': str(ABSENT_PEER_TIMEOUT)},
     dtensor_env=False,
   )
-  lines = [
-    line for line in outputs[0].splitlines() if line.startswith('RESULT ')
-  ]
-  if not lines:
-    raise RuntimeError(f'process 0 printed no result:\n{outputs[0][-5000:]}')
-  return json.loads(lines[-1][len('RESULT ') :])
+  return processes.result(outputs[0], context='(process 0)')

@@ -12,17 +12,23 @@ stdin closed, always bounded by a timeout; it returns the CompletedProcess
 and leaves checking the exit status to the test. `run(argv)` does the same
 for another program (TensorFlow's `saved_model_cli`, `unshare`).
 
+A script reports to the test with one line, `print(RESULT + json.dumps(x))`;
+`result(stdout)` reads it back. A reader's script that must prove it needs
+no JAX starts with `NO_JAX`.
+
 Long-lived processes a test talks to (multiprocess_util's workers, the
 zygote of kill_test.py) keep `subprocess.Popen`, with `env=clean_env(...)`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SUPPORT_DIR = pathlib.Path(__file__).resolve().parent
@@ -35,6 +41,16 @@ DROPPED_PREFIXES = ('DTENSOR_', 'FDT_MP_')
 SUITE_SETTINGS = ('XLA_FLAGS', 'JAX_PLATFORMS', 'TF_CPP_MIN_LOG_LEVEL')
 
 TIMEOUT = 300
+
+# What a script prints before the JSON it reports.
+RESULT = 'RESULT '
+# The first lines of a plain-TensorFlow reader's script: importing JAX fails
+# (TF imports it when it can), so the script proves it needs none.
+NO_JAX = """\
+import sys
+sys.modules['jax'] = None
+sys.modules['jaxlib'] = None
+"""
 
 
 def clean_env(
@@ -109,3 +125,39 @@ def run_python(
   return run(
     [sys.executable, *args], cwd=cwd, env=env, timeout=timeout, input=input
   )
+
+
+def result(stdout: str, *, merge: bool = False, context: str = '') -> Any:
+  """The JSON a script reported: its last `RESULT` line's.
+
+  Args:
+    stdout: What the script printed.
+    merge: Merge the dicts of every `RESULT` line instead (later keys win).
+    context: Added to the error (the exit status, stderr), if there is none.
+
+  Raises:
+    RuntimeError: The script reported nothing; the message has its output.
+  """
+  found = [
+    json.loads(line[len(RESULT) :])
+    for line in stdout.splitlines()
+    if line.startswith(RESULT)
+  ]
+  if not found:
+    raise RuntimeError(
+      f'no {RESULT.strip()} line in:\n{stdout[-5000:]}\n{context}'
+    )
+  if not merge:
+    return found[-1]
+  merged: dict[str, Any] = {}
+  for part in found:
+    merged.update(part)
+  return merged
+
+
+def checked_result(proc: subprocess.CompletedProcess[str]) -> Any:
+  """`result(proc.stdout)`, if the process exited with 0; else RuntimeError."""
+  context = f'exit {proc.returncode}; stderr:\n{proc.stderr[-5000:]}'
+  if proc.returncode != 0:
+    raise RuntimeError(f'{context}\nstdout:\n{proc.stdout[-3000:]}')
+  return result(proc.stdout, context=context)

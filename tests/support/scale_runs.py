@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import pathlib
 import shutil
 import tempfile
@@ -33,11 +32,10 @@ from typing import Any
 import ml_dtypes
 import multiprocess_util
 import numpy as np
+import processes
 
 TIMEOUT = 600
-WORKER = (
-  pathlib.Path(__file__).resolve().parent / 'workers' / '_mp_worker_scale.py'
-)
+WORKER = processes.WORKERS_DIR / '_mp_worker_scale.py'
 # The dead peer's bound in the four-process run (as fault_runs.PEER_TIMEOUT).
 PEER_TIMEOUT = 10
 # Killed in the four-process run's last save.
@@ -183,16 +181,10 @@ def _scratch(prefix: str) -> str:
 
 def _results(outputs: list[str]) -> list[dict[str, Any]]:
   """Each process's RESULT lines, merged (by process id)."""
-  out = []
-  for i, text in enumerate(outputs):
-    merged: dict[str, Any] = {}
-    for line in text.splitlines():
-      if line.startswith('RESULT '):
-        merged.update(json.loads(line[len('RESULT ') :]))
-    if not merged:
-      raise RuntimeError(f'process {i} printed no result:\n{text[-5000:]}')
-    out.append(merged)
-  return out
+  return [
+    processes.result(text, merge=True, context=f'(process {i})')
+    for i, text in enumerate(outputs)
+  ]
 
 
 @functools.cache

@@ -27,13 +27,10 @@ import multiprocess_util
 multiprocess_util.initialize_jax()
 
 # ruff: noqa: E402
-import glob
 import json
 import os
 import signal
 import sys
-import threading
-import time
 
 import jax
 
@@ -73,17 +70,6 @@ def model(mesh, version):
   )
 
 
-def die_when(pattern):
-  """Kills this process the moment a file matching `pattern` exists."""
-
-  def watch():
-    while not glob.glob(pattern):
-      time.sleep(0.0005)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-  threading.Thread(target=watch, daemon=True).start()
-
-
 def restore(mesh, ckpt, out_dir):
   """Process 1 dies as the restore begins; process 0 reports and leaves."""
   other = jax.make_mesh((2, 4), ('model', 'data'))  # Another layout.
@@ -120,9 +106,9 @@ def main():
   if jax.process_index() == 1:
     tmp = os.path.join(out_dir, '.ckpt.tmp-*')
     if sys.argv[2] == 'in-write':
-      die_when(tmp)
+      multiprocess_util.die_when(tmp)
     else:
-      die_when(os.path.join(tmp, 'flax_dtensor.part-1.json'))
+      multiprocess_util.die_when(os.path.join(tmp, 'flax_dtensor.part-1.json'))
   result = {'process': jax.process_index(), 'error': None}
   try:
     fdt_tf.save_checkpoint(new, ckpt, overwrite=True)

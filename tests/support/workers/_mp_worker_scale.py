@@ -26,12 +26,9 @@ import multiprocess_util
 multiprocess_util.initialize_jax()
 
 # ruff: noqa: E402
-import glob
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 import jax
@@ -68,17 +65,6 @@ def restore(path, target):
     'held_w': scale_runs.held(target, 'w'),
     'mismatched': scale_runs.mismatched(target, 1),
   }
-
-
-def die_when(pattern):
-  """Kills this process the moment a file matching `pattern` exists."""
-
-  def watch():
-    while not glob.glob(pattern):
-      time.sleep(0.0005)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-  threading.Thread(target=watch, daemon=True).start()
 
 
 def two(root):
@@ -142,7 +128,7 @@ def four(root):
   report(saved=True)
   # Process DEAD dies once its part of the overwrite is written.
   if jax.process_index() == scale_runs.DEAD:
-    die_when(
+    multiprocess_util.die_when(
       os.path.join(root, '.c4.tmp-*', '.parts', f'process{scale_runs.DEAD}.*')
     )
   start = time.monotonic()

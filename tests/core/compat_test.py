@@ -1,6 +1,5 @@
 """The supported JAX and Flax releases: the pins, the check, its refusal."""
 
-import pathlib
 import textwrap
 import tomllib
 
@@ -12,7 +11,7 @@ import pytest
 import flax_dtensor as fdt
 from flax_dtensor import _compat
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = processes.REPO_ROOT
 
 
 def test_the_pins_are_the_supported_ranges():

@@ -8,13 +8,12 @@ or kept every initializer's temporaries alive at once would exceed 1.5x.
 """
 
 import json
-import pathlib
 import sys
 
 import processes
 import pytest
 
-CASES = pathlib.Path(__file__).resolve().parents[2] / 'benchmarks' / 'cases.py'
+CASES = processes.REPO_ROOT / 'benchmarks' / 'cases.py'
 
 
 def _measure(method: str, layers: int) -> dict:

@@ -161,13 +161,21 @@ class Session:
     return f'{self.prefix}/{self.rounds}-{name}'
 
   def fail(self, e: BaseException) -> None:
-    """Tells the other processes that this one failed (best effort)."""
+    """Tells the other processes that this one failed (best effort).
+
+    A failure that is another process having stopped (`_stopped`) is told
+    as that process's stop, so that every process names the root cause,
+    whichever saw it first.
+    """
+    stop = getattr(e, _STOP, None)
+    if stop is None:
+      key = f'{self.prefix}/failed/{jax.process_index()}'
+      value = f'{type(e).__name__}: {e}'
+    else:
+      process, value, seen_by = stop
+      key = f'{self.prefix}/failed/{seen_by}-saw-{process}'
     with contextlib.suppress(Exception):
-      self.client.key_value_set(
-        f'{self.prefix}/failed/{jax.process_index()}',
-        f'{type(e).__name__}: {e}',
-        allow_overwrite=True,
-      )
+      self.client.key_value_set(key, value, allow_overwrite=True)
 
   def leave(self) -> None:
     """Records that this process is done with the session's keys."""
@@ -202,12 +210,28 @@ def _new_session(
   return session
 
 
-def _stopped(session: Session, process: int, why: str) -> Exception:
-  return session.error(
-    f'Process {process} of {jax.process_count()} stopped during '
-    f'{session.what}: {why}. {session.aftermath} Restart every process of '
-    'the job, then try again.'
+# The attribute `_stopped` sets on its error, for `fail`: (the process that
+# stopped, why, the process that saw it).
+_STOP = '_flax_dtensor_stop'
+
+
+def _stopped(
+  session: Session, process: int, why: str, *, seen_by: int | None = None
+) -> Exception:
+  """The error naming `process` as stopped; `seen_by` another that saw it."""
+  relayed = (
+    ''
+    if seen_by is None
+    else f'Process {seen_by} saw it first; this process stops too. '
   )
+  error = session.error(
+    f'Process {process} of {jax.process_count()} stopped during '
+    f'{session.what}: {why}. {relayed}{session.aftermath} Restart every '
+    'process of the job, then try again.'
+  )
+  seen_by = jax.process_index() if seen_by is None else seen_by
+  setattr(error, _STOP, (process, why, seen_by))
+  return error
 
 
 def stopped(process: int, why: str) -> Exception:
@@ -231,6 +255,22 @@ def _failed(session: Session, process: int, message: str) -> Exception:
     f'{session.what}, so this process stops too. {session.aftermath} '
     f'Its error: {message}'
   )
+
+
+def _reported(session: Session, failures: list[tuple[str, str]]) -> Exception:
+  """The error for what other processes reported (`Session.fail`).
+
+  A process that stopped, as another saw it, comes first and in the words
+  this process would have used had it seen the stop itself.
+  """
+  reports = sorted(
+    (name.rsplit('/', 1)[1].split('-saw-'), value) for name, value in failures
+  )
+  for leaf, why in reports:
+    if len(leaf) == 2:
+      return _stopped(session, int(leaf[1]), why, seen_by=int(leaf[0]))
+  leaf, message = reports[0]
+  return _failed(session, int(leaf[0]), message)
 
 
 def _wait(session: Session, key: str, watched: list[int]) -> str:
@@ -272,8 +312,7 @@ def _wait(session: Session, key: str, watched: list[int]) -> str:
         f'unreachable ({e})',
       ) from e
     if failures:
-      name, message = sorted(failures)[0]
-      raise _failed(session, int(name.rsplit('/', 1)[1]), message)
+      raise _reported(session, failures)
     now = time.monotonic()
     for p, (last, since) in seen.items():
       if beats[p] != last:

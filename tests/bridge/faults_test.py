@@ -658,3 +658,38 @@ def test_every_process_raises_the_kind_found_of_the_export():
   setup = dataclasses.replace(session, error=fdt.DTensorInitializationError)
   failed = _peers._failed(setup, 1, 'DiskFullError: x')
   assert type(failed) is fdt.DTensorInitializationError
+
+
+def test_a_stop_another_process_saw_is_named_as_the_stop():
+  """Whichever process sees a dead peer first, every other names that peer.
+
+  What the store holds after process 3 saw process 2 stop (`Session.fail`
+  of the error `_stopped` made) becomes, on the others, the same stop, not
+  "process 3 failed": the root cause, whichever process saw it first.
+  """
+  from flax_dtensor.dtensor import _peers
+
+  session = _peers.Session(None, 'p', 'the save to /c', '/c is whole.')
+  why = 'no heartbeat from it for 10 s'
+  seen = _peers._stopped(session, 2, why)
+  assert getattr(seen, _peers._STOP)[:2] == (2, why)
+  told = [
+    ('p/failed/1', 'KeyError: x'),
+    ('p/failed/3-saw-2', why),
+  ]
+  relayed = _peers._reported(session, told)
+  assert type(relayed) is fdt_tf.PeerError
+  assert re.fullmatch(
+    r'Process 2 of \d+ stopped during the save to /c: no heartbeat from it '
+    r'for 10 s\. Process 3 saw it first; this process stops too\. /c is '
+    r'whole\. Restart every process of the job, then try again\.',
+    str(relayed),
+  ), str(relayed)
+  # Told on again, it still names the process that saw it.
+  assert getattr(relayed, _peers._STOP) == (2, why, 3)
+  failed = _peers._reported(session, [('p/failed/1', 'KeyError: x')])
+  assert re.match(
+    r'Process 1 of \d+ failed during the save to /c, so this process stops '
+    r'too\. /c is whole\. Its error: KeyError: x',
+    str(failed),
+  ), str(failed)

@@ -642,9 +642,11 @@ def hook(method: str, blocks: int) -> dict:
   """Building a `blocks`-block model (LayerNorm and 6 Linear each): seconds,
   and the share of the build's time spent in flax_dtensor's code (cProfile).
 
-  ``routing``: as installed, no rules in effect. ``no_routing``: the module
-  metaclass's call handed back to Flax (the cost of the path-rules routing
-  is the difference). ``rules``: logical rules without path rules in
+  ``flax``: flax_dtensor never used (Flax alone, the limit). ``unused``:
+  the hook installed (a public name used), no rules of ours made, so
+  modules are built by Flax's own metaclass call. ``routing``: a
+  `LogicalRules` made, none in effect (module construction routed through
+  the hook from then on). ``rules``: logical rules without path rules in
   effect. ``path_rules``: under path rules and a mesh, every kernel placed
   when the model's constructor returns.
   """
@@ -653,9 +655,6 @@ def hook(method: str, blocks: int) -> dict:
 
   jax = _jax()
   from flax import nnx
-  from flax.nnx import module as module_lib
-
-  import flax_dtensor as fdt
 
   class Block(nnx.Module):
     def __init__(self, rngs):
@@ -668,17 +667,22 @@ def hook(method: str, blocks: int) -> dict:
     def __init__(self, rngs):
       self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
 
-  # The first public name used installs the hook (`import flax_dtensor`
-  # is lazy).
-  rules = fdt.LogicalRules(
-    [('embed', 'data'), ('mlp', 'model')],
-    path_rules=[] if method != 'path_rules' else [('kernel$', (..., 'mlp'))],
-  )
-  if method == 'no_routing':
-    call = module_lib.ModuleMeta.__call__
-    module_lib.ModuleMeta.__call__ = call.__wrapped__
-  elif method not in ('routing', 'rules', 'path_rules'):
+  if method not in ('flax', 'unused', 'routing', 'rules', 'path_rules'):
     raise ValueError(method)
+  if method != 'flax':
+    import flax_dtensor as fdt
+
+    # The first public name used installs the hook (`import flax_dtensor`
+    # is lazy); the first rules made route module construction.
+    if method == 'unused':
+      fdt.get_logical_axis_rules()  # A public name: the hook goes in.
+    else:
+      rules = fdt.LogicalRules(
+        [('embed', 'data'), ('mlp', 'model')],
+        path_rules=[('kernel$', (..., 'mlp'))]
+        if method == 'path_rules'
+        else [],
+      )
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
 
   def build():

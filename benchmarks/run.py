@@ -196,12 +196,13 @@ def _full():
         'hook',
         {'blocks': 24},
         {
-          'ours': 'routing',
-          'limit': 'no_routing',
+          'ours': 'unused',
+          'limit': 'flax',
+          'routing': 'routing',
           'rules': 'rules',
           'path_rules': 'path_rules',
         },
-        [('ours', 'limit')],
+        [('ours', 'limit'), ('routing', 'limit')],
         note=(
           'building a 24-block model (LayerNorm and 6 Linear each); share '
           "of the time in flax_dtensor's code under cProfile"

@@ -14,7 +14,9 @@ flax_dtensor is handed out (see the package's ``__getattr__``). Two more
 wrappers serve path rules: ``get_partition_spec`` lends ``get_var_pspec``
 each variable's path, and the module metaclass's call places, when the
 outermost ``nnx.Module`` constructor returns, the variables path rules
-cover.
+cover; that one goes in when the first `LogicalRules` is made
+(`_route_modules`), so a process that makes no rules of ours builds its
+modules at Flax's cost.
 """
 
 from __future__ import annotations
@@ -504,8 +506,6 @@ def install() -> None:
   def get_partition_spec(*args: Any, **kwargs: Any) -> Any:
     return _get_partition_spec(flax_get_partition_spec, *args, **kwargs)
 
-  flax_call = module_lib.ModuleMeta.__call__
-
   flax_get_named_sharding = nnx_spmd.get_named_sharding
 
   @functools.wraps(flax_get_named_sharding)
@@ -524,6 +524,37 @@ def install() -> None:
   def eval_shape(*args: Any, **kwargs: Any) -> Any:
     return _eval_shape(flax_eval_shape, *args, **kwargs)
 
+  for hook in (
+    shard_value,
+    get_var_pspec,
+    with_metadata,
+    set_value,
+    get_partition_spec,
+    eval_shape,
+    get_named_sharding,
+    as_abstract,
+  ):
+    setattr(hook, _MARK, True)
+  core_spmd.shard_value = shard_value
+  nnx_spmd.get_var_pspec = get_var_pspec
+  variablelib.with_metadata = with_metadata
+  nnx.with_metadata = with_metadata
+  variablelib.Variable.set_value = set_value
+  nnx_spmd.get_partition_spec = get_partition_spec
+  nnx.get_partition_spec = get_partition_spec
+  nnx_transforms.eval_shape = eval_shape
+  nnx_spmd.eval_shape = eval_shape
+  nnx.eval_shape = eval_shape
+  nnx_spmd.get_named_sharding = get_named_sharding
+  nnx.get_named_sharding = get_named_sharding
+  nnx_spmd.as_abstract = as_abstract
+  nnx.as_abstract = as_abstract
+  _logical.when_first_made(_route_modules)
+
+
+def _module_call(flax_call: Callable[..., Any]) -> Callable[..., Any]:
+  """The wrapper of the module metaclass's call `flax_call` (`_construct`)."""
+
   @functools.wraps(flax_call)
   def module_call(cls: Any, /, *args: Any, **kwargs: Any) -> Any:
     # The common case inline (no path rules, not inside a constructor):
@@ -537,33 +568,26 @@ def install() -> None:
         return flax_call(cls, *args, **kwargs)
     return _construct(flax_call, cls, *args, **kwargs)
 
-  for hook in (
-    shard_value,
-    get_var_pspec,
-    with_metadata,
-    set_value,
-    get_partition_spec,
-    module_call,
-    eval_shape,
-    get_named_sharding,
-    as_abstract,
-  ):
-    setattr(hook, _MARK, True)
-  core_spmd.shard_value = shard_value
-  nnx_spmd.get_var_pspec = get_var_pspec
-  variablelib.with_metadata = with_metadata
-  nnx.with_metadata = with_metadata
-  variablelib.Variable.set_value = set_value
-  nnx_spmd.get_partition_spec = get_partition_spec
-  nnx.get_partition_spec = get_partition_spec
-  module_lib.ModuleMeta.__call__ = module_call
-  nnx_transforms.eval_shape = eval_shape
-  nnx_spmd.eval_shape = eval_shape
-  nnx.eval_shape = eval_shape
-  nnx_spmd.get_named_sharding = get_named_sharding
-  nnx.get_named_sharding = get_named_sharding
-  nnx_spmd.as_abstract = as_abstract
-  nnx.as_abstract = as_abstract
+  setattr(module_call, _MARK, True)
+  return module_call
+
+
+# Serializes routing module construction with `check_routing`'s probe of it.
+_routing_lock = threading.Lock()
+
+
+def _route_modules() -> None:
+  """Routes module construction through `_construct`, once.
+
+  Only rules of ours need it (path rules, and saying that eager sharding is
+  off), so it goes in when the first `LogicalRules` is made
+  (`_logical.when_first_made`), and a process that never makes rules
+  builds its modules at Flax's cost.
+  """
+  with _routing_lock:
+    flax_call = module_lib.ModuleMeta.__call__
+    if not getattr(flax_call, _MARK, False):
+      module_lib.ModuleMeta.__call__ = _module_call(flax_call)
 
 
 def check_routing() -> None:
@@ -627,7 +651,18 @@ class _Probe(nnx.Module):
 
 
 def _probe_module() -> None:
-  _Probe()
+  """Builds `_Probe`, through the module routing (in for the probe if not
+  yet: see `_route_modules`)."""
+  with _routing_lock:
+    flax_call = module_lib.ModuleMeta.__call__
+    if getattr(flax_call, _MARK, False):
+      _Probe()
+      return
+    module_lib.ModuleMeta.__call__ = _module_call(flax_call)
+    try:
+      _Probe()
+    finally:
+      module_lib.ModuleMeta.__call__ = flax_call
 
 
 def _probe_query() -> None:

@@ -103,6 +103,41 @@ class _Option:
   doc: str
 
 
+class _FirstMade:
+  """What runs once, when the first `LogicalRules` of the process is made.
+
+  The hook routes module construction through itself only from then on
+  (`when_first_made`): nothing else needs it, so a process that never makes
+  rules of ours builds its modules at Flax's cost.
+  """
+
+  def __init__(self) -> None:
+    self.waiting: list[Callable[[], None]] = []
+    self.made = False
+    self.lock = threading.Lock()
+
+  def call(self) -> None:
+    # Under the lock: rules made at the same time in another thread are
+    # returned only once every callback ran (none of them makes rules).
+    with self.lock:
+      for callback in self.waiting:
+        callback()
+      self.waiting = []
+      self.made = True
+
+
+_first_made = _FirstMade()
+
+
+def when_first_made(callback: Callable[[], None]) -> None:
+  """Calls `callback` when the first `LogicalRules` is made (now if made)."""
+  with _first_made.lock:
+    if not _first_made.made:
+      _first_made.waiting.append(callback)
+      return
+  callback()
+
+
 # Every option of LogicalRules, once, in their pickled order.
 _OPTIONS: dict[str, _Option] = {
   'unknown': _Option(
@@ -251,6 +286,8 @@ class LogicalRules(tuple):
       normalized.append((name, _normalize_target(target, where)))
     self = super().__new__(cls, normalized)
     object.__setattr__(self, '_options', options)
+    if _first_made.waiting:
+      _first_made.call()
     return self
 
   def __setattr__(self, name: str, value: Any) -> None:

@@ -95,6 +95,29 @@ with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # Flax's context.
 )
 
 
+_MODULE_ROUTING = (
+  _GUARANTEE_PRELUDE
+  + """
+from flax.nnx import module as module_lib
+
+def routed():
+  return getattr(module_lib.ModuleMeta.__call__, '__flax_dtensor_hook__', False)
+
+import flax_dtensor as fdt
+fdt.plan  # The first public name: the hook goes in, ...
+assert hooked() and not routed()  # ... not yet the module routing.
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+plain = nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0))  # Flax's call.
+flax_spec = nnx.get_partition_spec(nnx.state(plain))['kernel'].get_value()
+rules = fdt.LogicalRules(RULES, path_rules=[('kernel$', ('embed', None))])
+assert routed()  # The first rules of ours route it: path rules need it.
+with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+  plain = nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0))
+print(flax_spec, plain.kernel[...].sharding.spec)
+"""
+)
+
+
 def _python(code, *args):
   proc = processes.run_python('-c', code, *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,6 +138,12 @@ def test_import_is_lazy_and_the_first_use_installs_the_hook():
   # Unpickled rules install the hook too: in a process that never named
   # flax_dtensor, Flax's own context then applies flax_dtensor's semantics.
   assert _python(_UNPICKLE, pickled) == ["P('model', None)"]
+
+
+def test_modules_are_routed_once_rules_of_ours_exist():
+  """Until the first `LogicalRules` is made, modules are built by Flax's own
+  metaclass call (nothing of ours runs); then path rules place them."""
+  assert _python(_MODULE_ROUTING) == ["P() P('model', None)"]
 
 
 def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):
@@ -158,7 +187,16 @@ def test_a_flax_whose_modules_bypass_the_hook_is_refused(monkeypatch):
   from flax.nnx import module as module_lib
 
   call = module_lib.ModuleMeta.__call__
-  monkeypatch.setattr(module_lib.ModuleMeta, '__call__', call.__wrapped__)
+  flax_call = getattr(call, '__wrapped__', call)
+
+  class Bypassing(module_lib.ModuleMeta):
+    def __call__(cls, *args, **kwargs):  # Not through ModuleMeta's call.
+      return flax_call(cls, *args, **kwargs)
+
+  class Probe(nnx.Module, metaclass=Bypassing):
+    pass
+
+  monkeypatch.setattr(_hook, '_Probe', Probe)
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['module_call'\]"
   ):

@@ -654,15 +654,14 @@ def _probe_module() -> None:
   """Builds `_Probe`, through the module routing (in for the probe if not
   yet: see `_route_modules`)."""
   with _routing_lock:
-    flax_call = module_lib.ModuleMeta.__call__
-    if getattr(flax_call, _MARK, False):
-      _Probe()
-      return
-    module_lib.ModuleMeta.__call__ = _module_call(flax_call)
+    call = module_lib.ModuleMeta.__call__
+    routed = getattr(call, _MARK, False)
+    if not routed:
+      module_lib.ModuleMeta.__call__ = _module_call(call)
     try:
       _Probe()
     finally:
-      module_lib.ModuleMeta.__call__ = flax_call
+      module_lib.ModuleMeta.__call__ = call
 
 
 def _probe_query() -> None:

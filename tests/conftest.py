@@ -86,3 +86,17 @@ def mixed_mesh():
 def any_mesh(request):
   """Each of the three (2, 4) meshes in turn."""
   return request.getfixturevalue(f'{request.param}_mesh')
+
+
+@pytest.fixture(scope='session')
+def warm_pool():
+  """The session's `warm.Pool`: fresh processes without the imports' cost.
+
+  Started at its first use (JAX, Flax and TensorFlow imported once), killed
+  with every script still running at the session's end.
+  """
+  import warm
+
+  pool = warm.Pool()
+  yield pool
+  pool.close()

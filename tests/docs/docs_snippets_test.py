@@ -2,7 +2,9 @@
 
 Each Python block runs in a fresh process, in an empty directory, without
 the test suite's ``XLA_FLAGS``: on one CPU device unless the block sets its
-own (see `script_util`). A block whose first line is ``# Continues: NAME``
+own (see `script_util`). The process is a fork of the session's warm pool
+(tests/support/warm.py), so the imports are paid once; a block that says
+``# Fresh process: WHY`` gets a new ``python``. A block whose first line is ``# Continues: NAME``
 runs after exactly the blocks it names; a block that another continues runs
 first in that one's process, so every block runs at least once. Where a
 block's result can be checked, `CHECKS` runs after it in the same process.
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import pathlib
 
-import multiprocess_util
 import pytest
 import script_util
 
@@ -173,14 +174,16 @@ def _script(chain: list[script_util.Block]) -> str:
   return '\n'.join([*parts, f'print({DONE!r})\n'])
 
 
-def _run(chain: list[script_util.Block], tmp: pathlib.Path):
+def _run(chain: list[script_util.Block], tmp: pathlib.Path, pool):
   """Runs a chain in a fresh directory: (exit status, stdout, stderr)."""
   script = tmp / 'block.py'
   code = _script(chain)
   processes = chain[-1].processes
   if processes == 1:
     script.write_text(code)
-    run = script_util.run_script(script, tmp, timeout=600)
+    run = script_util.run_script(
+      script, tmp, 600, pool, fresh=any(b.fresh for b in chain)
+    )
     return run.returncode, run.stdout, run.stderr
   # A block of a multi-process job, run as the reader runs it: process i
   # gets i as its argument, and no DTENSOR_* variable; the coordinator's
@@ -189,26 +192,17 @@ def _run(chain: list[script_util.Block], tmp: pathlib.Path):
     'import os\n'
     + code.replace("'127.0.0.1:9000'", "os.environ['FDT_MP_COORDINATOR']")
   )
-  try:
-    outputs = multiprocess_util.run_workers(
-      script,
-      processes,
-      args=lambda i: [str(i)],
-      timeout=600,
-      dtensor_env=False,
-    )
-  except multiprocess_util.WorkerError as e:
-    return 1, '', str(e)
-  return 0, '\n'.join(outputs), ''
+  run = script_util.run_processes(script, processes, tmp, 600, pool)
+  return run.returncode, run.stdout, run.stderr
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
+def results(tmp_path_factory, warm_pool):
   """Every chain's (exit status, stdout, stderr), two at a time."""
   dirs = [tmp_path_factory.mktemp('block') for _ in CHAINS]
   outcomes = script_util.run_all(
     [
-      (lambda chain=chain, tmp=tmp: _run(chain, tmp))
+      (lambda chain=chain, tmp=tmp: _run(chain, tmp, warm_pool))
       for chain, tmp in zip(CHAINS, dirs, strict=True)
     ]
   )
@@ -259,3 +253,24 @@ def test_yaml_rules_blocks_parse(page):
     if block.language == 'yaml' and 'logical_axis_rules' in block.code:
       rules = fdt.LogicalRules.from_yaml_text(block.code)
       assert len(rules) + len(rules.path_rules) == block.code.count('\n  - ')
+
+
+def test_a_block_that_says_so_runs_in_a_new_python(tmp_path, warm_pool):
+  page = tmp_path / 'page.md'
+  code = 'import sys\nprint("flax_dtensor" in sys.modules)\n'
+  page.write_text(
+    f'```python\n# Fresh process: nothing imported yet.\n{code}```\n\n'
+    f'```python\n{code}```\n'
+  )
+  fresh, forked = script_util.code_blocks(page)
+  assert (fresh.fresh, forked.fresh) == ('nothing imported yet.', None)
+  printed = []
+  for block in (fresh, forked):
+    script = tmp_path / f'block{block.line}.py'
+    script.write_text(block.code)
+    run = script_util.run_script(
+      script, tmp_path, 300, warm_pool, fresh=bool(block.fresh)
+    )
+    assert run.returncode == 0, run.stderr
+    printed.append(run.stdout)
+  assert printed == ['False\n', 'True\n']  # Only the pool imported it.

@@ -1,8 +1,8 @@
 """The README's code blocks run as written, alone, in a fresh process.
 
-As docs_snippets_test.py does for the docs: without the test suite's
-``XLA_FLAGS`` (the quickstart sets its own devices), the export block after
-the quickstart it continues.
+As docs_snippets_test.py does for the docs (a fork of the session's warm
+pool, without the test suite's ``XLA_FLAGS``: the quickstart sets its own
+devices), the export block after the quickstart it continues.
 """
 
 import pathlib
@@ -12,7 +12,7 @@ import script_util
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_readme_blocks_run_alone(tmp_path):
+def test_readme_blocks_run_alone(tmp_path, warm_pool):
   blocks = script_util.code_blocks(ROOT / 'README.md')
   chains = script_util.chains(blocks)
   names = [[b.name for b in chain] for chain in chains]
@@ -29,7 +29,7 @@ def test_readme_blocks_run_alone(tmp_path):
     + 'names = sorted(reader.get_variable_to_shape_map())\n'
     + "print('KEYS', [n for n in names if 'kernel' in n])\n"
   )
-  out = script_util.run_script(script, tmp_path, timeout=300)
+  out = script_util.run_script(script, tmp_path, 300, warm_pool)
   assert out.returncode == 0, out.stderr[-3000:]
   quick, _, after = out.stdout.partition('QUICKSTART DONE')
   assert "P(None, 'model')" in quick  # up/kernel: 'fsdp' fell back.

@@ -1,0 +1,152 @@
+"""A warm Python that forks one fresh process per script (tests/support/warm.py).
+
+Started with `CONTROL_FD MODULE...`: it imports the modules (in this order,
+without starting JAX's backend or TensorFlow's runtime), checks that it is
+still one thread with neither started, says so on the control socket, then
+serves. Each request (a JSON message with three descriptors: the script's
+stdin, stdout and stderr) forks a child that runs the script as `python
+SCRIPT ARGS` would: in its own session, in the request's directory and
+environment, as `__main__`, exiting as Python exits (non-daemon threads
+joined, atexit handlers run, output flushed) but for tearing its modules
+down. The server reports each child's pid, then its exit
+status. When the control socket closes, it kills the children still
+running and exits.
+"""
+
+import atexit
+import gc
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+
+
+def _send(sock, **message):
+  sock.send(json.dumps(message).encode())
+
+
+def _preload(names):
+  """Imports `names`; why forking would now be unsafe, or ''."""
+  import importlib
+
+  for name in names:
+    importlib.import_module(name)
+  problems = []
+  threads = len(os.listdir('/proc/self/task'))
+  if threads != 1:
+    problems.append(f'{threads} threads (set OPENBLAS_NUM_THREADS=1)')
+  if 'jax' in sys.modules:
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+      problems.append("JAX's backend started")
+  if 'tensorflow' in sys.modules:
+    from tensorflow.python.eager import context
+
+    if context.context()._initialized:
+      problems.append("TensorFlow's runtime started")
+  return '; '.join(problems)
+
+
+def _serve(sock):
+  """Serves requests; returns (in a child only) the request to run."""
+  children = {}  # pid -> request id
+  while True:
+    readable, _, _ = select.select([sock], [], [], 0.02)
+    while children:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+      if not pid:
+        break
+      _send(sock, id=children.pop(pid), exit=os.waitstatus_to_exitcode(status))
+    if not readable:
+      continue
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+    if not data:  # The test session ended: so do the children.
+      for pid in children:
+        try:
+          os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      for pid in children:
+        os.waitpid(pid, 0)
+      return None
+    request = json.loads(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      sock.close()
+      for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+      return request
+    for fd in fds:
+      os.close(fd)
+    children[pid] = request['id']
+    _send(sock, id=request['id'], pid=pid)
+
+
+def _run(request):
+  """Runs the request's script as `python SCRIPT ARGS` would (in a child)."""
+  os.setsid()  # Its own process group: a timeout kills all it started.
+  os.chdir(request['cwd'])
+  os.environ.clear()
+  os.environ.update(request['env'])
+  if 'numpy' in sys.modules:  # Seeded from the OS in a fresh process.
+    sys.modules['numpy'].random.seed()
+  script = request['script']
+  sys.argv = [script, *request['args']]
+  sys.path[0] = os.path.dirname(os.path.abspath(script))
+  try:
+    runpy.run_path(script, run_name='__main__')
+    status = 0
+  except SystemExit as e:
+    status = _exit_status(e.code)
+  except BaseException as e:  # As Python reports it: the script's frames.
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+      tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb or e.__traceback__)
+    status = 1
+  # Python's exit, but for tearing the modules down: that touches every
+  # page the fork shares with the server (seconds), and shows nothing.
+  threading._shutdown()
+  atexit._run_exitfuncs()
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      status = status or 120
+  os._exit(status)
+
+
+def _exit_status(code):
+  """The exit status of `sys.exit(code)`, as Python gives it."""
+  if code is None:
+    return 0
+  if isinstance(code, int):
+    return code & 0xFF
+  print(code, file=sys.stderr)
+  return 1
+
+
+def main():
+  sock = socket.socket(fileno=int(sys.argv[1]))
+  problem = _preload(sys.argv[2:])
+  _send(sock, ready=not problem, problem=problem)
+  if problem:
+    return
+  gc.freeze()  # So that the forks' collections leave the shared pages.
+  request = _serve(sock)
+  if request is not None:
+    del sys.argv[1:]
+    _run(request)
+
+
+if __name__ == '__main__':
+  main()

@@ -11,24 +11,22 @@ nothing else left beside it; the last kill's leftovers must be removed by
 the next save. Every other save runs in the background
 (`blocking=False`, then `wait()`): the same guarantees hold.
 
-Each save runs in a fresh process forked from one that imported JAX and
-TensorFlow once (single-threaded, so forking is safe): a kill costs a
-process start without the imports.
+Each save runs in a fresh process forked from the session's warm pool
+(tests/support/warm.py), which imported JAX and TensorFlow once: a kill
+costs a process start without the imports.
 """
 
 import contextlib
 import os
 import queue
 import random
-import signal
 import subprocess
-import sys
+import tempfile
 import textwrap
 import threading
 import time
 
 import numpy as np
-import processes
 import pytest
 
 tf = pytest.importorskip('tensorflow')
@@ -52,94 +50,63 @@ MOMENTS = (
 # least a whole TF write is left to do.
 MID_SAVE = {'tmp', 'bytes'}
 
-ZYGOTE = textwrap.dedent(
+SAVER = textwrap.dedent(
   f"""
   import os, sys, time
-  import jax, jax.numpy as jnp, numpy as np
+  import jax, numpy as np
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _tf
 
-  _tf.tf()  # Imported once here; each save runs in a fork of this process.
-  threads = len(os.listdir('/proc/self/task'))
-  assert threads == 1, f'{{threads}} threads: forking would be unsafe'
-
-  def save(path):
-    jax.config.update('jax_num_cpu_devices', 8)
-    fdt_tf.initialize()
-    mesh = jax.make_mesh((2, 4), ('data', 'model'))
-    base = np.arange(np.prod({SHAPE}), dtype=np.float32).reshape({SHAPE})
-    sharding = NamedSharding(mesh, P('data', 'model'))
-    models = {{
-      version: nnx.Dict({{
-        name: nnx.Param(jax.device_put(base + 1000 * version + i, sharding))
-        for i, name in enumerate({NAMES!r})
-      }})
-      for version in (1, 2, 3)
-    }}
-    jax.block_until_ready(nnx.state(models))
-    print('READY', os.getpid(), flush=True)
-    version, mode = sys.stdin.readline().split()
-    model = models[int(version)]
-    start = time.perf_counter()
-    if mode == 'async':
-      fdt_tf.save_checkpoint(model, path, overwrite=True, blocking=False).wait()
-    else:
-      fdt_tf.save_checkpoint(model, path, overwrite=True)
-    print('DONE', time.perf_counter() - start, flush=True)
-
-  print('ZYGOTE', flush=True)
-  for command in iter(sys.stdin.readline, ''):
-    if command != 'fork\\n':
-      continue  # A version its process was killed too soon to read.
-    pid = os.fork()
-    if pid == 0:
-      try:
-        save(sys.argv[1])
-      finally:
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print('EXIT', pid, status, flush=True)
+  jax.config.update('jax_num_cpu_devices', 8)
+  fdt_tf.initialize()
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  base = np.arange(np.prod({SHAPE}), dtype=np.float32).reshape({SHAPE})
+  sharding = NamedSharding(mesh, P('data', 'model'))
+  models = {{
+    version: nnx.Dict({{
+      name: nnx.Param(jax.device_put(base + 1000 * version + i, sharding))
+      for i, name in enumerate({NAMES!r})
+    }})
+    for version in (1, 2, 3)
+  }}
+  jax.block_until_ready(nnx.state(models))
+  print('READY', os.getpid(), flush=True)
+  version, mode = sys.stdin.readline().split()
+  model = models[int(version)]
+  start = time.perf_counter()
+  if mode == 'async':
+    fdt_tf.save_checkpoint(
+      model, sys.argv[1], overwrite=True, blocking=False
+    ).wait()
+  else:
+    fdt_tf.save_checkpoint(model, sys.argv[1], overwrite=True)
+  print('DONE', time.perf_counter() - start, flush=True)
   """
 )
 
 
 class Zygote:
-  """The process that forks one saving process per kill."""
+  """Starts one saving process per kill, each a fork of the warm pool."""
 
-  def __init__(self, script, path):
-    env = processes.clean_env(OPENBLAS_NUM_THREADS='1', OMP_NUM_THREADS='1')
-    self.proc = subprocess.Popen(
-      [sys.executable, str(script), str(path)],
-      stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-      env=env,
-    )
+  def __init__(self, pool, script, path):
+    self.pool = pool
+    self.script = script
+    self.path = path
     self.lines = queue.Queue()
     self.finished = threading.Event()  # The saving process is done.
-    self.errors = []
-    self.reader = threading.Thread(target=self._read, daemon=True)
-    self.reader.start()
-    self.drain = threading.Thread(target=self._drain, daemon=True)
-    self.drain.start()
+    self.errors = tempfile.TemporaryFile()
+    self.case = None
     self.child = None
-    self.expect('ZYGOTE')
 
-  def _read(self):
-    for line in self.proc.stdout:
-      words = line.split()
-      if words and words[0] in ('DONE', 'EXIT'):
+  def _read(self, case):
+    for line in case.stdout:
+      words = line.decode().split()
+      if words and words[0] == 'DONE':
         self.finished.set()
       self.lines.put(words)
+    self.lines.put(['EXIT', case.pid, case.wait(SETUP_TIMEOUT)])
     self.finished.set()
-    self.lines.put(None)
-
-  def _drain(self):
-    for line in self.proc.stderr:
-      self.errors.append(line)
 
   def expect(self, word, timeout=SETUP_TIMEOUT):
     try:
@@ -147,22 +114,27 @@ class Zygote:
     except queue.Empty:
       line = None
     if not line or line[0] != word:
-      if line is None:  # The zygote died: all it said.
-        self.drain.join(timeout=60)
+      self.errors.seek(0)
       raise AssertionError(
-        f'expected {word}, got {line} (zygote exit {self.proc.poll()}): '
-        + ''.join(self.errors)[-3000:]
+        f'expected {word}, got {line}: '
+        + self.errors.read().decode(errors='replace')[-3000:]
       )
     return line
 
   def send(self, text):
-    self.proc.stdin.write(text + '\n')
-    self.proc.stdin.flush()
+    self.case.stdin.write(text.encode() + b'\n')
 
   def fork(self):
     """A new saving process, ready: its pid."""
     self.finished.clear()
-    self.send('fork')
+    self.case = self.pool.start(
+      self.script,
+      str(self.path),
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=self.errors,
+    )
+    threading.Thread(target=self._read, args=(self.case,), daemon=True).start()
     self.child = int(self.expect('READY')[1])
     return self.child
 
@@ -170,28 +142,24 @@ class Zygote:
     """Waits for the saving process's end (it was killed or finished)."""
     while (line := self.expect_any())[0] != 'EXIT':
       pass
-    self.child = None
+    for pipe in (self.case.stdin, self.case.stdout):
+      with contextlib.suppress(OSError):
+        pipe.close()
+    self.case = self.child = None
     return line
 
   def expect_any(self):
-    line = self.lines.get(timeout=SETUP_TIMEOUT)
-    if line is None:
-      raise AssertionError(f'zygote died: {"".join(self.errors)[-3000:]}')
-    return line
+    return self.lines.get(timeout=SETUP_TIMEOUT)
 
   def kill_child(self):
-    if self.child is not None:
-      with contextlib.suppress(ProcessLookupError):
-        os.kill(self.child, signal.SIGKILL)
+    if self.case is not None:
+      self.case.kill()
 
   def close(self):
-    self.kill_child()
-    self.proc.kill()
-    self.proc.wait(timeout=60)
-    self.reader.join(timeout=60)
-    self.drain.join(timeout=60)
-    for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-      pipe.close()
+    if self.case is not None:
+      self.kill_child()
+      self.reap()
+    self.errors.close()
 
 
 def _expected(version):
@@ -258,13 +226,13 @@ def _kill_at(zygote, root, moment, version, mode, total):
   return True
 
 
-def test_sigkill_during_overwriting_saves(tmp_path):
-  script = tmp_path / 'zygote.py'
-  script.write_text(ZYGOTE)
+def test_sigkill_during_overwriting_saves(tmp_path, warm_pool):
+  script = tmp_path / 'saver.py'
+  script.write_text(SAVER)
   root = tmp_path / 'root'
   root.mkdir()
   path = root / 'ckpt'
-  zygote = Zygote(script, path)
+  zygote = Zygote(warm_pool, script, path)
   try:
     # A first save, whole: the old version, and its size.
     zygote.fork()

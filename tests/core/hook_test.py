@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import processes
 import pytest
+import warm
 from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.nnx import variablelib
@@ -118,13 +119,30 @@ print(flax_spec, plain.kernel[...].sharding.spec)
 )
 
 
-def _python(code, *args):
-  proc = processes.run_python('-c', code, *args)
+@pytest.fixture(scope='module')
+def flax_pool():
+  """Fresh processes that imported JAX and Flax, but no flax_dtensor.
+
+  Forks of a warm pool (tests/support/warm.py): the subject of these
+  scripts, what importing and first using flax_dtensor does, is still to
+  happen in each.
+  """
+  pool = warm.Pool(('numpy', 'jax', 'jax.numpy', 'flax', 'flax.nnx'))
+  yield pool
+  pool.close()
+
+
+def _python(pool, tmp_path, code, *args):
+  script = tmp_path / 'script.py'
+  script.write_text(code)
+  proc = pool.run(script, *args, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout.splitlines()
 
 
-def test_import_is_lazy_and_the_first_use_installs_the_hook():
+def test_import_is_lazy_and_the_first_use_installs_the_hook(
+  flax_pool, tmp_path
+):
   code = (
     'import sys\n'
     "sys.modules['jax'] = sys.modules['flax'] = None  # Imports would fail.\n"
@@ -132,18 +150,25 @@ def test_import_is_lazy_and_the_first_use_installs_the_hook():
     "assert flax_dtensor.__version__ and 'LogicalRules' in dir(flax_dtensor)\n"
     "print('lazy')\n"
   )
-  assert _python(code) == ['lazy']
-  specs, pickled = _python(_FIRST_USE)
+  # A new Python: one that imported JAX would not tell.
+  proc = processes.run_python('-c', code)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.splitlines() == ['lazy']
+  specs, pickled = _python(flax_pool, tmp_path, _FIRST_USE)
   assert specs == "P('data', None) P('model', None)"
   # Unpickled rules install the hook too: in a process that never named
   # flax_dtensor, Flax's own context then applies flax_dtensor's semantics.
-  assert _python(_UNPICKLE, pickled) == ["P('model', None)"]
+  assert _python(flax_pool, tmp_path, _UNPICKLE, pickled) == [
+    "P('model', None)"
+  ]
 
 
-def test_modules_are_routed_once_rules_of_ours_exist():
+def test_modules_are_routed_once_rules_of_ours_exist(flax_pool, tmp_path):
   """Until the first `LogicalRules` is made, modules are built by Flax's own
   metaclass call (nothing of ours runs); then path rules place them."""
-  assert _python(_MODULE_ROUTING) == ["P() P('model', None)"]
+  assert _python(flax_pool, tmp_path, _MODULE_ROUTING) == [
+    "P() P('model', None)"
+  ]
 
 
 def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):
@@ -492,12 +517,13 @@ print(json.dumps(out, sort_keys=True))
 """
 
 
-def test_flax_behaviour_is_identical_with_and_without_flax_dtensor():
+def test_flax_behaviour_is_identical_with_and_without_flax_dtensor(
+  flax_pool, tmp_path
+):
   runs = {}
   for mode in ('without', 'with'):
-    proc = processes.run_python('-c', _SCENARIOS, mode)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _python(flax_pool, tmp_path, _SCENARIOS, mode)
+    runs[mode] = json.loads(out[-1])
   assert len(runs['with']) == 3 * (3 * 3 * 2 + 1)
   assert runs['with'] == runs['without']
   # The scenarios exercise Flax's semantics: last write wins, mixed raises.

@@ -86,17 +86,21 @@ def test_the_script_runs_as_python_runs_it(tmp_path, warm_pool):
     threading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()
     print(__name__, os.path.basename(__file__), sys.argv[1:], os.getcwd())
     print(sys.stdin.read(), os.environ['GREETING'], sys.path[0])
+    import only_on_its_path
     print('to stderr', file=sys.stderr)
     print('unflushed', end='')
     sys.exit(int(sys.argv[1]))
     """,
   )
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  (elsewhere / 'only_on_its_path.py').write_text('')
   proc = warm_pool.run(
     script,
     '3',
     'b',
     cwd=tmp_path,
-    env=processes.clean_env(GREETING='hi'),
+    env=processes.clean_env(GREETING='hi', PYTHONPATH=str(elsewhere)),
     input='from stdin',
   )
   assert proc.returncode == 3, proc.stderr

@@ -101,7 +101,14 @@ def _run(request):
     sys.modules['numpy'].random.seed()
   script = request['script']
   sys.argv = [script, *request['args']]
-  sys.path[0] = os.path.dirname(os.path.abspath(script))
+  # The script's directory, then its PYTHONPATH, for the server's.
+  ours = _python_path(os.environ)
+  theirs = _python_path(_SERVER_ENV)
+  sys.path[:] = [
+    os.path.dirname(os.path.abspath(script)),
+    *ours,
+    *(p for p in sys.path[1:] if p not in theirs and p not in ours),
+  ]
   try:
     runpy.run_path(script, run_name='__main__')
     status = 0
@@ -125,6 +132,10 @@ def _run(request):
   os._exit(status)
 
 
+def _python_path(env):
+  return [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
+
+
 def _exit_status(code):
   """The exit status of `sys.exit(code)`, as Python gives it."""
   if code is None:
@@ -133,6 +144,9 @@ def _exit_status(code):
     return code & 0xFF
   print(code, file=sys.stderr)
   return 1
+
+
+_SERVER_ENV = dict(os.environ)
 
 
 def main():

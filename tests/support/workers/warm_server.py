@@ -5,16 +5,16 @@ without starting JAX's backend or TensorFlow's runtime), checks that it is
 still one thread with neither started, says so on the control socket, then
 serves. Each request (a JSON message with three descriptors: the script's
 stdin, stdout and stderr) forks a child that runs the script as `python
-SCRIPT ARGS` would: in its own session, in the request's directory and
+SCRIPT ARGS` would: in its own process group, in the request's directory and
 environment, as `__main__`, exiting as Python exits (non-daemon threads
 joined, atexit handlers run, output flushed) but for tearing its modules
-down. The server reports each child's pid, then its exit
-status. When the control socket closes, it kills the children still
-running and exits.
+down. The server reports each child's pid, then its exit status. When the
+control socket closes, it kills the children still running and exits.
 """
 
 import atexit
 import gc
+import importlib
 import json
 import os
 import runpy
@@ -32,14 +32,15 @@ def _send(sock, **message):
 
 def _preload(names):
   """Imports `names`; why forking would now be unsafe, or ''."""
-  import importlib
-
   for name in names:
     importlib.import_module(name)
   problems = []
   threads = len(os.listdir('/proc/self/task'))
   if threads != 1:
-    problems.append(f'{threads} threads (set OPENBLAS_NUM_THREADS=1)')
+    problems.append(
+      f'{threads} threads (an import started them; OpenBLAS does unless '
+      'OPENBLAS_NUM_THREADS=1)'
+    )
   if 'jax' in sys.modules:
     from jax._src import xla_bridge
 
@@ -56,44 +57,55 @@ def _preload(names):
 def _serve(sock):
   """Serves requests; returns (in a child only) the request to run."""
   children = {}  # pid -> request id
-  while True:
-    readable, _, _ = select.select([sock], [], [], 0.02)
-    while children:
-      pid, status = os.waitpid(-1, os.WNOHANG)
-      if not pid:
+  try:
+    while True:
+      readable, _, _ = select.select([sock], [], [], 0.02)
+      while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if not pid:
+          break
+        code = os.waitstatus_to_exitcode(status)
+        _send(sock, id=children.pop(pid), exit=code)
+      if not readable:
+        continue
+      data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+      if not data:  # The test session ended.
         break
-      _send(sock, id=children.pop(pid), exit=os.waitstatus_to_exitcode(status))
-    if not readable:
-      continue
-    data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-    if not data:  # The test session ended: so do the children.
-      for pid in children:
-        try:
-          os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-      for pid in children:
-        os.waitpid(pid, 0)
-      return None
-    request = json.loads(data)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-      sock.close()
-      for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+      request = json.loads(data)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      # Its own process group (set on both sides, so that it exists before
+      # either goes on): a timeout kills the script and all it started.
+      if pid == 0:
+        os.setpgid(0, 0)
+        sock.close()
+        for target, fd in enumerate(fds):
+          os.dup2(fd, target)
+          os.close(fd)
+        return request
+      try:
+        os.setpgid(pid, pid)
+      except OSError:  # The child did it first (and may have ended).
+        pass
+      for fd in fds:
         os.close(fd)
-      return request
-    for fd in fds:
-      os.close(fd)
-    children[pid] = request['id']
-    _send(sock, id=request['id'], pid=pid)
+      children[pid] = request['id']
+      _send(sock, id=request['id'], pid=pid)
+  except OSError:  # The test session is gone.
+    pass
+  for pid in children:  # So are the scripts it started.
+    try:
+      os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  for pid in children:
+    os.waitpid(pid, 0)
+  return None
 
 
 def _run(request):
   """Runs the request's script as `python SCRIPT ARGS` would (in a child)."""
-  os.setsid()  # Its own process group: a timeout kills all it started.
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])

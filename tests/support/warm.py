@@ -7,9 +7,12 @@ once, in a server process (workers/warm_server.py) that has started
 neither JAX's backend nor TensorFlow's runtime and runs one thread, and
 forks it for each script. The fork is a fresh process in everything the
 script can see: its own devices (`jax_num_cpu_devices`, `XLA_FLAGS`), its
-own DTensor `initialize()`, Flax's configuration, module globals, the
-directory, the environment, stdin/stdout/stderr, its exit status; only the
-imports are done.
+own DTensor `initialize()` (one client or several, with
+`jax.distributed`), Flax's configuration, module globals, the directory,
+the environment and PYTHONPATH, stdin/stdout/stderr, its exit status, a
+process group of its own (a kill or a timeout takes what it started too);
+only the imports are done. A session's pool, and every script still
+running, end with the session.
 
     pool = warm.Pool()  # Or the session's: the `warm_pool` fixture.
     proc = pool.run(script, 'arg', cwd=tmp, env=processes.reader_env())
@@ -24,7 +27,7 @@ pool that does not preload its subject. The variables modules read when
 imported (`JAX_PLATFORMS`, `TF_CPP_MIN_LOG_LEVEL`) are the pool's: its
 environment is `processes.clean_env()` without `XLA_FLAGS`, so each script's
 devices are its own (`env=` sets the script's environment, `XLA_FLAGS`
-included; numpy's BLAS keeps one thread, which forking needs).
+included), and with numpy's BLAS on one thread, as forking needs.
 """
 
 from __future__ import annotations

@@ -397,9 +397,9 @@ def check(
         Finding(
           'eager-sharding-off',
           e.path,
-          f'placed {_specs.format_spec(e.placed)}, but the rules say '
-          f'{_specs.format_spec(e.spec)}: {_placing.EAGER_OFF_REASON}. '
-          f'{_placing.EAGER_OFF_FIX}',
+          f'placed {_specs.format_spec(e.display_placed or ())}, but the '
+          f'rules say {_specs.format_spec(e.display_spec)}: '
+          f'{_placing.EAGER_OFF_REASON}. {_placing.EAGER_OFF_FIX}',
         )
       )
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):

@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+import many_axes
 import processes
 import pytest
 from flax import nnx
@@ -197,3 +199,31 @@ def test_cli_check_exit_status_and_json(tmp_path):
   bad = _cli('plan', target, '--check', '--budget', '12XB')
   assert bad.returncode == 2
   assert "Malformed --budget '12XB'" in bad.stderr
+
+
+# eager-sharding-off: placements compared, and predicted for a factory
+# ------------------------------------------------------------------------------
+
+
+def test_eager_sharding_off_compares_placements_not_axis_names():
+  """On a mesh of 12 axes, most of size 1: a model created with eager
+  sharding off, then placed by hand without the axes of size 1, is where
+  the rules say; the one variable left unplaced is reported."""
+  mesh = many_axes.mesh()
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(many_axes.RULES):
+    model = many_axes.Stacked(nnx.Rngs(0), eager=False)
+  plan = fdt.plan(model, mesh=mesh, rules=many_axes.RULES)
+  assert all(not any(e.placed) and e.misplaced for e in plan.entries)
+  for e in plan.entries:
+    if e.path != 'wi':
+      many_axes.place(
+        getattr(model, e.path), mesh, many_axes.without_unit_axes(e.spec)
+      )
+  report = fdt.check(model, many_axes.RULES, mesh)
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('eager-sharding-off', 'wi')
+  ]
+  assert report.findings[0].message.startswith(
+    "placed P(), but the rules say P('fsdp', None, 'tensor'): created while "
+    'eager sharding was off'
+  )

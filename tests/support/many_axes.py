@@ -111,3 +111,12 @@ def place(variable: nnx.Variable, mesh_: jax.sharding.Mesh, spec: P) -> None:
   variable.set_value(
     jax.device_put(variable.get_value(), NamedSharding(mesh_, spec))
   )
+
+
+def make_stacked() -> Stacked:
+  """The factory the command line calls."""
+  return Stacked(nnx.Rngs(0))
+
+
+MESH_FLAG = ','.join(f'{a}={n}' for a, n in SIZES.items())
+"""The mesh as `--mesh` takes it."""

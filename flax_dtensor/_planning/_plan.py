@@ -624,9 +624,9 @@ def plan(
   rules_ = _logical.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
-  if sizes is not None and isinstance(rules_, _logical.LogicalRules):
-    _missing_axes.check_on_mesh(rules_, sizes)  # Raises if they say so.
   with _missing_axes.reported_elsewhere():  # By the headline.
+    if sizes is not None and isinstance(rules_, _logical.LogicalRules):
+      _missing_axes.check_on_mesh(rules_, sizes)  # Raises if they say so.
     entries = _entries(
       module_or_state, rules_, mesh_, sizes, optimizer, logical_axes
     )

@@ -95,7 +95,8 @@ def _missing_mesh_axes(value: Any) -> MissingMeshAxes:
     raise _errors.LogicalRulesError(
       f'`missing_mesh_axes` must be one of {_MISSING_MESH_AXES_CHOICES} '
       "('fallback': a rule naming a mesh axis the mesh lacks is skipped, a "
-      "likely typo warned; 'error': such a rule raises); got {value!r}."
+      "likely typo warned; 'error': such a rule raises); got "
+      f'{value!r}.'
     )
   return value
 

@@ -93,7 +93,7 @@ class MissingAxis:
   def __str__(self) -> str:
     text = f'{self.rule} names mesh axis {self.axis!r}, which the mesh lacks'
     if self.meant is not None:
-      text += f': did you mean {self.meant!r}?'
+      text += f' (did you mean {self.meant!r}?)'
     return text
 
 

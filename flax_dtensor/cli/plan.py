@@ -215,7 +215,9 @@ def plan(
       )
       note = _inputs.demo_rules_note(rules, mesh_axis_names, target)
       if note is not None:
-        _command.console(stderr=True).print(note, highlight=False, markup=False)
+        _command.console(stderr=True).print(
+          note, highlight=False, markup=False, soft_wrap=True
+        )
     factory = _inputs.load_target(target)
     tx = None if optimizer is None else _inputs.load_optimizer(optimizer)
     import jax

@@ -426,11 +426,13 @@ def load_target(target: str) -> Callable[[], Any]:
 # ------------------------------------------------------------------------------
 
 
-def configure_cpu_devices(count: int) -> None:
+def configure_cpu_devices(count: int, *, only_cpu: bool = True) -> None:
   """Makes JAX run on `count` virtual CPU devices.
 
   Must run before JAX starts its backend (the first time anything asks for
   devices). Sets ``XLA_FLAGS`` too, so subprocesses inherit the setting.
+  With `only_cpu` false, JAX keeps its platform (an accelerator if there is
+  one): only the CPU backend's device count is set.
   """
   flags = re.sub(
     _DEVICE_COUNT_FLAG + r'=\S*', '', os.environ.get('XLA_FLAGS', '')
@@ -439,7 +441,8 @@ def configure_cpu_devices(count: int) -> None:
   import jax
 
   try:
-    jax.config.update('jax_platforms', 'cpu')
+    if only_cpu:
+      jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', count)
   except RuntimeError:  # The backend already started; checked by make_mesh.
     pass

@@ -108,6 +108,8 @@ CHECKS = {
   'path_rules.md:suggest-rules': (
     'import numpy as np\n'
     "assert suggestion.preset == 'hf_llama' and suggestion.fits\n"
+    "assert model.lm_head.kernel[...].sharding.spec == jax.P(('fsdp', 'data'), "
+    "'model')\n"
     "assert fdt.LogicalRules.from_yaml('rules.yaml') == suggestion.rules\n"
     'device = mesh.devices.flat[0]\n'
     'held = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model))\n'

@@ -148,7 +148,7 @@ CHECKS = {
     'test_layout_is_golden()\n'
   ),
   'linting.md:check': (
-    "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
+    "assert report.codes() == ('mesh-axis-typo', 'shadowed-rule'), report\n"
     'assert "Did you mean \'model\'?" in str(report)\n'
   ),
   'memory.md:plan-with-optimizer': (

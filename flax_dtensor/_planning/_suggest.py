@@ -9,6 +9,7 @@ holds the rules, the plan under them, and why each variable goes where.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -685,6 +686,11 @@ class _Names:
     min_bytes: int,
   ) -> None:
     self.entries = [e for e in entries if e.logical_axes]
+    # Layers repeat: each kind of array resolved once, counted as often.
+    self.kinds = collections.Counter(
+      (e.logical_axes, e.shape, _path_rules.itemsize(e.dtype))
+      for e in self.entries
+    )
     self.mesh = mesh
     self.sizes = _meshes.axis_sizes(mesh)
     self.roles = roles
@@ -712,12 +718,12 @@ class _Names:
   def bytes_per_device(self, orders: dict[str, str | None]) -> int:
     rules = _logical.LogicalRules(self.pairs(orders), unknown='replicate')
     total = 0
-    for e in self.entries:
+    for (axes, shape, itemsize), count in self.kinds.items():
       spec = _resolution.resolve_dims(
-        e.logical_axes, e.shape, mesh=self.mesh, rules=rules
+        axes, shape, mesh=self.mesh, rules=rules
       ).spec
-      shard = _plan._shard_shape(e.shape, spec, self.sizes)
-      total += math.prod(shard) * _path_rules.itemsize(e.dtype)
+      shard = _plan._shard_shape(shape, spec, self.sizes)
+      total += math.prod(shard) * itemsize * count
     return total
 
   def improve(self, choices: Sequence[str | None], names: Sequence[str]) -> int:

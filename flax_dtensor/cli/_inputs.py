@@ -30,8 +30,8 @@ RULES_METAVAR = 'RULES.yaml'
 RULES_HELP = (
   "A YAML rules file in MaxText's format (a logical_axis_rules list of "
   '(name, target) pairs), and path_rules for variables without logical '
-  'axes (see the path rules page). Default: the demo rules (a note on '
-  'stderr says so).'
+  'axes (see the path rules page). Default: the demo rules (a note says '
+  'so: first on stdout, or on stderr with --json).'
 )
 DEMO_RULES_NOTE = (
   "note: no --rules given, so the demo's rules apply "

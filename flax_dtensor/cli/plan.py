@@ -214,9 +214,9 @@ def plan(
         missing_mesh_axes,
       )
       note = _inputs.demo_rules_note(rules, mesh_axis_names, target)
-      if note is not None:
-        _command.console(stderr=True).print(
-          note, highlight=False, markup=False, soft_wrap=True
+      if note is not None:  # Above the plan; JSON on stdout stays JSON.
+        _command.console(stderr=json_output).print(
+          note, highlight=False, markup=False
         )
     factory = _inputs.load_target(target)
     tx = None if optimizer is None else _inputs.load_optimizer(optimizer)

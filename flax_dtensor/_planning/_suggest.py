@@ -1,6 +1,8 @@
-"""`suggest_rules`: path rules proposed for a model nobody annotated.
+"""`suggest_rules`: rules proposed for a model, from what it says.
 
-The model is built abstractly and read by its paths and shapes: a preset
+The model is built abstractly and read: the logical names its annotations
+carry get logical rules (`_Names`, chosen by the bytes each device holds);
+the variables without them are read by their paths and shapes: a preset
 (`_presets`) recognised from the paths, or the generic proposal (the
 largest dimension that divides on the fsdp-like axis, the next on the
 model axis), sharded further until a memory budget fits. `RulesSuggestion`
@@ -787,10 +789,19 @@ def suggest_rules(
   style: str | None = None,
   min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> RulesSuggestion:
-  """Proposes path rules for a model nobody annotated, with the reasons.
+  """Proposes rules for a model, from what it says, with the reasons.
 
-  The model is built abstractly (nothing is allocated) and read by its
-  paths and shapes:
+  The model is built abstractly (nothing is allocated) and read:
+
+  - **The logical names of its annotations** (``nnx.with_partitioning``)
+    each get logical rules: targets in priority order, the model axis or
+    the fsdp-like axis first (by the name's role in the presets where it
+    has one), the other next, then None. A name at a time, the one on the
+    most bytes first, the order holding the fewest bytes per device is
+    kept; with a budget not met, both axes on one dimension too, and the
+    names of small arrays last. `RulesSuggestion.logical_names` lists them.
+
+  The variables without logical names are read by their paths and shapes:
 
   - **A preset** for a known naming convention, recognised from the paths
     (or named by `style`): Hugging Face-style Llama, Mistral and Qwen

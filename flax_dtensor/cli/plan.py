@@ -129,10 +129,12 @@ def plan(
     typer.Option(
       '--suggest',
       help=(
-        'Propose the rules (fdt.suggest_rules): a preset recognised from '
-        'the paths (Hugging Face, Gemma or GPT-2 names), else the largest '
-        'dimension on the fsdp-like axis and the next on the model axis; '
-        'print why for every variable, then the plan under them.'
+        'Propose the rules (fdt.suggest_rules): logical rules for the '
+        "names the model's annotations carry; for variables without them, a "
+        'preset recognised from the paths (Hugging Face, Gemma or GPT-2 '
+        'names), else the largest dimension on the fsdp-like axis and the '
+        'next on the model axis; print why for every variable, then the '
+        'plan under them.'
       ),
     ),
   ] = False,

@@ -114,10 +114,6 @@ class CheckReport:
   __repr__ = __str__
 
 
-def _rule_text(name: str, target: Any) -> str:
-  return f'({name!r}, {_specs.format_entry(target)})'
-
-
 def _rule_findings(
   rules: _logical.LogicalRules | _logical.FlaxRules,
   used: set[str],
@@ -138,6 +134,7 @@ def _rule_findings(
           '(with_logical_constraint).',
         )
       )
+  missing = _missing_axis_findings(rules, sizes)
   last = {name: i for i, (name, _) in enumerate(pairs)}
   seen: dict[str, list[Any]] = {}
   for i, (name, target) in enumerate(pairs):
@@ -146,8 +143,8 @@ def _rule_findings(
       out.append(
         Finding(
           'shadowed-rule',
-          _rule_text(name, target),
-          f'the later rule {_rule_text(name, pairs[last[name]][1])} wins: '
+          _missing_axes.rule_text(name, target),
+          f'the later rule {_missing_axes.rule_text(name, pairs[last[name]][1])} wins: '
           "these rules were set with Flax's own context, which applies them "
           'as a dict (the last rule for a name wins, no fallbacks), so this '
           'one never applies. Remove it, or set the rules with '
@@ -165,8 +162,8 @@ def _rule_findings(
       out.append(
         Finding(
           'shadowed-rule',
-          _rule_text(name, target),
-          f'the earlier rule {_rule_text(name, winner)} {why}, so this one '
+          _missing_axes.rule_text(name, target),
+          f'the earlier rule {_missing_axes.rule_text(name, winner)} {why}, so this one '
           'never applies. Remove it, or move it before that rule.',
         )
       )
@@ -179,27 +176,32 @@ def _rule_findings(
           out.append(
             Finding(
               'unknown-mesh-axis',
-              _rule_text(name, target),
+              _missing_axes.rule_text(name, target),
               f'the mesh has no axis {axis!r} (axes: {list(sizes)}), so '
               f'Flax will fail to create a variable with it.{hint} Fix the '
               'name, or remove the rule.',
             )
           )
-  if sizes is not None and not flax:
-    out += _missing_axis_findings(rules, sizes)
+    if not flax:  # Where the rule is, among the findings.
+      out += missing.pop(_missing_axes.rule_text(name, target), [])
+  # Those of path rules.
+  out += [f for found in missing.values() for f in found]
   return out
 
 
 def _missing_axis_findings(
-  rules: _logical.LogicalRules, sizes: dict[str, int]
-) -> list[Finding]:
-  """A `mesh-axis-typo` for each rule naming a missing mesh axis spelled
-  like one the mesh has, an `unknown-mesh-axis` for any other."""
-  out = []
+  rules: Any, sizes: dict[str, int] | None
+) -> dict[str, list[Finding]]:
+  """{rule: a `mesh-axis-typo` for each mesh axis it names that the mesh
+  lacks, spelled like one it has, an `unknown-mesh-axis` for any other}."""
+  out: dict[str, list[Finding]] = {}
+  if sizes is None or not isinstance(rules, _logical.LogicalRules):
+    return out
   for m in _missing_axes.missing_axes(rules, list(sizes)):
+    found = out.setdefault(m.rule, [])
     lacks = f'the mesh has no axis {m.axis!r} (axes: {list(sizes)}), so'
     if m.typo:
-      out.append(
+      found.append(
         Finding(
           'mesh-axis-typo',
           m.rule,
@@ -209,7 +211,7 @@ def _missing_axis_findings(
         )
       )
     else:
-      out.append(
+      found.append(
         Finding(
           'unknown-mesh-axis',
           m.rule,

@@ -1566,6 +1566,11 @@ def test_inspect_malformed_metadata(fused_export, tmp_path, text):
 
 
 def test_demo_trains_exports_and_verifies(tmp_path):
+  """The demo end to end, as a user runs it.
+
+  Slow: it trains 40 steps, exports a checkpoint and a SavedModel, and
+  serves it in the TensorFlow-only process the demo itself starts.
+  """
   out = tmp_path / 'demo'
   narrow = {'COLUMNS': '80'}  # Piped, as in a CI log.
   stdout = ok(run_cli('demo', '--steps', '40', '--out', out, env=narrow))

@@ -28,7 +28,12 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import jax  # noqa: E402
+import profiles  # noqa: E402
 import pytest  # noqa: E402
+
+# Hypothesis: the suite's quick profile, or $HYPOTHESIS_PROFILE's
+# (tests/support/profiles.py).
+profiles.load()
 
 jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_numpy_rank_promotion', 'raise')
@@ -100,3 +105,48 @@ def warm_pool():
   pool = warm.Pool()
   yield pool
   pool.close()
+
+
+# Slow tests: each needs a reason
+# ------------------------------------------------------------------------------
+
+# A test whose call takes longer than this outside the `multiprocess` marker
+# says why in its docstring, on a line starting 'Slow:'; the terminal
+# summary lists those that do not. Setup is not counted: a module's or the
+# session's fixtures (TensorFlow's start, a shared export) are paid once,
+# by whichever test comes first.
+SLOW_SECONDS = 20.0
+SLOW_MARK = 'Slow:'
+_unexplained: list[tuple[str, float]] = []
+
+
+def _explains_its_cost(item) -> bool:
+  if item.get_closest_marker('multiprocess') is not None:
+    return True
+  doc = getattr(getattr(item, 'function', None), '__doc__', None) or ''
+  return any(line.strip().startswith(SLOW_MARK) for line in doc.splitlines())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  yield
+  if (
+    call.when == 'call'
+    and call.duration > SLOW_SECONDS
+    and not _explains_its_cost(item)
+  ):
+    _unexplained.append((item.nodeid, call.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _unexplained:
+    return
+  terminalreporter.section(
+    f'tests over {SLOW_SECONDS:.0f} s without a reason', sep='-', yellow=True
+  )
+  terminalreporter.line(
+    f'Each needs the multiprocess marker, or a line starting {SLOW_MARK!r} '
+    'in its docstring saying why it costs that (or make it cheaper):'
+  )
+  for nodeid, seconds in sorted(_unexplained, key=lambda x: -x[1]):
+    terminalreporter.line(f'{seconds:7.1f} s  {nodeid}')

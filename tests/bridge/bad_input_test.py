@@ -18,6 +18,13 @@ def ctx(tmp_path_factory):
 
 @pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
 def test_bad_input(case, ctx, monkeypatch):
+  """The case raises its documented error, with its message.
+
+  Slow: the cases of a killed peer, a full disk or a file-size limit read
+  what a multi-process fault run recorded (fault_runs, scale_runs: run once
+  a session, shared with faults_test.py and multiprocess_scale_test.py);
+  those of TensorFlow missing or not initialized start a fresh process.
+  """
   if case.tf:
     pytest.importorskip('tensorflow')
   monkeypatch.chdir(ctx.tmp)

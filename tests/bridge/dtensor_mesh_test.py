@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import processes
+import profiles
 import pytest
 
 tf = pytest.importorskip('tensorflow')
@@ -647,7 +648,10 @@ def test_jit_output_and_explicit_mesh_types():
 
 
 @hypothesis.settings(
-  max_examples=150, deadline=None, derandomize=True, database=None
+  max_examples=profiles.examples(150),
+  deadline=None,
+  derandomize=True,
+  database=None,
 )
 @hypothesis.given(
   perm=st.permutations(range(8)),

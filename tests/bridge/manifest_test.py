@@ -528,6 +528,7 @@ def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
   outcomes = {'refused': 0, 'read': 0, 'restored': 0, 'not listed': 0}
 
   @hypothesis.settings(
+    # Fixed, under every profile: the outcome counts below need them all.
     max_examples=500,
     deadline=None,
     derandomize=True,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import processes
+import profiles
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -476,7 +477,9 @@ _KEY = st.one_of(
 )
 
 
-@hypothesis.settings(max_examples=3000, deadline=None, derandomize=True)
+@hypothesis.settings(
+  max_examples=profiles.examples(3000), deadline=None, derandomize=True
+)
 @hypothesis.given(
   st.lists(st.lists(_KEY, min_size=1, max_size=4), min_size=2, max_size=2)
 )

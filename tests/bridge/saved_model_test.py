@@ -208,15 +208,30 @@ def _save_inputs(tmp_path, name, arrays):
   return paths
 
 
-def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
-  net = _trained(auto_mesh)
-  net16 = _trained(auto_mesh, dtype=jnp.float16)
-  rng = np.random.default_rng(0)
-  sm = fdt_tf.save_saved_model(
-    net,
-    tmp_path / 'net',
-    input_signature=[tf.TensorSpec([None, 64], tf.float32)],
+@pytest.fixture(scope='module')
+def trained_exports(tmp_path_factory):
+  """The trained Net in float32 and float16 on the (2, 4) Auto mesh, each
+  with its SavedModel (a batch of 64 features of its dtype); read, never
+  changed, by the tests of this module."""
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
   )
+  tmp = tmp_path_factory.mktemp('trained')
+  exports = {}
+  for name, dtype in (('net', jnp.float32), ('net16', jnp.float16)):
+    net = _trained(mesh, dtype=dtype)
+    path = fdt_tf.save_saved_model(
+      net, tmp / name, input_signature=[tf.TensorSpec([None, 64], dtype)]
+    )
+    exports[name] = (net, path)
+  return exports
+
+
+def test_saved_model_serves_in_plain_tf_without_jax(
+  auto_mesh, trained_exports, tmp_path
+):
+  (net, sm), (net16, sm16) = trained_exports['net'], trained_exports['net16']
+  rng = np.random.default_rng(0)
   sm_features = fdt_tf.save_saved_model(
     net,
     tmp_path / 'features',
@@ -226,11 +241,6 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
       jax.ShapeDtypeStruct(jax.export.symbolic_shape('b, 64'), jnp.float32),
       tf.TensorSpec([None], tf.float32, name='scale'),
     ],
-  )
-  sm16 = fdt_tf.save_saved_model(
-    net16,
-    tmp_path / 'net16',
-    input_signature=[tf.TensorSpec([None, 64], tf.float16)],
   )
   net8 = Float8(auto_mesh)
   sm8 = fdt_tf.save_saved_model(
@@ -377,11 +387,8 @@ def test_saved_model_serves_in_plain_tf_without_jax(auto_mesh, tmp_path):
       assert chunk not in graph
 
 
-def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
-  net = _trained(auto_mesh)
-  sm = fdt_tf.save_saved_model(
-    net, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
-  )
+def test_saved_model_variables_are_loaded_model_variables(trained_exports):
+  net, sm = trained_exports['net']
   loaded = tf.saved_model.load(sm)
   flat = fdt_tf.flat_variables(loaded)
   names = ['/'.join(map(str, k)) for k in flat]
@@ -421,11 +428,8 @@ def test_saved_model_variables_are_loaded_model_variables(auto_mesh, tmp_path):
   )
 
 
-def test_saved_model_records_its_variables(auto_mesh, tmp_path):
-  net16 = _trained(auto_mesh, dtype=jnp.float16)
-  sm = fdt_tf.save_saved_model(
-    net16, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 64])]
-  )
+def test_saved_model_records_its_variables(auto_mesh, trained_exports):
+  net16, sm = trained_exports['net16']
   with open(os.path.join(sm, 'assets', 'flax_dtensor.json')) as f:
     meta = json.load(f)
   assert meta['format'] == 'flax_dtensor.saved_model'

@@ -48,6 +48,26 @@ def gemma():
     flax.config.update('flax_always_shard_variable', before)
 
 
+@pytest.fixture(scope='module')
+def initialized():
+  """`initialized(kind)`: fdt.init of the model on the (2, 4) mesh of that
+  kind, its rules from the mesh's axes; built once per module and kind (each
+  `fdt.init` compiles the model's whole initialization), called inside
+  tests, with eager sharding off as `gemma` leaves it."""
+  built = {}
+
+  def get(kind='auto'):
+    if kind not in built:
+      import gemma_style
+
+      mesh = _mesh(kind)
+      rules = fdt.LogicalRules.for_mesh_axes(mesh)
+      built[kind] = fdt.init(gemma_style.make_model, mesh=mesh, rules=rules)
+    return built[kind]
+
+  return get
+
+
 def _mesh(kind='auto'):
   types = {'auto': AxisType.Auto, 'explicit': AxisType.Explicit}[kind]
   return jax.make_mesh((2, 4), ('fsdp', 'tp'), axis_types=(types,) * 2)
@@ -82,6 +102,7 @@ def _assert_agree(model, mesh, rules):
 
 
 def test_importing_it_turns_eager_sharding_off():
+  """In a process of its own: what importing the module does."""
   code = (
     'import flax, gemma_style; print(flax.config.flax_always_shard_variable)'
   )
@@ -200,7 +221,7 @@ def test_a_deliberate_use_eager_sharding_false_is_not_warned(gemma):
 
 
 @pytest.mark.parametrize('kind', ['auto', 'explicit'])
-def test_every_entry_point_places_as_planned(gemma, kind):
+def test_every_entry_point_places_as_planned(gemma, initialized, kind):
   mesh = _mesh(kind)
   rules = fdt.LogicalRules.for_mesh_axes(mesh)
   plain = _values(gemma.make_model())
@@ -212,7 +233,7 @@ def test_every_entry_point_places_as_planned(gemma, kind):
   ):
     eager = gemma.make_model()
   # fdt.init, whatever the flag.
-  built = fdt.init(gemma.make_model, mesh=mesh, rules=rules)
+  built = initialized(kind)
   # shard_module on a model built unplaced.
   moved = fdt.shard_module(gemma.make_model(), mesh=mesh, rules=rules)
   for model in (eager, built, moved):
@@ -241,15 +262,13 @@ def test_shard_module_puts_uncovered_variables_on_the_mesh(gemma):
   assert plan['extra'].source == 'none (replicated)'
 
 
-def test_checkpoints_round_trip_onto_another_mesh(gemma, tmp_path):
+def test_checkpoints_round_trip_onto_another_mesh(gemma, initialized, tmp_path):
   tf = pytest.importorskip('tensorflow')
   del tf
   from flax_dtensor import dtensor as fdt_tf
 
   fdt_tf.initialize()
-  mesh = _mesh()
-  rules = fdt.LogicalRules.for_mesh_axes(mesh)
-  model = fdt.init(gemma.make_model, mesh=mesh, rules=rules)
+  model = initialized('auto')
   path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
   other = jax.make_mesh((4, 2), ('fsdp', 'tp'))
   with (
@@ -289,14 +308,19 @@ def test_for_mesh_axes_refuses_what_is_not_a_mesh():
 
 
 def _cli(*args):
-  return processes.run_python(
-    '-m', 'flax_dtensor', *args, env=processes.clean_env(COLUMNS='200')
-  )
+  """`flax-dtensor ARGS`, run in this process (tests/support/cli_runner.py).
+
+  The command imports gemma_style.py as a user's file, which turns eager
+  sharding off: the tests that call it take the `gemma` fixture, which
+  turns it back on after them.
+  """
+  import cli_runner
+
+  return cli_runner.run(*args, env={'COLUMNS': '200'})
 
 
-def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
-  import json
-
+def test_the_command_line_takes_mesh_axis_annotations_as_they_are(gemma):
+  del gemma  # The flag restored after the command imports the module.
   target = os.path.join(SUPPORT, 'gemma_style.py') + ':make_model'
   mesh = ('--mesh', 'fsdp=2,tp=4')
   proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--json')
@@ -319,31 +343,48 @@ def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
 
 
 # Serves a SavedModel in a process that cannot import JAX: argv[1] the
-# SavedModel, argv[2] an .npz of inputs; prints the outputs' names and writes
-# them to argv[3].
+# SavedModel, then an .npz of inputs and the .npz to write the outputs to,
+# for each batch; prints the input names.
 _SERVE = (
   processes.NO_JAX
   + """
 import sys, json
 import numpy as np, tensorflow as tf
 serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
-with np.load(sys.argv[2]) as f:
-  inputs = {k: tf.constant(f[k]) for k in f.files}
-out = serve(**inputs)
-np.savez(sys.argv[3], **{k: v.numpy() for k, v in out.items()})
+for inputs_file, outputs_file in zip(sys.argv[2::2], sys.argv[3::2]):
+  with np.load(inputs_file) as f:
+    inputs = {k: tf.constant(f[k]) for k in f.files}
+  out = serve(**inputs)
+  np.savez(outputs_file, **{k: v.numpy() for k, v in out.items()})
 print(json.dumps(sorted(serve.structured_input_signature[1])))
 """
 )
 
 
-def _served(path, inputs, tmp_path):
-  np.savez(tmp_path / 'inputs.npz', **inputs)
-  proc = processes.run_python(
-    '-c', _SERVE, path, tmp_path / 'inputs.npz', tmp_path / 'outputs.npz'
-  )
+def _served_without_jax(path, batches, tmp_path):
+  """(input names, [outputs of each batch]): served in a process of its own
+  that cannot import JAX."""
+  args = []
+  for i, inputs in enumerate(batches):
+    np.savez(tmp_path / f'inputs_{i}.npz', **inputs)
+    args += [tmp_path / f'inputs_{i}.npz', tmp_path / f'outputs_{i}.npz']
+  proc = processes.run_python('-c', _SERVE, path, *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  with np.load(tmp_path / 'outputs.npz') as f:
-    return json.loads(proc.stdout.strip().splitlines()[-1]), dict(f)
+  outputs = []
+  for i in range(len(batches)):
+    with np.load(tmp_path / f'outputs_{i}.npz') as f:
+      outputs.append(dict(f))
+  return json.loads(proc.stdout.strip().splitlines()[-1]), outputs
+
+
+def _served(path, inputs):
+  """(input names, outputs): served in this process's TensorFlow."""
+  import tensorflow as tf
+
+  serve = tf.saved_model.load(str(path)).signatures['serving_default']
+  out = serve(**{k: tf.constant(v) for k, v in inputs.items()})
+  names = sorted(serve.structured_input_signature[1])
+  return names, {k: v.numpy() for k, v in out.items()}
 
 
 def _llm_inputs(gemma, batch, length):
@@ -356,18 +397,19 @@ def _llm_inputs(gemma, batch, length):
   }
 
 
-def test_its_forward_serves_in_plain_tensorflow(gemma, tmp_path):
-  """(tokens, positions, cache=None, mask) -> (logits, None), no wrapper."""
+SIZES = ((1, 5), (3, 9))
+
+
+def test_its_forward_serves_in_plain_tensorflow(gemma, initialized, tmp_path):
+  """(tokens, positions, cache=None, mask) -> (logits, None), no wrapper;
+  served in a process of its own, without JAX."""
   pytest.importorskip('tensorflow')
   import tensorflow as tf
 
   from flax_dtensor import dtensor as fdt_tf
 
   fdt_tf.initialize()
-  mesh = _mesh()
-  model = fdt.init(
-    gemma.make_model, mesh=mesh, rules=fdt.LogicalRules.for_mesh_axes(mesh)
-  )
+  model = initialized('auto')
   path = fdt_tf.save_saved_model(
     model,
     tmp_path / 'sm',
@@ -379,10 +421,10 @@ def test_its_forward_serves_in_plain_tensorflow(gemma, tmp_path):
     ],
     polymorphic_shapes=['(b, t)', '(b, t)', None, '(b, t, t)'],
   )
-  for batch, length in ((1, 5), (3, 9)):
-    inputs = _llm_inputs(gemma, batch, length)
-    names, outputs = _served(path, inputs, tmp_path)
-    assert names == ['mask', 'positions', 'tokens']
+  batches = [_llm_inputs(gemma, batch, length) for batch, length in SIZES]
+  names, served = _served_without_jax(path, batches, tmp_path)
+  assert names == ['mask', 'positions', 'tokens']
+  for inputs, outputs in zip(batches, served, strict=True):
     assert list(outputs) == ['output_0']
     logits, cache = model(
       inputs['tokens'], inputs['positions'], None, inputs['mask']
@@ -397,18 +439,20 @@ def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
   pytest.importorskip('tensorflow')
   pytest.importorskip('orbax.checkpoint')
   target = os.path.join(SUPPORT, 'gemma_style.py') + ':make_model'
-  # An Orbax checkpoint of the model, as training in that library writes it.
-  make = (
-    'import sys, orbax.checkpoint as ocp; '
-    'sys.path.insert(0, sys.argv[3]); import gemma_style; from flax import nnx; '
-    'ckpt = ocp.StandardCheckpointer(); '
-    'ckpt.save(sys.argv[1], nnx.state(gemma_style.make_model())); '
-    'ckpt.wait_until_finished()'
-  )
-  proc = processes.run_python(
-    '-W', 'ignore', '-c', make, tmp_path / 'orbax', '', SUPPORT
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  import orbax.checkpoint as ocp
+
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()  # Before any other TensorFlow operation.
+  # An Orbax checkpoint of the model, as training in that library writes it
+  # (eager sharding off: the module's import turned it off).
+  with (
+    warnings.catch_warnings(),
+    ocp.StandardCheckpointer() as checkpointer,
+  ):
+    warnings.simplefilter('ignore')  # Orbax's own deprecations.
+    checkpointer.save(tmp_path / 'orbax', nnx.state(gemma.make_model()))
+    checkpointer.wait_until_finished()
   proc = _cli(
     'export',
     target,
@@ -427,7 +471,7 @@ def test_the_command_line_exports_it_and_serves_it(gemma, tmp_path):
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   inputs = _llm_inputs(gemma, 2, 7)
-  names, outputs = _served(tmp_path / 'out' / 'saved_model', inputs, tmp_path)
+  names, outputs = _served(tmp_path / 'out' / 'saved_model', inputs)
   assert names == ['mask', 'positions', 'tokens']
   with nnx.use_eager_sharding(False):
     model = gemma.make_model()

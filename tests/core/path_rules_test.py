@@ -12,6 +12,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
+import profiles
 import pytest
 import reference_semantics
 from flax import nnx
@@ -457,7 +458,7 @@ def _ours(case):
 
 
 @hypothesis.settings(
-  max_examples=1500,
+  max_examples=profiles.examples(1500),
   deadline=None,
   derandomize=True,
   suppress_health_check=list(hypothesis.HealthCheck),

@@ -9,6 +9,7 @@ and raise exactly when it does.
 
 import hypothesis
 import hypothesis.strategies as st
+import profiles
 import pytest
 import reference_semantics
 from jax.sharding import AbstractMesh
@@ -85,7 +86,7 @@ def _ours(case):
 
 
 @hypothesis.settings(
-  max_examples=5000,
+  max_examples=profiles.examples(5000),
   deadline=None,
   derandomize=True,
   suppress_health_check=list(hypothesis.HealthCheck),

@@ -6,6 +6,7 @@ import threading
 
 import flax.linen as nn
 import jax
+import profiles
 import pytest
 from flax import nnx
 from flax.core import spmd as core_spmd
@@ -362,7 +363,7 @@ def _canonical(spec):
   return tuple(out)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=profiles.examples(300), deadline=None)
 @given(
   rules=rule_lists,
   axes=st.lists(
@@ -386,7 +387,7 @@ def test_agrees_with_linen_without_shape(rules, axes):
   ) == _canonical(expected)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=profiles.examples(200), deadline=None)
 @given(
   rules=rule_lists,
   axes=st.lists(st.sampled_from(LOGICAL), min_size=1, max_size=4, unique=True),

@@ -13,6 +13,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
+import profiles
 import pytest
 import reference_semantics
 from flax import nnx
@@ -235,8 +236,9 @@ def _property(max_examples):
   return run
 
 
-def test_one_semantics_over_1200_generated_cases():
-  _property(1200)()
+def test_one_semantics_over_generated_cases():
+  """1,200 cases under the thorough profile."""
+  _property(profiles.examples(1200))()
 
 
 def test_a_changed_resolver_is_caught(monkeypatch):

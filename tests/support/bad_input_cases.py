@@ -4,8 +4,9 @@
 message, and the fix. `bad_input_test.py` runs every case; the docs'
 troubleshooting page is generated from this list
 (docs/ext/troubleshooting.py), which is why it imports nothing of pytest.
-Cases that need a process of their own (TensorFlow missing, DTensor not or
-wrongly initialized) run in one.
+Cases that need a fresh process (TensorFlow missing, DTensor not or wrongly
+initialized) run in one; those that leave TensorFlow as they found it share
+theirs.
 """
 
 from __future__ import annotations
@@ -154,32 +155,66 @@ def _lengths_of_their_own(ctx):
   )
 
 
-def _in_a_process_of_its_own(script: str) -> Callable[[Context], None]:
-  """A case run by `script` in a fresh process; its error is re-raised."""
+# The scripts of each group of `_in_a_fresh_process`, in the order given.
+_GROUPS: dict[str, list[str]] = {}
+
+
+def _in_a_fresh_process(
+  script: str, *, group: str | None = None
+) -> Callable[[Context], None]:
+  """A case run by `script` in a fresh process; its error is re-raised.
+
+  The scripts of one `group` run one after the other in the same process
+  (one process start instead of several), each where the ones before left
+  TensorFlow: they only read or refuse its state, until the last, which
+  may change it. The process starts at the first case of the group to run.
+  """
+  if group is None:
+    group = f'alone {len(_GROUPS)}'
+  scripts = _GROUPS.setdefault(group, [])
+  index = len(scripts)
+  scripts.append(script)
 
   def run(ctx):
-    program = textwrap.dedent(
-      """
-      import json, sys
-      try:
-      {body}
-      except Exception as e:
-        print(json.dumps([type(e).__name__, str(e)]))
-      else:
-        print(json.dumps(None))
-      """
-    ).format(body=textwrap.indent(textwrap.dedent(script), '  '))
-    proc = processes.run_python('-c', program)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    raised = json.loads(proc.stdout.strip().splitlines()[-1])
+    del ctx
+    raised = _group_results(group)[index]
     if raised is not None:
       name, message = raised
-      error = getattr(fdt, name, None) or getattr(__builtins__, name, None)
-      if error is None and name in dir(__import__('builtins')):
-        error = getattr(__import__('builtins'), name)
+      builtins = __import__('builtins')
+      error = getattr(fdt, name, None) or getattr(builtins, name, None)
       raise (error or RuntimeError)(message)
 
   return run
+
+
+@functools.cache
+def _group_results(group: str) -> list[list[str] | None]:
+  """Runs the scripts of `group` in one fresh process: [type, text] of what
+  each raised (None: nothing), in order."""
+  cases = ''.join(
+    f'def case_{i}():\n{textwrap.indent(textwrap.dedent(script), "  ")}\n'
+    for i, script in enumerate(_GROUPS[group])
+  )
+  program = (
+    'import json, sys\n'
+    + cases
+    + textwrap.dedent(
+      f"""
+      results = []
+      for case in [{', '.join(f'case_{i}' for i in range(len(_GROUPS[group])))}]:
+        try:
+          case()
+        except Exception as e:
+          results.append([type(e).__name__, str(e)])
+        else:
+          results.append(None)
+      print(json.dumps(results))
+      """
+    )
+  )
+  proc = processes.run_python('-c', program)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _unreadable_stablehlo(ctx):
@@ -1028,7 +1063,7 @@ CASES = [
     'Install a supported release (pip install "flax>=0.12.8,<0.13"), or a '
     'flax_dtensor that supports yours; the compatibility page lists the '
     'tested pairs.',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       import flax
       flax.__version__ = '0.13.0'
@@ -1044,7 +1079,7 @@ CASES = [
     ImportError,
     r'needs TensorFlow.*pip install "flax-dtensor\[tf\]"',
     'pip install "flax-dtensor[tf]".',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       sys.modules['tensorflow'] = None
       from flax_dtensor import dtensor
@@ -1058,31 +1093,15 @@ CASES = [
     fdt.DTensorInitializationError,
     r'TF DTensor is not initialized.*initialize\(\)',
     'Call flax_dtensor.dtensor.initialize() first thing.',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       import jax
       jax.config.update('jax_num_cpu_devices', 8)
       from flax import nnx
       from flax_dtensor import dtensor
       dtensor.to_tf_module(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-      """
-    ),
-  ),
-  Case(
-    'flax_dtensor.dtensor.initialize',
-    'TensorFlow already ran something',
-    fdt.DTensorInitializationError,
-    r'TensorFlow was already initialized.*reset_context=True',
-    'Call initialize() before any other TensorFlow operation.',
-    _in_a_process_of_its_own(
-      """
-      import jax
-      jax.config.update('jax_num_cpu_devices', 8)
-      import tensorflow as tf
-      tf.constant(1.0) + 1
-      from flax_dtensor import dtensor
-      dtensor.initialize()
-      """
+      """,
+      group='dtensor-not-initialized',
     ),
   ),
   Case(
@@ -1091,7 +1110,7 @@ CASES = [
     fdt.DTensorInitializationError,
     r'one logical CPU device per local JAX device: expected 8 .*got 4',
     'Let flax_dtensor.dtensor.initialize() set DTensor up.',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       import jax
       jax.config.update('jax_num_cpu_devices', 8)
@@ -1109,15 +1128,17 @@ CASES = [
     fdt.DTensorInitializationError,
     r'one client per JAX process: expected 1 DTensor client.*got 2',
     'Set DTENSOR_JOBS to one host:port per JAX process, or unset it.',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       import os
       os.environ['DTENSOR_JOBS'] = '127.0.0.1:1,127.0.0.1:2'
-      import jax
-      jax.config.update('jax_num_cpu_devices', 8)
       from flax_dtensor import dtensor
-      dtensor.initialize()
-      """
+      try:
+        dtensor.initialize()
+      finally:
+        del os.environ['DTENSOR_JOBS']
+      """,
+      group='dtensor-not-initialized',
     ),
   ),
   Case(
@@ -1126,12 +1147,30 @@ CASES = [
     fdt.DTensorInitializationError,
     r'shutdown\(\) was called but TF DTensor is not initialized',
     'Only shut down what initialize() set up.',
-    _in_a_process_of_its_own(
+    _in_a_fresh_process(
       """
       from flax_dtensor import dtensor
       import tensorflow
       dtensor.shutdown()
+      """,
+      group='dtensor-not-initialized',
+    ),
+  ),
+  Case(
+    'flax_dtensor.dtensor.initialize',
+    'TensorFlow already ran something',
+    fdt.DTensorInitializationError,
+    r'TensorFlow was already initialized.*reset_context=True',
+    'Call initialize() before any other TensorFlow operation.',
+    # The last of its group: TensorFlow runs something.
+    _in_a_fresh_process(
       """
+      import tensorflow as tf
+      tf.constant(1.0) + 1
+      from flax_dtensor import dtensor
+      dtensor.initialize()
+      """,
+      group='dtensor-not-initialized',
     ),
   ),
   # DTensor conversions

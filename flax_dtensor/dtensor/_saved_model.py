@@ -311,13 +311,17 @@ def _write(module: Any, directory: str, served: _Served) -> None:
 
 def _traced(serve_fn: Any, inputs: _signature.Inputs, where: str) -> Any:
   """The serving function, traced; a failure where polymorphic dimensions
-  of their own meet in our words (`_signature.shapes_error`)."""
+  of their own meet (`_signature.shapes_error`), or where one is sharded
+  over a mesh axis it may not divide (`_signature.divisibility_error`), in
+  our words."""
   try:
     return serve_fn.get_concrete_function()
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:
-    error = _signature.shapes_error(inputs, e, where)
+    error = _signature.shapes_error(
+      inputs, e, where
+    ) or _signature.divisibility_error(inputs, e, where)
     if error is None:
       raise
     raise error from e

@@ -429,6 +429,41 @@ def shapes_error(
   )
 
 
+# JAX's refusal to shard a symbolic dimension over an axis it may not divide
+# (an Explicit axis: `reshard` or an Explicit input sharding in the forward).
+_NOT_DIVIDED = re.compile(
+  r'partitioned (\d+) times, but does not evenly divide the dimension size '
+  r'([A-Za-z_][A-Za-z0-9_]*)\b'
+)
+
+
+def divisibility_error(
+  inputs_: Inputs, error: BaseException, where: str
+) -> _errors.ExportError | None:
+  """Our error for a polymorphic dimension sharded over an Explicit axis.
+
+  JAX cannot shard a dimension of unknown size over `n` devices unless it
+  knows the size is a multiple of `n`: the fix is a polymorphic shape
+  ``n*b``. None when the error is not that one.
+  """
+  found = _NOT_DIVIDED.search(str(error))
+  if found is None:
+    return None
+  times, name = int(found[1]), found[2]
+  shapes = [
+    None if shape is None else re.sub(rf'\b{name}\b', f'{times}*{name}', shape)
+    for shape in inputs_.polymorphic
+  ]
+  return _errors.ExportError(
+    f'Tracing {where} for the SavedModel failed: the forward shards the '
+    f"polymorphic dimension '{name}' over {times} devices (an Explicit mesh "
+    f'axis), and JAX cannot know that every size of it divides by {times} '
+    f'({summary(error)}). Declare it a multiple of {times} with '
+    f'`polymorphic_shapes={shapes!r}`, or give `input_signature` a static '
+    'size there.'
+  )
+
+
 # The outputs
 # ------------------------------------------------------------------------------
 

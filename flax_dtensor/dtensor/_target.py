@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental.layout import Format, Layout
@@ -335,13 +336,11 @@ def _rng_value(path: Any, abstract: jax.ShapeDtypeStruct, seed: int) -> Any:
   if not isinstance(getattr(sharding, 'mesh', None), jax.sharding.Mesh):
     sharding = None
   if _dtypes.is_key(abstract.dtype):
-    # JAX has no public accessor for an abstract key's implementation.
-    impl = getattr(abstract.dtype, '_impl', None)
     key = jax.random.fold_in(
-      jax.random.key(seed, impl=impl),
+      jax.random.key(seed, impl=_dtypes.key_impl(abstract)),
       zlib.crc32(_names.path_text(path).encode()) & 0x7FFFFFFF,
     )
     value = jax.random.split(key, abstract.shape) if abstract.shape else key
   else:
-    value = np.zeros(abstract.shape, abstract.dtype)
+    value = jnp.zeros(abstract.shape, abstract.dtype)  # An nnx.Rngs count.
   return jax.device_put(value, sharding) if sharding is not None else value

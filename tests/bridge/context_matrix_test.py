@@ -22,6 +22,7 @@ from typing import Any
 
 import context_matrix as cm
 import jax
+import maxtext_style
 import numpy as np
 import processes
 import pytest
@@ -124,11 +125,16 @@ def check_placements(module, context, mesh):
 SIGNATURE = [tf.TensorSpec([None, cm.EMBED], tf.float32, name='x'), None]
 
 
-def _polymorphic(context):
-  """On an Explicit mesh the forward reshards the batch over 'data' (2)."""
+def _signature(context):
+  """A polymorphic batch; static on an Explicit mesh.
+
+  There the forward reshards the batch over 'data', which JAX cannot do
+  to a batch of unknown size (see
+  `test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size`).
+  """
   if context.mesh == 'Explicit':
-    return [f'(2*b, {cm.EMBED})']
-  return None
+    return [tf.TensorSpec([cm.BATCH, cm.EMBED], tf.float32, name='x'), None]
+  return SIGNATURE
 
 
 def _serving(model):
@@ -242,7 +248,7 @@ class World:
     context, mesh = cell.context, self.mesh(cell.context)
 
     def make():
-      # A copy: calling a module with a kept nnx.Rngs may advance it.
+      # A copy: `nnx.view` of a module with a kept nnx.Rngs advances it.
       view = _serving(nnx.clone(self.model(cell)))
       with jax.set_mesh(mesh), cm.scope(context, mesh):
         x = jax.device_put(X, jax.sharding.NamedSharding(mesh, cm.P()))
@@ -255,14 +261,14 @@ class World:
     context, mesh = cell.context, self.mesh(cell.context)
 
     def make():
-      view = _serving(self.model(cell))
+      # A copy: `nnx.view` of a module with a kept nnx.Rngs advances it.
+      view = _serving(nnx.clone(self.model(cell)))
       path = self.directory('sm', context, cell.features)
       with cm.scope(context, mesh):
         return fdt_tf.save_saved_model(
           view,
           path,
-          input_signature=SIGNATURE,
-          polymorphic_shapes=_polymorphic(context),
+          input_signature=_signature(context),
         )
 
     return self.memo(('sm', context, cell.features), make)
@@ -313,9 +319,12 @@ _SERVE = processes.NO_JAX + textwrap.dedent(
   x = np.load(job['x'])
   report = {}
   for path in job['paths']:
-    serve = tf.saved_model.load(path).signatures['serving_default']
-    out = serve(x=tf.constant(x))
-    report[path] = {k: out[k].numpy().tolist() for k in sorted(out)}
+    try:
+      serve = tf.saved_model.load(path).signatures['serving_default']
+      out = serve(x=tf.constant(x))
+      report[path] = {k: out[k].numpy().tolist() for k in sorted(out)}
+    except Exception as e:
+      report[path] = {'error': f'{type(e).__name__}: {e}'[-3000:]}
   print(RESULT + json.dumps(report))
   """
 ).replace('RESULT', repr(processes.RESULT))
@@ -465,6 +474,7 @@ def _saved_model(world, cell, served):
   path = world.export(cell)
   want = world.reference_output(cell)
   got = served[path]
+  assert 'error' not in got, got.get('error')
   assert len(got) == len(want)
   for name, w in zip(sorted(got), want, strict=True):
     np.testing.assert_allclose(
@@ -517,8 +527,8 @@ def test_cell(cell, world, request):
       run()
 
 
-def test_a_batch_resharded_on_an_explicit_axis_needs_a_multiple(world):
-  """Without `2*b`, JAX cannot shard the batch: our error names the fix."""
+def test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size(world):
+  """JAX cannot reshard a polymorphic batch: our error names the fix."""
   cell = cm.Cell(
     'save_saved_model (served by TF)',
     cm.Context('jax.set_mesh', 'fdt.logical_axis_rules', 'Explicit'),
@@ -527,11 +537,111 @@ def test_a_batch_resharded_on_an_explicit_axis_needs_a_multiple(world):
   with cm.scope(cell.context, mesh):
     with pytest.raises(
       fdt.ExportError,
-      match=r"polymorphic dimension 'b' over 2 devices .*"
-      r"polymorphic_shapes=\['\(2\*b, 16\)'\]",
+      match=r"polymorphic dimension 'b' \(x \(b, 16\)\) over 2 devices .*"
+      r'static size there, a multiple of 2',
     ):
       fdt_tf.save_saved_model(
         world.model(cell),
         world.directory('refused'),
         input_signature=SIGNATURE,
       )
+
+
+# The MaxText-style world (tests/support/maxtext_style.py): its mesh of 12
+# axes, its rules of tuples, its decoder, and eager sharding turned off as
+# importing MaxText does, each entry point in turn.
+
+
+@pytest.fixture(scope='module')
+def maxtext(tmp_path_factory):
+  """The decoder built eagerly and by `fdt.init`, saved once."""
+  mesh = maxtext_style.make_mesh()
+  make = lambda: maxtext_style.Decoder(mesh, rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
+  with (
+    maxtext_style.imported(),
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(maxtext_style.RULES),
+  ):
+    with pytest.warns(fdt.EagerShardingOffWarning):
+      eager = make()
+    built = fdt.init(make)
+    path = fdt_tf.save_checkpoint(
+      built, str(tmp_path_factory.mktemp('maxtext') / 'ckpt'), exclude=()
+    )
+  with nnx.use_eager_sharding(False):
+    reference = flat(make())
+  return {
+    'mesh': mesh,
+    'make': make,
+    'eager': eager,
+    'built': built,
+    'path': path,
+    'reference': reference,
+  }
+
+
+@contextlib.contextmanager
+def _maxtext_scope(mesh):
+  with (
+    maxtext_style.imported(),
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(maxtext_style.RULES),
+  ):
+    yield
+
+
+def _rule_placements(module, mesh):
+  context = cm.Context('jax.set_mesh', 'fdt.logical_axis_rules', 'size-1 axes')
+  return expected_placements(module, context, mesh)
+
+
+def test_maxtext_style_eager_creation_is_unplaced_and_planned_so(maxtext):
+  mesh, eager = maxtext['mesh'], maxtext['eager']
+  with _maxtext_scope(mesh):
+    plan = fdt.plan(eager)
+  misplaced = {e.path for e in plan.entries if e.misplaced}
+  assert misplaced == {'layers/wi', 'layers/wo', 'norm'}
+  for e in plan.entries:
+    if e.misplaced:
+      assert 'eager sharding' in e.misplaced_reason
+  assert_bit_exact(flat(eager), maxtext['reference'])
+
+
+@pytest.mark.parametrize('subject', ['model', 'factory'])
+def test_maxtext_style_check_reports_eager_sharding_off(maxtext, subject):
+  target = maxtext['eager'] if subject == 'model' else maxtext['make']
+  with _maxtext_scope(maxtext['mesh']):
+    report = fdt.check(target)
+  codes = {f.code for f in report.findings}
+  assert 'eager-sharding-off' in codes
+  assert codes <= {'eager-sharding-off', 'unused-rule'}
+
+
+def test_maxtext_style_init_places_by_the_rules(maxtext):
+  mesh, built = maxtext['mesh'], maxtext['built']
+  want = _rule_placements(built, mesh)
+  assert {k for k, v in want.items() if v} == {'layers/wi', 'layers/wo'}
+  with _maxtext_scope(mesh):
+    plan = fdt.plan(built)
+  assert {e.path: cm.placement(e.spec, mesh) for e in plan.entries} == want
+  assert not [e.path for e in plan.entries if e.misplaced]
+  actual = {
+    _key(p): cm.placement(v.get_value().sharding.spec, mesh)
+    for p, v in nnx.to_flat_state(nnx.state(built))
+  }
+  assert actual == want
+  assert_bit_exact(flat(built), maxtext['reference'])
+
+
+def test_maxtext_style_restores_rng_state_into_an_abstract_target(maxtext):
+  mesh = maxtext['mesh']
+  with _maxtext_scope(mesh):
+    target = nnx.eval_shape(maxtext['make'])
+    restored = fdt_tf.restore_checkpoint(maxtext['path'], target, exclude=())
+  assert_bit_exact(flat(restored), maxtext['reference'])
+  want = _rule_placements(restored, mesh)
+  actual = {
+    _key(p): cm.placement(v.get_value().sharding.spec, mesh)
+    for p, v in nnx.to_flat_state(nnx.state(restored))
+  }
+  assert actual == want

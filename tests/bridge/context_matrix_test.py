@@ -126,13 +126,16 @@ SIGNATURE = [tf.TensorSpec([None, cm.EMBED], tf.float32, name='x'), None]
 
 
 def _signature(context):
-  """A polymorphic batch; static on an Explicit mesh.
+  """A polymorphic batch; static on a mesh with an Explicit axis.
 
-  There the forward reshards the batch over 'data', which JAX cannot do
-  to a batch of unknown size (see
-  `test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size`).
+  On an Explicit mesh the forward reshards the batch over 'data', which JAX
+  cannot do to a batch of unknown size (see
+  `test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size`). On a
+  mixed mesh a polymorphic batch exports, but TF 2.21 refuses every call
+  of it ("shape_assertion: expects static assert_what"), even for a model
+  without constraints: a bug reported, not yet fixed.
   """
-  if context.mesh == 'Explicit':
+  if context.mesh in ('Explicit', 'mixed'):
     return [tf.TensorSpec([cm.BATCH, cm.EMBED], tf.float32, name='x'), None]
   return SIGNATURE
 
@@ -600,7 +603,8 @@ def test_maxtext_style_eager_creation_is_unplaced_and_planned_so(maxtext):
   with _maxtext_scope(mesh):
     plan = fdt.plan(eager)
   misplaced = {e.path for e in plan.entries if e.misplaced}
-  assert misplaced == {'layers/wi', 'layers/wo', 'norm'}
+  # 'norm' is on size-1 axes only: unplaced is where it belongs.
+  assert misplaced == {'layers/wi', 'layers/wo'}
   for e in plan.entries:
     if e.misplaced:
       assert 'eager sharding' in e.misplaced_reason

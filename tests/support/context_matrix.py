@@ -411,6 +411,9 @@ class Model(nnx.Module):
     return P(*(rules.get(n) if n else None for n in logical))
 
   def __call__(self, x, bias=None):
+    if self.has('constrained activations'):
+      # The batch as the layers leave it (a scan's carry keeps its type).
+      x = constrain(x, self.mesh, self.spec('activation_batch', None))
     if self.has('nnx.scan-stacked layers'):
 
       @nnx.scan(

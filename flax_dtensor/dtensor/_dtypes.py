@@ -10,6 +10,7 @@ refused. Checked on tensorflow-cpu 2.21.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,19 @@ def storable_names() -> str:
 def is_key(dtype: object) -> bool:
   """Whether `dtype` is a typed PRNG key dtype."""
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_impl(value: Any) -> str:
+  """The name of a typed key array's PRNG implementation ('threefry2x32').
+
+  The array may be abstract (a `jax.ShapeDtypeStruct`, e.g. an `nnx.Rngs`
+  key of a model from `nnx.eval_shape`), which `jax.random.key_impl`
+  refuses; JAX has no public accessor for an abstract key's
+  implementation, which its dtype holds. JAX takes the name as `impl=`.
+  """
+  if isinstance(value, jax.ShapeDtypeStruct):
+    return str(value.dtype._impl.name)
+  return str(jax.random.key_impl(value))
 
 
 def from_name(name: str, where: str) -> np.dtype:

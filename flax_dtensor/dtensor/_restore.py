@@ -409,7 +409,8 @@ def restore_checkpoint(
   resolved by the rules in effect (`rules`, or the context's) on the mesh
   that applies (`mesh`, or the current one), whatever its value's own
   sharding; so a target built unsharded is still restored sharded. Without
-  rules, or for a variable without logical axes: its value's own sharding
+  rules, a variable annotated with the mesh's own axes is placed by them
+  (as Flax places it); any other variable keeps its value's own sharding
   (an abstract one is placed on `mesh`).
 
   A restore into another model never succeeds silently: a variable the

@@ -12,10 +12,11 @@ alone (`_save_gathered`), under a size limit every process checks first.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -26,6 +27,7 @@ from jax.experimental import multihost_utils
 
 from flax_dtensor import _errors, _output, _text
 from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _meshes
 from flax_dtensor.dtensor import (
   _atomic,
   _checkpoint,
@@ -248,6 +250,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     [_tf.dtensor().fetch_layout(d) for d in dvars],
     shards,
   )
+  mesh = _single_mesh.main_mesh(values)
   del values
   tf_module = _convert.make_module(
     (e.path, v) for e, v in zip(entries, dvars, strict=True)
@@ -293,6 +296,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   tf_module.serve = serve_fn
   with (
     _serialization.for_tensorflow(),
+    _model_mesh(mesh),  # TF traces again while it saves.
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
@@ -309,18 +313,50 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     )
 
 
+@contextlib.contextmanager
+def _model_mesh(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
+  """The forward pass is traced under the model's mesh, if none is set.
+
+  A forward that constrains its activations with bare `PartitionSpec`s
+  (``jax.lax.with_sharding_constraint(x, P('data'))``) needs a mesh in
+  context; the model's variables name theirs (`mesh`, the one every
+  exported variable is laid out on). A mesh the caller set is kept.
+  """
+  if mesh is None or _meshes.current_mesh() is not None:
+    yield
+    return
+  with jax.set_mesh(mesh):
+    yield
+
+
 def _traced(serve_fn: Any, inputs: _signature.Inputs, where: str) -> Any:
   """The serving function, traced; a failure where polymorphic dimensions
-  of their own meet in our words (`_signature.shapes_error`)."""
+  of their own meet (`_signature.shapes_error`), where one is sharded over
+  a mesh axis it may not divide (`_signature.divisibility_error`), or a
+  constraint that needs a mesh where there is none, in our words."""
   try:
     return serve_fn.get_concrete_function()
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:
-    error = _signature.shapes_error(inputs, e, where)
+    if _NEEDS_MESH in str(e):
+      raise _errors.ExportError(
+        f'Tracing {where} for the SavedModel failed: it constrains a '
+        'sharding with a bare PartitionSpec, which needs a mesh in '
+        'context, and none is set, nor are the exported variables laid out '
+        f'on one ({e}). Export inside `with jax.set_mesh(mesh):`, with the '
+        'mesh the forward pass constrains over.'
+      ) from e
+    error = _signature.shapes_error(
+      inputs, e, where
+    ) or _signature.divisibility_error(inputs, e, where)
     if error is None:
       raise
     raise error from e
+
+
+# JAX's words when a bare PartitionSpec constraint meets no mesh.
+_NEEDS_MESH = 'requires a non-empty mesh in context'
 
 
 # Several processes: gathered onto process 0

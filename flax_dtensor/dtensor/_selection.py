@@ -101,7 +101,7 @@ def select(
       )
     key_impl = None
     if _dtypes.is_key(dtype):
-      key_impl = str(jax.random.key_impl(value))
+      key_impl = _dtypes.key_impl(value)
       data = jax.eval_shape(jax.random.key_data, value)
       shape, dtype = data.shape, data.dtype
     dtype = np.dtype(dtype)

@@ -11,8 +11,9 @@ only show where the SavedModel is served. So, while a SavedModel is traced:
 - the StableHLO artifact targets the older of JAX's target and the version
   TF reads (`stablehlo_target`), both read from the installed libraries at
   run time;
-- every ``XlaCallModule`` of the traced function is read back with TF's own
-  reader (`check_readable`) before anything is written.
+- every ``XlaCallModule`` of the traced function is loaded by TF's own
+  loader, the one the serving op runs (`check_readable`), before anything is
+  written.
 """
 
 from __future__ import annotations
@@ -204,34 +205,79 @@ def _modules(graph_def: Any) -> list[tuple[str, bytes]]:
 
 
 def check_readable(concrete_function: Any, what: str) -> None:
-  """Reads every StableHLO module of a traced function with TF's reader.
+  """Loads every StableHLO module of a traced function as TF serving will.
 
-  What the serving process's ``XlaCallModule`` does first; here, before the
-  SavedModel is written.
+  The serving process's ``XlaCallModule`` op loads its module with TF's
+  ``XlaCallModuleLoader``, which knows every dialect that op runs (Shardy's
+  ``sdy`` among them: JAX writes it for an export inside ``jax.set_mesh``
+  and for every sharding constraint). TF's MLIR pass
+  ``tf-xla-call-module-deserialization`` runs that same loader on each
+  ``XlaCallModule`` of the traced graph, without compiling or running it:
+  what it loads, the served op loads. TF's Python StableHLO reader
+  (``deserialize_portable_artifact_str``) is narrower (it refuses ``sdy``),
+  so it is not the judge.
 
   Raises:
-    ExportError: If TF cannot read one, naming both versions and the fix.
+    ExportError: If TF's loader refuses a module, with what it said and,
+      when the module's StableHLO is newer than this TF reads, both versions.
   """
+  graph_def = concrete_function.graph.as_graph_def()
+  modules = _modules(graph_def)
+  if not modules:
+    return
+  tf = _tf.tf()
   try:
-    stablehlo = _tf.internal('tensorflow.compiler.mlir.stablehlo.stablehlo')
-    read = stablehlo.deserialize_portable_artifact_str
-  except (ImportError, AttributeError):
-    return  # This TF cannot tell; its XlaCallModule will.
-  for name, module in _modules(concrete_function.graph.as_graph_def()):
-    try:
-      read(module)
-    except Exception as e:  # TF raises a bare ValueError.
-      written = _ARTIFACT_VERSION.search(module)
-      raise _errors.ExportError(
-        f'{what}: the installed TensorFlow {_tf.tf().__version__} cannot '
-        f'read the StableHLO that JAX {jax.__version__} wrote for the '
-        f'forward pass ({name}: {e}). Expected StableHLO that TF reads (up '
-        f'to version {tf_stablehlo_version() or "unknown"}), got version '
-        f'{written[1].decode() if written else "unknown"}. Nothing was '
-        f'written. {_FIX}'
-      ) from e
+    tf.mlir.experimental.convert_function(
+      concrete_function, pass_pipeline=_LOADER_PASS
+    )
+  except Exception as e:  # TF raises an OpError holding MLIR's diagnostics.
+    cause = _LOADER_ERROR.search(str(e))
+    if cause is None:
+      # Not the loader's verdict (no such pass in this TF, or its graph
+      # import failed): this TF cannot tell; its XlaCallModule will.
+      return
+    raise _errors.ExportError(
+      _unloadable(what, modules, cause[1].strip())
+    ) from e
 
 
+def _unloadable(what: str, modules: list[tuple[str, bytes]], cause: str) -> str:
+  """Why TF's loader refused the forward pass: versions only where they are."""
+  names = ', '.join(name for name, _ in modules)
+  versions = [_ARTIFACT_VERSION.search(m) for _, m in modules]
+  written = max(
+    (v[1].decode() for v in versions if v), key=_version_tuple, default=None
+  )
+  reads = tf_stablehlo_version()
+  head = (
+    f'{what}: the installed TensorFlow {_tf.tf().__version__} cannot load '
+    f'the StableHLO module that JAX {jax.__version__} wrote for the forward '
+    f'pass ({names}).'
+  )
+  if written is None:
+    why = ' It is not a StableHLO portable artifact JAX would write.'
+  elif reads is not None and _version_tuple(written) > _version_tuple(reads):
+    why = (
+      f' JAX wrote StableHLO {written}, newer than the newest this '
+      f'TensorFlow reads, {reads}.'
+    )
+  else:
+    why = (
+      f' Its StableHLO version, {written}, is one this TensorFlow reads '
+      f'(up to {reads or "an unknown version"}): what it refuses is in the '
+      'module itself.'
+    )
+  return (
+    f"{head}{why} TensorFlow's XlaCallModule loader, the one that serves "
+    f'the SavedModel, said: {cause.rstrip(".")}. Nothing was written. {_FIX}'
+  )
+
+
+# TF's MLIR pass that loads each XlaCallModule's module with the op's own
+# loader (`tensorflow::XlaCallModuleLoader`).
+_LOADER_PASS = 'tf-xla-call-module-deserialization'
+# The loader's refusal in the pass's diagnostics: its first line.
+_LOADER_ERROR = re.compile(r"error: 'tf\.XlaCallModule' op (.*)")
 # The producer's version in a portable artifact's header.
 _ARTIFACT_VERSION = re.compile(rb'StableHLO_v(\d+(?:\.\d+)*)')
 _FIX = (

@@ -429,6 +429,45 @@ def shapes_error(
   )
 
 
+# JAX's refusal to shard a symbolic dimension over an axis it may not divide
+# (an Explicit axis: `reshard` or an Explicit input sharding in the forward).
+_NOT_DIVIDED = re.compile(
+  r'partitioned (\d+) times, but does not evenly divide the dimension size '
+  r'([A-Za-z_][A-Za-z0-9_]*)\b'
+)
+
+
+def divisibility_error(
+  inputs_: Inputs, error: BaseException, where: str
+) -> _errors.ExportError | None:
+  """Our error for a polymorphic dimension sharded over an Explicit axis.
+
+  JAX cannot shard a dimension of unknown size over `n` devices unless it
+  knows the size is a multiple of `n`. JAX accepts a polymorphic ``n*b``,
+  but TF 2.21's `XlaCallModule` then refuses every call ("expects static
+  assert_what"): the fix that serves is a static size. None when the error
+  is not that one.
+  """
+  found = _NOT_DIVIDED.search(str(error))
+  if found is None:
+    return None
+  times, name = int(found[1]), found[2]
+  listing = ', '.join(
+    f'{spec.name} {shape}'
+    for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
+    if shape is not None and re.search(rf'\b{name}\b', shape)
+  )
+  return _errors.ExportError(
+    f'Tracing {where} for the SavedModel failed: the forward shards the '
+    f"polymorphic dimension '{name}' ({listing}) over {times} devices (an "
+    f'Explicit mesh axis), and JAX cannot know that every size of it '
+    f'divides by {times} ({summary(error)}). Give `input_signature` a '
+    f'static size there, a multiple of {times}, or constrain that '
+    'dimension on Auto axes (`with_sharding_constraint`), which need no '
+    'such proof.'
+  )
+
+
 # The outputs
 # ------------------------------------------------------------------------------
 

@@ -155,7 +155,7 @@ def spec_on(
   return PartitionSpec(*entries), notes
 
 
-def _main_mesh(values: Sequence[jax.Array]) -> jax.sharding.Mesh | None:
+def main_mesh(values: Sequence[jax.Array]) -> jax.sharding.Mesh | None:
   """The mesh holding the most bytes (the first of them on a tie)."""
   meshes: list[jax.sharding.Mesh] = []
   nbytes: list[int] = []
@@ -211,7 +211,7 @@ def onto_one_mesh(
     ExportError: If a JAX array cannot be moved (e.g. a dimension does not
       divide the new layout).
   """
-  mesh = _main_mesh(values)
+  mesh = main_mesh(values)
   out, relaid, moved = [], [], 0
   for e, v in zip(entries, values, strict=True):
     sharding = v.sharding

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental.layout import Format, Layout
@@ -70,6 +71,22 @@ def _own_sharding(
   return sharding
 
 
+def _names_mesh_axes(variable: Any, mesh: jax.sharding.Mesh) -> bool:
+  """Whether `variable` is annotated with axes of `mesh` only (or None).
+
+  Without rules, such an annotation places the variable as Flax's eager
+  creation and `plan` do; logical names no rule resolves leave it alone.
+  """
+  names = variable.get_metadata('out_sharding', None)
+  if not names:
+    return False
+  for name in names:
+    axes = name if isinstance(name, tuple | list) else (name,)
+    if any(a is not None and a not in mesh.axis_names for a in axes):
+      return False
+  return True
+
+
 def target_sharding(
   entry: _selection.Entry,
   mesh: jax.sharding.Mesh | None,
@@ -78,14 +95,17 @@ def target_sharding(
   """The concrete sharding the restored array of `entry` must have.
 
   An annotated variable is resolved by the rules in effect on the mesh
-  that applies (`_meshes.mesh_for`); any other variable, and every variable
-  when no rules are in effect at all, keeps its value's own sharding.
+  that applies (`_meshes.mesh_for`); when no rules are in effect at all,
+  only one annotated with that mesh's axes is (as Flax places it). Any
+  other variable keeps its value's own sharding.
   """
   sharding = None
   no_rules = isinstance(rules, _logical.FlaxRules) and not rules.pairs
   placement = _meshes.mesh_for(entry.variable, mesh=mesh)
   if not isinstance(placement, jax.sharding.Mesh) or (
-    no_rules and not entry.variable.get_metadata('sharding_rules', None)
+    no_rules
+    and not entry.variable.get_metadata('sharding_rules', None)
+    and not _names_mesh_axes(entry.variable, placement)
   ):
     placement = None
   if placement is not None:
@@ -220,13 +240,11 @@ def _rng_value(path: Any, abstract: jax.ShapeDtypeStruct, seed: int) -> Any:
   if not isinstance(getattr(sharding, 'mesh', None), jax.sharding.Mesh):
     sharding = None
   if _dtypes.is_key(abstract.dtype):
-    # JAX has no public accessor for an abstract key's implementation.
-    impl = getattr(abstract.dtype, '_impl', None)
     key = jax.random.fold_in(
-      jax.random.key(seed, impl=impl),
+      jax.random.key(seed, impl=_dtypes.key_impl(abstract)),
       zlib.crc32(_names.path_text(path).encode()) & 0x7FFFFFFF,
     )
     value = jax.random.split(key, abstract.shape) if abstract.shape else key
   else:
-    value = np.zeros(abstract.shape, abstract.dtype)
+    value = jnp.zeros(abstract.shape, abstract.dtype)  # An nnx.Rngs count.
   return jax.device_put(value, sharding) if sharding is not None else value

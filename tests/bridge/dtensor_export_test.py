@@ -610,10 +610,14 @@ def test_restore_into_abstract_module(request, tmp_path, mesh_name):
     assert p == q
     assert b.get_value().sharding.is_equivalent_to(a.get_value().sharding, 2)
     assert _bits(b.get_value()) == _bits(a.get_value()), p
-  # The RNG state is seeded from `rng_seed`, deterministically.
+  # The RNG state is seeded from `rng_seed`, deterministically, in JAX
+  # arrays (its count too).
   key = restored.drop.rngs.key.get_value()
   assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-  assert int(restored.drop.rngs.count.get_value()) == 0
+  count = restored.drop.rngs.count.get_value()
+  assert isinstance(count, jax.Array), type(count)
+  assert count.dtype == jnp.uint32
+  assert int(count) == 0
   with jax.set_mesh(mesh):
     again = fdt_tf.restore_checkpoint(
       path,
@@ -814,6 +818,40 @@ def test_optimizer_state_round_trip(auto_mesh, tmp_path):
     assert _bits(b.get_value()) == _bits(a.get_value()), p
   mu = restored.opt_state[0].mu['layers'][0]['kernel'].get_value()
   assert mu.sharding.spec == P('data', 'model')
+
+
+@pytest.mark.parametrize('target_kind', ['abstract', 'concrete'])
+def test_kept_rng_state_restores_bit_exact(auto_mesh, tmp_path, target_kind):
+  """A checkpoint that kept the RNG state (`exclude=nnx.Nothing`) restores
+  it, with everything else, into a target from `nnx.eval_shape` as into a
+  concrete model: JAX arrays, the same bits, the same next numbers."""
+  model = _make_mlp(auto_mesh, seed=0)
+  model.drop.rngs()  # Advance the count.
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'all', exclude=nnx.Nothing)
+  with jax.set_mesh(auto_mesh):
+    if target_kind == 'abstract':
+      target = nnx.eval_shape(lambda: MLP(nnx.Rngs(3, dropout=4)))
+      assert isinstance(target.drop.rngs.key.get_value(), jax.ShapeDtypeStruct)
+    else:
+      target = MLP(nnx.Rngs(3, dropout=4))
+    restored = fdt_tf.restore_checkpoint(path, target, exclude=nnx.Nothing)
+  want = nnx.to_flat_state(nnx.state(model))
+  got = nnx.to_flat_state(nnx.state(restored))
+  assert [p for p, _ in got] == [p for p, _ in want]
+  assert ('drop', 'rngs', 'key') in dict(got)
+  for (p, a), (_, b) in zip(want, got, strict=True):
+    a, b = a.get_value(), b.get_value()
+    assert isinstance(b, jax.Array), (p, type(b))
+    assert b.dtype == a.dtype, p
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      assert jax.random.key_impl(b) == jax.random.key_impl(a)
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    assert _bits(b) == _bits(a), p
+  assert int(restored.drop.rngs.count.get_value()) == 1
+  np.testing.assert_array_equal(
+    jax.random.key_data(restored.drop.rngs()),
+    jax.random.key_data(model.drop.rngs()),
+  )
 
 
 def test_rng_keys_round_trip_on_request(auto_mesh, tmp_path):

@@ -387,6 +387,133 @@ def test_saved_model_serves_in_plain_tf_without_jax(
       assert chunk not in graph
 
 
+class Constrained(nnx.Module):
+  """A MaxText-style block: a step counter and RNG state (0-d arrays)
+  beside sharded params, and a forward that constrains its activations on
+  the model's own mesh, by a NamedSharding, a bare PartitionSpec or logical
+  names (`fdt.shard_value`)."""
+
+  def __init__(self, rngs, mesh, constrain):
+    self.up = nnx.Linear(16, 64, kernel_init=_part(('embed', 'mlp')), rngs=rngs)
+    self.down = nnx.Linear(64, 8, kernel_init=_part(('mlp', None)), rngs=rngs)
+    self.step = nnx.Variable(jnp.array(7, jnp.int32))
+    self.rngs = nnx.Rngs(3)  # Baked in (RNG state is not exported).
+    self.mesh = mesh
+    self.constrain = constrain
+
+  def _constrained(self, x, spec, names):
+    if self.constrain == 'named':
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    if self.constrain == 'bare':
+      return jax.lax.with_sharding_constraint(x, spec)
+    if self.constrain == 'logical':
+      return fdt.shard_value(x, names)
+    return x
+
+  def __call__(self, x):
+    h = self._constrained(self.up(x), P('data', 'model'), ('batch', 'mlp'))
+    h = jax.nn.relu(h) + self.rngs.default.count[...].astype(h.dtype)
+    y = self._constrained(self.down(h), P('data', None), ('batch', None))
+    return y * self.step[...].astype(y.dtype)
+
+
+CONSTRAINED_RULES = [('batch', 'data'), ('embed', 'data'), ('mlp', 'model')]
+
+
+def _modules_of(path):
+  """The StableHLO modules of a SavedModel's XlaCallModule ops."""
+  from tensorflow.core.protobuf import saved_model_pb2
+
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(path, 'saved_model.pb'), 'rb') as f:
+    proto.ParseFromString(f.read())
+  return [
+    node.attr['module'].s
+    for graph in proto.meta_graphs
+    for fn in graph.graph_def.library.function
+    for node in fn.node_def
+    if node.op == 'XlaCallModule'
+  ]
+
+
+def test_exports_with_sharding_ops_serve_in_plain_tf(auto_mesh, tmp_path):
+  """Exported inside `jax.set_mesh` with 0-d variables, and with activation
+  constraints (even bare PartitionSpecs exported outside any mesh context),
+  JAX writes Shardy (`sdy`) ops that TF's Python StableHLO reader does not
+  know but TF's XlaCallModule runs: written, and served in a JAX-free TF
+  process with JAX's values."""
+  spec = [tf.TensorSpec([None, 16], tf.float32)]
+  models, paths = {}, {}
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(CONSTRAINED_RULES):
+    for name in ('scalar', 'named', 'logical', 'bare'):
+      constrain = None if name == 'scalar' else name
+      models[name] = Constrained(nnx.Rngs(0), auto_mesh, constrain)
+    for name in ('scalar', 'named', 'logical'):
+      paths[name] = fdt_tf.save_saved_model(
+        models[name], tmp_path / name, input_signature=spec
+      )
+  # Outside any mesh context: traced under the variables' mesh.
+  paths['bare'] = fdt_tf.save_saved_model(
+    models['bare'], tmp_path / 'bare', input_signature=spec
+  )
+  for name, path in paths.items():
+    modules = _modules_of(path)
+    assert modules, name
+    for module in modules:
+      assert b'sdy.' in module, name  # What TF's Python reader refuses.
+  rng = np.random.default_rng(8)
+  xs = [rng.standard_normal((b, 16)).astype(np.float32) for b in (2, 6)]
+  jobs = {
+    name: {
+      'path': path,
+      'inputs': [
+        _save_inputs(tmp_path, f'{name}{i}', {'input_0': x})
+        for i, x in enumerate(xs)
+      ],
+    }
+    for name, path in paths.items()
+  }
+  report = _serve_in_plain_tf(tmp_path, jobs)
+  assert report['jax_modules'] == []
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(CONSTRAINED_RULES):
+    for name, model in models.items():
+      assert report[name]['outputs'] == {'output_0': [[2, 8], [6, 8]]}, name
+      assert report[name]['variables'] == [
+        'down/bias:0',
+        'down/kernel:0',
+        'step:0',
+        'up/bias:0',
+        'up/kernel:0',
+      ]
+      for i, x in enumerate(xs):
+        got = np.load(tmp_path / f'{name}_{i}_output_0.npy')
+        want = np.asarray(model(x))
+        assert np.abs(want).max() > 1.0
+        np.testing.assert_allclose(
+          got, want, rtol=1e-5, atol=1e-5, err_msg=name
+        )
+
+
+def test_a_bare_constraint_without_any_mesh_is_explained(tmp_path):
+  """Variables on one device and no mesh in context: nothing names a mesh
+  for `with_sharding_constraint(x, P('data'))`."""
+  with nnx.use_eager_sharding(False):
+    model = Constrained(nnx.Rngs(0), None, 'bare')
+  assert not isinstance(model.up.kernel.get_value().sharding, NamedSharding)
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'Tracing Constrained\.__call__ for the SavedModel failed: it '
+    r'constrains a sharding with a bare PartitionSpec, which needs a mesh in '
+    r'context, and none is set, nor are the exported variables laid out on '
+    r'one \(with_sharding_constraint requires a non-empty mesh.*\)\. Export '
+    r'inside `with jax\.set_mesh\(mesh\):`',
+  ):
+    fdt_tf.save_saved_model(
+      model, tmp_path / 'sm', input_signature=[tf.TensorSpec([None, 16])]
+    )
+  assert os.listdir(tmp_path) == []
+
+
 def test_saved_model_variables_are_loaded_model_variables(trained_exports):
   net, sm = trained_exports['net']
   loaded = tf.saved_model.load(sm)
@@ -623,30 +750,55 @@ def test_stablehlo_is_written_for_the_installed_tensorflow(
   np.testing.assert_allclose(got.numpy(), net(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_module_tf_cannot_read_is_refused_before_writing(tmp_path):
-  from flax_dtensor.dtensor import _serialization
+def _call_module(module):
+  """A traced function whose one XlaCallModule holds `module` (never run)."""
+  from tensorflow.compiler.tf2xla.python import xla
 
   @tf.function(autograph=False)
-  def broken(x):
-    # Traced, never run: a StableHLO module TF's reader cannot parse.
-    from tensorflow.compiler.tf2xla.python import xla
-
+  def call(x):
     return xla.call_module(
       [x],
       version=9,
-      module=b'ML\xefR not a StableHLO artifact',
+      module=module,
       Sout=[tf.TensorShape([2])],
       Tout=[tf.float32],
       platforms=['CPU'],
     )
 
-  concrete = broken.get_concrete_function(tf.TensorSpec([2], tf.float32))
-  with pytest.raises(
-    fdt.ExportError,
-    match=r'export: the installed TensorFlow .* cannot read the StableHLO '
-    r'that JAX .* wrote .*Nothing was written\. Install a TensorFlow',
-  ):
-    _serialization.check_readable(concrete, 'export')
+  return call.get_concrete_function(tf.TensorSpec([2], tf.float32))
+
+
+def test_a_module_tf_cannot_load_is_refused_before_writing(tmp_path):
+  from flax_dtensor.dtensor import _serialization
+
+  reads = _serialization.tf_stablehlo_version()
+  cases = {
+    # Not a portable artifact at all.
+    'garbage': b'ML\xefR not a StableHLO artifact',
+    # A header of a version TF reads, and a body it cannot parse.
+    'broken': b'ML\xefR\x0dStableHLO_v' + reads.encode() + b'\x00\x01\xff',
+  }
+  messages = {}
+  for name, module in cases.items():
+    with pytest.raises(
+      fdt.ExportError,
+      match=r'export: the installed TensorFlow .* cannot load the StableHLO '
+      r'module that JAX .* wrote for the forward pass \(XlaCallModule\)\. '
+      r".*TensorFlow's XlaCallModule loader, the one that serves the "
+      r'SavedModel, said: failed to deserialize StableHLO module.*\. Nothing '
+      r'was written\. Install a TensorFlow',
+    ) as raised:
+      _serialization.check_readable(_call_module(module), 'export')
+    messages[name] = str(raised.value)
+  assert 'is not a StableHLO portable artifact' in messages['garbage']
+  # The version is not the cause: said so, not "expected up to X, got X".
+  assert (
+    f'Its StableHLO version, {reads}, is one this TensorFlow reads (up to '
+    f'{reads}): what it refuses is in the module itself.'
+  ) in messages['broken']
+  for message in messages.values():
+    assert 'newer than' not in message
+    assert 'Expected StableHLO' not in message
 
 
 def test_no_stablehlo_target_writes_what_tf_cannot_serve(
@@ -667,7 +819,12 @@ def test_no_stablehlo_target_writes_what_tf_cannot_serve(
       input_signature=[tf.TensorSpec([None, 64], tf.float32)],
     )
   except fdt.ExportError as e:
-    assert f'got version {jax_target}. Nothing was written' in str(e)
+    reads = _serialization.tf_stablehlo_version()
+    assert _version(jax_target) > _version(reads)
+    assert (
+      f'JAX wrote StableHLO {jax_target}, newer than the newest this '
+      f"TensorFlow reads, {reads}. TensorFlow's XlaCallModule loader"
+    ) in str(e)
     assert os.listdir(tmp_path) == []
   else:
     assert set(_artifact_versions(path)) == {jax_target}

@@ -219,7 +219,8 @@ def _group_results(group: str) -> list[list[str] | None]:
 
 def _unreadable_stablehlo(ctx):
   """What save_saved_model checks before writing, met with a module TF's
-  reader refuses (as TF 2.21 refuses jax 0.12's default StableHLO)."""
+  XlaCallModule loader refuses (as TF 2.21 refuses jax 0.12's default
+  StableHLO)."""
   from tensorflow.compiler.tf2xla.python import xla
 
   from flax_dtensor.dtensor import _serialization
@@ -237,6 +238,25 @@ def _unreadable_stablehlo(ctx):
     autograph=False,
   ).get_concrete_function(tf.TensorSpec([2], tf.float32))
   _serialization.check_readable(traced, 'save_saved_model')
+
+
+class BareConstraint(nnx.Module):
+  """A forward that constrains with a bare PartitionSpec."""
+
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones((8, 4)))
+
+  def __call__(self, x):
+    return jax.lax.with_sharding_constraint(x @ self.w[...], P('data'))
+
+
+def _bare_constraint(ctx):
+  """Variables on one device, and no mesh in context."""
+  ctx.dt.save_saved_model(
+    BareConstraint(),
+    ctx.tmp / 'bare',
+    input_signature=[ctx.tf.TensorSpec([None, 8])],
+  )
 
 
 def _eager_without_mesh():
@@ -1800,15 +1820,30 @@ CASES = [
   ),
   Case(
     'flax_dtensor.dtensor.save_saved_model',
-    "a JAX whose StableHLO the installed TensorFlow's reader cannot read",
+    'a forward pass whose StableHLO TensorFlow cannot load',
     fdt.ExportError,
-    r'save_saved_model: the installed TensorFlow .* cannot read the '
-    r'StableHLO that JAX .* wrote .* Nothing was written\. Install a '
-    r'TensorFlow that reads what this JAX writes',
+    r'save_saved_model: the installed TensorFlow .* cannot load the '
+    r'StableHLO module that JAX .* wrote for the forward pass .* '
+    r"TensorFlow's XlaCallModule loader, the one that serves the "
+    r'SavedModel, said: .* Nothing was written\. Install a TensorFlow that '
+    r'reads what this JAX writes',
     'Install a TensorFlow that reads what this JAX writes (a newer '
     'tensorflow-cpu or tf-nightly), or a JAX and TF pair from the '
     'compatibility page.',
     lambda ctx: _unreadable_stablehlo(ctx),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.save_saved_model',
+    'a bare PartitionSpec constraint, and no mesh anywhere',
+    fdt.ExportError,
+    r'Tracing BareConstraint\.__call__ for the SavedModel failed: it '
+    r'constrains a sharding with a bare PartitionSpec, which needs a mesh in '
+    r'context, and none is set, nor are the exported variables laid out on '
+    r'one .* Export inside `with jax\.set_mesh\(mesh\):`',
+    'Export inside `with jax.set_mesh(mesh):` (a model whose variables are '
+    'on a mesh is traced under it).',
+    lambda ctx: _bare_constraint(ctx),
     tf=True,
   ),
   Case(

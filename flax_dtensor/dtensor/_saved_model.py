@@ -296,13 +296,13 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   tf_module.serve = serve_fn
   with (
     _serialization.for_tensorflow(),
-    _model_mesh(mesh),  # TF traces again while it saves.
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    serving = _traced(serve_fn, served.inputs, where)
+    serving, trace_mesh = _traced(serve_fn, served.inputs, where, mesh)
     _serialization.check_readable(serving, 'save_saved_model')
-    _write_saved_model(tf_module, directory, serving)
+    with _mesh_set(trace_mesh):  # TF traces again while it saves.
+      _write_saved_model(tf_module, directory, serving)
     _checkpoint.write_manifest(
       directory,
       _manifest.SAVED_MODEL_FORMAT,
@@ -314,32 +314,45 @@ def _write(module: Any, directory: str, served: _Served) -> None:
 
 
 @contextlib.contextmanager
-def _model_mesh(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
-  """The forward pass is traced under the model's mesh, if none is set.
-
-  A forward that constrains its activations with bare `PartitionSpec`s
-  (``jax.lax.with_sharding_constraint(x, P('data'))``) needs a mesh in
-  context; the model's variables name theirs (`mesh`, the one every
-  exported variable is laid out on). A mesh the caller set is kept.
-  """
-  if mesh is None or _meshes.current_mesh() is not None:
+def _mesh_set(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
+  """`jax.set_mesh(mesh)` within the block; nothing if `mesh` is None."""
+  if mesh is None:
     yield
     return
   with jax.set_mesh(mesh):
     yield
 
 
-def _traced(serve_fn: Any, inputs: _signature.Inputs, where: str) -> Any:
-  """The serving function, traced; a failure where polymorphic dimensions
-  of their own meet (`_signature.shapes_error`), where one is sharded over
-  a mesh axis it may not divide (`_signature.divisibility_error`), or a
-  constraint that needs a mesh where there is none, in our words."""
+def _traced(
+  serve_fn: Any,
+  inputs: _signature.Inputs,
+  where: str,
+  mesh: jax.sharding.Mesh | None,
+) -> tuple[Any, jax.sharding.Mesh | None]:
+  """The serving function, traced, and the mesh it was traced under.
+
+  As the caller's context has it; but a forward that constrains its
+  activations with bare `PartitionSpec`s
+  (``jax.lax.with_sharding_constraint(x, P('data'))``) needs a mesh in
+  context, and when none is set it is traced again under the model's
+  `mesh` (the one every exported variable is laid out on), which is then
+  returned. Only then: a mesh in context changes what JAX writes (shardings
+  of its own for 0-d arguments and shape checks). A failure where
+  polymorphic dimensions of their own meet (`_signature.shapes_error`),
+  where one is sharded over a mesh axis it may not divide
+  (`_signature.divisibility_error`), or a bare constraint with no mesh
+  anywhere, is put in our words.
+  """
   try:
-    return serve_fn.get_concrete_function()
+    return serve_fn.get_concrete_function(), None
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:
-    if _NEEDS_MESH in str(e):
+    needs_mesh = _NEEDS_MESH in str(e)
+    if needs_mesh and mesh is not None and _meshes.current_mesh() is None:
+      with jax.set_mesh(mesh):
+        return _traced(serve_fn, inputs, where, None)[0], mesh
+    if needs_mesh:
       raise _errors.ExportError(
         f'Tracing {where} for the SavedModel failed: it constrains a '
         'sharding with a bare PartitionSpec, which needs a mesh in '

@@ -227,7 +227,7 @@ def check_readable(concrete_function: Any, what: str) -> None:
     return
   tf = _tf.tf()
   try:
-    tf.mlir.experimental.convert_function(
+    loaded = tf.mlir.experimental.convert_function(
       concrete_function, pass_pipeline=_LOADER_PASS
     )
   except Exception as e:  # TF raises an OpError holding MLIR's diagnostics.
@@ -239,6 +239,50 @@ def check_readable(concrete_function: Any, what: str) -> None:
     raise _errors.ExportError(
       _unloadable(what, modules, cause[1].strip())
     ) from e
+  if has_constrained_shape_checks(loaded):
+    raise _errors.ExportError(
+      f'{what}: JAX {jax.__version__} exported the forward pass '
+      f'({", ".join(name for name, _ in modules)}) under a mesh with Explicit '
+      'axes, and so constrained the checks of its polymorphic input '
+      'dimensions to a sharding. The installed TensorFlow '
+      f"{tf.__version__}'s XlaCallModule loads such a module but cannot "
+      "compile it where it serves ('Module shape refinement failed: … "
+      "expects static assert_what'). Nothing was written. Export outside "
+      '`jax.set_mesh` (the exported variables keep their layout), under a '
+      'mesh whose axes are all Auto, or with static input shapes.'
+    )
+
+
+def has_constrained_shape_checks(loaded: str) -> bool:
+  """Whether a loaded module checks a dimension through a sharding.
+
+  JAX checks polymorphic dimensions (``shape_assertion``) on values it
+  constrains to a sharding (``sdy.sharding_constraint`` of a 0-d integer)
+  when it exports under a mesh with Explicit axes. TF's ``XlaCallModule``
+  folds each check to a constant for the shapes it serves, and cannot
+  through the constraint. `loaded` is TF's MLIR of the traced graph with
+  every module loaded (`_LOADER_PASS`).
+  """
+  for function in loaded.split('func.func')[1:]:
+    constrained = set(_CONSTRAINED_SCALAR.findall(function))
+    if not constrained:
+      continue
+    compared = {m[1]: {m[2], m[3]} for m in _COMPARE.finditer(function)}
+    for condition in _SHAPE_ASSERTION.findall(function):
+      if compared.get(condition, set()) & constrained:
+        return True
+  return False
+
+
+# A 0-d integer constrained to a sharding; a comparison; a shape check.
+_CONSTRAINED_SCALAR = re.compile(
+  r'^\s*(%[\w#]+) = sdy\.sharding_constraint %[\w#]+ <.*> : tensor<i\d+>$',
+  re.M,
+)
+_COMPARE = re.compile(
+  r'(%[\w#]+) = stablehlo\.compare\s+\w+,\s*(%[\w#]+),\s*(%[\w#]+)'
+)
+_SHAPE_ASSERTION = re.compile(r'custom_call @shape_assertion\((%[\w#]+)')
 
 
 def _unloadable(what: str, modules: list[tuple[str, bytes]], cause: str) -> str:

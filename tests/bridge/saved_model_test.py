@@ -494,6 +494,62 @@ def test_exports_with_sharding_ops_serve_in_plain_tf(auto_mesh, tmp_path):
         )
 
 
+def test_polymorphic_exports_under_explicit_axes(
+  mixed_mesh, tmp_path, monkeypatch
+):
+  """Under a mesh with an Explicit axis, JAX constrains the checks of
+  polymorphic dimensions to a sharding, which TF's XlaCallModule loads but
+  cannot compile where it serves: refused before writing. Outside the mesh,
+  or with static shapes, the same model serves."""
+  from flax_dtensor.dtensor import _serialization
+
+  rules = [('embed', None), ('mlp', 'model')]  # The Auto axis only.
+  with jax.set_mesh(mixed_mesh), fdt.logical_axis_rules(rules):
+    model = nnx.Linear(
+      16, 8, kernel_init=_part(('embed', 'mlp')), rngs=nnx.Rngs(0)
+    )
+  x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
+  want = np.asarray(model(x))
+  polymorphic = [tf.TensorSpec([None, 16], tf.float32)]
+  with jax.set_mesh(mixed_mesh):
+    with pytest.raises(
+      fdt.ExportError,
+      match=r'save_saved_model: JAX .* exported the forward pass '
+      r'\(XlaCallModule\) under a mesh with Explicit axes, and so constrained '
+      r'the checks of its polymorphic input dimensions to a sharding\. .* '
+      r'cannot compile it where it serves .*Nothing was written\. Export '
+      r'outside `jax\.set_mesh`',
+    ):
+      fdt_tf.save_saved_model(
+        model, tmp_path / 'a', input_signature=polymorphic
+      )
+    assert os.listdir(tmp_path) == []
+    static = fdt_tf.save_saved_model(
+      model,
+      tmp_path / 'static',
+      input_signature=[tf.TensorSpec([4, 16], tf.float32)],
+    )
+    # The verdict, proved: written anyway, TF cannot serve it.
+    monkeypatch.setattr(
+      _serialization, 'has_constrained_shape_checks', lambda loaded: False
+    )
+    unchecked = fdt_tf.save_saved_model(
+      model, tmp_path / 'unchecked', input_signature=polymorphic
+    )
+  outside = fdt_tf.save_saved_model(
+    model, tmp_path / 'outside', input_signature=polymorphic
+  )
+  for path in (static, outside):
+    served = tf.saved_model.load(path).signatures['serving_default']
+    (got,) = served(input_0=tf.constant(x)).values()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+  served = tf.saved_model.load(unchecked).signatures['serving_default']
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match='expects static assert_what'
+  ):
+    served(input_0=tf.constant(x))
+
+
 def test_a_bare_constraint_without_any_mesh_is_explained(tmp_path):
   """Variables on one device and no mesh in context: nothing names a mesh
   for `with_sharding_constraint(x, P('data'))`."""

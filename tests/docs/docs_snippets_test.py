@@ -45,6 +45,22 @@ CHECKS = {
     'served = tf.saved_model.load("saved_model").signatures\n'
     "assert list(served) == ['serving_default'], served\n"
   ),
+  'export_guide.md:rng-state': (
+    'import numpy as np\n'
+    'for got in (seeded, resumed):\n'
+    '  for path, v in nnx.to_flat_state(nnx.state(got)):\n'
+    '    assert isinstance(v.get_value(), jax.Array), path\n'
+    '  np.testing.assert_array_equal(\n'
+    '    got.linear.kernel[...], model.linear.kernel[...])\n'
+    "  assert got.linear.kernel[...].sharding.spec == jax.P('data', 'model')\n"
+    'want, have = (\n'
+    '  jax.random.key_data(m.dropout.rngs.key.get_value())\n'
+    '  for m in (model, resumed))\n'
+    'np.testing.assert_array_equal(have, want)\n'
+    'assert int(seeded.dropout.rngs.count.get_value()) == 0\n'
+    'again = jax.random.key_data(seeded.dropout.rngs.key.get_value())\n'
+    'assert not np.array_equal(again, want)\n'
+  ),
   'export_guide.md:optimizer-state': (
     "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
     "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"

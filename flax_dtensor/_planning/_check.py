@@ -37,8 +37,8 @@ CODES = {
     'a large variable that neither an annotation nor a path rule covers'
   ),
   'eager-sharding-off': (
-    'a variable the rules cover, created unplaced because eager sharding '
-    'was off'
+    'a variable the rules shard, created unplaced (or, built from a '
+    'factory, to be created unplaced) because eager sharding is off'
   ),
 }
 """Every finding's code, and what it means."""
@@ -290,6 +290,59 @@ def _could_shard(entry: _plan.PlanEntry, sizes: dict[str, int] | None) -> str:
   return '; '.join(options) or 'no mesh axis divides any dimension'
 
 
+def _unplaced_when_built(
+  target: Any, result: _plan.ShardingPlan
+) -> list[Finding]:
+  """``eager-sharding-off`` predicted for an abstract build (a factory).
+
+  An abstract build carries the rules' shardings whatever the flag says,
+  so nothing in it is misplaced; but the variables whose `eager_sharding`
+  metadata is False (the flag was off, or the variable said so) are
+  created unplaced when the factory is called. Those the rules shard are
+  reported, each with how many others there are.
+  """
+  if _trees.is_array_tree(target):
+    return []
+  off = {
+    _variables.path_str(path)
+    for path, v in _variables.iter_variables(target)
+    if not v.get_metadata('eager_sharding', True)
+    and _variables.placed_spec(_variables.value_of(v)) is None
+  }
+  unplaced = [
+    e
+    for e in result.entries
+    if e.path in off
+    and not _specs.same_placement(
+      jax.sharding.PartitionSpec(), e.spec, len(e.shape), e.mesh_axes
+    )
+  ]
+  others = (
+    f' (and {_text.count(len(unplaced) - 1, "other variable")})'
+    if len(unplaced) > 1
+    else ''
+  )
+  return [
+    Finding(
+      'eager-sharding-off',
+      e.path,
+      f'the rules say {_specs.format_spec(e.display_spec)}, but calling the '
+      f'factory (building the model eagerly) creates it unplaced{others}: '
+      f'{_EAGER_OFF_WHEN_BUILT}',
+    )
+    for e in unplaced
+  ]
+
+
+_EAGER_OFF_WHEN_BUILT = (
+  'Flax leaves a variable where it is created when its `eager_sharding` '
+  'metadata is False (flax_always_shard_variable was off when it was made, '
+  'as some libraries set when imported, or it said eager_sharding=False). '
+  '`fdt.init(factory, ...)` places every variable whatever the flag, and so '
+  'does calling the factory inside `with nnx.use_eager_sharding(True):`.'
+)
+
+
 def check(
   module_or_state: Any,
   rules: _logical.RulesLike | None = None,
@@ -320,9 +373,12 @@ def check(
   - ``unannotated-replicated``: a variable of at least `min_bytes` that
     neither an annotation nor a path rule covers, so every device holds it
     whole, with a path rule that would cover it;
-  - ``eager-sharding-off``: a variable the rules cover that was created
+  - ``eager-sharding-off``: a variable the rules shard that was created
     unplaced because Flax's eager sharding was off (another library may
-    have turned ``flax_always_shard_variable`` off), with the fix.
+    have turned ``flax_always_shard_variable`` off), with the fix. For a
+    factory (or an abstract model), predicted: the variables whose
+    ``eager_sharding`` metadata is False, which calling the factory
+    creates unplaced.
 
   Args:
     module_or_state: What `plan` takes: a module, state, a factory (built
@@ -397,11 +453,12 @@ def check(
         Finding(
           'eager-sharding-off',
           e.path,
-          f'placed {_specs.format_spec(e.placed)}, but the rules say '
-          f'{_specs.format_spec(e.spec)}: {_placing.EAGER_OFF_REASON}. '
-          f'{_placing.EAGER_OFF_FIX}',
+          f'placed {_specs.format_spec(e.display_placed or ())}, but the '
+          f'rules say {_specs.format_spec(e.display_spec)}: '
+          f'{_placing.EAGER_OFF_REASON}. {_placing.EAGER_OFF_FIX}',
         )
       )
+  findings += _unplaced_when_built(target, result)
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
     if not (
       result.num_devices > 1

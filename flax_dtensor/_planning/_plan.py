@@ -65,8 +65,9 @@ class PlanEntry:
     fallbacks: One line per skipped candidate: dimension, logical name,
       the skipped target and why.
     placed: Where the array actually is (its NamedSharding's spec), for
-      arrays that carry a sharding; None otherwise. It differs from `spec`
-      when the model was placed under other rules, or not at all.
+      arrays that carry a sharding; None otherwise. It places the array
+      otherwise than `spec` (see `misplaced`) when the model was placed
+      under other rules, or not at all.
     category: ``'params'`` (``nnx.Param``), ``'optimizer'``
       (``nnx.OptState``: mu, nu, the step count) or ``'other'`` (batch
       statistics, RNG state, the arrays of a plain pytree, ...).
@@ -83,6 +84,9 @@ class PlanEntry:
       shards), or ``'moved when ...'`` with the reason; None
       when it does not know (not created under path rules, or changed
       since).
+    mesh_axes: The plan's mesh axes and their sizes (as
+      `ShardingPlan.mesh_axes`), or None: what `misplaced` and the shown
+      specs read the axes of size 1 from.
   """
 
   path: str
@@ -99,13 +103,34 @@ class PlanEntry:
   source: str | None = None
   misplaced_reason: str | None = None
   creation: str | None = None
+  mesh_axes: dict[str, int] | None = dataclasses.field(
+    default=None, compare=False, repr=False
+  )
 
   @property
   def misplaced(self) -> bool:
-    """Whether the array is placed other than the rules say."""
-    return self.placed is not None and _specs.canonical(
-      self.placed, len(self.shape)
-    ) != _specs.canonical(self.spec, len(self.shape))
+    """Whether the array is placed other than the rules say.
+
+    Placements are compared, not spellings: which devices hold which block.
+    Mesh axes of size 1 split nothing, so ``P('fsdp', None, 'tensor')`` is
+    where ``P(('fsdp', 'context'), 'stage', 'tensor')`` says when
+    ``context`` and ``stage`` have size 1.
+    """
+    return self.placed is not None and not _specs.same_placement(
+      self.placed, self.spec, len(self.shape), self.mesh_axes
+    )
+
+  @property
+  def display_spec(self) -> PartitionSpec:
+    """`spec` as the plan prints it: without the mesh axes of size 1."""
+    return _specs.without_unit_axes(self.spec, self.mesh_axes)
+
+  @property
+  def display_placed(self) -> PartitionSpec | None:
+    """`placed` as the plan prints it: without the mesh axes of size 1."""
+    if self.placed is None:
+      return None
+    return _specs.without_unit_axes(self.placed, self.mesh_axes)
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -372,6 +397,8 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
       f'{source} is not a plan: expected a JSON object with a "variables" '
       f'list; got {type(data).__name__}. {fix}'
     )
+  mesh = data.get('mesh')
+  mesh_axes = dict(mesh) if mesh else None
   entries = []
   for i, v in enumerate(data['variables']):
     where = f'{source}, variable {i}'
@@ -400,6 +427,7 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
             else str(v['misplaced_reason'])
           ),
           creation=None if v.get('creation') is None else str(v['creation']),
+          mesh_axes=mesh_axes,
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -408,10 +436,9 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
       raise _errors.LayoutFileError(
         f'{where} is malformed ({type(e).__name__}: {e}). {fix}'
       ) from e
-  mesh = data.get('mesh')
   return ShardingPlan(
     entries=tuple(entries),
-    mesh_axes=dict(mesh) if mesh else None,
+    mesh_axes=mesh_axes,
     num_devices=int(data.get('num_devices', 1)),
   )
 
@@ -675,6 +702,7 @@ def plan(
           resolution, where, variable_type, shape, value, rules_
         ),
         creation=creation,
+        mesh_axes=sizes,
       )
     )
     if entries[-1].misplaced:

@@ -36,13 +36,15 @@ class Change:
 
   @property
   def moved(self) -> bool:
-    """Whether its spec changed."""
-    n = len(self.after.shape)
-    return (
-      _specs.canonical(self.before.spec, n)
-      != _specs.canonical(self.after.spec, n)
-      or len(self.before.shape) != n
-    )
+    """Whether its placement changed: which mesh axes split which dimension.
+
+    Each spec is read on its plan's mesh, where axes of size 1 split
+    nothing: a spec that gained or lost only such axes did not move.
+    """
+    b, a = self.before, self.after
+    return len(b.shape) != len(a.shape) or _specs.placement(
+      b.spec, len(b.shape), b.mesh_axes
+    ) != _specs.placement(a.spec, len(a.shape), a.mesh_axes)
 
   @property
   def resized(self) -> bool:
@@ -70,7 +72,8 @@ class Change:
     out = []
     if self.moved:
       out.append(
-        f'  spec {_specs.format_spec(b.spec)} -> {_specs.format_spec(a.spec)}'
+        f'  spec {_specs.format_spec(b.display_spec)} -> '
+        f'{_specs.format_spec(a.display_spec)}'
       )
     if (b.shape, b.dtype) != (a.shape, a.dtype):
       out.append(f'  {_plan_view.shape_text(b)} -> {_plan_view.shape_text(a)}')
@@ -114,7 +117,7 @@ class PlanDiff:
 
   @property
   def moved(self) -> tuple[str, ...]:
-    """Paths whose spec changed."""
+    """Paths whose placement changed (see `Change.moved`)."""
     return tuple(c.path for c in self.changed if c.moved)
 
   @property

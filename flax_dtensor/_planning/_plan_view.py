@@ -42,10 +42,24 @@ _FALLBACK = re.compile(r'^dim \d+ \((?P<name>.*?)\): (?P<why>.*)$')
 
 
 def mesh_text(plan: ShardingPlan) -> str:
+  """'mesh data=2, model=4 (8 devices)'.
+
+  Axes of size 1 are named apart, as left out of the specs shown, when
+  some axis is larger: 'mesh fsdp=2, tensor=4 (8 devices; size 1, not
+  shown in specs: data, stage)'.
+  """
   if not plan.mesh_axes:
     return 'no mesh (1 device)'
-  axes = ', '.join(f'{k}={v}' for k, v in plan.mesh_axes.items())
-  return f'mesh {axes} ({_text.count(plan.num_devices, "device")})'
+  unit = [k for k, v in plan.mesh_axes.items() if v == 1]
+  shown = {k: v for k, v in plan.mesh_axes.items() if v != 1}
+  devices = _text.count(plan.num_devices, 'device')
+  if unit and shown:
+    devices += f'; size 1, not shown in specs: {", ".join(unit)}'
+  elif unit:
+    shown = plan.mesh_axes
+    devices += '; axes of size 1 are not shown in specs'
+  axes = ', '.join(f'{k}={v}' for k, v in shown.items())
+  return f'mesh {axes} ({devices})'
 
 
 def totals_text(plan: ShardingPlan) -> str:
@@ -76,9 +90,14 @@ def axes_text(entry: PlanEntry) -> str:
 
 
 def spec_text(entry: PlanEntry) -> str:
-  text = _specs.format_spec(entry.spec)
+  """ "P('fsdp', None)", and where it is placed when that differs.
+
+  Without the mesh axes of size 1 (`PlanEntry.display_spec`); the spec
+  as resolved is `PlanEntry.spec`, and in the JSON.
+  """
+  text = _specs.format_spec(entry.display_spec)
   if entry.misplaced:
-    text += f' (placed {_specs.format_spec(entry.placed)})'
+    text += f' (placed {_specs.format_spec(entry.display_placed or ())})'
   return text
 
 

@@ -2,15 +2,17 @@
 
 The one place specs are taken apart and printed: `axes_of` gives the mesh
 axes an entry names, `canonical` compares specs of different spellings
-(``P('data')`` and ``P('data', None)``), `format_entry` / `format_spec` print
-them as JAX does, and `from_axes` builds a spec from per-dimension axes (the
-form the manifest stores). Importing it imports no JAX (the command line's
+(``P('data')`` and ``P('data', None)``), `same_placement` compares what
+they place on a mesh (its axes of size 1 split nothing), `without_unit_axes`
+is a spec as the plan shows it, `format_entry` / `format_spec` print them as
+JAX does, and `from_axes` builds a spec from per-dimension axes (the form
+the manifest stores). Importing it imports no JAX (the command line's
 ``inspect`` prints the manifest's specs with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,6 +38,60 @@ def canonical(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
   """One tuple of mesh axes per dimension: equal for equal placements."""
   entries = tuple(spec) + (None,) * (ndim - len(spec))
   return tuple(axes_of(e) for e in entries)
+
+
+def placement(
+  spec: PartitionSpec, ndim: int, sizes: Mapping[str, int] | None = None
+) -> tuple[tuple[str, ...], ...]:
+  """The mesh axes that split each dimension: equal for equal placements.
+
+  An axis of size 1 in `sizes` splits nothing, so it is left out:
+  ``P(('fsdp', 'context'), 'stage')`` and ``P('fsdp')`` put the same block
+  on the same devices when ``context`` and ``stage`` have size 1. Axes
+  `sizes` does not name are kept (they are no axes of that mesh); without
+  `sizes`, every axis named is kept.
+  """
+  return tuple(
+    tuple(a for a in axes if sizes is None or sizes.get(a) != 1)
+    for axes in canonical(spec, ndim)
+  )
+
+
+def same_placement(
+  a: PartitionSpec,
+  b: PartitionSpec,
+  ndim: int,
+  sizes: Mapping[str, int] | None = None,
+) -> bool:
+  """Whether `a` and `b` put the same blocks of an `ndim`-dimensional
+  array on the same devices of a mesh of axis `sizes` (see `placement`).
+  """
+  return placement(a, ndim, sizes) == placement(b, ndim, sizes)
+
+
+def without_unit_axes(
+  spec: PartitionSpec, sizes: Mapping[str, int] | None
+) -> PartitionSpec:
+  """`spec` without the mesh axes of size 1 in `sizes`: as the plan shows it.
+
+  ``P(('fsdp', 'context', 'expert'), 'stage', 'tensor')`` is shown as
+  ``P('fsdp', None, 'tensor')`` when only ``fsdp`` and ``tensor`` are
+  larger than 1. The spec keeps its length; `spec` itself when nothing is
+  left out.
+  """
+  from jax.sharding import PartitionSpec
+
+  unit = {a for a, n in (sizes or {}).items() if n == 1}
+  if not unit.intersection(a for e in spec for a in axes_of(e)):
+    return spec
+  entries = []
+  for entry in spec:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      entries.append(entry)
+      continue
+    kept = tuple(a for a in axes_of(entry) if a not in unit)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*entries)
 
 
 def format_entry(entry: Any) -> str:

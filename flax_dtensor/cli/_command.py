@@ -191,6 +191,26 @@ def handle_errors(debug: bool) -> Iterator[None]:
         atexit.register(_remove, log)
 
 
+@contextlib.contextmanager
+def user_prints_to_stderr(when: bool) -> Iterator[None]:
+  """Within the block, `when` true, what Python code prints goes to stderr.
+
+  For the user's code (importing TARGET, calling its factory) while stdout
+  carries data a program parses (``--json``): a module that prints when
+  imported leaves that output whole. Our stderr stream (`_output.stream`)
+  receives it, so it is seen, not sent to the log. Writes to file
+  descriptor 1 from C are not caught.
+  """
+  if not when:
+    yield
+    return
+  from flax_dtensor import _output
+
+  sys.stdout.flush()
+  with contextlib.redirect_stdout(_output.stream()):
+    yield
+
+
 def _remove(path: str) -> None:
   with contextlib.suppress(OSError):
     os.remove(path)

@@ -192,14 +192,19 @@ def plan(
       rules_ = _inputs.load_rules(
         rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
       )
-    factory = _inputs.load_target(target)
     import jax
 
     import flax_dtensor as fdt
 
     mesh_ = _inputs.abstract_mesh(axes)
-    with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
-      model = _inputs.build_abstract(factory, target)
+    # The user's code may print; --json keeps stdout for the JSON alone.
+    with _command.user_prints_to_stderr(json_output):
+      factory = _inputs.load_target(target)
+      with (
+        jax.sharding.use_abstract_mesh(mesh_),
+        fdt.logical_axis_rules(rules_),
+      ):
+        model = _inputs.build_abstract(factory, target)
     suggestion = None
     if suggest:
       suggestion = fdt.suggest_rules(

@@ -853,6 +853,180 @@ def test_debug_shows_other_libraries_output(tmp_path):
     assert noise in proc.stderr
 
 
+# In this process, with typer's runner: what the user's code prints, eager
+# sharding off, a mesh of axes of size 1
+# ------------------------------------------------------------------------------
+
+# A model module that prints when imported and when its factory is called,
+# as MaxText prints when imported; `unplaced` is made while eager sharding is
+# off for one variable.
+PRINTING_FACTORY = """
+from flax import nnx
+print('hello from the model module')
+
+def make():
+  print('building the model')
+  init = nnx.initializers.lecun_normal()
+  return nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
+      init, ('data', 'model')), rngs=nnx.Rngs(0))
+
+def unplaced():
+  init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ('data', 'model'), eager_sharding=False)
+  return nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+"""
+
+# A model module that turns eager sharding off for everyone when imported,
+# as MaxText and tunix do.
+FLAG_OFF_FACTORY = """
+import flax
+from flax import nnx
+flax.config.update('flax_always_shard_variable', False)
+
+def make():
+  init = nnx.initializers.lecun_normal()
+  return nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
+      init, ('data', 'model')), rngs=nnx.Rngs(0))
+"""
+
+MESH_AXIS_NAMES = ('--mesh', 'data=2,model=4', '--mesh-axis-names')
+
+
+def invoke(*args, columns=200):
+  """Runs the command line in this process (typer's runner).
+
+  Returns the runner's result: `stdout` and `stderr` hold what was written
+  to sys.stdout and sys.stderr; our own stream is file descriptor 2 (see
+  `_command.handle_errors`), which `capfd` reads.
+  """
+  from typer.testing import CliRunner
+
+  from flax_dtensor.cli import _app
+
+  return CliRunner().invoke(
+    _app.app,
+    [str(a) for a in args],
+    env={'COLUMNS': str(columns)},
+    catch_exceptions=False,
+  )
+
+
+@pytest.fixture
+def eager_flag_restored():
+  """Flax's eager-sharding flag as it was, whatever a module set."""
+  import flax
+
+  before = flax.config.flax_always_shard_variable
+  try:
+    yield
+  finally:
+    flax.config.update('flax_always_shard_variable', before)
+
+
+def test_plan_json_is_only_json_when_the_model_prints(tmp_path, capfd):
+  path = tmp_path / 'printing.py'
+  path.write_text(PRINTING_FACTORY)
+  prints = ['hello from the model module', 'building the model']
+  result = invoke('plan', f'{path}:make', *MESH_AXIS_NAMES, '--json')
+  assert result.exit_code == 0, result.output
+  plan = json.loads(result.stdout)
+  assert [(v['path'], v['spec']) for v in plan['variables']] == [
+    ('bias', []),
+    ('kernel', ['data', 'model']),
+  ]
+  err = capfd.readouterr().err
+  assert [line for line in err.splitlines() if line in prints] == prints
+  # With --check, the findings as JSON: the same.
+  result = invoke('plan', f'{path}:make', *MESH_AXIS_NAMES, '--check', '--json')
+  assert result.exit_code == 0, result.output
+  assert json.loads(result.stdout) == {'findings': [], 'allowed': []}
+  err = capfd.readouterr().err
+  assert [line for line in err.splitlines() if line in prints] == prints
+  # With --debug (nothing redirected), to sys.stderr.
+  result = invoke('plan', f'{path}:make', *MESH_AXIS_NAMES, '--json', '--debug')
+  assert result.exit_code == 0, result.output
+  json.loads(result.stdout)
+  assert [x for x in result.stderr.splitlines() if x in prints] == prints
+  # Without --json, the model's prints stay on stdout, before the plan.
+  result = invoke('plan', f'{path}:make', *MESH_AXIS_NAMES)
+  assert result.exit_code == 0, result.output
+  assert result.stdout.splitlines()[:3] == [
+    *prints,
+    'Sharding plan: mesh data=2, model=4 (8 devices)',
+  ]
+
+
+@pytest.mark.parametrize(
+  'source, factory',
+  [(FLAG_OFF_FACTORY, 'make'), (PRINTING_FACTORY, 'unplaced')],
+  ids=['flag-off-at-import', 'eager-sharding-false'],
+)
+def test_plan_check_says_what_the_factory_creates_unplaced(
+  tmp_path, eager_flag_restored, source, factory
+):
+  del eager_flag_restored
+  path = tmp_path / 'model.py'
+  path.write_text(source)
+  args = ('plan', f'{path}:{factory}', *MESH_AXIS_NAMES, '--check')
+  result = invoke(*args, '--json')
+  assert result.exit_code == 1, result.output
+  (finding,) = json.loads(result.stdout)['findings']
+  assert (finding['code'], finding['subject']) == (
+    'eager-sharding-off',
+    'kernel',
+  )
+  assert finding['message'].startswith(
+    "the rules say P('data', 'model'), but calling the factory (building the "
+    'model eagerly) creates it unplaced: '
+  )
+  result = invoke(*args, '--allow', 'eager-sharding-off')
+  assert result.exit_code == 0, result.output
+  assert result.stdout.splitlines()[-1] == 'No findings.'
+
+
+def test_plan_check_is_clean_when_eager_sharding_is_on(tmp_path):
+  path = tmp_path / 'model.py'
+  path.write_text(PRINTING_FACTORY)
+  result = invoke('plan', f'{path}:make', *MESH_AXIS_NAMES, '--check')
+  assert result.exit_code == 0, result.output
+  assert result.stdout.splitlines()[-1] == 'No findings.'
+
+
+def test_plan_shows_specs_without_the_mesh_axes_of_size_1(tmp_path):
+  import many_axes
+
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(many_axes.RULES.to_yaml_text())
+  args = (
+    'plan',
+    f'{SUPPORT_DIR / "many_axes.py"}:make_stacked',
+    '--mesh',
+    many_axes.MESH_FLAG,
+    '--rules',
+    rules,
+  )
+  result = invoke(*args)
+  assert result.exit_code == 0, result.output
+  text = result.stdout
+  assert ' '.join(text.split()).startswith(
+    'Sharding plan: mesh fsdp=2, tensor=4 (8 devices; size 1, not shown in '
+    'specs: data, stage, fsdp_transpose,'
+  )
+  (row,) = [x for x in text.splitlines() if x.lstrip().startswith('wi ')]
+  assert row.split()[-5:] == ["P('fsdp',", 'None,', "'tensor')", '768', 'B']
+  for name in many_axes.UNIT:
+    assert repr(name) not in text
+  # The JSON keeps the spec as the rules resolve it.
+  result = invoke(*args, '--json')
+  assert result.exit_code == 0, result.output
+  spec = {v['path']: v['spec'] for v in json.loads(result.stdout)['variables']}
+  assert spec['wi'] == [
+    ['fsdp', 'sequence', 'context', 'expert'],
+    'stage',
+    ['tensor', 'tensor_transpose', 'tensor_sequence'],
+  ]
+
+
 def test_export_missing_checkpoint(tmp_path):
   bad_input(
     run_cli(

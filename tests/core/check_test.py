@@ -2,10 +2,15 @@
 
 import json
 
+import flax
+import jax
+import jax.numpy as jnp
+import many_axes
 import processes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 from flax_dtensor._planning import _check
@@ -197,3 +202,107 @@ def test_cli_check_exit_status_and_json(tmp_path):
   bad = _cli('plan', target, '--check', '--budget', '12XB')
   assert bad.returncode == 2
   assert "Malformed --budget '12XB'" in bad.stderr
+
+
+# eager-sharding-off: placements compared, and predicted for a factory
+# ------------------------------------------------------------------------------
+
+
+def test_eager_sharding_off_compares_placements_not_axis_names():
+  """On a mesh of 12 axes, most of size 1: a model created with eager
+  sharding off, then placed by hand without the axes of size 1, is where
+  the rules say; the one variable left unplaced is reported."""
+  mesh = many_axes.mesh()
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(many_axes.RULES):
+    model = many_axes.Stacked(nnx.Rngs(0), eager=False)
+  plan = fdt.plan(model, mesh=mesh, rules=many_axes.RULES)
+  assert all(not any(e.placed) and e.misplaced for e in plan.entries)
+  for e in plan.entries:
+    if e.path != 'wi':
+      many_axes.place(
+        getattr(model, e.path), mesh, many_axes.without_unit_axes(e.spec)
+      )
+  report = fdt.check(model, many_axes.RULES, mesh)
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('eager-sharding-off', 'wi')
+  ]
+  assert report.findings[0].message.startswith(
+    "placed P(), but the rules say P('fsdp', None, 'tensor'): created while "
+    'eager sharding was off'
+  )
+
+
+class Mixed(nnx.Module):
+  """A kernel that says eager_sharding=False, a bias that does not, and a
+  scale that says it but that the rules replicate."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.kernel = nnx.Param(
+      init(rngs.params(), (16, 64)),
+      out_sharding=('embed', 'mlp'),
+      eager_sharding=False,
+    )
+    self.bias = nnx.Param(jnp.zeros((64,)), out_sharding=('mlp',))
+    self.scale = nnx.Param(
+      jnp.ones((16,)), out_sharding=('norm',), eager_sharding=False
+    )
+
+
+def test_a_factory_is_checked_for_what_calling_it_creates_unplaced():
+  rules = [*GOOD, ('norm', None)]
+  report = fdt.check(
+    lambda: Mixed(nnx.Rngs(0)), rules, MESH, allow=['unused-rule']
+  )
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('eager-sharding-off', 'kernel')
+  ]
+  assert report.findings[0].message.startswith(
+    "the rules say P('data', 'model'), but calling the factory (building the "
+    'model eagerly) creates it unplaced: Flax leaves a variable where it is '
+    'created when its `eager_sharding` metadata is False'
+  )
+  assert '`fdt.init(factory, ...)`' in report.findings[0].message
+  assert 'nnx.use_eager_sharding(True)' in report.findings[0].message
+  # The prediction is what happens: called on the mesh, the kernel stays
+  # unplaced and the bias is placed; the concrete model is reported too.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    model = Mixed(nnx.Rngs(0))
+  assert not any(model.kernel.get_value().sharding.spec)
+  assert model.bias.get_value().sharding.spec == P('model')
+  concrete = fdt.check(model, rules, mesh, allow=['unused-rule'])
+  assert [(f.code, f.subject) for f in concrete.findings] == [
+    ('eager-sharding-off', 'kernel')
+  ]
+
+
+@pytest.fixture
+def eager_flag_off():
+  """Flax's eager sharding off for everyone, as some libraries set it at
+  import; restored after the test."""
+  before = flax.config.flax_always_shard_variable
+  flax.config.update('flax_always_shard_variable', False)
+  try:
+    yield
+  finally:
+    flax.config.update('flax_always_shard_variable', before)
+
+
+def test_a_factory_built_while_the_flag_is_off_is_reported(eager_flag_off):
+  del eager_flag_off
+  report = fdt.check(_factory(), GOOD, MESH)
+  # Every variable the rules shard; the bias (no annotation) is replicated.
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('eager-sharding-off', 'table/embedding'),
+    ('eager-sharding-off', 'up/kernel'),
+  ]
+  assert 'creates it unplaced (and 1 other variable):' in (
+    report.findings[0].message
+  )
+  assert fdt.check(_factory(), GOOD, MESH, allow=['eager-sharding-off']) == (
+    _check.CheckReport((), ('eager-sharding-off',))
+  )
+  # Built with eager sharding turned back on, nothing is created unplaced.
+  with nnx.use_eager_sharding(True):
+    assert not fdt.check(_factory(), GOOD, MESH)

@@ -100,11 +100,13 @@ def test_importing_it_turns_eager_sharding_off():
 def test_plan_of_a_factory_under_every_way_rules_are_set(gemma, how):
   mesh = _mesh()
   context = {
-    'ours': fdt.logical_axis_rules(fdt.LogicalRules.for_mesh_axes(mesh)),
-    'flax': nnx.logical_axis_rules((('fsdp', 'fsdp'), ('tp', 'tp'))),
-    'none': contextlib.nullcontext(),
+    'ours': lambda: fdt.logical_axis_rules(
+      fdt.LogicalRules.for_mesh_axes(mesh)
+    ),
+    'flax': lambda: nnx.logical_axis_rules((('fsdp', 'fsdp'), ('tp', 'tp'))),
+    'none': contextlib.nullcontext,
   }[how]
-  with context:
+  with context():
     plan = fdt.plan(gemma.make_model, mesh=mesh)
     report = fdt.check(gemma.make_model, mesh=mesh)
   assert plan['embedder/input_embedding'].spec == P('tp', 'fsdp')
@@ -116,13 +118,22 @@ def test_plan_of_a_factory_under_every_way_rules_are_set(gemma, how):
     e.bytes // np.prod([sizes[a] for a in e.spec if a is not None])
     for e in plan.entries
   )
-  assert not report, str(report)
+  # The import turned eager sharding off: calling the factory would create
+  # every variable the rules shard (all 30) unplaced, and check says so.
+  assert report.codes() == ('eager-sharding-off',), str(report)
+  sharded = [e.path for e in plan.entries if any(e.spec)]
+  assert [f.subject for f in report.findings] == sharded
+  assert len(sharded) == 30
+  with context(), nnx.use_eager_sharding(True):
+    assert not fdt.check(gemma.make_model, mesh=mesh)
 
 
 def test_flax_rules_are_checked_with_flax_semantics(gemma):
   mesh = _mesh()
   with nnx.logical_axis_rules((('tp', 'fsdp'), ('tp', 'tp'), ('fsdp', 'fsdp'))):
-    report = fdt.check(gemma.make_model, mesh=mesh)
+    report = fdt.check(
+      gemma.make_model, mesh=mesh, allow=['eager-sharding-off']
+    )
   (finding,) = report.findings
   assert finding.code == 'shadowed-rule'
   assert finding.subject == "('tp', 'fsdp')"
@@ -294,9 +305,13 @@ def test_the_command_line_takes_mesh_axis_annotations_as_they_are():
   assert variables['embedder/input_embedding']['spec'] == ['tp', 'fsdp']
   assert variables['layers/3/mlp/linear']['spec'] == ['tp', 'fsdp']
   assert len(variables) == 30
-  proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--check')
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert proc.stdout.strip() == 'No findings.'
+  # The only findings: importing the module turned eager sharding off, so
+  # calling the factory creates each variable unplaced.
+  proc = _cli('plan', target, *mesh, '--mesh-axis-names', '--check', '--json')
+  assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+  findings = json.loads(proc.stdout)['findings']
+  assert {f['code'] for f in findings} == {'eager-sharding-off'}
+  assert sorted(f['subject'] for f in findings) == sorted(variables)
   # Without it, the demo's rules name none of these axes: bad input (2).
   proc = _cli('plan', target, *mesh)
   assert proc.returncode == 2, proc.stderr[-3000:]

@@ -3,6 +3,7 @@
 import json
 
 import jax.numpy as jnp
+import many_axes
 import processes
 import pytest
 from flax import nnx
@@ -111,6 +112,32 @@ def test_a_different_mesh():
     'data': 4,
     'model': 2,
   }
+
+
+def test_a_spec_that_only_gains_axes_of_size_1_has_not_moved():
+  """On a mesh of 12 axes, most of size 1, a rule that adds axes of size 1
+  places nothing elsewhere; a golden layout read back says the same."""
+  mesh = many_axes.abstract_mesh()
+  golden = _plan(rules=[('embed', 'fsdp'), ('mlp', 'tensor')], mesh=mesh)
+  wider = [
+    ('embed', ('fsdp', 'context', 'expert')),
+    ('mlp', ('stage', 'tensor')),
+  ]
+  now = _plan(rules=wider, mesh=mesh)
+  assert now['up/kernel'].spec == P(
+    ('fsdp', 'context', 'expert'), ('stage', 'tensor')
+  )
+  assert golden['up/kernel'].spec == P('fsdp', 'tensor')
+  assert not now.diff(golden)
+  assert not now.diff(fdt.ShardingPlan.from_json(golden.to_json()))
+  # Really moved: the same axes of size > 1 on other dimensions.
+  swapped = _plan(
+    rules=[('embed', ('tensor', 'context')), ('mlp', 'fsdp')], mesh=mesh
+  )
+  d = swapped.diff(fdt.ShardingPlan.from_json(now.to_json()))
+  assert d.moved == ('up/kernel',)
+  # Shown without the axes of size 1, as the plan shows them.
+  assert "  spec P('fsdp', 'tensor') -> P('tensor', 'fsdp')" in str(d)
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,15 @@
 """Tests for fdt.plan and ShardingPlan."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
+import many_axes
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
@@ -297,3 +299,119 @@ def test_planning_a_factory_never_walks_the_trace(monkeypatch):
     with nnx.use_eager_sharding(False):
       nnx.eval_shape(lambda: Many(nnx.Rngs(0)))
     assert len(walks) >= 50
+
+
+# A MaxText-style mesh: 12 axes, most of size 1 (tests/support/many_axes.py)
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  'a, b, ndim, same',
+  [
+    (
+      P(('fsdp', 'context', 'expert'), 'stage', 'tensor'),
+      P('fsdp', None, 'tensor'),
+      3,
+      True,
+    ),
+    (P(('fsdp',), None), P('fsdp'), 2, True),
+    (P('fsdp', None, None), P('fsdp'), 3, True),
+    (P(('data', 'fsdp', 'stage', 'tensor')), P(('fsdp', 'tensor')), 2, True),
+    (P('stage', 'expert'), P(), 2, True),
+    (P(('fsdp', 'tensor')), P(('tensor', 'fsdp')), 2, False),
+    (P('fsdp', 'tensor'), P('tensor', 'fsdp'), 2, False),
+    (P(None, 'tensor'), P('tensor'), 2, False),
+    (P(('fsdp', 'context')), P(), 1, False),
+  ],
+  ids=[
+    'size-1-axes',
+    'one-tuple',
+    'trailing-nones',
+    'size-1-axes-around',
+    'only-size-1-axes',
+    'order-of-axes',
+    'swapped-dims',
+    'another-dim',
+    'sharded-or-not',
+  ],
+)
+def test_same_placement_is_what_jax_says(a, b, ndim, same):
+  from flax_dtensor._rules import _specs
+
+  mesh = many_axes.mesh()
+  assert _specs.same_placement(a, b, ndim, many_axes.SIZES) is same
+  assert _specs.same_placement(b, a, ndim, many_axes.SIZES) is same
+  # JAX's own answer: the same devices hold the same blocks.
+  jax_says = NamedSharding(mesh, a).is_equivalent_to(
+    NamedSharding(mesh, b), ndim
+  )
+  assert jax_says is same
+
+
+def _stacked_placed_without_unit_axes(wrong):
+  """The stacked model built under the rules, then each array placed by its
+  spec without the axes of size 1, except `wrong`: {path: spec}."""
+  mesh = many_axes.mesh()
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(many_axes.RULES):
+    model = many_axes.Stacked(nnx.Rngs(0))
+  for name, spec in wrong.items():
+    many_axes.place(getattr(model, name), mesh, spec)
+  for name in many_axes.PARAMS:
+    if name not in wrong:
+      variable = getattr(model, name)
+      raw = variable.get_value().sharding.spec
+      many_axes.place(variable, mesh, many_axes.without_unit_axes(raw))
+  return model, mesh
+
+
+def test_placements_equal_but_for_axes_of_size_1_are_where_the_rules_say():
+  model, mesh = _stacked_placed_without_unit_axes(
+    {'wi': P('tensor', None, 'fsdp')}
+  )
+  plan = fdt.plan(model, mesh=mesh, rules=many_axes.RULES)
+  assert [e.path for e in plan.entries] == list(many_axes.PARAMS)
+  wo = plan['wo']
+  # The raw spec stays on the entry; the array is placed without the axes
+  # of size 1: the same devices hold the same blocks, as JAX says.
+  assert wo.spec == P(
+    ('tensor', 'tensor_transpose', 'tensor_sequence'),
+    'stage',
+    ('fsdp', 'sequence', 'context', 'expert'),
+  )
+  assert wo.placed == P('tensor', None, 'fsdp')
+  assert model.wo.get_value().sharding.is_equivalent_to(
+    NamedSharding(mesh, wo.spec), 3
+  )
+  assert wo.display_spec == wo.display_placed == P('tensor', None, 'fsdp')
+  assert plan['final_norm'].display_spec == P('fsdp')
+  # Only the one really placed elsewhere is misplaced, with its reason.
+  assert [e.path for e in plan.entries if e.misplaced] == ['wi']
+  assert plan['wi'].misplaced_reason.startswith('placed by other rules')
+  assert not model.wi.get_value().sharding.is_equivalent_to(
+    NamedSharding(mesh, plan['wi'].spec), 3
+  )
+  assert all(e.misplaced_reason is None for e in plan.entries if e.path != 'wi')
+  text = plan.render(200)
+  assert ' '.join(text.split()).startswith(
+    'Sharding plan: mesh fsdp=2, tensor=4 (8 devices; size 1, not shown in '
+    'specs: ' + ', '.join(many_axes.UNIT) + ')'
+  )
+  assert "P('fsdp', None, 'tensor') (placed P('tensor', None, 'fsdp'))" in text
+  (row,) = [x for x in text.splitlines() if x.lstrip().startswith('wo ')]
+  assert re.search(
+    r"\('mlp', 'layers', 'embed'\) +P\('tensor', None, 'fsdp'\) +768 B$", row
+  ), row
+  assert 'Not where the rules say: 1 variable' in text
+  for name in many_axes.UNIT:
+    assert repr(name) not in text, name
+  # The JSON keeps the raw spec, and reads back to the same verdicts.
+  data = plan.to_dict()['variables'][many_axes.PARAMS.index('wo')]
+  assert data['spec'] == [
+    ['tensor', 'tensor_transpose', 'tensor_sequence'],
+    'stage',
+    ['fsdp', 'sequence', 'context', 'expert'],
+  ]
+  assert data['placed'] == ['tensor', None, 'fsdp']
+  back = fdt.ShardingPlan.from_json(plan.to_json())
+  assert [e.path for e in back.entries if e.misplaced] == ['wi']
+  assert back.render(200) == text

@@ -12,6 +12,7 @@ import pathlib
 import re
 
 import jax
+import many_axes
 import numpy as np
 import pytest
 from flax import nnx
@@ -227,3 +228,58 @@ def test_show_draws_a_grid_and_lists_every_block(demo_plan):
 def test_show_of_an_unknown_path_lists_the_paths(demo_plan):
   with pytest.raises(KeyError, match=r"No variable at 'nope'.*head/kernel"):
     demo_plan.show('nope')
+
+
+def test_specs_are_shown_without_the_mesh_axes_of_size_1():
+  """A MaxText-style mesh: the table, the stacked lines, the HTML and the
+  block map show P('fsdp', None, 'tensor'); the entry keeps the raw spec."""
+  rules = many_axes.RULES
+  plan = fdt.plan(
+    lambda: many_axes.Stacked(nnx.Rngs(0)),
+    mesh=many_axes.abstract_mesh(),
+    rules=rules,
+  )
+  wi = plan['wi']
+  assert wi.spec == P(
+    ('fsdp', 'sequence', 'context', 'expert'),
+    'stage',
+    ('tensor', 'tensor_transpose', 'tensor_sequence'),
+  )
+  assert wi.display_spec == P('fsdp', None, 'tensor')
+  assert wi.placed is wi.display_placed is None
+  for text in (plan.render(200), plan.render(60), plan.show('wi').render(100)):
+    assert "P('fsdp', None, 'tensor')" in ' '.join(text.split())
+    assert "'stage'" not in text and "'context'" not in text
+  assert (
+    plan.show('wi')
+    .render(100)
+    .startswith("wi  float32[16,3,32]  P('fsdp', None, 'tensor')")
+  )
+  page = plan._repr_html_()
+  assert html.escape("P('fsdp', None, 'tensor')") in page
+  assert 'context_autoregressive' in page  # Named in the header only.
+  assert html.escape("'context'") not in page
+
+
+@pytest.mark.parametrize(
+  'shape, names, header',
+  [
+    ((2, 4), ('data', 'model'), 'mesh data=2, model=4 (8 devices)'),
+    (
+      (1, 8, 1),
+      ('data', 'model', 'stage'),
+      'mesh model=8 (8 devices; size 1, not shown in specs: data, stage)',
+    ),
+    (
+      (1, 1),
+      ('data', 'model'),
+      'mesh data=1, model=1 (1 device; axes of size 1 are not shown in specs)',
+    ),
+  ],
+  ids=['no-size-1', 'some-size-1', 'all-size-1'],
+)
+def test_the_header_names_the_axes_of_size_1_apart(shape, names, header):
+  plan = fdt.plan(
+    lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), mesh=AbstractMesh(shape, names)
+  )
+  assert _plan_view.mesh_text(plan) == header

@@ -150,6 +150,12 @@ CHECKS = {
     "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
     'assert "Did you mean \'model\'?" in str(report)\n'
   ),
+  'other_libraries.md:eager-sharding-off': (
+    "assert fdt.check(make, rules, mesh).codes() == ('eager-sharding-off',)\n"
+    'assert not fdt.check(unplaced, rules, mesh)  # Placed by shard_module.\n'
+    'with nnx.use_eager_sharding(True):\n'
+    '  assert not fdt.check(make, rules, mesh)\n'
+  ),
   'memory.md:plan-with-optimizer': (
     'by = plan.bytes_per_device_by_category()\n'
     "assert by['optimizer'] >= 2 * by['params'] > 0, by\n"

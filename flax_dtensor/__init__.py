@@ -27,9 +27,13 @@ if TYPE_CHECKING:
   )
   from flax_dtensor._errors import FlaxDTensorError as FlaxDTensorError
   from flax_dtensor._errors import LayoutFileError as LayoutFileError
+  from flax_dtensor._errors import LikelyTypoWarning as LikelyTypoWarning
   from flax_dtensor._errors import LogicalRulesError as LogicalRulesError
   from flax_dtensor._errors import MeshAxisTypeError as MeshAxisTypeError
   from flax_dtensor._errors import MeshError as MeshError
+  from flax_dtensor._errors import (
+    MissingMeshAxisError as MissingMeshAxisError,
+  )
   from flax_dtensor._errors import NotAModelError as NotAModelError
   from flax_dtensor._errors import RuleTargetTypeError as RuleTargetTypeError
   from flax_dtensor._errors import (
@@ -85,11 +89,13 @@ __all__ = (
   'FlaxCompatibilityError',
   'FlaxDTensorError',
   'LayoutFileError',
+  'LikelyTypoWarning',
   'LogicalRules',
   'LogicalRulesError',
   'MemoryReport',
   'MeshAxisTypeError',
   'MeshError',
+  'MissingMeshAxisError',
   'NotAModelError',
   'PathRule',
   'PlanDiff',
@@ -128,9 +134,11 @@ _MODULES = {
   'FlaxCompatibilityError': '_errors',
   'FlaxDTensorError': '_errors',
   'LayoutFileError': '_errors',
+  'LikelyTypoWarning': '_errors',
   'LogicalRulesError': '_errors',
   'MeshAxisTypeError': '_errors',
   'MeshError': '_errors',
+  'MissingMeshAxisError': '_errors',
   'NotAModelError': '_errors',
   'RuleTargetTypeError': '_errors',
   'ShardingResolutionError': '_errors',

@@ -16,6 +16,17 @@ class LogicalRulesError(FlaxDTensorError, ValueError):
   """A rule set is malformed: a bad pair, a bad YAML document, a bad option."""
 
 
+class MissingMeshAxisError(LogicalRulesError):
+  """A rule names a mesh axis the mesh lacks, and the rules forbid that.
+
+  Raised only for rules made with ``missing_mesh_axes='error'`` (YAML
+  ``missing_mesh_axes: error``, ``--missing-mesh-axes error`` on the
+  command line), when they meet a mesh: every rule naming an axis the mesh
+  lacks is listed, with the mesh axis it was likely meant to name. By
+  default such a rule falls back instead (see `LikelyTypoWarning`).
+  """
+
+
 class RuleTargetTypeError(FlaxDTensorError, TypeError):
   """A rule's target is not a mesh axis name, a sequence of names, or None."""
 
@@ -184,4 +195,22 @@ class EagerShardingOffWarning(UserWarning):
   (some libraries set it when imported), so Flax created its annotated
   variables unsharded. ``fdt.plan`` gives each such variable's
   reason and ``fdt.check`` reports ``eager-sharding-off``.
+  """
+
+
+class LikelyTypoWarning(UserWarning):
+  """A rule names a mesh axis the mesh lacks, spelled like one it has.
+
+  A rule such as ``('embed', 'dta')`` on a mesh with a ``data`` axis is
+  skipped (its name falls back to its next rule, often replication), which
+  silently costs memory. Warned once per rules and mesh, with "did you mean
+  'data'?", when variables are placed or resolved under them; ``fdt.plan``
+  shows it as a headline instead, and ``fdt.check`` reports it as
+  ``mesh-axis-typo``. A missing axis is a likely typo of a mesh axis when,
+  compared without regard to case, both names are the same, or both have
+  at least 3 characters and are one edit apart (a character inserted,
+  deleted or changed, or two adjacent characters swapped); so ``'fsdp'``
+  on a mesh of ``data`` and ``model`` is an intended fallback, not a typo.
+  ``missing_mesh_axes='error'`` makes every rule naming a missing axis an
+  error (`MissingMeshAxisError`).
   """

@@ -21,7 +21,13 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _logical, _meshes, _path_rules, _resolution
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _missing_axes,
+  _path_rules,
+  _resolution,
+)
 
 Path = tuple[Any, ...]
 
@@ -305,6 +311,8 @@ def _by_path_rule(
       path=path,
     )
     return dataclasses.replace(resolution, source=source)
+  if mesh is not None:
+    _missing_axes.check_on_mesh(rules, _meshes.axis_sizes(mesh))
   return _resolution.fit_spec(
     entries,
     shape,

@@ -8,7 +8,6 @@ rules, path rules and the variables they leave whole are all checked.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -20,12 +19,23 @@ import jax
 from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _placing, _trees, _variables
 from flax_dtensor._planning import _plan, _plan_view
-from flax_dtensor._rules import _logical, _meshes, _path_rules, _specs
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _missing_axes,
+  _path_rules,
+  _specs,
+)
 
 CODES = {
   'unused-rule': 'a logical name in the rules that no variable uses',
   'shadowed-rule': 'a rule that an earlier rule for its name always beats',
-  'unknown-mesh-axis': 'a rule naming a mesh axis the mesh lacks',
+  'unknown-mesh-axis': (
+    'a rule naming a mesh axis the mesh lacks (a fallback the rules intend)'
+  ),
+  'mesh-axis-typo': (
+    'a rule naming a mesh axis the mesh lacks, spelled like one it has'
+  ),
   'replicated-large': 'a large variable the rules leave whole on every device',
   'over-budget': 'bytes per device above the budget',
   'unmatched-path-rule': 'a path rule whose pattern matches no variable',
@@ -104,10 +114,6 @@ class CheckReport:
   __repr__ = __str__
 
 
-def _rule_text(name: str, target: Any) -> str:
-  return f'({name!r}, {_specs.format_entry(target)})'
-
-
 def _rule_findings(
   rules: _logical.LogicalRules | _logical.FlaxRules,
   used: set[str],
@@ -128,6 +134,7 @@ def _rule_findings(
           '(with_logical_constraint).',
         )
       )
+  missing = _missing_axis_findings(rules, sizes)
   last = {name: i for i, (name, _) in enumerate(pairs)}
   seen: dict[str, list[Any]] = {}
   for i, (name, target) in enumerate(pairs):
@@ -136,8 +143,8 @@ def _rule_findings(
       out.append(
         Finding(
           'shadowed-rule',
-          _rule_text(name, target),
-          f'the later rule {_rule_text(name, pairs[last[name]][1])} wins: '
+          _missing_axes.rule_text(name, target),
+          f'the later rule {_missing_axes.rule_text(name, pairs[last[name]][1])} wins: '
           "these rules were set with Flax's own context, which applies them "
           'as a dict (the last rule for a name wins, no fallbacks), so this '
           'one never applies. Remove it, or set the rules with '
@@ -155,31 +162,64 @@ def _rule_findings(
       out.append(
         Finding(
           'shadowed-rule',
-          _rule_text(name, target),
-          f'the earlier rule {_rule_text(name, winner)} {why}, so this one '
+          _missing_axes.rule_text(name, target),
+          f'the earlier rule {_missing_axes.rule_text(name, winner)} {why}, so this one '
           'never applies. Remove it, or move it before that rule.',
         )
       )
     earlier.append(target)
-    if sizes is not None:
+    if sizes is not None and flax:
       for axis in _specs.axes_of(target):
         if axis not in sizes:
-          close = difflib.get_close_matches(axis, list(sizes), n=1)
-          hint = f' Did you mean {close[0]!r}?' if close else ''
-          skipped = (
-            'Flax will fail to create a variable with it'
-            if flax
-            else 'this rule is always skipped'
-          )
+          meant = _missing_axes.likely_meant(axis, list(sizes))
+          hint = f' Did you mean {meant!r}?' if meant else ''
           out.append(
             Finding(
               'unknown-mesh-axis',
-              _rule_text(name, target),
+              _missing_axes.rule_text(name, target),
               f'the mesh has no axis {axis!r} (axes: {list(sizes)}), so '
-              f'{skipped}.{hint} Fix the name, or remove the rule'
-              + ('.' if flax else ' if the fallback is meant.'),
+              f'Flax will fail to create a variable with it.{hint} Fix the '
+              'name, or remove the rule.',
             )
           )
+    if not flax:  # Where the rule is, among the findings.
+      out += missing.pop(_missing_axes.rule_text(name, target), [])
+  # Those of path rules.
+  out += [f for found in missing.values() for f in found]
+  return out
+
+
+def _missing_axis_findings(
+  rules: Any, sizes: dict[str, int] | None
+) -> dict[str, list[Finding]]:
+  """{rule: a `mesh-axis-typo` for each mesh axis it names that the mesh
+  lacks, spelled like one it has, an `unknown-mesh-axis` for any other}."""
+  out: dict[str, list[Finding]] = {}
+  if sizes is None or not isinstance(rules, _logical.LogicalRules):
+    return out
+  for m in _missing_axes.missing_axes(rules, list(sizes)):
+    found = out.setdefault(m.rule, [])
+    lacks = f'the mesh has no axis {m.axis!r} (axes: {list(sizes)}), so'
+    if m.typo:
+      found.append(
+        Finding(
+          'mesh-axis-typo',
+          m.rule,
+          f'{lacks} this rule is always skipped and its variables fall '
+          f'back (often to replication). Did you mean {m.meant!r}? Fix the '
+          'name.',
+        )
+      )
+    else:
+      found.append(
+        Finding(
+          'unknown-mesh-axis',
+          m.rule,
+          f'{lacks} this rule is always skipped. Fix the name, or remove '
+          'the rule if the fallback is meant (or allow '
+          "'unknown-mesh-axis' for rules shared by several meshes).",
+        )
+      )
   return out
 
 
@@ -359,8 +399,12 @@ def check(
   - ``unused-rule``: a logical name in the rules that no variable uses;
   - ``shadowed-rule``: a rule that an earlier rule for the same name always
     beats (an earlier ``None``, or the same rule twice);
-  - ``unknown-mesh-axis``: a rule naming an axis the mesh lacks (a typo
-    like ``'modle'`` silently replicates), with a "did you mean";
+  - ``mesh-axis-typo``: a rule naming an axis the mesh lacks, spelled like
+    one it has (``'modle'`` for ``'model'``: a typo silently replicates),
+    with a "did you mean" (the similarity rule of `LikelyTypoWarning`);
+  - ``unknown-mesh-axis``: a rule naming any other axis the mesh lacks
+    (an ``'fsdp'`` rule on a mesh without one: a fallback the rules
+    intend, reported so that it is allowed knowingly);
   - ``replicated-large``: a variable of at least `min_bytes` that the
     rules (its annotation or a path rule) leave whole on every device,
     with the mesh axes that could shard it;
@@ -413,7 +457,7 @@ def check(
     ...     lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
     ...     rules, mesh, allow=['unused-rule'])
     >>> [(f.code, f.subject) for f in report.findings]
-    [('unknown-mesh-axis', "('mlp', 'modle')")]
+    [('mesh-axis-typo', "('mlp', 'modle')")]
     >>> "Did you mean 'model'?" in report.findings[0].message
     True
   """
@@ -430,15 +474,17 @@ def check(
   # The semantics creation takes: ours (unknown names replicated, so that
   # every variable is planned), or Flax's (rules set with its own context,
   # or none at all: then the names are mesh axes).
+  # Rules naming missing mesh axes are findings here, not errors.
   planning = (
-    rules_.replace(unknown='replicate')
+    rules_.replace(unknown='replicate', missing_mesh_axes='fallback')
     if isinstance(rules_, _logical.LogicalRules)
     else rules_
   )
   target = module_or_state
-  if _plan._is_factory(target) and not _trees.is_array_tree(target):
-    target = _init.build_abstract(target, mesh=mesh_, rules=planning)
-  result = _plan.plan(target, mesh=mesh_, rules=planning)
+  with _missing_axes.reported_elsewhere():  # As findings.
+    if _plan._is_factory(target) and not _trees.is_array_tree(target):
+      target = _init.build_abstract(target, mesh=mesh_, rules=planning)
+    result = _plan.plan(target, mesh=mesh_, rules=planning)
   used = {
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }

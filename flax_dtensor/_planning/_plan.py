@@ -25,7 +25,13 @@ from flax_dtensor._placement import (
   _variables,
 )
 from flax_dtensor._planning import _plan_diff, _plan_view
-from flax_dtensor._rules import _logical, _meshes, _path_rules, _specs
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _missing_axes,
+  _path_rules,
+  _specs,
+)
 
 PlanDiff = _plan_diff.PlanDiff
 
@@ -171,11 +177,16 @@ class ShardingPlan:
     entries: One `PlanEntry` per variable, in path order.
     mesh_axes: The mesh's axis names and sizes, or None without a mesh.
     num_devices: The number of devices in the mesh (1 without a mesh).
+    likely_typos: One line per rule naming a mesh axis the mesh lacks,
+      spelled like one it has (``"('embed', 'dta') names mesh axis 'dta',
+      which the mesh lacks: did you mean 'data'?"``), shown as the plan's
+      headline. Rules naming other missing axes are intended fallbacks.
   """
 
   entries: tuple[PlanEntry, ...]
   mesh_axes: dict[str, int] | None
   num_devices: int
+  likely_typos: tuple[str, ...] = ()
 
   @property
   def total_bytes(self) -> int:
@@ -212,6 +223,7 @@ class ShardingPlan:
       'total_bytes': self.total_bytes,
       'bytes_per_device': self.bytes_per_device,
       'ideal_bytes_per_device': self.ideal_bytes_per_device,
+      'likely_typos': list(self.likely_typos),
     }
 
   def to_json(self, **kwargs: Any) -> str:
@@ -440,6 +452,7 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
     entries=tuple(entries),
     mesh_axes=mesh_axes,
     num_devices=int(data.get('num_devices', 1)),
+    likely_typos=tuple(str(t) for t in data.get('likely_typos') or ()),
   )
 
 
@@ -603,6 +616,12 @@ def plan(
     UnknownLogicalAxisError: If a variable names an axis in no rule; the
       message names the variable path.
     ShardingResolutionError: If a variable's axes cannot be resolved.
+    MissingMeshAxisError: If the rules say ``missing_mesh_axes='error'``
+      and one names a mesh axis the mesh lacks.
+
+  A rule naming a mesh axis the mesh lacks but spelled like one it has (a
+  likely typo, see `LikelyTypoWarning`) is the plan's headline
+  (`ShardingPlan.likely_typos`) rather than a warning.
 
   Example:
     Plan a model for a mesh of 256 devices, without any device or memory:
@@ -632,6 +651,37 @@ def plan(
   rules_ = _logical.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
+  with _missing_axes.reported_elsewhere():  # By the headline.
+    if sizes is not None and isinstance(rules_, _logical.LogicalRules):
+      _missing_axes.check_on_mesh(rules_, sizes)  # Raises if they say so.
+    entries = _entries(
+      module_or_state, rules_, mesh_, sizes, optimizer, logical_axes
+    )
+  num_devices = math.prod(sizes.values()) if sizes else 1
+  return ShardingPlan(
+    entries=tuple(entries),
+    mesh_axes=sizes,
+    num_devices=num_devices,
+    likely_typos=tuple(
+      map(
+        str,
+        _missing_axes.likely_typos(
+          rules_, None if sizes is None else list(sizes)
+        ),
+      )
+    ),
+  )
+
+
+def _entries(
+  module_or_state: Any,
+  rules_: _logical.LogicalRules | _logical.FlaxRules,
+  mesh_: Any,
+  sizes: dict[str, int] | None,
+  optimizer: Any,
+  logical_axes: Any,
+) -> list[PlanEntry]:
+  """The plan's entries, in natural path order."""
   if _trees.is_array_tree(module_or_state):
     if optimizer is not None:
       raise _errors.NotAModelError(
@@ -710,7 +760,4 @@ def plan(
         entries[-1], misplaced_reason=_misplaced_reason(eager)
       )
   entries.sort(key=lambda e: _variables.natural_key(e.path))
-  num_devices = math.prod(sizes.values()) if sizes else 1
-  return ShardingPlan(
-    entries=tuple(entries), mesh_axes=sizes, num_devices=num_devices
-  )
+  return entries

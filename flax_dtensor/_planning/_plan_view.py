@@ -26,7 +26,7 @@ import rich.table
 import rich.text
 
 from flax_dtensor import _text
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _missing_axes, _specs
 
 if TYPE_CHECKING:
   from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
@@ -35,6 +35,7 @@ LARGEST = 5
 """How many of the largest replicated variables the summary names."""
 
 _FALLBACK = re.compile(r'^dim \d+ \((?P<name>.*?)\): (?P<why>.*)$')
+TYPO_REASON = _missing_axes.TYPO_REASON
 
 
 # What the views show
@@ -206,18 +207,40 @@ def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
   return rich.console.Group(*items)
 
 
+def fallbacks_text(groups: Sequence[tuple[str, list[str]]]) -> str:
+  """'Fallbacks: 3 reasons, 17 variables'; where some reasons are likely
+  typos, those the rules intend and the typos counted apart: 'Fallbacks: 1
+  intended reason, 17 variables; 1 likely typo, 17 variables'."""
+
+  def variables(chosen: Sequence[tuple[str, list[str]]]) -> str:
+    paths = {p for _, paths in chosen for p in paths}
+    return _text.count(len(paths), 'variable')
+
+  typos = [g for g in groups if TYPO_REASON in g[0]]
+  if not typos:
+    return (
+      f'Fallbacks: {_text.count(len(groups), "reason")}, {variables(groups)}'
+    )
+  intended = [g for g in groups if TYPO_REASON not in g[0]]
+  text = 'Fallbacks: '
+  if intended:
+    text += (
+      f'{_text.count(len(intended), "intended reason")}, '
+      f'{variables(intended)}; '
+    )
+  return text + f'{_text.count(len(typos), "likely typo")}, {variables(typos)}'
+
+
+def typo_headlines(plan: ShardingPlan) -> list[str]:
+  """'Likely typo: ...' for each rule of `plan.likely_typos`."""
+  return [f'Likely typo: {t}' for t in plan.likely_typos]
+
+
 def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
   groups = fallback_groups(entries)
   if not groups:
     return []
-  affected = len({p for _, paths in groups for p in paths})
-  out: list[Any] = [
-    rich.text.Text(
-      f'Fallbacks: {_text.count(len(groups), "reason")}, '
-      f'{_text.count(affected, "variable")}',
-      style='bold',
-    )
-  ]
+  out: list[Any] = [rich.text.Text(fallbacks_text(groups), style='bold')]
   for reason, paths in groups:
     n = _text.count(len(paths), 'variable')
     out.append(
@@ -290,6 +313,10 @@ def renderables(
   """What the plan prints at `width` columns: the full view or the summary."""
   out: list[Any] = [
     rich.text.Text(f'Sharding plan: {mesh_text(plan)}', style='bold'),
+    *(
+      rich.text.Text(line, style='bold red', overflow='fold')
+      for line in typo_headlines(plan)
+    ),
     rich.text.Text(totals_text(plan)),
   ]
   if summary:
@@ -354,7 +381,12 @@ def render_html(plan: ShardingPlan, *, summary: bool = False) -> str:
   """The plan as an HTML fragment that wraps to the notebook's width."""
   parts = [
     f'<div style="max-width:100%"><b>Sharding plan: '
-    f'{html.escape(mesh_text(plan))}</b><br>{html.escape(totals_text(plan))}'
+    f'{html.escape(mesh_text(plan))}</b><br>'
+    + ''.join(
+      f'<b style="color:#b00">{html.escape(line)}</b><br>'
+      for line in typo_headlines(plan)
+    )
+    + html.escape(totals_text(plan))
   ]
   if not summary and plan.entries:
     columns = _columns(plan.entries)

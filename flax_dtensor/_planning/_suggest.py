@@ -1,6 +1,8 @@
-"""`suggest_rules`: path rules proposed for a model nobody annotated.
+"""`suggest_rules`: rules proposed for a model, from what it says.
 
-The model is built abstractly and read by its paths and shapes: a preset
+The model is built abstractly and read: the logical names its annotations
+carry get logical rules (`_Names`, chosen by the bytes each device holds);
+the variables without them are read by their paths and shapes: a preset
 (`_presets`) recognised from the paths, or the generic proposal (the
 largest dimension that divides on the fsdp-like axis, the next on the
 model axis), sharded further until a memory budget fits. `RulesSuggestion`
@@ -9,6 +11,7 @@ holds the rules, the plan under them, and why each variable goes where.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -25,7 +28,13 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _trees
 from flax_dtensor._planning import _plan, _presets
-from flax_dtensor._rules import _logical, _path_rules, _specs
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _path_rules,
+  _resolution,
+  _specs,
+)
 
 DEFAULT_MIN_BYTES = 2**16
 """Variables below this size are replicated unless a budget needs them."""
@@ -109,6 +118,9 @@ class RulesSuggestion:
     budget: The budget in bytes per device, or None.
     notes: What else the proposal did: preset rules left out, thresholds
       lowered.
+    logical_names: ``{name: its targets, in priority order}`` for each
+      logical name the model's annotations use, for which the rules were
+      proposed (empty when no variable is annotated).
   """
 
   rules: _logical.LogicalRules
@@ -119,6 +131,9 @@ class RulesSuggestion:
   reasons: dict[str, str]
   budget: int | None
   notes: tuple[str, ...]
+  logical_names: dict[str, tuple[Any, ...]] = dataclasses.field(
+    default_factory=dict
+  )
 
   @property
   def bytes_per_device(self) -> int:
@@ -190,6 +205,17 @@ class RulesSuggestion:
       f'Suggested rules: {self.recognition}.',
       f'Mesh axes: fsdp-like {self.axes["fsdp"]!r}, model '
       f'{self.axes["model"]!r}.',
+    ]
+    if self.logical_names:
+      lines.append(
+        "Logical names from the model's annotations: "
+        + '; '.join(
+          f'{name!r} -> ' + ', '.join(_specs.format_entry(t) for t in targets)
+          for name, targets in self.logical_names.items()
+        )
+        + '.'
+      )
+    lines += [
       self.budget_text(),
     ]
     lines += [f'Note: {note}' for note in self.notes]
@@ -398,8 +424,10 @@ class _Proposal:
     roles: dict[str, str | None],
     sizes: dict[str, int],
     min_bytes: int,
+    names: _Names | None = None,
   ) -> None:
     self.variables = variables
+    self.names = names
     self.preset = preset
     self.roles = roles
     self.sizes = sizes
@@ -569,14 +597,20 @@ class _Proposal:
     for f in self.small:
       if id(f) not in self.sharded_further:
         why.update({m.path: self.reason(f) for m in f.members})
+    annotated_why = (
+      'annotated: its logical names placed by the rules proposed for them'
+      if self.names is not None and self.names.names
+      else 'annotated: its annotation places it'
+    )
     for v in self.variables:
       if v.annotated:
-        why[v.path] = 'annotated: its annotation places it'
+        why[v.path] = annotated_why
       elif not v.shape:
         why[v.path] = 'replicated: a scalar'
     if any(
       _path_rules.first_match(path_rules, v.path, None) is None
       for v in self.variables
+      if not v.annotated
     ):
       path_rules.append(
         _path_rules.PathRule(
@@ -586,14 +620,143 @@ class _Proposal:
           'dimension divides)',
         )
       )
+    named = self.names.pairs() if self.names is not None else []
+    own = {n for n, _ in named}
     rules = _logical.LogicalRules(
-      _logical_rules(names, self.roles),
+      named + [p for p in _logical_rules(names, self.roles) if p[0] not in own],
       path_rules=path_rules,
       min_bytes=self.threshold(),
       # Annotations keep their place; names these rules lack replicate.
       unknown='replicate' if any(v.annotated for v in self.variables) else None,
     )
     return rules, {v.path: why[v.path] for v in self.variables}
+
+
+# Logical names of annotated models
+# ------------------------------------------------------------------------------
+
+# The orders a logical name's targets may take, by role: model axis first,
+# fsdp-like axis first, both axes on one dimension first (for a budget).
+_NAME_ORDERS = {
+  'model': (('model',), ('fsdp',)),
+  'fsdp': (('fsdp',), ('model',)),
+  'both': (('fsdp', 'model'), ('fsdp',), ('model',)),
+}
+
+
+def _name_targets(
+  order: str | None, roles: dict[str, str | None]
+) -> tuple[Any, ...]:
+  """A name's targets for `order` (a key of `_NAME_ORDERS`, or None to
+  replicate), ending in None (replicate where nothing fits)."""
+  out: list[Any] = []
+  for wanted in _NAME_ORDERS[order] if order else ():
+    axes = tuple(roles[r] for r in wanted if roles[r] is not None)
+    if len(axes) == len(wanted):
+      target = axes if len(axes) > 1 else axes[0]
+      if target not in out:
+        out.append(target)
+  return (*out, None)
+
+
+def _start_order(name: str) -> str | None:
+  """Where a name starts, by its role in the presets' vocabulary."""
+  first = _ROLES.get(name, ((),))[0]
+  if first == ('model',):
+    return 'model'
+  if 'fsdp' in first:
+    return 'fsdp'
+  return None
+
+
+class _Names:
+  """The proposal for the logical names of annotated variables: each
+  name's order of targets, chosen to lower the bytes per device.
+
+  The variables (the optimizer's state included) are resolved directly
+  by the rules, without a plan: a name at a time, the one on the most
+  bytes first, the orders are tried and the one holding the fewest bytes
+  per device kept (a name's variables all below `min_bytes` stay
+  replicated, unless a budget needs them).
+  """
+
+  def __init__(
+    self,
+    entries: Sequence[_plan.PlanEntry],
+    mesh: Any,
+    roles: dict[str, str | None],
+    min_bytes: int,
+  ) -> None:
+    self.entries = [e for e in entries if e.logical_axes]
+    # Layers repeat: each kind of array resolved once, counted as often.
+    self.kinds = collections.Counter(
+      (e.logical_axes, e.shape, _path_rules.itemsize(e.dtype))
+      for e in self.entries
+    )
+    self.mesh = mesh
+    self.sizes = _meshes.axis_sizes(mesh)
+    self.roles = roles
+    weight: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    for e in self.entries:
+      for name in e.logical_axes or ():
+        if name is not None:
+          weight[name] = weight.get(name, 0) + e.bytes
+          largest[name] = max(largest.get(name, 0), e.bytes)
+    self.names = sorted(weight, key=lambda n: (-weight[n], n))
+    self.small = {n for n in self.names if largest[n] < min_bytes}
+    self.orders: dict[str, str | None] = {
+      n: None if n in self.small else _start_order(n) for n in self.names
+    }
+
+  def pairs(self, orders: dict[str, str | None] | None = None) -> list[Any]:
+    orders = self.orders if orders is None else orders
+    return [
+      (name, target)
+      for name in self.names
+      for target in _name_targets(orders[name], self.roles)
+    ]
+
+  def bytes_per_device(self, orders: dict[str, str | None]) -> int:
+    rules = _logical.LogicalRules(self.pairs(orders), unknown='replicate')
+    total = 0
+    for (axes, shape, itemsize), count in self.kinds.items():
+      spec = _resolution.resolve_dims(
+        axes, shape, mesh=self.mesh, rules=rules
+      ).spec
+      shard = _plan._shard_shape(shape, spec, self.sizes)
+      total += math.prod(shard) * itemsize * count
+    return total
+
+  def improve(self, choices: Sequence[str | None], names: Sequence[str]) -> int:
+    """Tries `choices` for each of `names` in turn, keeping what holds
+    fewer bytes; returns the bytes per device."""
+    best = self.bytes_per_device(self.orders)
+    for name in names:
+      for choice in choices:
+        if choice == self.orders[name]:
+          continue
+        trial = {**self.orders, name: choice}
+        held = self.bytes_per_device(trial)
+        if held < best:
+          best, self.orders = held, trial
+    return best
+
+  def search(self, budget: int | None, others: int) -> None:
+    """The orders: the names' roles improved, then, if `others` (the bytes
+    per device of the variables without logical axes) and the names' do
+    not fit `budget`, both axes on a dimension and the small names too."""
+    large = [n for n in self.names if n not in self.small]
+    held = self.improve(('model', 'fsdp', None), large)
+    if budget is None or held + others <= budget:
+      return
+    held = self.improve(('both', 'model', 'fsdp'), large)
+    if held + others <= budget:
+      return
+    self.improve(('model', 'fsdp', 'both'), sorted(self.small))
+
+  def targets(self) -> dict[str, tuple[Any, ...]]:
+    return {n: _name_targets(self.orders[n], self.roles) for n in self.names}
 
 
 def _copies(path: str, entries: Sequence[_plan.PlanEntry]) -> list[Any]:
@@ -626,10 +789,19 @@ def suggest_rules(
   style: str | None = None,
   min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> RulesSuggestion:
-  """Proposes path rules for a model nobody annotated, with the reasons.
+  """Proposes rules for a model, from what it says, with the reasons.
 
-  The model is built abstractly (nothing is allocated) and read by its
-  paths and shapes:
+  The model is built abstractly (nothing is allocated) and read:
+
+  - **The logical names of its annotations** (``nnx.with_partitioning``)
+    each get logical rules: targets in priority order, the model axis or
+    the fsdp-like axis first (by the name's role in the presets where it
+    has one), the other next, then None. A name at a time, the one on the
+    most bytes first, the order holding the fewest bytes per device is
+    kept; with a budget not met, both axes on one dimension too, and the
+    names of small arrays last. `RulesSuggestion.logical_names` lists them.
+
+  The variables without logical names are read by their paths and shapes:
 
   - **A preset** for a known naming convention, recognised from the paths
     (or named by `style`): Hugging Face-style Llama, Mistral and Qwen
@@ -728,6 +900,8 @@ def suggest_rules(
   candidates = [
     v for v in variables if not v.annotated and v.shape and v.bytes >= min_bytes
   ]
+  names = _Names(entries, mesh, roles, min_bytes)
+  names.search(None, 0)
   proposal = _Proposal(
     variables=variables,
     candidates=candidates,
@@ -735,6 +909,7 @@ def suggest_rules(
     roles=roles,
     sizes=sizes,
     min_bytes=min_bytes,
+    names=names,
   )
   if preset is not None and not proposal.used_preset_rules():
     recognition += '; none of its rules matches, so the proposal is generic'
@@ -745,6 +920,11 @@ def suggest_rules(
     return rules, why, result
 
   rules, why, result = planned()
+  if budget is not None and result.bytes_per_device > budget and names.names:
+    # The annotated variables first: their names' rules, for the budget.
+    others = result.bytes_per_device - names.bytes_per_device(names.orders)
+    names.search(budget, others)
+    rules, why, result = planned()
   if budget is not None and result.bytes_per_device > budget:
     # First the variables above the threshold, those that save the most
     # first; then, if need be, those below it, largest first (so that the
@@ -775,11 +955,17 @@ def suggest_rules(
         break
   notes = proposal.notes + proposal.left_out()
   annotated = [v.path for v in variables if v.annotated]
-  if annotated:
+  if annotated and names.names:
     notes.append(
       f'{len(annotated)} annotated variables (e.g. {annotated[0]!r}) keep '
-      'their annotations; the rules replicate the logical names they lack '
-      "(unknown='replicate'): add rules for those names."
+      'their logical names; the logical rules are proposed for the names '
+      f'they use ({", ".join(map(repr, names.names))}).'
+    )
+  elif annotated:
+    notes.append(
+      f'{len(annotated)} annotated variables (e.g. {annotated[0]!r}) keep '
+      'their annotations (they name no logical axis: their own sharding '
+      'places them).'
     )
   if proposal.threshold() < min_bytes:
     notes.append(
@@ -799,4 +985,5 @@ def suggest_rules(
     reasons=why,
     budget=budget,
     notes=tuple(notes),
+    logical_names=names.targets(),
   )

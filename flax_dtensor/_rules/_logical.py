@@ -28,8 +28,10 @@ from flax_dtensor._rules import _meshes, _path_rules
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
 Unknown = Literal['error', 'replicate']
+MissingMeshAxes = Literal['fallback', 'error']
 
 _UNKNOWN_CHOICES = ('error', 'replicate')
+_MISSING_MESH_AXES_CHOICES = ('fallback', 'error')
 
 RULES_FIX_MSG = (
   'Each rule is a pair (logical_name, target) where logical_name is a str '
@@ -84,6 +86,17 @@ def _unknown(value: Any) -> Unknown:
   if value not in _UNKNOWN_CHOICES:
     raise _errors.LogicalRulesError(
       f'`unknown` must be one of {_UNKNOWN_CHOICES}; got {value!r}.'
+    )
+  return value
+
+
+def _missing_mesh_axes(value: Any) -> MissingMeshAxes:
+  if value not in _MISSING_MESH_AXES_CHOICES:
+    raise _errors.LogicalRulesError(
+      f'`missing_mesh_axes` must be one of {_MISSING_MESH_AXES_CHOICES} '
+      "('fallback': a rule naming a mesh axis the mesh lacks is skipped, a "
+      "likely typo warned; 'error': such a rule raises); got "
+      f'{value!r}.'
     )
   return value
 
@@ -161,6 +174,12 @@ _OPTIONS: dict[str, _Option] = {
     _threshold('min_bytes'),
     'Path rules leave variables of fewer bytes replicated.',
   ),
+  'missing_mesh_axes': _Option(
+    'fallback',
+    _missing_mesh_axes,
+    'What a rule naming a mesh axis the mesh lacks does: falls back '
+    "('fallback'), or raises ('error').",
+  ),
 }
 
 
@@ -197,6 +216,14 @@ class LogicalRules(tuple):
     min_size: Path rules leave variables of fewer elements replicated.
     min_bytes: Path rules leave variables of fewer bytes replicated.
       (Scalars are never sharded by path rules.)
+    missing_mesh_axes: What a rule naming a mesh axis that the mesh lacks
+      does (whichever dimension it would shard): ``'fallback'`` (the
+      default) skips it, so the next rule for its name applies, and warns
+      `LikelyTypoWarning` once when the axis is spelled like one of the
+      mesh's (``'dta'`` for ``'data'``); ``'error'`` raises
+      `MissingMeshAxisError` for any such rule, as soon as the rules meet
+      the mesh. (Unlike `strict`, which is about dimensions, this is about
+      the rules' mesh axes.)
 
   Raises:
     LogicalRulesError: If a pair is malformed or an option is invalid.
@@ -225,6 +252,7 @@ class LogicalRules(tuple):
     path_rules: Sequence[Any] | None = None,
     min_size: int | None = None,
     min_bytes: int | None = None,
+    missing_mesh_axes: MissingMeshAxes | None = None,
   ) -> LogicalRules:
     given = {
       'unknown': unknown,
@@ -232,6 +260,7 @@ class LogicalRules(tuple):
       'path_rules': path_rules,
       'min_size': min_size,
       'min_bytes': min_bytes,
+      'missing_mesh_axes': missing_mesh_axes,
     }
     return cls._new(pairs, given)
 
@@ -315,6 +344,7 @@ class LogicalRules(tuple):
   path_rules = _option('path_rules')
   min_size = _option('min_size')
   min_bytes = _option('min_bytes')
+  missing_mesh_axes = _option('missing_mesh_axes')
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -329,8 +359,8 @@ class LogicalRules(tuple):
     """Returns a copy with some options changed.
 
     Args:
-      **options: Any of `unknown`, `strict`, `path_rules`, `min_size` and
-        `min_bytes` (see `LogicalRules`).
+      **options: Any of `unknown`, `strict`, `path_rules`, `min_size`,
+        `min_bytes` and `missing_mesh_axes` (see `LogicalRules`).
 
     Raises:
       LogicalRulesError: If an option is unknown or its value invalid.
@@ -431,6 +461,8 @@ class LogicalRules(tuple):
       min_bytes: 65536
 
     With path rules, ``logical_axis_rules`` may be left out.
+    ``missing_mesh_axes: error`` makes a rule naming a mesh axis the mesh
+    lacks an error (see `LogicalRules`).
 
     Args:
       path: The path of the YAML file. (For YAML text, use
@@ -465,8 +497,8 @@ class LogicalRules(tuple):
 
     Logical rules under ``logical_axis_rules``, path rules under
     ``path_rules`` (one flow-style dict per rule, with its note), and the
-    thresholds; `unknown` and `strict` are options of the reader, not of
-    the file. Every string is single-quoted, so a regular expression reads
+    thresholds and `missing_mesh_axes` when not the default; `unknown` and
+    `strict` are options of the reader, not of the file. Every string is single-quoted, so a regular expression reads
     as it is written.
 
     Returns:
@@ -497,6 +529,8 @@ class LogicalRules(tuple):
     for key in ('min_size', 'min_bytes'):
       if getattr(self, key):
         lines.append(f'{key}: {getattr(self, key)}')
+    if self.missing_mesh_axes != _OPTIONS['missing_mesh_axes'].default:
+      lines.append(f'missing_mesh_axes: {_yaml_scalar(self.missing_mesh_axes)}')
     return '\n'.join(lines) + '\n'
 
   @classmethod
@@ -551,6 +585,8 @@ class LogicalRules(tuple):
       ) from e
     options: dict[str, Any] = {}
     if isinstance(document, Mapping):
+      if 'missing_mesh_axes' in document:
+        options['missing_mesh_axes'] = document['missing_mesh_axes']
       if 'logical_axis_rules' not in document and 'path_rules' not in document:
         raise _errors.LogicalRulesError(
           f'{source} has no `logical_axis_rules` key (keys: '

@@ -21,7 +21,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _logical, _meshes, _specs
+from flax_dtensor._rules import _logical, _meshes, _missing_axes, _specs
 
 FLAX_SEMANTICS = 'flax'
 FDT_SEMANTICS = 'flax_dtensor'
@@ -258,7 +258,7 @@ def _unfit(
     return None
   missing = [m for m in wanted if m not in sizes]
   if missing:
-    return f'the mesh has no axis {missing[0]!r} (axes: {list(sizes)})'
+    return missing_reason(missing[0], sizes)
   if shape is not None:
     product = math.prod(sizes[m] for m in wanted)
     if shape[pos] % product:
@@ -267,6 +267,16 @@ def _unfit(
         f'(mesh axes {list(wanted)})'
       )
   return None
+
+
+def missing_reason(axis: str, sizes: dict[str, int]) -> str:
+  """Why a rule naming `axis`, which the mesh lacks, was skipped; with the
+  mesh axis it likely meant (`_missing_axes.likely_meant`)."""
+  reason = f'the mesh has no axis {axis!r} (axes: {list(sizes)})'
+  meant = _missing_axes.likely_meant(axis, list(sizes))
+  if meant is not None:
+    reason += f', {_missing_axes.TYPO_REASON} {meant!r}'
+  return reason
 
 
 def fit_spec(
@@ -458,6 +468,8 @@ def resolve(
         local_rules=local_rules,
         path=path,
       )
+  if mesh is not None:
+    _missing_axes.check_on_mesh(rules, _meshes.axis_sizes(mesh))
   if local_rules:
     rules = rules.prepend(tuple(local_rules))
   return resolve_dims(logical_axes, shape, mesh=mesh, rules=rules, path=path)
@@ -496,6 +508,12 @@ def logical_to_mesh_axes(
     UnknownLogicalAxisError: If a name is in no rule (see `LogicalRules`).
     ShardingResolutionError: If a name repeats, the rank does not match, or
       in strict mode no rule fits a dimension.
+    MissingMeshAxisError: If the rules say ``missing_mesh_axes='error'``
+      and one names a mesh axis the mesh lacks.
+
+  Warns:
+    LikelyTypoWarning: Once per rules and mesh, if a rule names a mesh axis
+      the mesh lacks, spelled like one it has.
 
   Example:
     >>> import jax, flax_dtensor as fdt

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flax_dtensor.cli._command import BadInputError
+from flax_dtensor.cli._command import BadInputError, one_line
 
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
 DEFAULT_MESH = 'data=2,model=4'
@@ -30,13 +30,47 @@ RULES_METAVAR = 'RULES.yaml'
 RULES_HELP = (
   "A YAML rules file in MaxText's format (a logical_axis_rules list of "
   '(name, target) pairs), and path_rules for variables without logical '
-  'axes (see the path rules page). Default: the demo rules.'
+  'axes (see the path rules page). Default: the demo rules (a note says '
+  'so: first on stdout, or on stderr with --json).'
 )
+DEMO_RULES_NOTE = (
+  "note: no --rules given, so the demo's rules apply "
+  '(flax_dtensor/demo/rules.yaml).'
+)
+OWN_RULES_HINT = (
+  " For {target}'s own rules pass --rules RULES.yaml, or --suggest to "
+  'propose some.'
+)
+
+
+def demo_rules_note(
+  rules: str | None, mesh_axis_names: bool, target: str
+) -> str | None:
+  """The note that the demo's rules apply (no --rules), or None."""
+  if rules is not None or mesh_axis_names:
+    return None
+  if target == DEMO_TARGET:
+    return DEMO_RULES_NOTE
+  return DEMO_RULES_NOTE + OWN_RULES_HINT.format(target=target)
+
+
 MESH_AXIS_NAMES_HELP = (
   "The model's annotations name mesh axes (as tunix's ShardingConfig "
   'does): each axis of --mesh is its own rule '
   '(fdt.LogicalRules.for_mesh_axes). With --rules, after the rules of the '
   'file; without, instead of the demo rules.'
+)
+MISSING_MESH_AXES_HELP = (
+  'What a rule naming a mesh axis the mesh lacks does: fallback (the '
+  'default: it is skipped, the next rule for its name applies, and one '
+  "spelled like a mesh axis is a likely typo, the plan's headline) or "
+  "error (exit 2 naming each such rule). Overrides the rules file's "
+  'missing_mesh_axes.'
+)
+OPTIMIZER_HELP = (
+  "Also plan the optimizer's state (under optimizer/), as fdt.plan's "
+  '`optimizer=` does: the name of an optax transformation taking a '
+  'learning rate, e.g. adamw, adam, sgd, lion, adafactor.'
 )
 CPU_DEVICES_HELP = (
   'Run on this many virtual CPU devices (sets XLA_FLAGS and '
@@ -243,6 +277,7 @@ def load_rules(
       path_rules=rules.path_rules,
       min_size=rules.min_size,
       min_bytes=rules.min_bytes,
+      missing_mesh_axes=rules.missing_mesh_axes,
     )
   from flax_dtensor.demo import train
 
@@ -259,6 +294,56 @@ def load_rules(
   except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
     # The message names the file, what is wrong where, and an example.
     raise BadInputError(f'Malformed rules file: {e}') from e
+
+
+def with_missing_mesh_axes(rules: Any, value: str | None) -> Any:
+  """`rules` with ``--missing-mesh-axes`` applied (unchanged if None).
+
+  Raises:
+    BadInputError: If the value is not a choice.
+  """
+  if value is None:
+    return rules
+  choices = ('fallback', 'error')
+  if value not in choices:
+    raise BadInputError(
+      f'--missing-mesh-axes expected one of {", ".join(choices)}; got '
+      f'{value!r}. Pass --missing-mesh-axes error to make a rule naming a '
+      'mesh axis the mesh lacks an error.'
+    )
+  return rules.replace(missing_mesh_axes=value)
+
+
+def load_optimizer(name: str) -> Any:
+  """The optax transformation ``optax.NAME(learning_rate=1e-3)``.
+
+  Raises:
+    BadInputError: If optax has no such transformation.
+  """
+  import optax
+
+  fix = (
+    'Pass --optimizer the name of an optax transformation taking a '
+    'learning rate, e.g. adamw, adam, sgd, lion or adafactor.'
+  )
+  make = getattr(optax, name, None) if name.isidentifier() else None
+  if not callable(make):
+    raise BadInputError(f'--optimizer {name!r}: optax has no such name. {fix}')
+  try:
+    transformation = make(learning_rate=1e-3)
+  except Exception as e:
+    raise BadInputError(
+      f'--optimizer {name!r}: optax.{name}(learning_rate=1e-3) raised '
+      f'{type(e).__name__}: {one_line(e)}. {fix}'
+    ) from e
+  if not (
+    hasattr(transformation, 'init') and hasattr(transformation, 'update')
+  ):
+    raise BadInputError(
+      f'--optimizer {name!r}: optax.{name} is not a gradient '
+      f'transformation. {fix}'
+    )
+  return transformation
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -341,11 +426,13 @@ def load_target(target: str) -> Callable[[], Any]:
 # ------------------------------------------------------------------------------
 
 
-def configure_cpu_devices(count: int) -> None:
+def configure_cpu_devices(count: int, *, only_cpu: bool = True) -> None:
   """Makes JAX run on `count` virtual CPU devices.
 
   Must run before JAX starts its backend (the first time anything asks for
   devices). Sets ``XLA_FLAGS`` too, so subprocesses inherit the setting.
+  With `only_cpu` false, JAX keeps its platform (an accelerator if there is
+  one): only the CPU backend's device count is set.
   """
   flags = re.sub(
     _DEVICE_COUNT_FLAG + r'=\S*', '', os.environ.get('XLA_FLAGS', '')
@@ -354,7 +441,8 @@ def configure_cpu_devices(count: int) -> None:
   import jax
 
   try:
-    jax.config.update('jax_platforms', 'cpu')
+    if only_cpu:
+      jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', count)
   except RuntimeError:  # The backend already started; checked by make_mesh.
     pass
@@ -409,7 +497,7 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
 
   from flax_dtensor import _errors
   from flax_dtensor._placement import _hook, _init
-  from flax_dtensor._rules import _logical
+  from flax_dtensor._rules import _logical, _missing_axes
 
   _hook.ensure_installed()  # Before the factory builds anything.
 
@@ -423,11 +511,13 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
     else None
   )
   try:
-    if lenient is not None:
-      with _logical.logical_axis_rules(lenient):
+    # A likely typo is said by the plan made next (its headline).
+    with _missing_axes.reported_elsewhere():
+      if lenient is not None:
+        with _logical.logical_axis_rules(lenient):
+          model = _init.build_abstract(factory)
+      else:
         model = _init.build_abstract(factory)
-    else:
-      model = _init.build_abstract(factory)
   except _errors.NotAModelError:
     model = None
   except _errors.FlaxDTensorError:

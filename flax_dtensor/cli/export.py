@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 import time
 from typing import Annotated
@@ -89,7 +90,13 @@ def export(
   ] = False,
   cpu_devices: Annotated[
     int | None,
-    typer.Option(min=1, metavar='N', help=_inputs.CPU_DEVICES_HELP),
+    typer.Option(
+      min=1,
+      metavar='N',
+      help=_inputs.CPU_DEVICES_HELP
+      + ' Default: the size of --mesh, on the CPU (an accelerator, if JAX '
+      'has one, is kept).',
+    ),
   ] = None,
   debug: Annotated[
     bool, typer.Option('--debug', help=_command.DEBUG_HELP)
@@ -138,6 +145,10 @@ def export(
         )
     if cpu_devices is not None:
       _inputs.configure_cpu_devices(cpu_devices)
+    else:  # As `demo` does, without leaving an accelerator.
+      _inputs.configure_cpu_devices(
+        math.prod(s for _, s in axes), only_cpu=False
+      )
     import jax
 
     import flax_dtensor as fdt
@@ -145,12 +156,18 @@ def export(
     from flax_dtensor.dtensor import _atomic, _manifest
 
     mesh_ = _inputs.make_mesh(axes, mesh)
-    dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
     start = time.perf_counter()
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       abstract = _inputs.build_abstract(factory, target)
       # Every variable resolves under the rules (else an error naming it).
-      fdt.plan(abstract, mesh=mesh_, rules=rules_)
+      planned = fdt.plan(abstract, mesh=mesh_, rules=rules_)
+      # The checkpoint holds the model's variables and shapes (else an
+      # error naming the variable), before TensorFlow starts.
+      _orbax.check_matches(source, abstract)
+    for typo in planned.likely_typos:
+      console.print(f'Likely typo: {typo}', highlight=False, markup=False)
+    dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
+    with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       if saved_model:
         _inputs.check_served_inputs(abstract, method, specs)
       model = _orbax.restore(source, abstract, mesh_)

@@ -34,6 +34,24 @@ def plan(
     bool,
     typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
   ] = False,
+  missing_mesh_axes: Annotated[
+    str | None,
+    typer.Option(
+      '--missing-mesh-axes',
+      metavar='fallback|error',
+      help=_inputs.MISSING_MESH_AXES_HELP,
+      show_default=False,
+    ),
+  ] = None,
+  optimizer: Annotated[
+    str | None,
+    typer.Option(
+      '--optimizer',
+      metavar='NAME',
+      help=_inputs.OPTIMIZER_HELP,
+      show_default=False,
+    ),
+  ] = None,
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
   ] = False,
@@ -111,10 +129,12 @@ def plan(
     typer.Option(
       '--suggest',
       help=(
-        'Propose the rules (fdt.suggest_rules): a preset recognised from '
-        'the paths (Hugging Face, Gemma or GPT-2 names), else the largest '
-        'dimension on the fsdp-like axis and the next on the model axis; '
-        'print why for every variable, then the plan under them.'
+        'Propose the rules (fdt.suggest_rules): logical rules for the '
+        "names the model's annotations carry; for variables without them, a "
+        'preset recognised from the paths (Hugging Face, Gemma or GPT-2 '
+        'names), else the largest dimension on the fsdp-like axis and the '
+        'next on the model axis; print why for every variable, then the '
+        'plan under them.'
       ),
     ),
   ] = False,
@@ -189,9 +209,18 @@ def plan(
 
       rules_ = _logical.LogicalRules([], unknown='replicate')
     else:
-      rules_ = _inputs.load_rules(
-        rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+      rules_ = _inputs.with_missing_mesh_axes(
+        _inputs.load_rules(
+          rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
+        ),
+        missing_mesh_axes,
       )
+      note = _inputs.demo_rules_note(rules, mesh_axis_names, target)
+      if note is not None:  # Above the plan; JSON on stdout stays JSON.
+        _command.console(stderr=json_output).print(
+          note, highlight=False, markup=False
+        )
+    tx = None if optimizer is None else _inputs.load_optimizer(optimizer)
     import jax
 
     import flax_dtensor as fdt
@@ -211,6 +240,7 @@ def plan(
         model,
         mesh_,
         budget=budget_,
+        optimizer=tx,
         **({} if min_bytes_ is None else {'min_bytes': min_bytes_}),
       )
       rules_ = suggestion.rules
@@ -224,7 +254,7 @@ def plan(
           '\n'.join(lines) + '\n', highlight=False, markup=False
         )
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
-      result = fdt.plan(model, mesh=mesh_, rules=rules_)
+      result = fdt.plan(model, mesh=mesh_, rules=rules_, optimizer=tx)
     if check:
       report = fdt.check(
         model,

@@ -309,6 +309,14 @@ def _print_summary(
     )
     for key, label in labels.items()
   ]
+  rules = out / 'rules.yaml'
+  files.append(
+    (
+      'rules (YAML, for --rules)',
+      str(rules),
+      _text.human_bytes(rules.stat().st_size) if rules.is_file() else '',
+    )
+  )
   files.append(('summary', str(out / 'summary.json'), ''))
   timings = [(p, f'{s:.1f}') for p, s in summary['seconds'].items()]
   timings.append(('total', f'{summary["total_seconds"]:.1f}'))

@@ -20,6 +20,7 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
+from flax_dtensor._placement import _sources
 from flax_dtensor._rules import _logical, _meshes
 from flax_dtensor.dtensor import (
   _arrays,
@@ -65,16 +66,16 @@ def _key_path(key: Any, where: str) -> _names.Path:
 
 def _variables_of(
   source: Any,
-) -> tuple[dict[_names.Path, Any], _target.Source]:
+) -> tuple[dict[_names.Path, Any], _sources.Source]:
   """The TF variables (or tensors) of `source` by NNX path, and its name."""
   tf = _tf.tf()
   if isinstance(source, Mapping):
-    what = _target.Source(
+    what = _sources.Source(
       'The dict of TF variables', 'TF variables', 'exported'
     )
     pairs = [(_key_path(k, 'the key'), k, v) for k, v in source.items()]
   elif isinstance(source, list | tuple):
-    what = _target.Source(
+    what = _sources.Source(
       'The list of TF variables', 'TF variables', 'exported'
     )
     pairs = []
@@ -88,7 +89,7 @@ def _variables_of(
       name = _TF_NAME_SUFFIX.sub('', v.name)
       pairs.append((_key_path(name, 'a variable named'), v.name, v))
   elif hasattr(source, _names.STATE_ATTRIBUTE):
-    what = _target.Source('The tf.Module', 'a tf.Module', 'exported')
+    what = _sources.Source('The tf.Module', 'a tf.Module', 'exported')
     flat = _convert.flat_variables(source)
     pairs = [(p, _names.path_text(p), v) for p, v in flat.items()]
   else:
@@ -113,10 +114,10 @@ def _variables_of(
   return out, what
 
 
-def _held(value: Any) -> _target.Held:
+def _held(value: Any) -> _sources.Held:
   shape = tuple(value.shape.as_list())
   dtype = np.dtype(value.dtype.as_numpy_dtype)
-  return _target.Held(shape, dtype, dtype)
+  return _sources.Held(shape, dtype, dtype)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -272,8 +273,8 @@ def from_tf_module(
   entries = _selection.select(target, include, exclude, what='target')
   variables, source = _variables_of(tf_module_or_dvariables)
   held = {p: _held(v) for p, v in variables.items()}
-  _target.check_extra(target, held, source, allow_extra)
-  kinds = _target.check_held(entries, held, source, convert_dtypes)
+  _sources.check_extra(target, held, source, allow_extra)
+  kinds = _sources.check_held(entries, held, source, convert_dtypes)
   shardings = _target.target_shardings(entries, mesh, rules_)
   show = _convert.show_progress(progress, len(entries))
   several = jax.process_count() > 1

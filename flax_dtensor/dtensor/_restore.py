@@ -23,7 +23,7 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
-from flax_dtensor._placement import _variables
+from flax_dtensor._placement import _sources, _variables
 from flax_dtensor._rules import _logical
 from flax_dtensor.dtensor import (
   _atomic,
@@ -344,7 +344,7 @@ def read_checkpoint(
 
 def _held(
   shapes: Any, dtypes: Any, manifest: _manifest.Manifest | None
-) -> dict[_names.Path, _target.Held]:
+) -> dict[_names.Path, _sources.Held]:
   """What the checkpoint holds, by NNX path (its other keys left out).
 
   The dtype a variable was saved with is the manifest's; without one, the
@@ -364,7 +364,7 @@ def _held(
     else:
       saved = stored
       note = f'holds {stored}, and it has no manifest saying otherwise'
-    out[path] = _target.Held(tuple(shape), stored, saved, note)
+    out[path] = _sources.Held(tuple(shape), stored, saved, note)
   return out
 
 
@@ -501,13 +501,13 @@ def _read_all(
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)
   held = _held(shapes, dtypes, manifest)
-  source = _target.Source(
+  source = _sources.Source(
     f'The checkpoint {prefix!r}', 'a checkpoint', 'saved', keys=True
   )
-  _target.check_extra(target, held, source, allow_extra)
+  _sources.check_extra(target, held, source, allow_extra)
   kinds = [
     (h.stored, h.saved)
-    for h in _target.check_held(entries, held, source, convert_dtypes)
+    for h in _sources.check_held(entries, held, source, convert_dtypes)
   ]
   show = _convert.show_progress(progress, len(entries))
   shardings = _target.target_shardings(entries, mesh, rules)

@@ -3,16 +3,14 @@
 Shared by `restore_checkpoint` (from disk) and `from_tf_module` (from TF
 variables in memory). `target_shardings` gives each selected variable the
 sharding the rules in effect say (`_variables.spec_of_variable`), or its
-value's own; `check_held` and `check_extra` refuse a source that is not
-exactly the target's (missing or extra variables, shapes, dtypes); `fill`
-puts the placed arrays into the target, an abstract one entirely.
+value's own; `fill` puts the placed arrays into the target, an abstract
+one entirely. What a source must hold is checked by `_sources`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,48 +22,6 @@ from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
 from flax_dtensor._rules import _logical, _meshes
 from flax_dtensor.dtensor import _dtypes, _names, _selection
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """How messages name what a restore reads from.
-
-  Attributes:
-    name: The source, as the subject of a sentence ("The checkpoint
-      '/x/ckpt'", "The tf.Module").
-    kind: What a matching source is ("a checkpoint", "TF variables").
-    verb: How the source was made from a model ("saved", "exported").
-    keys: Whether messages show a variable's checkpoint key.
-  """
-
-  name: str
-  kind: str
-  verb: str
-  keys: bool = False
-
-  @property
-  def object(self) -> str:
-    """The name in the middle of a sentence ("the checkpoint ...")."""
-    return self.name[:1].lower() + self.name[1:]
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-  """What a source holds for one variable.
-
-  Attributes:
-    shape: Its shape.
-    stored: The dtype the source holds it in.
-    saved: The dtype the variable had when it was exported (a checkpoint
-      stores some dtypes widened).
-    note: Where `saved` comes from, for messages ('' if nothing to say).
-  """
-
-  shape: tuple[int, ...]
-  stored: np.dtype
-  saved: np.dtype
-  note: str = ''
-
 
 # Where each array goes
 # ------------------------------------------------------------------------------
@@ -166,77 +122,6 @@ def target_shardings(
       _selection.check_spans_processes(e.name, sharding)
     out.append(sharding)
   return out
-
-
-# What the source must hold
-# ------------------------------------------------------------------------------
-
-
-def check_held(
-  entries: Sequence[_selection.Entry],
-  held: Mapping[_names.Path, Held],
-  source: Source,
-  convert_dtypes: bool,
-) -> list[Held]:
-  """What the source holds for each entry; ExportError if it does not fit.
-
-  A restore never changes a value unless asked to: the dtype a variable
-  was exported with must be the target's, or `convert_dtypes` must be set.
-  """
-  out = []
-  for e in entries:
-    h = held.get(e.path)
-    if h is None:
-      names = sorted(_names.path_text(p) for p in held)
-      key = f' (key {e.key!r})' if source.keys else ''
-      raise _errors.ExportError(
-        f'{source.name} has no variable {e.name!r}{key}, which the target '
-        f'needs. It holds {len(names)} variables: '
-        f'{_variables.listing(names)}. Restore with a narrower '
-        '`include=`/`exclude=` (e.g. `include=nnx.Param` for '
-        f'{source.kind} of the parameters only), or {source.kind} '
-        f'{source.verb} from the same model.'
-      )
-    if h.shape != e.shape:
-      raise _errors.ExportError(
-        f'Shape mismatch for {e.name!r}: the target expects {e.shape}, '
-        f'{source.object} holds {h.shape}. Build the target with the shapes '
-        f'that were {source.verb} (the same model configuration), or leave '
-        'this variable out with `include=`/`exclude=`.'
-      )
-    if h.saved != e.dtype and not convert_dtypes:
-      note = f' ({h.note})' if h.note else ''
-      raise _errors.ExportError(
-        f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, '
-        f'{source.object} has {h.saved}{note}. A restore does not convert '
-        'unless asked (that could round or wrap values): build the target '
-        f'with dtype {h.saved} (e.g. `param_dtype=`), pass '
-        '`convert_dtypes=True`, or leave this variable out with '
-        '`include=`/`exclude=`.'
-      )
-    out.append(h)
-  return out
-
-
-def check_extra(
-  target: Any,
-  held: Mapping[_names.Path, Any],
-  source: Source,
-  allow_extra: bool,
-) -> None:
-  """Refuses a source holding variables the target does not have."""
-  if allow_extra:
-    return
-  known = {tuple(p) for p, _ in _variables.iter_variables(target)}
-  extra = sorted(_names.path_text(p) for p in held if p not in known)
-  if extra:
-    raise _errors.ExportError(
-      f'{source.name} holds {len(extra)} variable(s) the target does not '
-      f'have: {_variables.listing(extra)}. Expected {source.kind} of this '
-      f'model: restore into the model that was {source.verb}, or pass '
-      '`allow_extra=True` to restore the variables the target has and '
-      'ignore the others.'
-    )
 
 
 # Filling the target

@@ -1088,6 +1088,8 @@ def test_export_mesh_does_not_match_devices(tmp_path):
       checkpoint,
       '--mesh',
       'data=4,model=4',
+      '--cpu-devices',
+      '8',
       '--out',
       tmp_path / 'out',
     ),

@@ -176,6 +176,9 @@ def test_summary_at_80_columns_keeps_paths_whole():
   console = rich.console.Console(file=buffer, width=80)
   run._print_summary(console, summary, out)
   text = '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
-  assert_fits(text, 80, [*files.values(), out / 'summary.json'])
+  assert_fits(
+    text, 80, [*files.values(), out / 'rules.yaml', out / 'summary.json']
+  )
+  assert 'rules (YAML, for --rules)' in text
   assert '1.2 MiB' in text and '61.5' in text
   assert '5.50 5.07 4.65 4.22 3.79 3.36 2.94 2.51' in text  # Eight, spread.

@@ -85,7 +85,12 @@ def test_unknown_mesh_axis_with_did_you_mean():
   rules += [('vocab', 'model'), ('embed_out', 'data')]
   report = fdt.check(_factory(), rules, MESH)
   found = {f.subject: f.message for f in report.findings}
-  assert report.codes() == ('unknown-mesh-axis',)
+  codes = {f.subject: f.code for f in report.findings}
+  # A likely typo has its own code; an axis spelled like none is a fallback.
+  assert codes == {
+    "('mlp', 'modle')": 'mesh-axis-typo',
+    "('mlp', 'fsdp')": 'unknown-mesh-axis',
+  }
   assert "Did you mean 'model'?" in found["('mlp', 'modle')"]
   assert 'Did you mean' not in found["('mlp', 'fsdp')"]
   assert "(axes: ['data', 'model'])" in found["('mlp', 'fsdp')"]
@@ -127,12 +132,12 @@ def test_budget():
 def test_allow_and_json():
   rules = [*GOOD, ('batch', 'data'), ('mlp', 'modle')]
   report = fdt.check(_factory(), rules, MESH, allow=['unused-rule'])
-  assert report.codes() == ('unknown-mesh-axis',)
+  assert report.codes() == ('mesh-axis-typo',)
   data = json.loads(report.to_json())
   assert data['allowed'] == ['unused-rule']
   assert data['findings'] == [
     {
-      'code': 'unknown-mesh-axis',
+      'code': 'mesh-axis-typo',
       'subject': "('mlp', 'modle')",
       'message': report.findings[0].message,
     }

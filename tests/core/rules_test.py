@@ -565,6 +565,7 @@ def test_replace_names_the_options_it_knows():
   with pytest.raises(
     fdt.LogicalRulesError,
     match=r"LogicalRules has no option \['unknwon'\]; expected some of "
-    r"\['unknown', 'strict', 'path_rules', 'min_size', 'min_bytes'\]",
+    r"\['unknown', 'strict', 'path_rules', 'min_size', 'min_bytes', "
+    r"'missing_mesh_axes'\]",
   ):
     fdt.LogicalRules([]).replace(unknwon='replicate')

@@ -368,9 +368,19 @@ def test_a_weights_dict_and_annotated_variables():
   annotated = _suggest(
     lambda: nnx.Linear(128, 256, kernel_init=init, rngs=nnx.Rngs(0))
   )
-  assert annotated.reasons['kernel'] == 'annotated: its annotation places it'
-  assert annotated.rules.unknown == 'replicate'
-  assert annotated.notes[-1].startswith('1 annotated variables')
+  assert annotated.reasons['kernel'] == (
+    'annotated: its logical names placed by the rules proposed for them'
+  )
+  # By their roles: 'embed' on the fsdp-like axis, 'mlp' on the model's.
+  assert annotated.logical_names == {
+    'embed': ('data', 'model', None),
+    'mlp': ('model', 'data', None),
+  }
+  assert annotated.plan['kernel'].spec == P('data', 'model')
+  assert annotated.notes[-1] == (
+    "1 annotated variables (e.g. 'kernel') keep their logical names; the "
+    "logical rules are proposed for the names they use ('embed', 'mlp')."
+  )
 
 
 def test_bad_options():
@@ -380,3 +390,95 @@ def test_bad_options():
     _suggest(sm.make_gpt2, budget='8GiB')
   with pytest.raises(fdt.MeshError, match='Expected a mesh'):
     fdt.suggest_rules(sm.make_gpt2, ('data', 'model'))
+
+
+# Annotated models: rules for the names they carry
+# ------------------------------------------------------------------------------
+
+# For each annotated model, rules a person would write for its names.
+HAND_RULES = {
+  'demo': None,  # The demo's own default rules (flax_dtensor/demo).
+  'mlp': [('features', 'data'), ('hidden', 'model')],
+  'decoder': [
+    ('vocab', 'model'),
+    ('embed', 'data'),
+    ('q_heads', 'model'),
+    ('kv_heads', 'model'),
+    ('head_dim', None),
+    ('mlp', 'model'),
+    ('norm', None),
+  ],
+}
+
+
+def _annotated(name):
+  from flax_dtensor.demo import model as demo_model
+  from flax_dtensor.demo import train
+
+  if name == 'demo':
+    return demo_model.make_model, train.default_rules()
+  factory = {
+    'mlp': sm.make_annotated_mlp,
+    'decoder': sm.make_annotated_decoder,
+  }[name]
+  return factory, HAND_RULES[name]
+
+
+@pytest.mark.parametrize('name', ['demo', 'mlp', 'decoder'])
+@pytest.mark.parametrize('budget_kind', ['generous', 'hand', 'below-ideal'])
+def test_annotated_models_get_rules_for_their_names(name, budget_kind):
+  factory, hand = _annotated(name)
+  reference = fdt.plan(factory, mesh=MESH, rules=hand)
+  ideal = reference.ideal_bytes_per_device
+  budget = {
+    'generous': 2 * reference.bytes_per_device,
+    'hand': reference.bytes_per_device,
+    'below-ideal': int(ideal) - 1,
+  }[budget_kind]
+  s = _suggest(factory, budget=budget)
+  # Rules for every name of the annotations, and the report names them.
+  names = {a for e in reference.entries for a in e.logical_axes or () if a}
+  assert set(s.logical_names) == names
+  assert {n for n, _ in s.rules} >= names
+  assert "Logical names from the model's annotations: " in s.summary()
+  # The suggestion's count is the plan's under its rules.
+  planned = fdt.plan(factory, mesh=MESH, rules=s.rules)
+  assert s.bytes_per_device == planned.bytes_per_device
+  assert s.fits == (planned.bytes_per_device <= budget)
+  if budget_kind == 'below-ideal':
+    assert not s.fits
+    assert planned.bytes_per_device >= ideal
+    assert 'Does not fit' in s.budget_text()
+  else:
+    # Where the hand-written rules fit, so do the proposed ones.
+    assert s.fits
+    assert planned.bytes_per_device <= reference.bytes_per_device
+  # Nothing replicates that a rule could shard, unlike before: each
+  # parameter of 64 KiB or more is split over at least 4 devices.
+  for e in planned.entries:
+    if e.bytes >= 2**16:
+      assert e.bytes_per_device * 4 <= e.bytes, (e.path, e.spec)
+
+
+def test_the_demo_fits_300_kib_on_the_command_line(capfd, monkeypatch):
+  from typer.testing import CliRunner
+
+  from flax_dtensor.cli import _app
+
+  monkeypatch.setenv('COLUMNS', '200')
+  result = CliRunner().invoke(
+    _app.app,
+    [
+      'plan',
+      'flax_dtensor.demo.model:make_model',
+      '--suggest',
+      '--budget',
+      '300KiB',
+    ],
+  )
+  _, err = capfd.readouterr()
+  assert result.exit_code == 0, (result.stdout, err)
+  out = result.stdout
+  assert 'per device fits the budget of 300.0 KiB' in out
+  assert "Logical names from the model's annotations: 'embed' -> " in out
+  assert 'add rules for those names' not in out

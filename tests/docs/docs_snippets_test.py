@@ -109,6 +109,8 @@ CHECKS = {
   'path_rules.md:suggest-rules': (
     'import numpy as np\n'
     "assert suggestion.preset == 'hf_llama' and suggestion.fits\n"
+    "assert model.lm_head.kernel[...].sharding.spec == jax.P(('fsdp', 'data'), "
+    "'model')\n"
     "assert fdt.LogicalRules.from_yaml('rules.yaml') == suggestion.rules\n"
     'device = mesh.devices.flat[0]\n'
     'held = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model))\n'
@@ -147,7 +149,7 @@ CHECKS = {
     'test_layout_is_golden()\n'
   ),
   'linting.md:check': (
-    "assert report.codes() == ('unknown-mesh-axis', 'shadowed-rule'), report\n"
+    "assert report.codes() == ('mesh-axis-typo', 'shadowed-rule'), report\n"
     'assert "Did you mean \'model\'?" in str(report)\n'
   ),
   'other_libraries.md:eager-sharding-off': (

@@ -33,6 +33,7 @@ def test_readme_blocks_run_alone(tmp_path, warm_pool):
   assert out.returncode == 0, out.stderr[-3000:]
   quick, _, after = out.stdout.partition('QUICKSTART DONE')
   assert "P(None, 'model')" in quick  # up/kernel: 'fsdp' fell back.
+  assert quick.rstrip().endswith('(16, 512)')  # The forward pass ran.
   assert "'embed' -> 'fsdp': the mesh has no axis 'fsdp'" in quick
   assert (
     "KEYS ['state/down/kernel/.ATTRIBUTES/VARIABLE_VALUE', "

@@ -532,6 +532,33 @@ CASES = [
   ),
   # Rules
   Case(
+    'fdt.plan',
+    "rules naming a mesh axis the mesh lacks, with missing_mesh_axes='error'",
+    fdt.MissingMeshAxisError,
+    r"The rules name mesh axes the mesh lacks \(mesh axes \['data', "
+    r"'model'\]\), and they say missing_mesh_axes='error': \('embed', "
+    r"'dta'\) names mesh axis 'dta', which the mesh lacks \(did you mean "
+    r"'data'\?\)",
+    "Fix the name (here 'data'), remove the rule, or let such rules fall "
+    "back (missing_mesh_axes='fallback', the default: a likely typo then "
+    'warns LikelyTypoWarning).',
+    lambda ctx: fdt.plan(
+      ctx.model(),
+      mesh=ctx.mesh,
+      rules=fdt.LogicalRules(
+        [('embed', 'dta'), ('mlp', 'model')], missing_mesh_axes='error'
+      ),
+    ),
+  ),
+  Case(
+    'fdt.LogicalRules',
+    'an unknown missing_mesh_axes',
+    fdt.LogicalRulesError,
+    r"`missing_mesh_axes` must be one of \('fallback', 'error'\)",
+    "Pass missing_mesh_axes='fallback' (the default) or 'error'.",
+    lambda ctx: fdt.LogicalRules([], missing_mesh_axes='raise'),
+  ),
+  Case(
     'fdt.LogicalRules.for_mesh_axes',
     'a str where a mesh or its axis names go',
     fdt.LogicalRulesError,

@@ -12,6 +12,14 @@ Written here, not imported from the libraries whose names they use:
 
 No variable carries sharding metadata, so path rules place every one of
 them. Each has a forward pass, so that a sharded build can be run.
+
+Two more are annotated (``nnx.with_partitioning``) with logical names of
+their own, for proposals that start from what a model says:
+
+- `AnnotatedMlp`: names no preset knows (``features``, ``hidden``);
+- `AnnotatedDecoder`: a decoder's names (``vocab``, ``embed``,
+  ``q_heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``norm``), with 2
+  key/value heads, which a model axis of 4 does not divide.
 """
 
 from __future__ import annotations
@@ -255,6 +263,84 @@ class Gpt2(nnx.Module):
     for block in t.h:
       x = block(x)
     return t.wte.attend(t.ln_f(x))
+
+
+# Annotated with logical names
+# ------------------------------------------------------------------------------
+
+
+def _named(names):
+  return nnx.with_partitioning(nnx.initializers.normal(0.05), names)
+
+
+class AnnotatedMlp(nnx.Module):
+  """Three layers of 96 -> 384 -> 96, every weight named."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    def layer(n_in, n_out, names):
+      return nnx.Linear(
+        n_in,
+        n_out,
+        kernel_init=_named(names),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros, names[1:]),
+        rngs=rngs,
+      )
+
+    self.layers = nnx.List(
+      [
+        nnx.List(
+          [
+            layer(96, 384, ('features', 'hidden')),
+            layer(384, 96, ('hidden', 'features')),
+          ]
+        )
+        for _ in range(3)
+      ]
+    )
+
+  def __call__(self, x):
+    for up, down in self.layers:
+      x = down(jax.nn.relu(up(x)))
+    return x
+
+
+class AnnotatedDecoder(nnx.Module):
+  """Embedding, attention and MLP weights of a decoder, named."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    def param(shape, names):
+      return nnx.Param(_named(names)(rngs.params(), shape))
+
+    self.embedding = param((VOCAB, EMBED), ('vocab', 'embed'))
+    self.layers = nnx.List()
+    for _ in range(LAYERS):
+      layer = nnx.Dict()
+      layer['q'] = param(
+        (EMBED, HEADS, HEAD_DIM), ('embed', 'q_heads', 'head_dim')
+      )
+      layer['kv'] = param(
+        (2, EMBED, KV_HEADS, HEAD_DIM),
+        (None, 'embed', 'kv_heads', 'head_dim'),
+      )
+      layer['o'] = param(
+        (HEADS, HEAD_DIM, EMBED), ('q_heads', 'head_dim', 'embed')
+      )
+      layer['up'] = param((EMBED, MLP), ('embed', 'mlp'))
+      layer['down'] = param((MLP, EMBED), ('mlp', 'embed'))
+      layer['norm'] = nnx.Param(
+        nnx.with_partitioning(nnx.initializers.ones, ('norm',))(
+          rngs.params(), (EMBED,)
+        )
+      )
+      self.layers.append(layer)
+
+
+def make_annotated_mlp() -> AnnotatedMlp:
+  return AnnotatedMlp(nnx.Rngs(0))
+
+
+def make_annotated_decoder() -> AnnotatedDecoder:
+  return AnnotatedDecoder(nnx.Rngs(0))
 
 
 def make_llama() -> Llama:

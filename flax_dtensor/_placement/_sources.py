@@ -1,0 +1,172 @@
+"""What a restore's source must hold: the target's variables, exactly.
+
+Shared by every restore (`restore_checkpoint` from disk, `from_tf_module`
+from TF variables, and the Orbax restore of ``flax-dtensor export``):
+`check_extra` refuses a source holding variables the target lacks,
+`check_held` one lacking a variable the target needs, or holding it with
+another shape or dtype; each message names the variable, what was
+expected, what was found, and the fix (`Source` says in whose words).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from flax_dtensor import _errors
+from flax_dtensor._placement import _variables
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """How messages name what a restore reads from.
+
+  Attributes:
+    name: The source, as the subject of a sentence ("The checkpoint
+      '/x/ckpt'", "The tf.Module").
+    kind: What a matching source is ("a checkpoint", "TF variables").
+    verb: How the source was made from a model ("saved", "exported").
+    keys: Whether messages show a variable's checkpoint key.
+    selects: Whether the caller can restore some variables only
+      (``include=``, ``exclude=``, ``allow_extra=``), so that the fixes
+      offer it; the command line cannot.
+    rebuild: How to build a target that matches (the fix of a shape or
+      structure mismatch); None for "the target ... the same model
+      configuration".
+  """
+
+  name: str
+  kind: str
+  verb: str
+  keys: bool = False
+  selects: bool = True
+  rebuild: str | None = None
+
+  def rebuild_text(self) -> str:
+    return self.rebuild or (
+      f'Build the target with the shapes that were {self.verb} (the same '
+      'model configuration)'
+    )
+
+  @property
+  def object(self) -> str:
+    """The name in the middle of a sentence ("the checkpoint ...")."""
+    return self.name[:1].lower() + self.name[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """What a source holds for one variable.
+
+  Attributes:
+    shape: Its shape.
+    stored: The dtype the source holds it in.
+    saved: The dtype the variable had when it was exported (a checkpoint
+      stores some dtypes widened).
+    note: Where `saved` comes from, for messages ('' if nothing to say).
+  """
+
+  shape: tuple[int, ...]
+  stored: np.dtype
+  saved: np.dtype
+  note: str = ''
+
+
+class Wanted(Protocol):
+  """A variable the target needs (`_selection.Entry` is one)."""
+
+  path: tuple[Any, ...]
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+  @property
+  def name(self) -> str: ...
+
+  @property
+  def key(self) -> str: ...
+
+
+def check_held(
+  entries: Sequence[Wanted],
+  held: Mapping[tuple[Any, ...], Held],
+  source: Source,
+  convert_dtypes: bool,
+) -> list[Held]:
+  """What the source holds for each entry; ExportError if it does not fit.
+
+  A restore never changes a value unless asked to: the dtype a variable
+  was exported with must be the target's, or `convert_dtypes` must be set.
+  """
+  out = []
+  for e in entries:
+    h = held.get(e.path)
+    if h is None:
+      names = sorted(_variables.path_str(p) for p in held)
+      key = f' (key {e.key!r})' if source.keys else ''
+      fix = (
+        'Restore with a narrower `include=`/`exclude=` (e.g. '
+        f'`include=nnx.Param` for {source.kind} of the parameters only), '
+        f'or {source.kind} {source.verb} from the same model.'
+        if source.selects
+        else f'Expected {source.kind} {source.verb} from this model. '
+        f'{source.rebuild_text()}.'
+      )
+      raise _errors.ExportError(
+        f'{source.name} has no variable {e.name!r}{key}, which the target '
+        f'needs. It holds {len(names)} variables: '
+        f'{_variables.listing(names)}. {fix}'
+      )
+    if h.shape != e.shape:
+      leave_out = (
+        ', or leave this variable out with `include=`/`exclude=`'
+        if source.selects
+        else ''
+      )
+      raise _errors.ExportError(
+        f'Shape mismatch for {e.name!r}: the target expects {e.shape}, '
+        f'{source.object} holds {h.shape}. {source.rebuild_text()}'
+        f'{leave_out}.'
+      )
+    if h.saved != e.dtype and not convert_dtypes:
+      note = f' ({h.note})' if h.note else ''
+      raise _errors.ExportError(
+        f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, '
+        f'{source.object} has {h.saved}{note}. A restore does not convert '
+        'unless asked (that could round or wrap values): build the target '
+        f'with dtype {h.saved} (e.g. `param_dtype=`), pass '
+        '`convert_dtypes=True`, or leave this variable out with '
+        '`include=`/`exclude=`.'
+      )
+    out.append(h)
+  return out
+
+
+def check_extra(
+  target: Any,
+  held: Mapping[tuple[Any, ...], Any],
+  source: Source,
+  allow_extra: bool,
+) -> None:
+  """Refuses a source holding variables the target does not have."""
+  if allow_extra:
+    return
+  known = {_variables.path_str(p) for p, _ in _variables.iter_variables(target)}
+  extra = sorted(
+    text for text in map(_variables.path_str, held) if text not in known
+  )
+  if extra:
+    fix = (
+      f'restore into the model that was {source.verb}, or pass '
+      '`allow_extra=True` to restore the variables the target has and '
+      'ignore the others.'
+      if source.selects
+      else source.rebuild_text()[:1].lower() + source.rebuild_text()[1:] + '.'
+    )
+    raise _errors.ExportError(
+      f'{source.name} holds {len(extra)} variable(s) the target does not '
+      f'have: {_variables.listing(extra)}. Expected {source.kind} of this '
+      f'model: {fix}'
+    )

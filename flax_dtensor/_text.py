@@ -67,6 +67,7 @@ def table_or_stacked(
   paths: Sequence[str] = (),
   right: Sequence[str] = (),
   details: Callable[[Sequence[str]], list[str]] | None = None,
+  box: Any = None,
 ) -> Any:
   """A table of `rows` when it fits `width` unwrapped; else short lines.
 
@@ -75,10 +76,17 @@ def table_or_stacked(
   its own line, labelled with its column (or the lines `details` makes of
   the row). Cells of the `paths` columns are broken only after a '/'
   (`wrap_path`); a cell holding several lines keeps them. `right` columns
-  are right-justified in the table.
+  are right-justified in the table; `box` is its rich box (rich's default:
+  lines around every cell).
   """
   rows = [list(row) for row in rows]
-  table = rich.table.Table()
+  table = (
+    rich.table.Table()
+    if box is None
+    else rich.table.Table(
+      box=box, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0)
+    )
+  )
   for column in columns:
     table.add_column(
       column, no_wrap=True, justify='right' if column in right else 'left'

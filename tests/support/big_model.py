@@ -28,7 +28,7 @@ RULES = [
   ('vocab', 'model'),
 ]
 RULES_YAML = """\
-rules:
+logical_axis_rules:
   - [embed, data]
   - [mlp, model]
   - [heads, model]

@@ -100,3 +100,22 @@ class Model(nnx.Module):
 
 def make_model() -> Model:
   return Model(nnx.Rngs(0))
+
+
+# What one device holds of the parameters under `RULES` on `MESH` (every
+# dimension divides evenly): each variable's bytes over the devices that
+# split it.
+PARAMS_PER_DEVICE = (
+  2 * VOCAB * EMBED * 4 // 128  # embed, head
+  + 2 * EMBED * 4 // 8  # final_norm
+  + LAYERS
+  * (
+    4 * EMBED * EMBED * 4 // 128  # q, k, v, o
+    + 3 * EMBED * 4 // 16  # q, k, v biases (heads -> model)
+    + EMBED * 4 // 8  # o bias (embed -> data)
+    + 3 * EMBED * MLP * 4 // 128  # gate, up, down
+    + 2 * MLP * 4 // 16  # gate, up biases
+    + EMBED * 4 // 8  # down bias
+    + 6 * EMBED * 4 // 8  # three norms
+  )
+)

@@ -314,9 +314,7 @@ def mesh_once(rows: Sequence[Row]) -> tuple[list[Row], str | None]:
   others = any(
     ' @ ' in r[4] or ' @ ' in r[5] for r in out
   )  # A variable on another mesh says it.
-  line = '; '.join(parts) + (
-    ' (other meshes named in their rows)' if others else ''
-  )
+  line = '; '.join(parts) + (' (others in their rows)' if others else '')
   return out, line
 
 

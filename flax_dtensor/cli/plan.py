@@ -169,7 +169,7 @@ def plan(
       help=(
         'One row per variable. By default variables alike but for an '
         'integer in the path (same shape, dtype, spec and reasons) share '
-        'a row: layers/{0..23}/attn/kernel ×24.'
+        'a row, the integers as a range, e.g. 0..23, and a count.'
       ),
     ),
   ] = False,

@@ -192,7 +192,7 @@ ROWS = [
 def test_inspect_names_the_mesh_once():
   rows, line = inspect_cli.mesh_once(ROWS)
   assert line == (
-    f'JAX mesh {MESH}; DTensor mesh {MESH} (other meshes named in their rows)'
+    f'JAX mesh {MESH}; DTensor mesh {MESH} (others in their rows)'
   )
   assert [r[4:] for r in rows] == [
     ("P('model', 'data')", 'model,data'),

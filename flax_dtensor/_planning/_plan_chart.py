@@ -80,15 +80,17 @@ def device_bytes(plan: ShardingPlan) -> dict[str, list[int]]:
 
 
 def _scale_top(largest: float) -> float:
-  """A round value above `largest` (by 5% at least): the chart's top."""
+  """The chart's top: four round steps (in B, KiB, MiB, ...) that reach
+  past `largest` by 5% at least."""
   if largest <= 0:
-    return 1.0
-  unit = 1024 ** max(int(math.log(largest, 1024)), 0)
-  x = largest * 1.05 / unit
+    return 4.0
+  step = largest * 1.05 / 4
+  unit = 1024 ** max(int(math.log(step, 1024)), 0)
+  x = step / unit
   magnitude = 10 ** math.floor(math.log10(x))
-  for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+  for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
     if m * magnitude >= x:
-      return float(m * magnitude * unit)
+      return float(4 * m * magnitude * unit)
   raise AssertionError('unreachable')
 
 
@@ -294,7 +296,7 @@ def page(
       f'budget {_text.human_bytes(budget)} per device: {verdict} '
       f'(the heaviest device holds {_text.human_bytes(worst)})'
     )
-  table = _plan_view.render_html(plan, expand=expand)
+  table = _plan_view.render_html(plan, expand=expand, header=False)
   return (
     '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
     f'<title>{html.escape(title)}</title><style>{_PAGE_CSS}</style></head>'

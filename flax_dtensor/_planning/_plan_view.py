@@ -502,7 +502,10 @@ def table_html(rows_: Sequence[Row], columns: Sequence[str]) -> str:
   body = []
   for row in rows_:
     cells = [_path_html(row.label)] + [
-      html.escape(c) for c in _cells(row, columns)[1:]
+      html.escape(c).replace(' ', '&nbsp;')
+      if n == 'per device'
+      else (html.escape(c))
+      for n, c in zip(columns[1:], _cells(row, columns)[1:], strict=True)
     ]
     body.append(
       '<tr>'
@@ -525,21 +528,25 @@ def render_html(
   summary: bool = False,
   expand: bool = False,
   chart: str = '',
+  header: bool = True,
 ) -> str:
   """The plan as an HTML fragment that wraps to the notebook's width.
 
-  `chart` (an SVG, `_plan_chart`) goes below the totals.
+  `chart` (an SVG, `_plan_chart`) goes below the totals; without `header`,
+  neither they nor the mesh are shown (a page that says them already).
   """
-  parts = [
-    f'<div style="max-width:100%"><b>Sharding plan: '
-    f'{html.escape(mesh_text(plan))}</b><br>'
-    + ''.join(
-      f'<b style="color:#b00">{html.escape(line)}</b><br>'
-      for line in typo_headlines(plan)
+  parts = ['<div style="max-width:100%">']
+  if header:
+    parts.append(
+      f'<b>Sharding plan: {html.escape(mesh_text(plan))}</b><br>'
+      + ''.join(
+        f'<b style="color:#b00">{html.escape(line)}</b><br>'
+        for line in typo_headlines(plan)
+      )
+      + html.escape(totals_text(plan))
     )
-    + html.escape(totals_text(plan))
-    + (f'<div style="max-width:100%">{chart}</div>' if chart else '')
-  ]
+  if chart:
+    parts.append(f'<div style="max-width:100%">{chart}</div>')
   if not summary and plan.entries:
     parts.append(
       table_html(rows(plan.entries, expand=expand), _columns(plan.entries))

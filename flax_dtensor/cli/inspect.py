@@ -279,17 +279,20 @@ def _caption(text: str) -> Any:
 
 
 def _common_mesh(cells: Sequence[str]) -> str | None:
-  """The mesh most cells of a column are on ('data=2,model=4'), if any."""
+  """The mesh more than half the cells of a column are on
+  ('data=2,model=4'), if one is."""
   meshes = [c.rsplit(' @ ', 1)[1] for c in cells if ' @ ' in c]
-  if not meshes:
-    return None
-  return max(dict.fromkeys(meshes), key=meshes.count)
+  for mesh in dict.fromkeys(meshes):
+    if 2 * meshes.count(mesh) > len(cells):
+      return mesh
+  return None
 
 
 def mesh_once(rows: Sequence[Row]) -> tuple[list[Row], str | None]:
   """(`rows` without the common meshes, the line that names them once).
 
-  Each sharding column's most common mesh is named above the table
+  Each sharding column's mesh (that of more than half its rows) is named
+  above the table
   ('JAX mesh data=2,model=4; DTensor mesh data=2,model=4') and left out
   of its cells; a cell on another mesh keeps its ``@ mesh``.
   """

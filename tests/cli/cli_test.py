@@ -1581,10 +1581,7 @@ def test_inspect_shows_fused_dtensor_axes(fused_export):
     if cells and cells[0] in ('fused', 'single', 'half'):
       rows[cells[0]] = cells[1:]
   # The meshes most rows are on, once above the table.
-  assert (
-    'JAX mesh data=2,model=4; DTensor mesh data=2,model=4 (others in '
-    'their rows)'
-  ) in stdout
+  assert 'JAX mesh data=2,model=4 (others in their rows)' in stdout
   assert 'Every variable is a Param.' in stdout
   assert rows['fused'] == [
     '(16, 4)',
@@ -1595,7 +1592,7 @@ def test_inspect_shows_fused_dtensor_axes(fused_export):
   ]
   assert rows['single'][2:] == ['one device', 'unsharded @ single_device=1']
   assert rows['half'][1] == 'float16 (stored as float32)'
-  assert rows['half'][3] == 'data,model'
+  assert rows['half'][3] == 'data,model @ data=2,model=4'
   assert '3 variables' in stdout
 
 
@@ -1611,6 +1608,7 @@ def test_inspect_at_80_columns_wraps_and_cuts_nothing(fused_export):
     "  JAX      P(('data', 'model'), None)",
     '  DTensor  data+model,unsharded @ data+model=8',
   ]
+  assert '  DTensor  data,model @ data=2,model=4' in lines
   assert '  (8, 4)  float16 (stored as float32)' in lines
 
 
@@ -1640,7 +1638,7 @@ def test_inspect_without_a_manifest_reads_with_tensorflow(
   stdout = ok(run_cli('inspect', tmp_path, env=wide))
   rows = {}
   for line in stdout.splitlines():
-    cells = [c.strip() for c in line.split('│')[1:-1]]
+    cells = re.split(r'\s{2,}', line.strip())
     if cells and cells[0] in ('fused', 'single', 'half'):
       rows[cells[0]] = cells[1:]
   assert rows['fused'] == ['-', '(16, 4)', 'float32', '-', '-']

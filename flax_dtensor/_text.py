@@ -1,9 +1,10 @@
 """Text every printed view of the package shares, at the bottom of it.
 
 Sizes in IEC units (`human_bytes`), counts with their noun (`count`), paths
-broken only after a ``/`` (`wrap_path`), the terminal's width, and a table
-that turns into short stacked lines when it does not fit
-(`table_or_stacked`). The plan's views, the bridge's messages and the
+broken only after a ``/`` (`wrap_path`), lines broken only between their
+parts (`fill`, `hanging_lines`), paths alike but for an integer as one
+pattern (`collapse_paths`), the terminal's width, and a table that turns
+into short stacked lines when it does not fit (`table_or_stacked`). The plan's views, the bridge's messages and the
 command line all import these; none of them imports another's.
 """
 

@@ -170,9 +170,11 @@ class PlanEntry:
 class ShardingPlan:
   """Where every variable of a model goes, and why.
 
-  Print it (a table at the terminal's width, paths never cut), show it in a
-  notebook (HTML), or use `to_dict` / `to_json` for data; `summary()` for
-  the compact view, `show(path)` for where one variable's blocks are.
+  Print it (a table at the terminal's width, paths never cut, repeated
+  layers as one row), show it in a notebook (HTML, with a chart of the
+  bytes per device), or use `to_dict` / `to_json` for data; `summary()`
+  for the compact view, `table(expand=True)` for one row per variable,
+  `show(path)` for where one variable's blocks are, `to_html()` for a page.
 
   Attributes:
     entries: One `PlanEntry` per variable, in path order.

@@ -1,8 +1,10 @@
 """How a ShardingPlan looks: in a terminal of any width, piped, in Jupyter.
 
-Paths are never cut. A table is used when every path fits whole beside the
-other columns; below that width each variable takes two lines, its path on
-the first. Fallbacks are grouped by reason under the table, with the
+Paths are never cut. Variables alike but for an integer path component
+share a row (`rows`: ``layers/{0..23}/attn/kernel ×24``) unless expanded.
+A table is used when every path fits whole beside the other columns; below
+that width each row takes two lines, its path on the first, the second
+broken only between its parts. Fallbacks are grouped by reason under the table, with the
 variables each one affects. `blocks` draws which mesh position holds which
 block of one variable, for any number of dimensions. Sizes, counts and
 paths are written by `_text`.

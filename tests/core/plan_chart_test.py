@@ -277,3 +277,18 @@ def test_the_page_stands_alone(demo_with_adamw):
   notebook = demo_with_adamw._repr_html_()
   assert notebook.startswith('<div') and notebook.count('<svg') == 1
   assert 'class="fdt-memory"' in notebook
+
+
+def test_the_big_plan_in_a_notebook(big_plan):
+  page = big_plan._repr_html_()
+  assert page.startswith('<div') and page.endswith('</div>')
+  assert page.count('<tr>') == 1 + 24  # The header and the collapsed rows.
+  text = html.unescape(page.replace('<wbr>', ''))
+  assert '>layers/{0..23}/attn/q/kernel \u00d724<' in text
+  chart = ET.fromstring(re.search(r'<svg.*?</svg>', page, flags=re.S)[0])
+  bars = chart.findall(f'{SVG}rect[@class="bar"]')
+  assert len(bars) == 128  # Parameters only, one bar per device.
+  assert {int(b.get('data-bytes')) for b in bars} == {
+    big_model.PARAMS_PER_DEVICE
+  }
+  assert big_model.PARAMS_PER_DEVICE == big_plan.bytes_per_device

@@ -126,6 +126,8 @@ def _check_matches(
       parts = parts[:-1]
     dtype = np.dtype(getattr(leaf, 'dtype', None) or np.float32)
     held[parts] = _sources.Held(tuple(shape), dtype, dtype)
+  if not held:  # Unreadable metadata (a damaged checkpoint): Orbax says.
+    return
   wanted = []
   for keypath, variable in jax.tree_util.tree_flatten_with_path(
     abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)

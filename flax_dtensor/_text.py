@@ -1,9 +1,10 @@
 """Text every printed view of the package shares, at the bottom of it.
 
 Sizes in IEC units (`human_bytes`), counts with their noun (`count`), paths
-broken only after a ``/`` (`wrap_path`), the terminal's width, and a table
-that turns into short stacked lines when it does not fit
-(`table_or_stacked`). The plan's views, the bridge's messages and the
+broken only after a ``/`` (`wrap_path`), lines broken only between their
+parts (`fill`, `hanging_lines`), paths alike but for an integer as one
+pattern (`collapse_paths`), the terminal's width, and a table that turns
+into short stacked lines when it does not fit (`table_or_stacked`). The plan's views, the bridge's messages and the
 command line all import these; none of them imports another's.
 """
 
@@ -67,6 +68,7 @@ def table_or_stacked(
   paths: Sequence[str] = (),
   right: Sequence[str] = (),
   details: Callable[[Sequence[str]], list[str]] | None = None,
+  box: Any = None,
 ) -> Any:
   """A table of `rows` when it fits `width` unwrapped; else short lines.
 
@@ -75,10 +77,17 @@ def table_or_stacked(
   its own line, labelled with its column (or the lines `details` makes of
   the row). Cells of the `paths` columns are broken only after a '/'
   (`wrap_path`); a cell holding several lines keeps them. `right` columns
-  are right-justified in the table.
+  are right-justified in the table; `box` is its rich box (rich's default:
+  lines around every cell).
   """
   rows = [list(row) for row in rows]
-  table = rich.table.Table()
+  table = (
+    rich.table.Table()
+    if box is None
+    else rich.table.Table(
+      box=box, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0)
+    )
+  )
   for column in columns:
     table.add_column(
       column, no_wrap=True, justify='right' if column in right else 'left'
@@ -129,3 +138,149 @@ def console(file: io.StringIO, width: int) -> rich.console.Console:
 def measure(renderable: Any) -> int:
   """The columns `renderable` needs to print without wrapping."""
   return console(io.StringIO(), 100_000).measure(renderable).maximum
+
+
+def fill(
+  segments: Sequence[str | tuple[str, str]],
+  width: int,
+  *,
+  hanging: int = 2,
+  sep: str = '  ',
+) -> list[str]:
+  """`segments` joined by `sep` in lines of at most `width` columns.
+
+  A segment may be (separator, text) to be joined by another separator.
+  Lines break only between segments; the lines after the first are
+  indented by `hanging`. Empty segments are left out. A segment too long for a line of its own is
+  broken after its commas (a spec ``P('data', 'model', None)`` after
+  ``'data', ``), and cut only where a part between commas is longer still.
+  """
+  lines = ['']
+  for item in segments:
+    before, segment = item if isinstance(item, tuple) else (sep, item)
+    if not segment:
+      continue
+    joined = (
+      f'{lines[-1]}{before}{segment}'
+      if lines[-1].strip()
+      else lines[-1] + segment
+    )
+    if len(joined) <= width:
+      lines[-1] = joined
+      continue
+    indent = ' ' * hanging
+    if lines[-1].strip():
+      lines.append(indent)
+    for part in re.findall(r'[^,]*(?:, ?|$)', segment):
+      if not part:
+        continue
+      if len(lines[-1]) + len(part.rstrip()) > width and lines[-1].strip():
+        lines.append(indent)
+      lines[-1] += part
+      while len(lines[-1].rstrip()) > width:  # One part wider than a line.
+        head, rest = lines[-1][:width], lines[-1][width:]
+        lines[-1] = head
+        lines.append(indent + rest)
+  return [line.rstrip() for line in lines]
+
+
+def int_ranges(values: Iterable[int]) -> str:
+  """'0..23' for 0 to 23, '0,1' for two, '0..3,5,7..9' with gaps."""
+  runs: list[list[int]] = []
+  for v in sorted(set(values)):
+    if runs and v == runs[-1][1] + 1:
+      runs[-1][1] = v
+    else:
+      runs.append([v, v])
+  parts = []
+  for a, b in runs:
+    if a == b:
+      parts.append(str(a))
+    elif b == a + 1:
+      parts.append(f'{a},{b}')
+    else:
+      parts.append(f'{a}..{b}')
+  return ','.join(parts)
+
+
+_INDEX = re.compile(r'\d+')
+
+
+def collapse_paths(
+  items: Sequence[tuple[str, Any]],
+) -> list[tuple[str, list[int]]]:
+  """Paths that differ only in integer components, as one pattern each.
+
+  `items` are (path, key) pairs; paths whose keys are equal and whose
+  components are equal but for integers collapse into one pattern,
+  ``layers/{0..23}/attn/kernel``, placed where its first path was.
+  Returns (pattern, the indices of `items` it stands for). A group whose
+  integers do not form a full grid (``a/0/b/0``, ``a/1/b/1``) is split
+  until each part does.
+  """
+  groups: dict[Any, list[int]] = {}
+  for i, (path, key) in enumerate(items):
+    parts = path.split('/')
+    template = tuple(None if _INDEX.fullmatch(p) else p for p in parts)
+    groups.setdefault((template, key), []).append(i)
+  out: list[tuple[int, str, list[int]]] = []
+  for members in groups.values():
+    numbers = [
+      tuple(int(p) for p in items[i][0].split('/') if _INDEX.fullmatch(p))
+      for i in members
+    ]
+    for part in _grids(members, numbers):
+      out.append((part[0], _pattern(items[part[0]][0], part, items), part))
+  out.sort(key=lambda t: t[0])
+  return [(pattern, part) for _, pattern, part in out]
+
+
+def _grids(members: list[int], numbers: list[tuple[int, ...]]) -> list[Any]:
+  """`members` split so that each part's integers form a full grid."""
+  if len(members) == 1:
+    return [members]
+  sets = [set(column) for column in zip(*numbers, strict=True)]
+  if len(set(numbers)) == len(numbers) and len(numbers) == _product(sets):
+    return [members]
+  varying = [k for k, s in enumerate(sets) if len(s) > 1]
+  last = varying[-1]
+  parts: dict[tuple[int, ...], list[int]] = {}
+  for i, n in zip(members, numbers, strict=True):
+    parts.setdefault(n[:last] + n[last + 1 :], []).append(i)
+  return list(parts.values())
+
+
+def _product(sets: Sequence[set[int]]) -> int:
+  n = 1
+  for s in sets:
+    n *= len(s)
+  return n
+
+
+def _pattern(
+  first: str, part: Sequence[int], items: Sequence[tuple[str, Any]]
+) -> str:
+  parts = first.split('/')
+  if len(part) == 1:
+    return first
+  columns = [items[i][0].split('/') for i in part]
+  out = []
+  for k, p in enumerate(parts):
+    values = {c[k] for c in columns}
+    if len(values) == 1:
+      out.append(p)
+    else:
+      out.append('{' + int_ranges(int(v) for v in values) + '}')
+  return '/'.join(out)
+
+
+def hanging_lines(
+  text: str, width: int, *, indent: int = 2, hanging: int = 4
+) -> list[str]:
+  """`text` wrapped at its spaces to `width` columns: the first line
+  indented by `indent`, the others by `hanging` (never cut in a word)."""
+  words = [w for w in text.split(' ') if w]
+  lines = fill(
+    [(' ', w) for w in words], max(width - indent, 1), hanging=hanging - indent
+  )
+  return [' ' * indent + line for line in lines]

@@ -113,6 +113,15 @@ class CheckReport:
 
   __repr__ = __str__
 
+  def render(self, width: int) -> str:
+    """`str(self)` in lines of at most `width` columns: each finding broken
+    at its spaces, its later lines indented under its text."""
+    lines = str(self).splitlines()
+    out = lines[:1]
+    for line in lines[1:]:
+      out += _text.hanging_lines(line.strip(), width, indent=2, hanging=6)
+    return '\n'.join(out)
+
 
 def _rule_findings(
   rules: _logical.LogicalRules | _logical.FlaxRules,

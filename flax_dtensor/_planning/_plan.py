@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import html
 import json
 import math
@@ -24,7 +25,7 @@ from flax_dtensor._placement import (
   _trees,
   _variables,
 )
-from flax_dtensor._planning import _plan_diff, _plan_view
+from flax_dtensor._planning import _plan_chart, _plan_diff, _plan_view
 from flax_dtensor._rules import (
   _logical,
   _meshes,
@@ -169,9 +170,11 @@ class PlanEntry:
 class ShardingPlan:
   """Where every variable of a model goes, and why.
 
-  Print it (a table at the terminal's width, paths never cut), show it in a
-  notebook (HTML), or use `to_dict` / `to_json` for data; `summary()` for
-  the compact view, `show(path)` for where one variable's blocks are.
+  Print it (a table at the terminal's width, paths never cut, repeated
+  layers as one row), show it in a notebook (HTML, with a chart of the
+  bytes per device), or use `to_dict` / `to_json` for data; `summary()`
+  for the compact view, `table(expand=True)` for one row per variable,
+  `show(path)` for where one variable's blocks are, `to_html()` for a page.
 
   Attributes:
     entries: One `PlanEntry` per variable, in path order.
@@ -269,15 +272,43 @@ class ShardingPlan:
     """
     return _plan_diff.diff(self, golden)
 
+  def bytes_by_device(self) -> dict[str, list[int]]:
+    """{'params': [...], 'optimizer': [...], 'other': [...]}: what each
+    device holds, by mesh position (``mesh.devices.flat``).
+
+    Where every sharded dimension divides evenly, each device holds
+    `bytes_per_device_by_category`; a block that ends short counts what it
+    holds. This is what the chart of `to_html` draws.
+    """
+    return _plan_chart.device_bytes(self)
+
+  def closest_paths(self, path: str, n: int = 3) -> list[str]:
+    """The `n` paths of the plan spelled most like `path` (difflib)."""
+    paths = [e.path for e in self.entries]
+    return difflib.get_close_matches(path, paths, n=n, cutoff=0.6)
+
   def __getitem__(self, path: str) -> PlanEntry:
     for e in self.entries:
       if e.path == path:
         return e
+    close = self.closest_paths(path)
+    hint = (
+      f'did you mean {", ".join(map(repr, close))}?'
+      if close
+      else 'no path is spelled like it'
+    )
     raise KeyError(
-      f'No variable at {path!r}; paths: {[e.path for e in self.entries]}'
+      f"No variable at {path!r} among the plan's {len(self.entries)}; "
+      f'{hint} (`plan.entries` lists them).'
     )
 
-  def render(self, width: int | None = None, *, summary: bool = False) -> str:
+  def render(
+    self,
+    width: int | None = None,
+    *,
+    summary: bool = False,
+    expand: bool = False,
+  ) -> str:
     """The plan as plain text, `width` columns wide.
 
     Args:
@@ -286,8 +317,11 @@ class ShardingPlan:
         each variable takes two lines.
       summary: Only the totals, the largest replicated variables and the
         fallbacks grouped by reason (see `summary`).
+      expand: One row per variable. By default, variables that differ only
+        in an integer path component, with the same shape, dtype, spec
+        and reasons, share a row: ``layers/{0..23}/attn/kernel ×24``.
     """
-    return _plan_view.render_text(self, width, summary=summary)
+    return _plan_view.render_text(self, width, summary=summary, expand=expand)
 
   def summary(self) -> PlanView:
     """The compact view: totals per device against the ideal, the largest
@@ -297,6 +331,22 @@ class ShardingPlan:
     """
     return PlanView(self, summary=True)
 
+  def table(self, *, expand: bool = False) -> PlanView:
+    """The full view; with `expand`, one row per variable (repeated layers
+    not collapsed). Print it, or show it in a notebook."""
+    return PlanView(self, summary=False, expand=expand)
+
+  def to_html(self, *, budget: int | None = None, expand: bool = False) -> str:
+    """One self-contained HTML page (no script, nothing fetched).
+
+    The bytes each device holds as a chart (parameters, optimizer state
+    and other variables stacked; the ideal and `budget` as lines), the
+    mesh as a grid coloured by load, and the plan's table (repeated
+    layers collapsed unless `expand`). ``flax-dtensor plan --html FILE``
+    writes it.
+    """
+    return _plan_chart.page(self, budget=budget, expand=expand)
+
   def show(self, path: str) -> BlockMap:
     """Which device holds which block of the variable at `path`.
 
@@ -304,7 +354,8 @@ class ShardingPlan:
     mesh (``mesh.devices.flat``). Print it, or show it in a notebook.
 
     Raises:
-      KeyError: If no variable has this path; the message lists the paths.
+      KeyError: If no variable has this path; the message names the
+        closest paths.
     """
     return BlockMap(self[path], self.mesh_axes)
 
@@ -319,24 +370,33 @@ class ShardingPlan:
   __repr__ = __str__
 
   def _repr_html_(self) -> str:
-    return _plan_view.render_html(self)
+    return _plan_chart.notebook_html(self)
 
 
 class PlanView:
-  """A view of a plan (the summary) for terminals, text and notebooks."""
+  """A view of a plan (the summary, or the table expanded or not) for
+  terminals, text and notebooks."""
 
-  def __init__(self, plan_: ShardingPlan, *, summary: bool) -> None:
+  def __init__(
+    self, plan_: ShardingPlan, *, summary: bool, expand: bool = False
+  ) -> None:
     self.plan = plan_
     self.is_summary = summary
+    self.expand = expand
 
   def render(self, width: int | None = None) -> str:
-    return _plan_view.render_text(self.plan, width, summary=self.is_summary)
+    return _plan_view.render_text(
+      self.plan, width, summary=self.is_summary, expand=self.expand
+    )
 
   def __rich_console__(
     self, console: rich.console.Console, options: rich.console.ConsoleOptions
   ) -> Iterator[Any]:
     yield from _plan_view.renderables(
-      self.plan, options.max_width, summary=self.is_summary
+      self.plan,
+      options.max_width,
+      summary=self.is_summary,
+      expand=self.expand,
     )
 
   def __str__(self) -> str:
@@ -345,7 +405,9 @@ class PlanView:
   __repr__ = __str__
 
   def _repr_html_(self) -> str:
-    return _plan_view.render_html(self.plan, summary=self.is_summary)
+    if self.is_summary:
+      return _plan_view.render_html(self.plan, summary=True)
+    return _plan_chart.notebook_html(self.plan, expand=self.expand)
 
 
 class BlockMap:

@@ -1,8 +1,10 @@
 """How a ShardingPlan looks: in a terminal of any width, piped, in Jupyter.
 
-Paths are never cut. A table is used when every path fits whole beside the
-other columns; below that width each variable takes two lines, its path on
-the first. Fallbacks are grouped by reason under the table, with the
+Paths are never cut. Variables alike but for an integer path component
+share a row (`rows`: ``layers/{0..23}/attn/kernel ×24``) unless expanded.
+A table is used when every path fits whole beside the other columns; below
+that width each row takes two lines, its path on the first, the second
+broken only between its parts. Fallbacks are grouped by reason under the table, with the
 variables each one affects. `blocks` draws which mesh position holds which
 block of one variable, for any number of dimensions. Sizes, counts and
 paths are written by `_text`.
@@ -11,6 +13,7 @@ paths are written by `_text`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import html
 import io
 import math
@@ -130,6 +133,70 @@ def largest_replicated(plan: ShardingPlan, n: int = LARGEST) -> list[PlanEntry]:
   return sorted(whole, key=lambda e: (-e.bytes, e.path))[:n]
 
 
+# Layers that repeat, as one row
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One row of a view: a variable, or variables alike but for an index.
+
+  Attributes:
+    path: The path, or the pattern of the paths it stands for:
+      ``layers/{0..23}/attn/query/kernel``.
+    entries: The variables, in path order (one when not collapsed).
+  """
+
+  path: str
+  entries: tuple[PlanEntry, ...]
+
+  @property
+  def entry(self) -> PlanEntry:
+    return self.entries[0]
+
+  @property
+  def label(self) -> str:
+    """'layers/{0..23}/attn/query/kernel ×24', or the path alone."""
+    n = len(self.entries)
+    return self.path if n == 1 else f'{self.path} \u00d7{n}'
+
+
+def _alike(e: PlanEntry) -> tuple[Any, ...]:
+  """What must be equal for two variables to share a row: all but the path."""
+  return (
+    e.kind,
+    e.shape,
+    e.dtype,
+    e.logical_axes,
+    e.spec,
+    e.fallbacks,
+    e.placed,
+    e.category,
+    e.source,
+    e.misplaced_reason,
+    e.creation,
+    e.bytes_per_device,
+  )
+
+
+def rows(entries: Iterable[PlanEntry], *, expand: bool = False) -> list[Row]:
+  """The rows a view shows: variables identical but for an integer path
+  component (same shape, dtype, spec, reasons) as one, unless `expand`."""
+  entries = list(entries)
+  if expand:
+    return [Row(e.path, (e,)) for e in entries]
+  found = _text.collapse_paths([(e.path, _alike(e)) for e in entries])
+  return [Row(p, tuple(entries[i] for i in idx)) for p, idx in found]
+
+
+def path_labels(paths: Sequence[str], *, expand: bool = False) -> list[str]:
+  """`paths`, those alike but for an index as one: 'a/{0..3}/b ×4'."""
+  if expand:
+    return list(paths)
+  found = _text.collapse_paths([(p, None) for p in paths])
+  return [p if len(idx) == 1 else f'{p} \u00d7{len(idx)}' for p, idx in found]
+
+
 # Terminal (rich)
 # ------------------------------------------------------------------------------
 
@@ -161,9 +228,10 @@ def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
   return tuple(c for c in _COLUMNS if c not in drop)
 
 
-def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
+def _cells(row: Row, columns: Sequence[str]) -> list[str]:
+  e = row.entry
   values = {
-    'path': e.path,
+    'path': row.label,
     'type': e.kind,
     'shape': shape_text(e),
     'logical axes': axes_text(e),
@@ -174,8 +242,7 @@ def _cells(e: PlanEntry, columns: Sequence[str]) -> list[str]:
   return [values[c] for c in columns]
 
 
-def _table(entries: Sequence[PlanEntry]) -> rich.table.Table:
-  columns = _columns(entries)
+def _table(rows_: Sequence[Row], columns: Sequence[str]) -> rich.table.Table:
   table = rich.table.Table(
     box=rich.box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 1)
   )
@@ -185,25 +252,43 @@ def _table(entries: Sequence[PlanEntry]) -> rich.table.Table:
       no_wrap=True,
       justify='right' if name == 'per device' else 'left',
     )
-  for e in entries:
-    table.add_row(*(rich.markup.escape(c) for c in _cells(e, columns)))
+  for row in rows_:
+    table.add_row(*(rich.markup.escape(c) for c in _cells(row, columns)))
   return table
 
 
-def _stacked(entries: Sequence[PlanEntry]) -> rich.console.Group:
-  """Two lines per variable: the whole path, then what it becomes."""
-  kinds = len({e.kind for e in entries}) > 1
-  sources = by_path_rules(entries)
+def _stacked(
+  rows_: Sequence[Row], columns: Sequence[str], width: int
+) -> rich.console.Group:
+  """Two lines per row: the whole path, then what it becomes.
+
+  The second breaks only between its parts (a spec is never cut inside a
+  name), each line after it indented to the shape's column.
+  """
   items: list[Any] = []
-  for e in entries:
-    items.append(rich.text.Text(e.path, style='bold', overflow='fold'))
-    detail = (
-      f'{_text.human_bytes(e.bytes_per_device):>9}  '
-      + (f'{e.kind} ' if kinds else '')
-      + f'{shape_text(e)}  {axes_text(e)} -> {spec_text(e)}'
-      + (f'  [{e.source or "-"}]' if sources else '')
-    )
-    items.append(rich.padding.Padding(rich.text.Text(detail), (0, 0, 0, 2)))
+  for row in rows_:
+    e = row.entry
+    items.append(rich.text.Text(row.label, style='bold', overflow='fold'))
+    segments = [
+      f'{_text.human_bytes(e.bytes_per_device):>9}',
+      e.kind if 'type' in columns else '',
+      shape_text(e),
+      f'{axes_text(e)} ->',
+      (' ', _specs.format_spec(e.display_spec)),
+      (
+        ' ',
+        f'(placed {_specs.format_spec(e.display_placed or ())})'
+        if e.misplaced
+        else '',
+      ),
+      f'[{e.source or "-"}]' if 'source' in columns else '',
+    ]
+    for line in _text.fill(segments, max(width - 2, 20), hanging=11):
+      items.append(
+        rich.padding.Padding(
+          rich.text.Text(line, no_wrap=True, overflow='fold'), (0, 0, 0, 2)
+        )
+      )
   return rich.console.Group(*items)
 
 
@@ -236,27 +321,43 @@ def typo_headlines(plan: ShardingPlan) -> list[str]:
   return [f'Likely typo: {t}' for t in plan.likely_typos]
 
 
-def _fallbacks(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+def _lines(lines: Iterable[str], style: str = '') -> list[Any]:
+  return [rich.text.Text(line, style=style, no_wrap=True) for line in lines]
+
+
+def _listed(labels: Sequence[str], width: int) -> list[Any]:
+  """Paths after a reason: indented by 6, broken only between paths."""
+  items = [f'{p},' for p in labels[:-1]] + list(labels[-1:])
+  lines = _text.fill(items, max(width - 6, 20), hanging=0, sep=' ')
+  return _lines((' ' * 6 + line for line in lines), style='dim')
+
+
+def _fallbacks(
+  entries: Sequence[PlanEntry],
+  width: int,
+  *,
+  list_paths: bool,
+  expand: bool = False,
+) -> list[Any]:
   groups = fallback_groups(entries)
   if not groups:
     return []
   out: list[Any] = [rich.text.Text(fallbacks_text(groups), style='bold')]
   for reason, paths in groups:
     n = _text.count(len(paths), 'variable')
-    out.append(
-      rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
-    )
+    out.extend(_lines(_text.hanging_lines(f'{reason} ({n})', width)))
     if list_paths:
-      out.append(
-        rich.padding.Padding(
-          rich.text.Text(', '.join(paths), style='dim'), (0, 0, 0, 6)
-        )
-      )
+      out.extend(_listed(path_labels(paths, expand=expand), width))
   return out
 
 
 def _by_reason(
-  title: str, found: Iterable[tuple[str, str]], *, list_paths: bool
+  title: str,
+  found: Iterable[tuple[str, str]],
+  width: int,
+  *,
+  list_paths: bool,
+  expand: bool = False,
 ) -> list[Any]:
   """'TITLE: N variables', then each reason with its count (and paths)."""
   groups: dict[str, list[str]] = {}
@@ -270,19 +371,19 @@ def _by_reason(
   ]
   for reason, paths in groups.items():
     n = _text.count(len(paths), 'variable')
-    out.append(
-      rich.padding.Padding(rich.text.Text(f'{reason} ({n})'), (0, 0, 0, 2))
-    )
+    out.extend(_lines(_text.hanging_lines(f'{reason} ({n})', width)))
     if list_paths:
-      out.append(
-        rich.padding.Padding(
-          rich.text.Text(', '.join(paths), style='dim'), (0, 0, 0, 6)
-        )
-      )
+      out.extend(_listed(path_labels(paths, expand=expand), width))
   return out
 
 
-def _notes(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
+def _notes(
+  entries: Sequence[PlanEntry],
+  width: int,
+  *,
+  list_paths: bool,
+  expand: bool = False,
+) -> list[Any]:
   """Variables not where the rules say, and path-ruled ones created, then
   moved (`_creation_order.MOVED`), each grouped by the reason."""
   return [
@@ -293,7 +394,9 @@ def _notes(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
         for e in entries
         if e.misplaced
       ),
+      width,
       list_paths=list_paths,
+      expand=expand,
     ),
     *_by_reason(
       'Created, then moved',
@@ -302,15 +405,25 @@ def _notes(entries: Sequence[PlanEntry], *, list_paths: bool) -> list[Any]:
         for e in entries
         if e.creation and e.creation.startswith('moved when ')
       ),
+      width,
       list_paths=list_paths,
+      expand=expand,
     ),
   ]
 
 
 def renderables(
-  plan: ShardingPlan, width: int, *, summary: bool = False
+  plan: ShardingPlan,
+  width: int,
+  *,
+  summary: bool = False,
+  expand: bool = False,
 ) -> list[Any]:
-  """What the plan prints at `width` columns: the full view or the summary."""
+  """What the plan prints at `width` columns: the full view or the summary.
+
+  Variables alike but for an integer path component share a row unless
+  `expand` (`rows`).
+  """
   out: list[Any] = [
     rich.text.Text(f'Sharding plan: {mesh_text(plan)}', style='bold'),
     *(
@@ -339,26 +452,32 @@ def renderables(
             (0, 0, 0, 2),
           )
         )
-    out.extend(_fallbacks(plan.entries, list_paths=False))
-    out.extend(_notes(plan.entries, list_paths=False))
+    out.extend(_fallbacks(plan.entries, width, list_paths=False))
+    out.extend(_notes(plan.entries, width, list_paths=False))
     return out
   if plan.entries:
-    table = _table(plan.entries)
+    rows_ = rows(plan.entries, expand=expand)
+    columns = _columns(plan.entries)
+    table = _table(rows_, columns)
     fits = _text.measure(table) <= width
-    out.append(table if fits else _stacked(plan.entries))
-  out.extend(_fallbacks(plan.entries, list_paths=True))
-  out.extend(_notes(plan.entries, list_paths=True))
+    out.append(table if fits else _stacked(rows_, columns, width))
+  out.extend(_fallbacks(plan.entries, width, list_paths=True, expand=expand))
+  out.extend(_notes(plan.entries, width, list_paths=True, expand=expand))
   return out
 
 
 def render_text(
-  plan: ShardingPlan, width: int | None = None, *, summary: bool = False
+  plan: ShardingPlan,
+  width: int | None = None,
+  *,
+  summary: bool = False,
+  expand: bool = False,
 ) -> str:
   """The plan as plain text at `width` columns (default: the terminal's)."""
   width = _text.terminal_width() if width is None else width
   buffer = io.StringIO()
   console = _text.console(buffer, width)
-  for item in renderables(plan, width, summary=summary):
+  for item in renderables(plan, width, summary=summary, expand=expand):
     console.print(item)
   return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
 
@@ -377,39 +496,62 @@ def _path_html(path: str) -> str:
   return '/<wbr>'.join(html.escape(p) for p in path.split('/'))
 
 
-def render_html(plan: ShardingPlan, *, summary: bool = False) -> str:
-  """The plan as an HTML fragment that wraps to the notebook's width."""
-  parts = [
-    f'<div style="max-width:100%"><b>Sharding plan: '
-    f'{html.escape(mesh_text(plan))}</b><br>'
-    + ''.join(
-      f'<b style="color:#b00">{html.escape(line)}</b><br>'
-      for line in typo_headlines(plan)
-    )
-    + html.escape(totals_text(plan))
-  ]
-  if not summary and plan.entries:
-    columns = _columns(plan.entries)
-    head = ''.join(
-      f'<th style="text-align:left;padding:2px 6px">{h}</th>' for h in columns
-    )
-    rows = []
-    for e in plan.entries:
-      cells = [_path_html(e.path)] + [
-        html.escape(c) for c in _cells(e, columns)[1:]
-      ]
-      rows.append(
-        '<tr>'
-        + ''.join(
-          f'<td style="text-align:{"right" if n == "per device" else "left"};'
-          f'padding:2px 6px;vertical-align:top">{c}</td>'
-          for n, c in zip(columns, cells, strict=True)
-        )
-        + '</tr>'
+def table_html(rows_: Sequence[Row], columns: Sequence[str]) -> str:
+  """The rows as an HTML table that wraps to its container's width."""
+  head = ''.join(
+    f'<th style="text-align:left;padding:2px 6px">{h}</th>' for h in columns
+  )
+  body = []
+  for row in rows_:
+    cells = [_path_html(row.label)] + [
+      html.escape(c).replace(' ', '&nbsp;')
+      if n == 'per device'
+      else (html.escape(c))
+      for n, c in zip(columns[1:], _cells(row, columns)[1:], strict=True)
+    ]
+    body.append(
+      '<tr>'
+      + ''.join(
+        f'<td style="text-align:{"right" if n == "per device" else "left"};'
+        f'padding:2px 6px;vertical-align:top">{c}</td>'
+        for n, c in zip(columns, cells, strict=True)
       )
+      + '</tr>'
+    )
+  return (
+    f'<table style="{_CSS}"><thead><tr>{head}</tr></thead>'
+    f'<tbody>{"".join(body)}</tbody></table>'
+  )
+
+
+def render_html(
+  plan: ShardingPlan,
+  *,
+  summary: bool = False,
+  expand: bool = False,
+  chart: str = '',
+  header: bool = True,
+) -> str:
+  """The plan as an HTML fragment that wraps to the notebook's width.
+
+  `chart` (an SVG, `_plan_chart`) goes below the totals; without `header`,
+  neither they nor the mesh are shown (a page that says them already).
+  """
+  parts = ['<div style="max-width:100%">']
+  if header:
     parts.append(
-      f'<table style="{_CSS}"><thead><tr>{head}</tr></thead>'
-      f'<tbody>{"".join(rows)}</tbody></table>'
+      f'<b>Sharding plan: {html.escape(mesh_text(plan))}</b><br>'
+      + ''.join(
+        f'<b style="color:#b00">{html.escape(line)}</b><br>'
+        for line in typo_headlines(plan)
+      )
+      + html.escape(totals_text(plan))
+    )
+  if chart:
+    parts.append(f'<div style="max-width:100%">{chart}</div>')
+  if not summary and plan.entries:
+    parts.append(
+      table_html(rows(plan.entries, expand=expand), _columns(plan.entries))
     )
   if summary:
     largest = largest_replicated(plan)
@@ -428,7 +570,10 @@ def render_html(plan: ShardingPlan, *, summary: bool = False) -> str:
         ''
         if summary
         else '<br><small>'
-        + ', '.join(f'<code>{_path_html(p)}</code>' for p in paths)
+        + ', '.join(
+          f'<code>{_path_html(p)}</code>'
+          for p in path_labels(paths, expand=expand)
+        )
         + '</small>'
       )
       + '</li>'

@@ -119,8 +119,16 @@ def _options(
   del version
 
 
-for _function in (demo.demo, plan.plan, export.export, inspect.inspect):
-  app.command(cls=_Command)(_function)
+# Each command's line in the top-level help, whole at 80 columns (click
+# would cut the docstring's first sentence with '...').
+_SHORT_HELP = {
+  demo.demo: 'Train a small Transformer on a mesh; export it to TF.',
+  plan.plan: 'Show where every variable of a model would go.',
+  export.export: 'Restore an Orbax checkpoint onto a mesh; export it to TF.',
+  inspect.inspect: "List an export's variables, shapes and layouts.",
+}
+for _function, _short in _SHORT_HELP.items():
+  app.command(cls=_Command, short_help=_short)(_function)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -278,21 +278,88 @@ def _caption(text: str) -> Any:
   return rich.text.Text(text, style='dim')
 
 
+def _common_mesh(cells: Sequence[str]) -> str | None:
+  """The mesh more than half the cells of a column are on
+  ('data=2,model=4'), if one is."""
+  meshes = [c.rsplit(' @ ', 1)[1] for c in cells if ' @ ' in c]
+  for mesh in dict.fromkeys(meshes):
+    if 2 * meshes.count(mesh) > len(cells):
+      return mesh
+  return None
+
+
+def mesh_once(rows: Sequence[Row]) -> tuple[list[Row], str | None]:
+  """(`rows` without the common meshes, the line that names them once).
+
+  Each sharding column's mesh (that of more than half its rows) is named
+  above the table
+  ('JAX mesh data=2,model=4; DTensor mesh data=2,model=4') and left out
+  of its cells; a cell on another mesh keeps its ``@ mesh``.
+  """
+  jax_mesh = _common_mesh([r[4] for r in rows])
+  dtensor_mesh = _common_mesh([r[5] for r in rows])
+
+  def strip(cell: str, mesh: str | None) -> str:
+    if mesh is not None and cell.endswith(f' @ {mesh}'):
+      return cell[: -len(f' @ {mesh}')]
+    return cell
+
+  out = [
+    (*r[:4], strip(r[4], jax_mesh), strip(r[5], dtensor_mesh)) for r in rows
+  ]
+  parts = []
+  if jax_mesh is not None:
+    parts.append(f'JAX mesh {jax_mesh}')
+  if dtensor_mesh is not None:
+    parts.append(f'DTensor mesh {dtensor_mesh}')
+  if not parts:
+    return list(rows), None
+  others = any(
+    ' @ ' in r[4] or ' @ ' in r[5] for r in out
+  )  # A variable on another mesh says it.
+  line = '; '.join(parts) + (' (others in their rows)' if others else '')
+  return out, line
+
+
 def _variables(rows: Sequence[Row], width: int) -> list[Any]:
+  """The variables' table (or stacked lines): the meshes named once above
+  it, and the type too when every variable has the same."""
+  import rich.box
+  import rich.text
+
   from flax_dtensor import _text
 
+  rows, meshes = mesh_once(rows)
+  lines = [] if meshes is None else [meshes]
+  columns = list(_VARIABLE_COLUMNS)
+  kinds = {r[1] for r in rows}
+  table_rows: list[Sequence[str]] = list(rows)
+  if len(kinds) == 1 and '-' not in kinds:
+    lines.append(f'Every variable is a {next(iter(kinds))}.')
+    columns.remove('type')
+    table_rows = [(r[0], *r[2:]) for r in rows]
+
   def details(row: Sequence[str]) -> list[str]:
-    _, kind, shape, dtype, jax_text, dtensor_text = row
+    cells = dict(zip(columns, row, strict=True))
+    first = '  '.join(
+      cells[c] for c in ('type', 'shape', 'dtype') if c in cells
+    )
     return [
-      f'{kind}  {shape}  {dtype}',
-      f'JAX      {jax_text}',
-      f'DTensor  {dtensor_text}',
+      first,
+      f'JAX      {cells["JAX sharding"]}',
+      f'DTensor  {cells["DTensor layout"]}',
     ]
 
   return [
+    *(rich.text.Text(line) for line in lines),
     _text.table_or_stacked(
-      _VARIABLE_COLUMNS, rows, width, paths=('variable',), details=details
-    )
+      columns,
+      table_rows,
+      width,
+      paths=('variable',),
+      details=details,
+      box=rich.box.SIMPLE_HEAD,
+    ),
   ]
 
 

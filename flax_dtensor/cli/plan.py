@@ -162,6 +162,30 @@ def plan(
       show_default=False,
     ),
   ] = None,
+  expand: Annotated[
+    bool,
+    typer.Option(
+      '--expand',
+      help=(
+        'One row per variable. By default variables alike but for an '
+        'integer in the path (same shape, dtype, spec and reasons) share '
+        'a row, the integers as a range, e.g. 0..23, and a count.'
+      ),
+    ),
+  ] = False,
+  html_file: Annotated[
+    pathlib.Path | None,
+    typer.Option(
+      '--html',
+      metavar='FILE',
+      help=(
+        'Also write one self-contained HTML page: the bytes per device as '
+        'a chart (with --budget as a line), the mesh coloured by load, '
+        'and the plan.'
+      ),
+      show_default=False,
+    ),
+  ] = None,
   debug: Annotated[
     bool, typer.Option('--debug', help=_command.DEBUG_HELP)
   ] = False,
@@ -255,6 +279,23 @@ def plan(
         )
     with jax.sharding.use_abstract_mesh(mesh_), fdt.logical_axis_rules(rules_):
       result = fdt.plan(model, mesh=mesh_, rules=rules_, optimizer=tx)
+    if html_file is not None:
+      from flax_dtensor import _text
+
+      page = result.to_html(budget=budget_, expand=expand)
+      try:
+        html_file.write_text(page, encoding='utf-8')
+      except OSError as e:
+        raise _command.BadInputError(
+          f'--html {str(html_file)!r}: cannot write the page '
+          f'({e.strerror or e}). Pass a file in a directory you can write.'
+        ) from e
+      _command.console(stderr=True).print(
+        f'Wrote the plan as HTML to {str(html_file)!r} '
+        f'({_text.human_bytes(len(page.encode()))}).',
+        highlight=False,
+        markup=False,
+      )
     if check:
       report = fdt.check(
         model,
@@ -267,7 +308,10 @@ def plan(
       if json_output:
         sys.stdout.write(report.to_json(indent=2) + '\n')
       else:
-        _command.console().print(str(report), highlight=False, markup=False)
+        console = _command.console()
+        console.print(
+          report.render(console.width), highlight=False, markup=False
+        )
       _command.exit_findings(report)
     elif golden_text is not None:
       from flax_dtensor._planning import _plan
@@ -280,9 +324,16 @@ def plan(
       sys.stdout.write(result.to_json(indent=2) + '\n')
     elif show is not None:
       if show not in {e.path for e in result.entries}:
+        close = result.closest_paths(show)
+        hint = (
+          f'Did you mean {", ".join(map(repr, close))}?'
+          if close
+          else 'No path is spelled like it.'
+        )
         raise _command.BadInputError(
           f'--show expected the path of a variable of {target}; got '
-          f'{show!r}. Paths: {", ".join(e.path for e in result.entries)}.'
+          f'{show!r}, which is none of its {len(result.entries)}. {hint} '
+          f'`flax-dtensor plan {target}` lists them.'
         )
       console = _command.console()
       console.print(
@@ -290,7 +341,8 @@ def plan(
       )
     else:
       _command.console().print(
-        result.summary() if summary else result, highlight=False
+        result.summary() if summary else result.table(expand=expand),
+        highlight=False,
       )
     if suggestion is not None and suggestion.fits is False:
       _command.exit_findings(True)

@@ -58,12 +58,18 @@ def test_summary_snapshot(demo_plan, width):
 
 @pytest.mark.parametrize('width', [60, 80, 100, 120, 160, 200])
 def test_every_path_is_whole_and_no_line_is_wider(demo_plan, width):
-  text = demo_plan.render(width)
+  text = demo_plan.render(width, expand=True)
   lines = text.splitlines()
   assert max(len(line) for line in lines) <= width
   starts = {line.split()[0] for line in lines if line.strip()}
   for entry in demo_plan.entries:
     assert entry.path in starts, f'{entry.path} cut at {width} columns'
+  # Collapsed: each pattern whole at the start of a line.
+  lines = demo_plan.render(width).splitlines()
+  assert max(len(line) for line in lines) <= width
+  starts = {line.split()[0] for line in lines if line.strip()}
+  for row in _plan_view.rows(demo_plan.entries):
+    assert row.path in starts, f'{row.path} cut at {width} columns'
 
 
 def test_the_table_is_used_when_it_fits_and_lines_otherwise(demo_plan):
@@ -90,7 +96,7 @@ def test_fallbacks_are_grouped_by_reason(demo_plan):
   ]
   assert len(affected) == 17
   for width in (80, 200):
-    text = ' '.join(demo_plan.render(width).split())  # Unwrapped.
+    text = ' '.join(demo_plan.render(width, expand=True).split())
     assert text.count(reason) == 1
     assert '(17 variables)' in text
     listed = text[text.index(reason) :]
@@ -141,10 +147,16 @@ def test_html_view_wraps_and_holds_every_path(demo_plan):
   assert page.startswith('<div') and page.endswith('</div>')
   # Paths may break only after a slash; every one is there, whole.
   text = html.unescape(page.replace('<wbr>', ''))
-  for entry in demo_plan.entries:
-    assert f'>{entry.path}<' in text
+  for row in _plan_view.rows(demo_plan.entries):
+    assert f'>{row.label}<' in text
   assert 'white-space:nowrap' not in page
-  assert page.count('<tr>') == 1 + len(demo_plan.entries)
+  assert page.count('<tr>') == 1 + 14  # 24 variables, 2 layers alike.
+  expanded = html.unescape(
+    demo_plan.table(expand=True)._repr_html_().replace('<wbr>', '')
+  )
+  for entry in demo_plan.entries:
+    assert f'>{entry.path}<' in expanded
+  assert expanded.count('<tr>') == 1 + len(demo_plan.entries)
   assert html.escape("'embed' -> 'fsdp'") in page
   summary = demo_plan.summary()._repr_html_()
   assert '<table' not in summary
@@ -225,8 +237,15 @@ def test_show_draws_a_grid_and_lists_every_block(demo_plan):
   assert demo_plan.show('head/kernel')._repr_html_().startswith('<pre>')
 
 
-def test_show_of_an_unknown_path_lists_the_paths(demo_plan):
-  with pytest.raises(KeyError, match=r"No variable at 'nope'.*head/kernel"):
+def test_show_of_an_unknown_path_names_the_closest(demo_plan):
+  with pytest.raises(
+    KeyError,
+    match=r"No variable at 'layers/0/atn/query/kernel' among the plan's 24; "
+    r"did you mean 'layers/0/attn/query/kernel', 'layers/1/attn/query/"
+    r"kernel', 'layers/0/attn/key/kernel'\?",
+  ):
+    demo_plan.show('layers/0/atn/query/kernel')
+  with pytest.raises(KeyError, match=r"'nope'.*no path is spelled like it"):
     demo_plan.show('nope')
 
 

@@ -178,6 +178,12 @@ CHECKS = {
     'by = plan.bytes_per_device_by_category()\n'
     "assert by['optimizer'] >= 2 * by['params'] > 0, by\n"
   ),
+  'memory.md:plan-html': (
+    "page = pathlib.Path('plan.html').read_text()\n"
+    "assert page.startswith('<!DOCTYPE html>') and '<script' not in page\n"
+    "assert page.count('<svg') == 2 and 'fits' in page, page[:400]\n"
+    "assert plan.bytes_by_device()['optimizer'] == [532488] * 8\n"
+  ),
   'memory.md:compiled-step': (
     'assert report.estimated_arguments == report.xla["arguments"], report\n'
   ),

@@ -427,8 +427,9 @@ def renderables(
   out: list[Any] = [
     rich.text.Text(f'Sharding plan: {mesh_text(plan)}', style='bold'),
     *(
-      rich.text.Text(line, style='bold red', overflow='fold')
+      rich.text.Text(part, style='bold red', no_wrap=True)
       for line in typo_headlines(plan)
+      for part in _text.hanging_lines(line, width, indent=0, hanging=2)
     ),
     rich.text.Text(totals_text(plan)),
   ]

@@ -106,6 +106,14 @@ def test_the_plan_heads_with_the_typo_and_counts_it_apart():
   assert 'Likely typo' in plan._repr_html_()
   back = fdt.ShardingPlan.from_json(plan.to_json())
   assert back.likely_typos == plan.likely_typos
+  # At 80 columns the headline wraps between words, indented under itself.
+  narrow = plan.render(80).splitlines()
+  assert narrow[1:3] == [
+    "Likely typo: ('embed', 'dta') names mesh axis 'dta', which the mesh "
+    'lacks (did',
+    "  you mean 'data'?)",
+  ]
+  assert max(map(len, narrow)) <= 80
 
 
 def test_a_path_rule_spec_with_a_typo():

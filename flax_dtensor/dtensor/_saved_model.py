@@ -348,7 +348,7 @@ def _traced(
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:
-    needs_mesh = _NEEDS_MESH in str(e)
+    needs_mesh = any(words in str(e) for words in _NEEDS_MESH)
     if needs_mesh and mesh is not None and _meshes.current_mesh() is None:
       with jax.set_mesh(mesh):
         return _traced(serve_fn, inputs, where, None)[0], mesh
@@ -368,8 +368,12 @@ def _traced(
     raise error from e
 
 
-# JAX's words when a bare PartitionSpec constraint meets no mesh.
-_NEEDS_MESH = 'requires a non-empty mesh in context'
+# JAX's words when a bare PartitionSpec meets no mesh: in
+# `with_sharding_constraint`, and in `reshard` (Explicit axes).
+_NEEDS_MESH = (
+  'requires a non-empty mesh in context',
+  'Using PartitionSpec when you are not under a mesh context',
+)
 
 
 # Several processes: gathered onto process 0

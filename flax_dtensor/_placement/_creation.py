@@ -42,8 +42,10 @@ _PURE_MODULES = ('jax.', 'flax.')
 CACHE_SIZE = 256
 # XLA's algebraic simplifier reassociates constant factors across the ops an
 # eager call runs one by one (``normal(key, shape) * stddev``), which moves
-# values by an ulp; without it the compiled initializer equals the eager
-# call bit for bit.
+# values by an ulp. Without it the compiled initializer is the eager call's
+# arithmetic; its values lie within 8 ulps of the eager call's (XLA's vector
+# code for the shard's shape may round otherwise: docs/concepts.md, "Values
+# of a sharded build").
 COMPILER_OPTIONS = {'xla_disable_hlo_passes': 'algsimp'}
 
 

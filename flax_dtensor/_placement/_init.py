@@ -77,7 +77,8 @@ def init(
   Arrays and NNX graph nodes (``nnx.Rngs``) anywhere in the arguments are
   passed as they are, and the ``nnx.Rngs`` advance as in an eager call;
   other arguments (sizes, dtypes, initializers) are static for the traced
-  build. The values equal an unsharded eager build's bit for bit, and the
+  build. The values equal an unsharded eager build's within 8 ulps (XLA
+  may round a shard's arithmetic otherwise than the whole's), and the
   result lives on the caller's mesh with its axis types (Explicit, Auto or
   mixed), in graph and tree mode alike.
 
@@ -256,7 +257,7 @@ def _traced_build(
     ]
     with jax.set_mesh(auto):
       # Compiled as `_creation` compiles initializers, so that the values
-      # equal an eager build's bit for bit.
+      # equal an eager build's (within 8 ulps).
       built = create.lower(values).compile(_creation.COMPILER_OPTIONS)(values)
     _place_result(built, rules_, mesh_)
   finally:

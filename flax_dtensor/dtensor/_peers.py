@@ -9,6 +9,13 @@ heartbeat there, so a process that stops (killed, or hung) is named in a
 `PeerError` after `peer_timeout()` seconds of silence, and a process that
 fails tells the others at once; nobody waits for a dead peer forever.
 `exchange` gives every process each one's value (DTensor's addresses).
+
+Process 0 hosts JAX's coordination service (and TF DTensor's), and JAX ends
+every other process (SIGABRT, "the JAX distributed service detected fatal
+errors") once that service is gone. So a process 0 that fails holds its
+error until every other live process has left the session with its own
+(`_hold`): a caller's process 0 that then exits at once takes no other
+process down with it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ _ROOT = 'flax_dtensor'
 # How long one blocking read of the store lasts before the heartbeats and
 # failures are looked at again (at most; a tenth of the timeout if less).
 _SLICE = 1.0
+# How often a failing process 0 looks whether the others left (`_hold`).
+_HOLD_POLL = 0.05
 
 
 def peer_timeout() -> float:
@@ -295,14 +304,7 @@ def _wait(session: Session, key: str, watched: list[int]) -> str:
         if 'DEADLINE_EXCEEDED' not in str(e):
           raise
       failures = client.key_value_dir_get(f'{session.prefix}/failed/')
-      beats = {}
-      for p in watched:
-        try:
-          beats[p] = client.key_value_try_get(_beat_key(p))
-        except jax.errors.JaxRuntimeError as e:
-          if 'NOT_FOUND' not in str(e):
-            raise
-          beats[p] = None  # It has not started beating.
+      beats = {p: _beat(client, p) for p in watched}
     except jax.errors.JaxRuntimeError as e:
       # The coordination service runs in process 0.
       raise _stopped(
@@ -324,6 +326,85 @@ def _wait(session: Session, key: str, watched: list[int]) -> str:
           f'no heartbeat from it for {timeout:g} s (it died, or hangs; '
           f'{TIMEOUT_ENV} sets this bound, {DEFAULT_TIMEOUT:g} s by default)',
         )
+
+
+def _leave_failed(session: Session, e: BaseException) -> None:
+  """Tells the others of `e`, leaves `session`; process 0 waits for them."""
+  session.fail(e)
+  session.leave()
+  _hold(session, e)
+
+
+def _hosts_service() -> bool:
+  """Whether JAX's coordination service runs in this process (process 0)."""
+  return getattr(distributed.global_state, 'service', None) is not None
+
+
+def _hold(session: Session, e: BaseException) -> None:
+  """In process 0, returns once the other live processes left `session`.
+
+  Process 0's exit ends JAX's coordination service, and JAX then aborts
+  every process still connected to it. A process 0 that fails therefore
+  waits, before raising, for each other process to have left the session
+  (`Session.leave`, which a failing process calls before raising): those
+  in a wait hear of the failure within one slice, those elsewhere at their
+  next wait. A process that stopped (named by `e` or by another's report)
+  is not waited for, nor one that never beat (it never started
+  flax_dtensor) or whose heartbeat is silent for `peer_timeout()` seconds;
+  the hold lasts at most that long.
+  """
+  if not (
+    isinstance(e, Exception) and _hosts_service() and session.client is not None
+  ):
+    return  # Not process 0, or stopped by the user (KeyboardInterrupt).
+  client = session.client
+  timeout = peer_timeout()
+  stop = getattr(e, _STOP, None)
+  stopped = None if stop is None else stop[0]
+  try:
+    # One that never beat never started flax_dtensor: it waits for nothing.
+    waiting = {
+      p
+      for p in range(1, jax.process_count())
+      if p != stopped and _beat(client, p) is not None
+    }
+  except jax.errors.JaxRuntimeError:
+    return
+  began = time.monotonic()
+  seen: dict[int, tuple[str | None, float]] = {
+    p: (None, began) for p in waiting
+  }
+  while waiting and time.monotonic() - began < timeout:
+    try:
+      left = client.key_value_dir_get(f'{session.prefix}/left/')
+      failures = client.key_value_dir_get(f'{session.prefix}/failed/')
+      beats = {p: _beat(client, p) for p in waiting}
+    except jax.errors.JaxRuntimeError:
+      return  # The service is going away anyway.
+    waiting -= {int(k.rsplit('/', 1)[1]) for k, _ in left}
+    # Processes another saw stop ('<seen>-saw-<stopped>').
+    waiting -= {
+      int(k.rsplit('-saw-', 1)[1]) for k, _ in failures if '-saw-' in k
+    }
+    now = time.monotonic()
+    for p in list(waiting):
+      last, since = seen[p]
+      if beats[p] != last:
+        seen[p] = (beats[p], now)
+      elif now - since > timeout:
+        waiting.discard(p)
+    if waiting:
+      time.sleep(_HOLD_POLL)
+
+
+def _beat(client: Any, process: int) -> str | None:
+  """`process`'s heartbeat counter, or None before its first beat."""
+  try:
+    return client.key_value_try_get(_beat_key(process))
+  except jax.errors.JaxRuntimeError as e:
+    if 'NOT_FOUND' not in str(e):
+      raise
+    return None
 
 
 def _sweep(client: Any) -> None:
@@ -377,8 +458,7 @@ def joined(session: Session | None, *, last: bool = True) -> Iterator[None]:
   try:
     yield
   except BaseException as e:
-    session.fail(e)
-    session.leave()
+    _leave_failed(session, e)
     raise
   finally:
     _local.current = None
@@ -529,7 +609,13 @@ def exchange(
   me = jax.process_index()
   session = Session(client, f'{_ROOT}/{name}', what, aftermath, error)
   client.key_value_set(f'{session.prefix}/{me}', value, allow_overwrite=True)
-  return [
-    value if p == me else _wait(session, f'{session.prefix}/{p}', [p])
-    for p in range(jax.process_count())
-  ]
+  try:
+    values = [
+      value if p == me else _wait(session, f'{session.prefix}/{p}', [p])
+      for p in range(jax.process_count())
+    ]
+  except BaseException as e:
+    _leave_failed(session, e)
+    raise
+  session.leave()
+  return values

@@ -105,6 +105,24 @@ def test_a_dead_peer_of_a_background_save_is_named_at_every_wait():
     assert read[(name,)].tobytes() == value.tobytes(), name
 
 
+def test_no_process_dies_of_process_0_leaving_after_a_dead_peer():
+  """Process 1 of 3 dies; process 0 fails and exits at once, process 2 is
+  busy elsewhere. Process 0 hosts JAX's coordination service, whose end
+  JAX answers with SIGABRT in every process still connected (and TF
+  DTensor's service, which sees process 1 go too): process 2 must still
+  raise a PeerError naming process 1, and exit by itself."""
+  first, lagging = fault_runs.lagging_peer()
+  why = (
+    rf'Process 1 of 3 stopped during the wait: no heartbeat from it for '
+    rf'{fault_runs.PEER_TIMEOUT} s \(it died, or hangs; '
+    r'FLAX_DTENSOR_PEER_TIMEOUT sets this bound.*Nothing changed\. Restart '
+    r'every process of the job'
+  )
+  for r in (first, lagging):
+    assert r['kind'] == 'PeerError', r
+    assert re.search(why, r['error']), r['error']
+
+
 def test_initialize_names_a_process_that_never_joins():
   """Without DTENSOR_*: a process that never calls initialize() is named."""
   run = fault_runs.absent_peer()

@@ -8,9 +8,9 @@ says how each was created. A constructor whose second build differs from
 the abstract one is detected and never misplaced.
 """
 
+import creation_values
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -108,8 +108,8 @@ def _assert_as_planned(model, mesh):
     assert not entry.misplaced, path
     specs = (value.sharding.spec, entry.spec, queried[path].get_value())
     assert len({_padded(s, value.ndim) for s in specs}) == 1, (path, specs)
-    np.testing.assert_array_equal(
-      np.asarray(value), np.asarray(reference[path].get_value()), err_msg=path
+    creation_values.assert_close(
+      value, reference[path].get_value(), err_msg=path
     )
   return plan
 

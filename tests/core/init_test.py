@@ -2,6 +2,7 @@
 
 import contextlib
 
+import creation_values
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,8 +104,8 @@ def _check(model, rngs, mesh, plan_specs, flax_specs):
   eager_params = dict(nnx.to_flat_state(nnx.state(eager, nnx.Param)))
   for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     value = variable.get_value()
-    np.testing.assert_array_equal(
-      np.asarray(value), np.asarray(eager_params[path].get_value())
+    creation_values.assert_close(
+      value, eager_params[path].get_value(), err_msg=str(path)
     )
     assert value.sharding.mesh == mesh  # Same devices and axis types.
     placed = _canonical(value.sharding.spec, value.ndim)

@@ -12,6 +12,7 @@ import json
 import os
 import warnings
 
+import creation_values
 import flax
 import jax
 import numpy as np
@@ -242,7 +243,10 @@ def test_every_entry_point_places_as_planned(gemma, initialized, kind):
     values = _values(model)
     assert values.keys() == plain.keys()
     for path, value in plain.items():
-      np.testing.assert_array_equal(values[path], value, err_msg=path)
+      if model is moved:  # Placed, not computed: bit for bit.
+        np.testing.assert_array_equal(values[path], value, err_msg=path)
+      else:
+        creation_values.assert_close(values[path], value, err_msg=path)
 
 
 def test_shard_module_puts_uncovered_variables_on_the_mesh(gemma):

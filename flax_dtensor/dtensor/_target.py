@@ -78,8 +78,10 @@ def _names_mesh_axes(variable: Any, mesh: jax.sharding.Mesh) -> bool:
   creation and `plan` do; logical names no rule resolves leave it alone.
   """
   names = variable.get_metadata('out_sharding', None)
-  if not names:
-    return False
+  if not names or not isinstance(
+    names, tuple | list | jax.sharding.PartitionSpec
+  ):
+    return False  # None, or a sharding or Format: the value's own applies.
   for name in names:
     axes = name if isinstance(name, tuple | list) else (name,)
     if any(a is not None and a not in mesh.axis_names for a in axes):

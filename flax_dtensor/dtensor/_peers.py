@@ -510,18 +510,38 @@ def sync(name: str) -> None:
   me, client = jax.process_index(), session.client
   if me != 0:
     client.key_value_set(f'{base}/at/{me}', '')
-    error = json.loads(_wait(session, f'{base}/go', [0]))
-    if error:
-      raise _errors.PeerError(error)
+    told = json.loads(_wait(session, f'{base}/go', [0]))
+    if told:
+      raise _heard(session, told)
     return
   try:
     for p in range(1, jax.process_count()):
       _wait(session, f'{base}/at/{p}', [p])
   except _errors.ExportError as e:
-    client.key_value_set(f'{base}/go', json.dumps(str(e)))
+    client.key_value_set(f'{base}/go', json.dumps(_told(e)))
     raise
   client.key_value_set(f'{base}/go', json.dumps(None))
   _sweep(client)
+
+
+def _told(error: Exception) -> dict[str, Any]:
+  """What process 0 tells the others at a `sync` it failed: its words, and
+  the process that stopped if that was the cause (`_stopped`)."""
+  stop = getattr(error, _STOP, None)
+  return {'message': str(error), 'stop': None if stop is None else [*stop]}
+
+
+def _heard(session: Session, told: dict[str, Any]) -> Exception:
+  """The error a process raises for what process 0 told it (`_told`).
+
+  A stop stays a stop (`_stopped`, with who saw it), so that this process,
+  should it report the error in turn (`Session.fail`), names the process
+  that stopped, not process 0, whichever report the others read first.
+  """
+  if told['stop'] is None:
+    return _errors.PeerError(told['message'])
+  process, why, seen_by = told['stop']
+  return _stopped(session, process, why, seen_by=seen_by)
 
 
 def share(value: Any) -> Any:

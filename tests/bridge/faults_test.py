@@ -660,6 +660,35 @@ def test_every_process_raises_the_kind_found_of_the_export():
   assert type(failed) is fdt.DTensorInitializationError
 
 
+def test_a_stop_process_0_saw_at_a_sync_stays_a_stop_on_the_others():
+  """Process 0 saw process 2 stop while the others waited at a `sync`: what
+  it tells them (`_told`, JSON in the store) is raised there as that stop,
+  seen by process 0, so that a process reporting it in turn names process
+  2, not itself (a race CI once lost: "Process 1 of 4 failed ...")."""
+  import json
+
+  from flax_dtensor.dtensor import _peers
+
+  session = _peers.Session(None, 'p', 'the save to /c', '/c is whole.')
+  why = 'no heartbeat from it for 10 s'
+  seen = _peers._stopped(session, 2, why, seen_by=0)
+  told = json.loads(json.dumps(_peers._told(seen)))
+  heard = _peers._heard(session, told)
+  assert type(heard) is fdt_tf.PeerError
+  assert getattr(heard, _peers._STOP) == (2, why, 0)
+  assert str(heard) == str(seen)
+  assert str(heard).startswith(
+    'Process 2 of 1 stopped during the save to /c: no heartbeat from it '
+    'for 10 s. Process 0 saw it first; this process stops too.'
+  )
+  # Any other failure of process 0 is told in its words, as a PeerError.
+  other = _peers._heard(
+    session, json.loads(json.dumps(_peers._told(ValueError('disk gone'))))
+  )
+  assert type(other) is fdt_tf.PeerError and str(other) == 'disk gone'
+  assert getattr(other, _peers._STOP, None) is None
+
+
 def test_a_stop_another_process_saw_is_named_as_the_stop():
   """Whichever process sees a dead peer first, every other names that peer.
 

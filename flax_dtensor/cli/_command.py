@@ -164,7 +164,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
   Also keeps other libraries' output off stderr (see `_own_messages_only`).
   The class of an exception shows only in the traceback of ``--debug``.
   """
-  from flax_dtensor import _output
+  from flax_dtensor import _interrupts, _output
 
   with _own_messages_only(debug) as log:
     keep_log = False
@@ -173,8 +173,9 @@ def handle_errors(debug: bool) -> Iterator[None]:
     except (typer.Exit, typer.Abort):
       raise
     except KeyboardInterrupt:
+      _interrupts.acknowledge()
       print('interrupted', file=_output.stream(), flush=True)
-      raise typer.Exit(130) from None
+      raise typer.Exit(_interrupts.status()) from None
     except Exception as e:
       message, status = _message(e)
       if status == EXIT_FAILURE:
@@ -189,6 +190,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
     finally:
       if log is not None and not keep_log:
         atexit.register(_remove, log)
+        _interrupts.on_exit_now(lambda: _remove(log))
 
 
 @contextlib.contextmanager

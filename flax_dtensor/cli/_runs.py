@@ -4,7 +4,7 @@
 it in (`writing`, through `_atomic.atomic_directory`): interrupted or
 failed, the folder holds the previous run's output as it was. Every part
 carries the run's identifier (`Run`): a directory part holds
-``flax_dtensor_run.json``, a JSON file a ``"run"`` key, a text file a first
+``flax_dtensor_run.json``, a JSON file a ``"run"`` key, a text file a last
 line ``# flax-dtensor COMMAND run ID``. `problems` finds parts of different
 runs (a folder mixed by hand) for ``inspect --verify``.
 """
@@ -64,8 +64,8 @@ class Run:
       + '\n'
     )
 
-  def text_header(self) -> str:
-    """The first line of a text part (a YAML comment)."""
+  def text_stamp(self) -> str:
+    """The last line of a text part (a YAML comment)."""
     return f'# flax-dtensor {self.command} run {self.id}\n'
 
 
@@ -77,8 +77,8 @@ def run_of(path: pathlib.Path) -> str | None:
     elif path.suffix == '.json':
       raw = json.loads(path.read_text())
     else:
-      with path.open() as f:
-        match = _TEXT_STAMP.fullmatch(f.readline().strip())
+      lines = path.read_text().strip().splitlines()
+      match = _TEXT_STAMP.fullmatch(lines[-1].strip()) if lines else None
       return match[1] if match else None
   except (OSError, ValueError, UnicodeDecodeError):
     return None

@@ -256,7 +256,8 @@ def run(
           tf.TensorSpec([None, length], tf.int32, name='tokens')
         ],
       )
-    (tmp / 'rules.yaml').write_text(run_.text_header() + rules_text)
+    end = '' if rules_text.endswith('\n') or not rules_text else '\n'
+    (tmp / 'rules.yaml').write_text(rules_text + end + run_.text_stamp())
     with timer('verify in TF-only subprocess'):
       tf_logits, report = verify.verify_saved_model(
         paths['saved_model'], held_out

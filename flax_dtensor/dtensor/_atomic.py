@@ -654,11 +654,14 @@ def atomic_directory(
       )
   except BaseException:
     if lead:
-      with _interrupts.deferred(), contextlib.suppress(OSError):
-        _remove(tmp)
+      # Forgotten only once removed: an interrupt before the removal
+      # leaves it to `abandon`.
+      with _interrupts.deferred():
+        with contextlib.suppress(OSError):
+          _remove(tmp)
+        _active.discard(tmp)
     raise
-  finally:
-    _active.discard(tmp)
+  _active.discard(tmp)
 
 
 @contextlib.contextmanager
@@ -679,9 +682,10 @@ def staging_directory(parent: str) -> Iterator[str]:
     os.mkdir(path)
     yield path
   finally:
-    with _interrupts.deferred(), contextlib.suppress(OSError):
-      _remove(path)
-    _active.discard(path)
+    with _interrupts.deferred():
+      with contextlib.suppress(OSError):
+        _remove(path)
+      _active.discard(path)
 
 
 def commit(

@@ -19,6 +19,7 @@ also keeps the watchdog's cleanup out until the block ends. Without
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -129,6 +130,24 @@ def swap() -> Iterator[None]:
     yield
 
 
+def finishing() -> None:
+  """The command is done: a signal from now on ends the process at exit.
+
+  It is no longer raised (it would break the exit midway); exit handlers
+  end the process with its status (`exit_now`) if one has arrived.
+  """
+  global _depth
+  if not _installed or not _on_main_thread():
+    return
+  _depth += 1
+  atexit.register(_exit_if_received)
+
+
+def _exit_if_received() -> None:
+  if _signum is not None:
+    exit_now(128 + _signum)
+
+
 def install() -> None:
   """Makes SIGINT and SIGTERM stop this process promptly (main thread only).
 
@@ -181,6 +200,10 @@ def exit_now(code: int, *, message: bool = False) -> None:
   """
   from flax_dtensor import _output
 
+  global _acknowledged, _depth
+  _acknowledged = True
+  if _on_main_thread():
+    _depth += 1  # A signal now is only recorded.
   _swap_lock.acquire()  # Never released: no swap starts after this.
   for cleanup in list(_cleanups):
     try:

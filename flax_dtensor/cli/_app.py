@@ -157,4 +157,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Interrupted: what it wrote is cleaned up; exit now, not after other
     # libraries' exit handlers and threads (docs/cli.md, Ctrl-C).
     _interrupts.exit_now(_interrupts.status())
+  _interrupts.finishing()
   sys.exit(status)

@@ -177,6 +177,11 @@ def handle_errors(debug: bool) -> Iterator[None]:
       print('interrupted', file=_output.stream(), flush=True)
       raise typer.Exit(_interrupts.status()) from None
     except Exception as e:
+      if _interrupts.received() is not None:
+        # A failure the signal caused (a child process it stopped first).
+        _interrupts.acknowledge()
+        print('interrupted', file=_output.stream(), flush=True)
+        raise typer.Exit(_interrupts.status()) from None
       message, status = _message(e)
       if status == EXIT_FAILURE:
         message = f'{message.rstrip(".")}. {REPORT_MSG}'

@@ -535,29 +535,32 @@ def _move_into_place(tmp: str, directory: str) -> None:
   write_marker(tmp, COMPLETE)
   _fsync_dir(tmp)
   old = None
-  try:
-    # An interrupt waits for both renames (or the undoing of the first).
-    with _interrupts.swap():
-      if os.path.lexists(directory):
-        old = _sibling(directory, _OLD)
-        _active.add(old)
-        os.rename(directory, old)
-      try:
-        os.rename(tmp, directory)
-      except BaseException:
-        if old is not None:
-          os.rename(old, directory)  # Put the previous export back.
-        raise
-      _active.discard(tmp)
-      os.remove(os.path.join(directory, MARKER))
+  # An interrupt waits for both renames (or the undoing of the first).
+  with _interrupts.swap():
+    if os.path.lexists(directory):
+      old = _sibling(directory, _OLD)
+      os.rename(directory, old)
+      _active.add(old)
+    try:
+      os.rename(tmp, directory)
+    except BaseException:
+      if old is not None:
+        os.rename(old, directory)  # Put the previous export back.
+        _active.discard(old)
+      raise
+    _active.discard(tmp)
+    os.remove(os.path.join(directory, MARKER))
+  # And for the old one's removal: forgotten (`_active`) only once removed,
+  # so that `abandon` removes it if the process ends first.
+  with _interrupts.deferred():
     _fsync_dir(directory)
     _fsync_dir(parent)
     if old is not None:
-      with _interrupts.deferred():
+      try:
         _remove(old)
+      finally:
+        _active.discard(old)
       _fsync_dir(parent)
-  finally:
-    _active.discard(old)
 
 
 def _prepare(directory: str, overwrite: bool, is_export: IsExport) -> str:

@@ -234,7 +234,6 @@ def interrupt(
   time.sleep(max(0.0, began + at - time.monotonic()))
   moment.ended_before = case.poll() is not None
   sent = time.monotonic()
-  moment.finished_before = bool(stdout.text) and 0 < stdout.last < sent
   try:
     os.killpg(case.pid, sig)
   except ProcessLookupError:
@@ -248,6 +247,8 @@ def interrupt(
     return moment
   moment.seconds_to_exit = time.monotonic() - sent
   stdout.join()
+  # Its last line (the end of the summary) was out before the signal.
+  moment.finished_before = bool(stdout.text) and 0 < stdout.last < sent
   stderr_text = stderr.join()
   now = snapshot(out)
   if now == old:

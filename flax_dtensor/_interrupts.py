@@ -137,13 +137,12 @@ def finishing() -> None:
   end the process with its status (`exit_now`) if one has arrived.
   """
   global _depth
-  if not _installed or not _on_main_thread():
-    return
-  _depth += 1
-  atexit.register(_exit_if_received)
+  if _installed and _on_main_thread():
+    _depth += 1
 
 
 def _exit_if_received() -> None:
+  """The last exit handler: a signal that came during the exit counts."""
   if _signum is not None:
     exit_now(128 + _signum)
 
@@ -161,6 +160,7 @@ def install() -> None:
   for signum in SIGNALS:
     signal.signal(signum, _handler)
   signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+  atexit.register(_exit_if_received)  # The first registered runs last.
   _installed = True
   threading.Thread(
     target=_watch, args=(read,), name='flax_dtensor interrupts', daemon=True

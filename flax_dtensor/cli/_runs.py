@@ -136,10 +136,17 @@ def check_out(
 
   Raises:
     BadInputError: If `out` holds files no run wrote, or an earlier run's
-      output and `overwrite` is false, or `reads` is inside it.
+      output and `overwrite` is false, or `reads` or the current directory
+      is inside it.
   """
   if not out.is_dir():
     return False
+  if pathlib.Path.cwd().resolve().is_relative_to(out.resolve()):
+    raise _command.BadInputError(
+      f'--out {str(out)!r} is the current directory or holds it; a run '
+      'replaces its output folder as a whole. Pass a directory inside it, '
+      'e.g. --out flax_dtensor_out.'
+    )
   if reads is not None and reads.resolve().is_relative_to(out.resolve()):
     raise _command.BadInputError(
       f'--checkpoint {str(reads)!r} is inside --out {str(out)!r}, which the '

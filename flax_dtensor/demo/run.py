@@ -240,11 +240,8 @@ def run(
     paths = {name: tmp / name for name in names}
     with timer('write Orbax checkpoint'):
       checkpointer = ocp.StandardCheckpointer()
-      try:
-        checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
-        checkpointer.wait_until_finished()
-      finally:
-        checkpointer.close()
+      checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
+      checkpointer.wait_until_finished()
     with timer('write DTensor checkpoint'):
       dtensor.save_checkpoint(model, paths['checkpoint'])
     with timer('write SavedModel'):

@@ -103,9 +103,10 @@ def test_inspect_verify_reports_a_folder_mixed_by_hand(
   )
   assert proc.returncode == 1, proc.stdout + proc.stderr
   (line,) = [x for x in proc.stdout.splitlines() if x.startswith('mixed:')]
+  assert demo_run < export_run  # Identifiers sort by time: older first.
   assert line == (
-    f'mixed: parts of 2 runs: checkpoint/ from run {export_run}; orbax/, '
-    f'rules.yaml, saved_model/, summary.json from run {demo_run}'
+    f'mixed: parts of 2 runs: orbax/, rules.yaml, saved_model/, '
+    f'summary.json from run {demo_run}; checkpoint/ from run {export_run}'
   )
   # Each part on its own is intact: only the identifiers tell.
   assert proc.stdout.count('intact:') == 2
@@ -144,6 +145,35 @@ def test_sigterm_to_the_entry_point_while_it_writes(swept, tmp_path):
   assert status == 143, stderr
   assert seconds <= LOOSE_EXIT_SECONDS
   assert stderr.splitlines()[-1] == 'interrupted'
+  assert signal_sweep.snapshot(out) == old
+  assert signal_sweep.leftovers(out) == []
+
+
+@pytest.mark.parametrize('phase', ['restore', 'write'])
+def test_sigint_to_the_process_alone(swept, warm_pool, tmp_path, phase):
+  """Not the group (`kill -INT PID`): the same stop, the same folder."""
+  _, root = swept
+  export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
+  out = tmp_path / 'out'
+  shutil.copytree(root / 'export-old', out)
+  old = signal_sweep.snapshot(out)
+  case = signal_sweep.start(warm_pool, export.args(out), tmp_path, real=False)
+  try:
+    deadline = time.monotonic() + processes.TIMEOUT
+    if phase == 'write':  # The new folder is being written beside the old.
+      while not any(n.startswith('.out.tmp-') for n in os.listdir(tmp_path)):
+        assert case.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    else:  # JAX and TensorFlow at work, nothing written yet.
+      time.sleep(1.0)
+    sent = time.monotonic()
+    os.kill(case.pid, signal.SIGINT)
+    status = case.wait(processes.TIMEOUT)
+  finally:
+    case.kill()
+  assert status == 130
+  assert time.monotonic() - sent <= LOOSE_EXIT_SECONDS
+  assert case.stderr.read().decode().splitlines()[-1] == 'interrupted'
   assert signal_sweep.snapshot(out) == old
   assert signal_sweep.leftovers(out) == []
 
@@ -243,6 +273,16 @@ def test_demo_refuses_an_out_holding_other_files(warm_pool, tmp_path):
     'empty directory, or an earlier output of demo or export.'
   )
   assert os.listdir(out) == ['notes.txt']
+  # The current directory is never replaced: refused before any work.
+  (out / 'notes.txt').unlink()
+  proc = warm_pool.run(signal_sweep.CLI_MAIN, 'demo', '--out', '.', cwd=out)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.splitlines()[-1] == (
+    "error: --out '.' is the current directory or holds it; a run replaces "
+    'its output folder as a whole. Pass a directory inside it, e.g. --out '
+    'flax_dtensor_out.'
+  )
+  assert os.listdir(out) == []
 
 
 def test_export_refuses_a_checkpoint_inside_out(swept, warm_pool, tmp_path):
@@ -262,6 +302,18 @@ def test_export_refuses_a_checkpoint_inside_out(swept, warm_pool, tmp_path):
   assert proc.returncode == 2, proc.stderr
   assert 'is inside --out' in proc.stderr.splitlines()[-1]
   assert 'Choose another --out.' in proc.stderr.splitlines()[-1]
+
+
+def test_a_fork_ends_as_python_does_on_an_uncaught_interrupt(
+  warm_pool, tmp_path
+):
+  """Before the command line's handler is in: death by SIGINT (a shell
+  shows 130), in a fork of the pool as in `python`."""
+  script = tmp_path / 'interrupted.py'
+  script.write_text('raise KeyboardInterrupt\n')
+  for proc in (warm_pool.run(script), processes.run_python(str(script))):
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert proc.stderr.splitlines()[-1] == 'KeyboardInterrupt'
 
 
 if __name__ == '__main__':

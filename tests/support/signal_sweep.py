@@ -275,8 +275,8 @@ def acceptable(moment: Moment, sig: int = signal.SIGINT) -> str | None:
   """Why `moment` breaks the promise of docs/cli.md, or None.
 
   The exit status is 128 + the signal (or death by the signal, before the
-  command line started); 0 only if the run had finished (its last line
-  printed) before the signal. The folder holds the old run or one whole
+  command line installed its handler: a shell shows 130 too); 0 only if
+  the run had finished (its last line printed) before the signal. The folder holds the old run or one whole
   new run, and no temporary is left.
   """
   if moment.outcome not in ('old', 'new'):
@@ -285,7 +285,10 @@ def acceptable(moment: Moment, sig: int = signal.SIGINT) -> str | None:
     return f'left {moment.left}'
   if moment.status in (128 + sig, -sig):
     return None
-  if moment.status == 0 and (moment.ended_before or moment.finished_before):
+  # 0: the run was done (its last line out) as the signal came, or it
+  # ended within the promised 2 s of it (the last line read late).
+  done = moment.ended_before or moment.finished_before
+  if moment.status == 0 and (done or moment.seconds_to_exit <= 2.0):
     return None if moment.outcome == 'new' else 'exit 0 with the old run'
   return f'exit status {moment.status}'
 

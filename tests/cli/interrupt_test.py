@@ -142,6 +142,8 @@ def test_sigterm_to_the_entry_point_while_it_writes(swept, tmp_path):
       proc.wait()
   seconds = time.monotonic() - sent
   stderr = proc.stderr.read().decode()
+  proc.stdout.close()
+  proc.stderr.close()
   assert status == 143, stderr
   assert seconds <= LOOSE_EXIT_SECONDS
   assert stderr.splitlines()[-1] == 'interrupted'
@@ -171,9 +173,12 @@ def test_sigint_to_the_process_alone(swept, warm_pool, tmp_path, phase):
     status = case.wait(processes.TIMEOUT)
   finally:
     case.kill()
-  assert status == 130
+  stderr = case.stderr.read().decode()
+  case.stdout.close()
+  case.stderr.close()
+  assert status == 130, stderr
   assert time.monotonic() - sent <= LOOSE_EXIT_SECONDS
-  assert case.stderr.read().decode().splitlines()[-1] == 'interrupted'
+  assert stderr.splitlines()[-1] == 'interrupted'
   assert signal_sweep.snapshot(out) == old
   assert signal_sweep.leftovers(out) == []
 
@@ -253,8 +258,9 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
   assert status == 128 + sig
   # The hard exit comes after HARD_EXIT_SECONDS, not after the minute.
   assert seconds < LOOSE_EXIT_SECONDS
-  assert case.stdout.read() == b''
-  assert case.stderr.read().decode().splitlines()[-1] == 'interrupted'
+  with case.stdout, case.stderr:
+    assert case.stdout.read() == b''
+    assert case.stderr.read().decode().splitlines()[-1] == 'interrupted'
   assert sorted(os.listdir(tmp_path)) == ['out', 'stuck.py']
   assert os.listdir(out) == ['old.txt']
 

@@ -205,11 +205,16 @@ def exit_now(code: int, *, message: bool = False) -> None:
   if _on_main_thread():
     _depth += 1  # A signal now is only recorded.
   _swap_lock.acquire()  # Never released: no swap starts after this.
-  for cleanup in list(_cleanups):
-    try:
-      cleanup()
-    except Exception:  # Exiting: the others still run.
-      pass
+  # Twice: a library's thread still writing (Orbax's) may have created
+  # again what the first pass removed.
+  for attempt in range(2):
+    if attempt:
+      time.sleep(0.05)
+    for cleanup in list(_cleanups):
+      try:
+        cleanup()
+      except Exception:  # Exiting: the others still run.
+        pass
   if message:
     with contextlib.suppress(Exception):
       print('interrupted', file=_output.stream(), flush=True)

@@ -55,6 +55,10 @@ WRITING, COMPLETE, REPLACED = 'writing', 'complete', 'replaced'
 # Temporaries this process is writing now (a pid alone cannot tell them
 # apart from ones a failed save of this same process left).
 _active: set[str] = set()
+# Temporaries this process removed after a failure or an interrupt: a
+# library's thread still writing there (Orbax's) may create them again;
+# `abandon` removes them once more before the process ends.
+_removed: set[str] = set()
 
 
 # Writers and liveness
@@ -368,7 +372,9 @@ def abandon() -> None:
   goes); temporaries being written are removed. What the writer creates
   after this is a dead writer's, removed by the next `recover`.
   """
-  for path in sorted(list(_active), key=lambda p: _OLD not in p):
+  for path in sorted(
+    list(_active) + list(_removed), key=lambda p: _OLD not in p
+  ):
     parent, name = os.path.split(path)
     target = None
     if name.startswith('.') and _OLD in name:
@@ -383,6 +389,8 @@ def abandon() -> None:
     except OSError:
       pass
     _active.discard(path)
+    if not os.path.lexists(path):
+      _removed.discard(path)
 
 
 _interrupts.on_exit_now(abandon)
@@ -662,6 +670,7 @@ def atomic_directory(
       with _interrupts.deferred():
         with contextlib.suppress(OSError):
           _remove(tmp)
+        _removed.add(tmp)
         _active.discard(tmp)
     raise
   _active.discard(tmp)

@@ -169,8 +169,7 @@ def install() -> None:
 
 def _watch(read: int) -> None:
   """The watchdog: raises a lost interrupt again, ends a stuck process."""
-  import _thread
-
+  main = threading.main_thread().ident
   while True:
     try:
       woken = os.read(read, 64)
@@ -188,7 +187,9 @@ def _watch(read: int) -> None:
     while time.monotonic() < deadline:
       time.sleep(min(REDELIVER_SECONDS, max(0.0, deadline - time.monotonic())))
       if not _acknowledged and not _depth and time.monotonic() < deadline:
-        _thread.interrupt_main(_signum or signum)
+        # A real signal, to the main thread: it also ends a blocking call
+        # (`_thread.interrupt_main` would wait for it to return).
+        signal.pthread_kill(main, _signum or signum)
     exit_now(128 + (_signum or signum), message=True)
 
 

@@ -213,10 +213,12 @@ def test_an_interrupt_python_drops_is_raised_again(warm_pool, tmp_path):
   script = tmp_path / 'lost.py'
   script.write_text(LOST_IN_GC)
   proc = warm_pool.run(script)
-  assert proc.returncode == 0, proc.stderr
+  # A signal received ends the process with its status, at the latest
+  # when it exits.
+  assert proc.returncode == 130, proc.stderr
   # Python reports the interrupt it dropped in the callback...
   assert 'Exception ignored' in proc.stderr
-  assert 'KeyboardInterrupt' in proc.stderr
+  assert 'Interrupted: SIGINT' in proc.stderr
   # ...and the watchdog raised it again.
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result['status'] == 130
@@ -232,8 +234,8 @@ out = sys.argv[1]
 with _atomic.atomic_directory(out, is_export=lambda p: True, overwrite=True) \\
     as tmp:
   pathlib.Path(tmp, 'new.txt').write_text('new')
-  print('WRITING', flush=True)
   with _interrupts.deferred():  # As a long C call would: no handler runs.
+    print('WRITING', flush=True)
     time.sleep(60)
 print('NOT STOPPED')
 """
@@ -262,7 +264,8 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
   assert seconds < LOOSE_EXIT_SECONDS
   with case.stdout, case.stderr:
     assert case.stdout.read() == b''
-    assert case.stderr.read().decode().splitlines()[-1] == 'interrupted'
+    err = case.stderr.read().decode()
+    assert err.splitlines()[-1] == 'interrupted', err
   assert sorted(os.listdir(tmp_path)) == ['out', 'stuck.py']
   assert os.listdir(out) == ['old.txt']
 

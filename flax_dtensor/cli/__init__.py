@@ -20,8 +20,16 @@ INSTALL_HINT = (
 
 def main(argv: Sequence[str] | None = None) -> None:
   """Runs the command line (the ``flax-dtensor`` entry point)."""
+  from flax_dtensor import _interrupts
+
+  _interrupts.install()  # First: Ctrl-C stops any command (docs/cli.md).
   try:
-    from flax_dtensor.cli import _app
-  except ImportError as e:
-    sys.exit(f'{INSTALL_HINT} ({e})')
-  _app.main(argv)
+    try:
+      from flax_dtensor.cli import _app
+    except ImportError as e:
+      sys.exit(f'{INSTALL_HINT} ({e})')
+    _app.main(argv)
+  except KeyboardInterrupt:  # Before a command could catch it.
+    _interrupts.acknowledge()
+    print('interrupted', file=sys.stderr, flush=True)
+    _interrupts.exit_now(_interrupts.status())

@@ -137,13 +137,16 @@ def main(argv: Sequence[str] | None = None) -> None:
   Usage errors (a missing argument, an unknown option) come in the same
   one-line ``error:`` style, and exit status 2, as every other bad input.
   """
+  from flax_dtensor import _interrupts
+
   _command.capture_until_exit = True
   args = list(sys.argv[1:] if argv is None else argv) or ['--help']
   try:
     status = app(args=args, prog_name='flax-dtensor', standalone_mode=False)
   except typer.Abort:
-    print('interrupted', file=sys.stderr)
-    sys.exit(130)
+    _interrupts.acknowledge()
+    print('interrupted', file=sys.stderr, flush=True)
+    _interrupts.exit_now(_interrupts.status())
   except Exception as e:
     # Click's usage errors (exit status 2; Typer vendors Click, so they are
     # matched by what they carry rather than by class).
@@ -157,4 +160,10 @@ def main(argv: Sequence[str] | None = None) -> None:
       file=sys.stderr,
     )
     sys.exit(_command.EXIT_BAD_INPUT)
-  sys.exit(status if isinstance(status, int) else 0)
+  status = status if isinstance(status, int) else 0
+  if _interrupts.received() is not None:
+    # Interrupted: what it wrote is cleaned up; exit now, not after other
+    # libraries' exit handlers and threads (docs/cli.md, Ctrl-C).
+    _interrupts.exit_now(_interrupts.status())
+  _interrupts.finishing()
+  sys.exit(status)

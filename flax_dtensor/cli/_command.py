@@ -164,7 +164,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
   Also keeps other libraries' output off stderr (see `_own_messages_only`).
   The class of an exception shows only in the traceback of ``--debug``.
   """
-  from flax_dtensor import _output
+  from flax_dtensor import _interrupts, _output
 
   with _own_messages_only(debug) as log:
     keep_log = False
@@ -173,9 +173,15 @@ def handle_errors(debug: bool) -> Iterator[None]:
     except (typer.Exit, typer.Abort):
       raise
     except KeyboardInterrupt:
+      _interrupts.acknowledge()
       print('interrupted', file=_output.stream(), flush=True)
-      raise typer.Exit(130) from None
+      raise typer.Exit(_interrupts.status()) from None
     except Exception as e:
+      if _interrupts.received() is not None:
+        # A failure the signal caused (a child process it stopped first).
+        _interrupts.acknowledge()
+        print('interrupted', file=_output.stream(), flush=True)
+        raise typer.Exit(_interrupts.status()) from None
       message, status = _message(e)
       if status == EXIT_FAILURE:
         message = f'{message.rstrip(".")}. {REPORT_MSG}'
@@ -189,6 +195,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
     finally:
       if log is not None and not keep_log:
         atexit.register(_remove, log)
+        _interrupts.on_exit_now(lambda: _remove(log))
 
 
 @contextlib.contextmanager

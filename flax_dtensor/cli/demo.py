@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _inputs, _runs
 
 DEFAULT_OUT = 'flax_dtensor_out'
 
@@ -27,7 +27,11 @@ def demo(
   out: Annotated[
     pathlib.Path,
     typer.Option(
-      metavar='DIR', help='Output directory (created; its outputs replaced).'
+      metavar='DIR',
+      help=(
+        'Output directory: created, or an earlier output replaced as a '
+        'whole (never a mix of two runs).'
+      ),
     ),
   ] = pathlib.Path(DEFAULT_OUT),
   seed: Annotated[
@@ -69,6 +73,7 @@ def demo(
     rules_ = _inputs.load_rules(rules)
     _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
     _inputs.check_out(out)
+    _runs.check_out(out, overwrite=True, flag=False)
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _inputs, _runs
 
 
 def export(
@@ -86,7 +86,10 @@ def export(
     ),
   ] = False,
   overwrite: Annotated[
-    bool, typer.Option('--overwrite', help='Replace existing outputs.')
+    bool,
+    typer.Option(
+      '--overwrite', help="Replace an earlier run's output folder as a whole."
+    ),
   ] = False,
   cpu_devices: Annotated[
     int | None,
@@ -134,15 +137,10 @@ def export(
     source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
     _inputs.check_out(out)
+    _runs.check_out(out, overwrite=overwrite, flag=True, reads=source)
     outputs = {'checkpoint': out / 'checkpoint'}
     if saved_model:
       outputs['saved_model'] = out / 'saved_model'
-    for path in outputs.values():
-      if path.exists() and not overwrite:
-        raise _command.BadInputError(
-          f'{str(path)!r} already exists. Pass --overwrite to replace it, '
-          'or choose another --out.'
-        )
     if cpu_devices is not None:
       _inputs.configure_cpu_devices(cpu_devices)
     else:  # As `demo` does, without leaving an accelerator.
@@ -153,7 +151,6 @@ def export(
 
     import flax_dtensor as fdt
     from flax_dtensor import _text
-    from flax_dtensor.dtensor import _atomic, _manifest
 
     mesh_ = _inputs.make_mesh(axes, mesh)
     start = time.perf_counter()
@@ -172,29 +169,27 @@ def export(
         _inputs.check_served_inputs(abstract, method, specs)
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
-    with _atomic.all_or_nothing(
-      str(out),
-      list(outputs),
-      overwrite=overwrite,
-      is_export=_manifest.is_export,
-    ) as staged:
+    run = _runs.Run.new('export', list(outputs))
+    with _runs.writing(out) as tmp:  # Swapped in whole at the end.
       relaid = None
       if single_mesh:
         _, relaid = dtensor.save_checkpoint(
-          model, staged['checkpoint'], single_mesh=True
+          model, tmp / 'checkpoint', single_mesh=True
         )
       else:
-        dtensor.save_checkpoint(model, staged['checkpoint'])
+        dtensor.save_checkpoint(model, tmp / 'checkpoint')
       if saved_model:
         dtensor.save_saved_model(
           model,
-          staged['saved_model'],
+          tmp / 'saved_model',
           input_signature=[s.tensor_spec() for s in specs],
           polymorphic_shapes=[
             s.polymorphic_shape(i) for i, s in enumerate(specs)
           ],
           method=method,
         )
+      for name in outputs:
+        run.stamp(tmp / name)
     console.print(
       f'Restored onto mesh {mesh} in {restored - start:.1f} s; exported in '
       f'{time.perf_counter() - restored:.1f} s.',

@@ -17,7 +17,7 @@ import typer
 
 from flax_dtensor import _text
 from flax_dtensor._rules import _specs
-from flax_dtensor.cli import _command
+from flax_dtensor.cli import _command, _runs
 
 
 def sharding_texts(record: Any) -> tuple[str, str]:
@@ -381,8 +381,9 @@ def inspect(
       '--verify',
       help=(
         'Check every file against the manifest (sizes, checksums, and that '
-        'no path leaves the directory) instead of listing the variables. '
-        'Exit 0 intact, 1 damaged (each problem listed), 2 no or a '
+        'no path leaves the directory), and that the parts of an output '
+        'folder come from one run, instead of listing the variables. Exit 0 '
+        'intact, 1 damaged or mixed (each problem listed), 2 no or a '
         'malformed manifest.'
       ),
     ),
@@ -430,6 +431,19 @@ def inspect(
         intact = intact and ok
         for item in lines:
           console.print(item, highlight=False)
+      if any(path != directory for _, path in found):
+        # An output folder of demo or export: are its parts one run's?
+        mixed = _runs.problems(directory)
+        for item in _title('Output folder', directory, console.width):
+          console.print(item, highlight=False)
+        console.print(
+          '\n'.join(mixed) or 'one run: every part carries the same identifier'
+          if any(_runs.run_of(directory / p) for p in os.listdir(directory))
+          else 'no run identifiers (written by an older flax-dtensor)',
+          highlight=False,
+          markup=False,
+        )
+        intact = intact and not mixed
       if not intact:
         raise typer.Exit(_command.EXIT_FINDINGS)
       return

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import rich.progress
 import rich.text
 
 from flax_dtensor import _text
+from flax_dtensor.cli import _runs
 
 
 def _disk_usage(path: pathlib.Path) -> int:
@@ -158,7 +158,8 @@ def run(
     mesh: A concrete `jax.sharding.Mesh` (Auto axes).
     rules: The `flax_dtensor.LogicalRules`.
     rules_text: The rules as YAML, copied to `out/rules.yaml`.
-    out: The output directory (created; its outputs replaced).
+    out: The output directory: created, or replaced as a whole (written
+      aside and swapped in; run `_runs.check_out` on it first).
     steps: Training steps.
     seed: Seed of init and data.
     batch_size: Sequences per step.
@@ -231,58 +232,60 @@ def run(
       )
 
   # Exports, outside the rules context: the SavedModel then has no sharding
-  # constraints and runs on one TF device.
-  out.mkdir(parents=True, exist_ok=True)
-  paths = {
-    'orbax': out / 'orbax',
-    'checkpoint': out / 'checkpoint',
-    'saved_model': out / 'saved_model',
-  }
-  with timer('write Orbax checkpoint'):
-    if paths['orbax'].exists():
-      shutil.rmtree(paths['orbax'])
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
-    checkpointer.wait_until_finished()
-  with timer('write DTensor checkpoint'):
-    dtensor.save_checkpoint(model, paths['checkpoint'], overwrite=True)
-  with timer('write SavedModel'):
-    tf = sys.modules['tensorflow']
-    dtensor.save_saved_model(
-      model,
-      paths['saved_model'],
-      input_signature=[tf.TensorSpec([None, length], tf.int32, name='tokens')],
-      overwrite=True,
-    )
-  (out / 'rules.yaml').write_text(rules_text)
-  with timer('verify in TF-only subprocess'):
-    tf_logits, report = verify.verify_saved_model(
-      paths['saved_model'], held_out
-    )
-  diff = float(np.max(np.abs(tf_logits - jax_logits)))
-  scale = float(np.max(np.abs(jax_logits)))
-  total = time.perf_counter() - start
+  # constraints and runs on one TF device. The whole folder is written
+  # aside and swapped in: interrupted, `out` keeps the previous run's.
+  names = ('orbax', 'checkpoint', 'saved_model')
+  run_ = _runs.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
+  with _runs.writing(out) as tmp:
+    paths = {name: tmp / name for name in names}
+    with timer('write Orbax checkpoint'):
+      checkpointer = ocp.StandardCheckpointer()
+      checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
+      checkpointer.wait_until_finished()
+    with timer('write DTensor checkpoint'):
+      dtensor.save_checkpoint(model, paths['checkpoint'])
+    with timer('write SavedModel'):
+      tf = sys.modules['tensorflow']
+      dtensor.save_saved_model(
+        model,
+        paths['saved_model'],
+        input_signature=[
+          tf.TensorSpec([None, length], tf.int32, name='tokens')
+        ],
+      )
+    end = '' if rules_text.endswith('\n') or not rules_text else '\n'
+    (tmp / 'rules.yaml').write_text(rules_text + end + run_.text_stamp())
+    with timer('verify in TF-only subprocess'):
+      tf_logits, report = verify.verify_saved_model(
+        paths['saved_model'], held_out
+      )
+    for path in paths.values():
+      run_.stamp(path)
+    diff = float(np.max(np.abs(tf_logits - jax_logits)))
+    scale = float(np.max(np.abs(jax_logits)))
+    total = time.perf_counter() - start
 
-  summary = {
-    'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)),
-    'devices': jax.device_count(),
-    'steps': steps,
-    'batch_size': batch_size,
-    'seed': seed,
-    'loss_first': losses[0],
-    'loss_last': losses[-1],
-    'loss_min': min(losses),
-    'losses': losses,
-    'max_abs_logits_diff': diff,
-    'max_abs_logits': scale,
-    'held_out_shape': list(held_out.shape),
-    'tf_subprocess': report,
-    'files': {k: str(v) for k, v in paths.items()},
-    'bytes': {k: _disk_usage(v) for k, v in paths.items()},
-    'seconds': timer.phases,
-    'total_seconds': total,
-  }
-  (out / 'summary.json').write_text(json.dumps(summary, indent=1) + '\n')
+    summary = {
+      'run': run_.id,
+      'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)),
+      'devices': jax.device_count(),
+      'steps': steps,
+      'batch_size': batch_size,
+      'seed': seed,
+      'loss_first': losses[0],
+      'loss_last': losses[-1],
+      'loss_min': min(losses),
+      'losses': losses,
+      'max_abs_logits_diff': diff,
+      'max_abs_logits': scale,
+      'held_out_shape': list(held_out.shape),
+      'tf_subprocess': report,
+      'files': {k: str(out / k) for k in paths},
+      'bytes': {k: _disk_usage(v) for k, v in paths.items()},
+      'seconds': timer.phases,
+      'total_seconds': total,
+    }
+    (tmp / 'summary.json').write_text(json.dumps(summary, indent=1) + '\n')
   _print_summary(console, summary, out)
   return summary
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _interrupts
 from flax_dtensor.dtensor import _peers
 
 IsExport = Callable[[str], bool]
@@ -55,6 +55,10 @@ WRITING, COMPLETE, REPLACED = 'writing', 'complete', 'replaced'
 # Temporaries this process is writing now (a pid alone cannot tell them
 # apart from ones a failed save of this same process left).
 _active: set[str] = set()
+# Temporaries this process removed after a failure or an interrupt: a
+# library's thread still writing there (Orbax's) may create them again;
+# `abandon` removes them once more before the process ends.
+_removed: set[str] = set()
 
 
 # Writers and liveness
@@ -359,6 +363,39 @@ def recover(directory: str, *, writing: bool, is_export: IsExport) -> None:
     _fsync_dir(os.path.dirname(directory))
 
 
+def abandon() -> None:
+  """Undoes what this process is writing, for a process about to end.
+
+  Registered with `_interrupts.on_exit_now`: run while no swap is under
+  way, maybe on another thread than the writer's. An old export renamed
+  aside goes back if its place is empty (else it is the replaced one and
+  goes); temporaries being written are removed. What the writer creates
+  after this is a dead writer's, removed by the next `recover`.
+  """
+  for path in sorted(
+    list(_active) + list(_removed), key=lambda p: _OLD not in p
+  ):
+    parent, name = os.path.split(path)
+    target = None
+    if name.startswith('.') and _OLD in name:
+      target = os.path.join(parent, name[1:].rsplit(_OLD, 1)[0])
+    try:
+      if target is not None and not os.path.lexists(target):
+        os.rename(path, target)
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(os.path.join(target, MARKER))
+      elif os.path.lexists(path):
+        _remove(path)
+    except OSError:
+      pass
+    _active.discard(path)
+    if not os.path.lexists(path):
+      _removed.discard(path)
+
+
+_interrupts.on_exit_now(abandon)
+
+
 # Where we may write, and overwriting only what is ours
 # ------------------------------------------------------------------------------
 
@@ -506,25 +543,32 @@ def _move_into_place(tmp: str, directory: str) -> None:
   write_marker(tmp, COMPLETE)
   _fsync_dir(tmp)
   old = None
-  if os.path.lexists(directory):
-    old = _sibling(directory, _OLD)
-    _active.add(old)
-    os.rename(directory, old)
-  try:
+  # An interrupt waits for both renames (or the undoing of the first).
+  with _interrupts.swap():
+    if os.path.lexists(directory):
+      old = _sibling(directory, _OLD)
+      os.rename(directory, old)
+      _active.add(old)
     try:
       os.rename(tmp, directory)
     except BaseException:
       if old is not None:
         os.rename(old, directory)  # Put the previous export back.
+        _active.discard(old)
       raise
+    _active.discard(tmp)
     os.remove(os.path.join(directory, MARKER))
+  # And for the old one's removal: forgotten (`_active`) only once removed,
+  # so that `abandon` removes it if the process ends first.
+  with _interrupts.deferred():
     _fsync_dir(directory)
     _fsync_dir(parent)
     if old is not None:
-      _remove(old)
+      try:
+        _remove(old)
+      finally:
+        _active.discard(old)
       _fsync_dir(parent)
-  finally:
-    _active.discard(old)
 
 
 def _prepare(directory: str, overwrite: bool, is_export: IsExport) -> str:
@@ -621,11 +665,15 @@ def atomic_directory(
       )
   except BaseException:
     if lead:
-      with contextlib.suppress(OSError):
-        _remove(tmp)
+      # Forgotten only once removed: an interrupt before the removal
+      # leaves it to `abandon`.
+      with _interrupts.deferred():
+        with contextlib.suppress(OSError):
+          _remove(tmp)
+        _removed.add(tmp)
+        _active.discard(tmp)
     raise
-  finally:
-    _active.discard(tmp)
+  _active.discard(tmp)
 
 
 @contextlib.contextmanager
@@ -646,9 +694,10 @@ def staging_directory(parent: str) -> Iterator[str]:
     os.mkdir(path)
     yield path
   finally:
-    with contextlib.suppress(OSError):
-      _remove(path)
-    _active.discard(path)
+    with _interrupts.deferred():
+      with contextlib.suppress(OSError):
+        _remove(path)
+      _active.discard(path)
 
 
 def commit(
@@ -709,7 +758,7 @@ def all_or_nothing(
         )
   except BaseException:
     if created:
-      with contextlib.suppress(OSError):
+      with _interrupts.deferred(), contextlib.suppress(OSError):
         os.rmdir(parent)  # Only if empty: nothing else was there.
     raise
 

@@ -179,7 +179,8 @@ def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
 
 # The layers, lowest first: a module imports only from its own layer or
 # below (outside `if TYPE_CHECKING:`). Below them all, the package's own
-# utilities (`_errors`, `_compat`, `_output`, `_text`). Above them all, the
+# utilities (`_errors`, `_compat`, `_interrupts`, `_output`, `_text`).
+# Above them all, the
 # lazy namespaces (the packages' `__init__` and `_lazy`, which installs the
 # hook when a name is first used).
 NAMESPACE = {'flax_dtensor', 'flax_dtensor._lazy'}
@@ -193,6 +194,7 @@ LAYERS = (
 UTILITIES = {
   'flax_dtensor._errors',
   'flax_dtensor._compat',
+  'flax_dtensor._interrupts',
   'flax_dtensor._output',
   'flax_dtensor._text',
 }

@@ -121,6 +121,7 @@ def _run(request):
     *ours,
     *(p for p in sys.path[1:] if p not in theirs and p not in ours),
   ]
+  interrupted = False
   try:
     runpy.run_path(script, run_name='__main__')
     status = 0
@@ -132,6 +133,8 @@ def _run(request):
       tb = tb.tb_next
     traceback.print_exception(type(e), e, tb or e.__traceback__)
     status = 1
+    # Python ends by SIGINT after an uncaught KeyboardInterrupt.
+    interrupted = isinstance(e, KeyboardInterrupt)
   # Python's exit, but for tearing the modules down: that touches every
   # page the fork shares with the server (seconds), and shows nothing.
   threading._shutdown()
@@ -141,6 +144,9 @@ def _run(request):
       stream.flush()
     except (OSError, ValueError):
       status = status or 120
+  if interrupted:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
   os._exit(status)
 
 

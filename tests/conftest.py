@@ -129,13 +129,34 @@ def _explains_its_cost(item) -> bool:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-  yield
+  outcome = yield
   if (
     call.when == 'call'
     and call.duration > SLOW_SECONDS
     and not _explains_its_cost(item)
   ):
-    _unexplained.append((item.nodeid, call.duration))
+    # Said on the report, which pytest-xdist's workers send to the main
+    # process: the summary is printed there.
+    outcome.get_result().user_properties.append((SLOW_MARK, call.duration))
+
+
+def pytest_runtest_logreport(report):
+  for name, seconds in report.user_properties:
+    if name == SLOW_MARK and report.when == 'call':
+      _unexplained.append((report.nodeid, seconds))
+
+
+# pytest-xdist (`-n auto`): at most 4 workers, each of which holds JAX,
+# TensorFlow and 8 virtual devices (up to 6 GB at the suite's peak).
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+  del config
+  if os.environ.get('PYTEST_XDIST_AUTO_NUM_WORKERS'):
+    return None  # pytest-xdist's own reading of it.
+  return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -155,7 +155,7 @@ class InputSpec:
 
   def polymorphic_shape(self, index: int) -> str | None:
     """jax2tf's polymorphic shape of the input (`index`: its position)."""
-    from flax_dtensor.dtensor import _signature
+    from flax_dtensor.dtensor._serving import _signature
 
     if self.dims is None:
       return None
@@ -563,7 +563,7 @@ def check_served_inputs(
   from flax import nnx
 
   from flax_dtensor import _errors, _text
-  from flax_dtensor.dtensor import _signature
+  from flax_dtensor.dtensor._serving import _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(

@@ -242,12 +242,12 @@ def test_the_atomic_layer_knows_no_export_format():
   so it imports neither the manifest nor anything that writes or reads
   one."""
   format_layer = {
-    'flax_dtensor.dtensor._manifest',
-    'flax_dtensor.dtensor._checkpoint',
-    'flax_dtensor.dtensor._restore',
-    'flax_dtensor.dtensor._saved_model',
-    'flax_dtensor.dtensor._host_read',
-    'flax_dtensor.dtensor._host_write',
+    'flax_dtensor.dtensor._files._manifest',
+    'flax_dtensor.dtensor._files._checkpoint',
+    'flax_dtensor.dtensor._files._restore',
+    'flax_dtensor.dtensor._serving._saved_model',
+    'flax_dtensor.dtensor._files._host_read',
+    'flax_dtensor.dtensor._files._host_write',
   }
-  imported = _internal(GRAPH['flax_dtensor.dtensor._atomic'])
+  imported = _internal(GRAPH['flax_dtensor.dtensor._files._atomic'])
   assert not imported & format_layer, imported & format_layer

@@ -4,7 +4,7 @@
 NNX path (`_names`) and checks them as a restore checks a checkpoint
 (`_target`). It reads each DTensor's local components (`dtensor.unpack`),
 whose global slices follow from the DTensor layout by mesh position, and
-places the slices the target's sharding needs (`_host_read.assemble`). In a
+places the slices the target's sharding needs (`_pieces.assemble`). In a
 multi-process run, JAX moves what another process holds.
 """
 
@@ -22,21 +22,20 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources
 from flax_dtensor._rules import _logical, _meshes
-from flax_dtensor.dtensor import (
+from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor._layout import (
   _arrays,
   _convert,
-  _host_read,
   _layouts,
-  _manifest,
   _names,
+  _pieces,
   _selection,
   _target,
-  _tf,
   _topology,
 )
 
 A = TypeVar('A')
-Index = _manifest.Index
+Index = _pieces.Index
 
 _EXPECTED_SOURCE = (
   'Expected a tf.Module from to_tf_module (or a SavedModel of '
@@ -160,7 +159,7 @@ def _placed_on_host(
 ) -> jax.Array:
   """The tensor's values placed as `sharding` says, via host slices."""
   pieces, own = _pieces(t, shape)
-  return _host_read.assemble(pieces, shape, sharding, own=own)
+  return _pieces.assemble(pieces, shape, sharding, own=own)
 
 
 def _placed_by_jax(

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
-from flax_dtensor.dtensor import _names, _paths
+from flax_dtensor.dtensor._files import _paths
+from flax_dtensor.dtensor._layout import _names, _pieces
 
 if TYPE_CHECKING:
   import jax
@@ -52,7 +53,7 @@ CHUNK_BYTES = 64 * 2**20
 SAVED_MODEL_ASSETS = 'assets'
 THREADS = max(2, min(8, os.cpu_count() or 2))
 
-Index = tuple[tuple[int, int], ...]
+Index = _pieces.Index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -993,7 +994,7 @@ def verify_index(
   """
   import numpy as np
 
-  from flax_dtensor.dtensor import _dtypes
+  from flax_dtensor.dtensor._layout import _dtypes
 
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
@@ -1063,7 +1064,7 @@ def verify_read(
   for held, data in read.items():
     checked = 0
     for index, expected in record.shards:
-      if contains(held, index):
+      if _pieces.contains(held, index):
         _check_shard(manifest, record, index, expected, data, held)
         checked += _volume(index)
     if checked != _volume(held):
@@ -1082,14 +1083,6 @@ def _volume(index: Index) -> int:
   import numpy as np
 
   return int(np.prod([b - a for a, b in index], dtype=np.int64))
-
-
-def contains(held: Index, index: Index) -> bool:
-  """Whether the global slice `held` contains the global slice `index`."""
-  return all(
-    h0 <= i0 and i1 <= h1
-    for (i0, i1), (h0, h1) in zip(index, held, strict=True)
-  )
 
 
 def _check_shard(

@@ -389,9 +389,7 @@ def inspect(
       ),
     ),
   ] = False,
-  debug: Annotated[
-    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
-  ] = False,
+  debug: _command.DebugOption = False,
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
 from flax_dtensor.dtensor._files import _paths
-from flax_dtensor.dtensor._layout import _names, _pieces
+from flax_dtensor.dtensor._layout import _index, _names
 
 if TYPE_CHECKING:
   import jax
@@ -53,7 +53,7 @@ CHUNK_BYTES = 64 * 2**20
 SAVED_MODEL_ASSETS = 'assets'
 THREADS = max(2, min(8, os.cpu_count() or 2))
 
-Index = _pieces.Index
+Index = _index.Index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +251,7 @@ def crc(data: Any, as_dtype: Any = None) -> int:
   return value
 
 
-def _index(index: Sequence[slice], shape: Sequence[int]) -> Index:
+def _global_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
   out = []
   for s, size in zip(index, shape, strict=True):
     start, stop, _ = s.indices(size)
@@ -271,7 +271,7 @@ def shard_checksums(
   def work(value: jax.Array) -> list[tuple[Index, int]]:
     seen: dict[Index, int] = {}
     for shard in value.addressable_shards:
-      index = _index(shard.index, value.shape)
+      index = _global_index(shard.index, value.shape)
       if index not in seen:
         seen[index] = crc(shard.data)
     return sorted(seen.items())
@@ -1064,7 +1064,7 @@ def verify_read(
   for held, data in read.items():
     checked = 0
     for index, expected in record.shards:
-      if _pieces.contains(held, index):
+      if _index.contains(held, index):
         _check_shard(manifest, record, index, expected, data, held)
         checked += _volume(index)
     if checked != _volume(held):
@@ -1093,13 +1093,9 @@ def _check_shard(
   data: Any,
   held: Index,
 ) -> None:
-  local = tuple(
-    slice(i0 - h0, i1 - h0)
-    for (i0, i1), (h0, _) in zip(index, held, strict=True)
-  )
   import numpy as np
 
-  got = crc(np.asarray(data)[local])
+  got = crc(np.asarray(data)[_index.local(index, held)])
   if got != expected:
     raise damaged(
       manifest,

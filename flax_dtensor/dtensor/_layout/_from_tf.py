@@ -123,7 +123,7 @@ def _is_dtensor(t: Any) -> bool:
   return _topology.is_initialized() and bool(_tf.dtensor().is_dtensor(t))
 
 
-def _pieces(
+def _host_pieces(
   t: Any, shape: tuple[int, ...]
 ) -> tuple[dict[Index, np.ndarray], dict[jax.Device, tuple[Index, np.ndarray]]]:
   """This process's slices of a tensor on the host, without copies.
@@ -158,7 +158,7 @@ def _placed_on_host(
   t: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding
 ) -> jax.Array:
   """The tensor's values placed as `sharding` says, via host slices."""
-  pieces, own = _pieces(t, shape)
+  pieces, own = _host_pieces(t, shape)
   return _pieces.assemble(pieces, shape, sharding, own=own)
 
 

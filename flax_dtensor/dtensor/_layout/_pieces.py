@@ -1,9 +1,9 @@
 """Host pieces of a global array, and the array they make once placed.
 
 A piece is a block of a global array held on the host, keyed by its global
-`Index`. `assemble` cuts or joins the slices a sharding's devices need from
-disjoint pieces and `place`s them with JAX, zero-copy on CPU where a slice
-is aligned. TF's DTensor components (`_from_tf`), another mesh's shards
+`Index` (`_index`). `assemble` cuts or joins the slices a sharding's
+devices need from disjoint pieces and `place`s them with JAX, zero-copy on
+CPU where a slice is aligned. TF's DTensor components (`_from_tf`), another mesh's shards
 (`_single_mesh`) and a checkpoint's slices read on the host (`_files`) are
 all placed here.
 """
@@ -16,18 +16,9 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from flax_dtensor.dtensor._layout import _layouts
+from flax_dtensor.dtensor._layout import _index, _layouts
 
-Index = tuple[tuple[int, int], ...]
-"""A global slice: per dimension, (start, stop)."""
-
-
-def contains(held: Index, index: Index) -> bool:
-  """Whether the global slice `held` contains the global slice `index`."""
-  return all(
-    h0 <= i0 and i1 <= h1
-    for (i0, i1), (h0, h1) in zip(index, held, strict=True)
-  )
+Index = _index.Index
 
 
 def place(
@@ -57,13 +48,6 @@ def place(
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def local(index: Index, held: Index) -> tuple[slice, ...]:
-  """`index` relative to the slice `held`."""
-  return tuple(
-    slice(a - h, b - h) for (a, b), (h, _) in zip(index, held, strict=True)
-  )
-
-
 # JAX on CPU uses a host buffer as a device buffer, without a copy, when it
 # is aligned to this many bytes (NumPy's own allocations often are not).
 _ALIGNMENT = 64
@@ -86,8 +70,8 @@ def slice_of(pieces: Mapping[Index, np.ndarray], index: Index) -> np.ndarray:
   if index in pieces:
     return pieces[index]
   for held, data in pieces.items():
-    if contains(held, index):
-      return data[local(index, held)]
+    if _index.contains(held, index):
+      return data[_index.local(index, held)]
   first = next(iter(pieces.values()))
   out = aligned_empty([b - a for a, b in index], first.dtype)
   covered = 0
@@ -98,7 +82,7 @@ def slice_of(pieces: Mapping[Index, np.ndarray], index: Index) -> np.ndarray:
     )
     if any(lo >= hi for lo, hi in overlap):
       continue
-    out[local(overlap, index)] = data[local(overlap, held)]
+    out[_index.local(overlap, index)] = data[_index.local(overlap, held)]
     covered += math.prod(hi - lo for lo, hi in overlap)
   assert covered == out.size, (index, sorted(pieces))
   return out

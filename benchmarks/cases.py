@@ -318,7 +318,7 @@ def to_tf(
     if method in ('pack', 'dvariable'):
       # The floor: the same shards packed into DTensors (layouts and shard
       # order given), and for 'dvariable' then held by DVariables.
-      from flax_dtensor.dtensor import _layouts
+      from flax_dtensor.dtensor._layout import _layouts
 
       layouts_ = [_layouts.layout_for(a.sharding, a.ndim) for a, _ in values]
       shards = [
@@ -354,7 +354,7 @@ def to_tf(
 
 def _sorted_shards(arr):
   """The array's shards in the order of the layout's local device ids."""
-  from flax_dtensor.dtensor import _layouts
+  from flax_dtensor.dtensor._layout import _layouts
 
   dmesh, _, record = _layouts.layout_parts(arr.sharding, arr.ndim)
   by_device = {s.device: s for s in arr.addressable_shards}
@@ -1045,7 +1045,7 @@ def _mp_step(
   elif method in ('save_async', 'save_async_stall'):
     handle = fdt_tf.save_checkpoint(state, path, overwrite=True, blocking=False)
     stall = time.perf_counter() - start
-    from flax_dtensor.dtensor import _host_write
+    from flax_dtensor.dtensor._files import _host_write
 
     copied = sum(  # The shards this process writes (all float32).
       s.data.nbytes

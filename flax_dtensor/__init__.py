@@ -55,10 +55,10 @@ if TYPE_CHECKING:
   from flax_dtensor._planning._check import check as check
   from flax_dtensor._planning._memory import MemoryReport as MemoryReport
   from flax_dtensor._planning._memory import memory_report as memory_report
-  from flax_dtensor._planning._plan import PlanDiff as PlanDiff
   from flax_dtensor._planning._plan import PlanEntry as PlanEntry
   from flax_dtensor._planning._plan import ShardingPlan as ShardingPlan
   from flax_dtensor._planning._plan import plan as plan
+  from flax_dtensor._planning._plan_diff import PlanDiff as PlanDiff
   from flax_dtensor._planning._suggest import RulesSuggestion as RulesSuggestion
   from flax_dtensor._planning._suggest import suggest_rules as suggest_rules
   from flax_dtensor._rules._logical import LogicalRules as LogicalRules
@@ -150,7 +150,7 @@ _MODULES = {
   'shard_module': '_placement._placing',
   'shard_value': '_placement._placing',
   'with_logical_constraint': '_placement._placing',
-  'PlanDiff': '_planning._plan',
+  'PlanDiff': '_planning._plan_diff',
   'PlanEntry': '_planning._plan',
   'ShardingPlan': '_planning._plan',
   'plan': '_planning._plan',

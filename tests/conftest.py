@@ -1,8 +1,10 @@
 """Test configuration: 8 virtual CPU devices, set before any backend starts.
 
 The tests are laid out as the package is: core/ (rules, placement,
-planning), bridge/ (flax_dtensor.dtensor: TensorFlow, checkpoints,
-SavedModels, several processes), cli/, docs/ (the README, the pages, the
+planning), bridge/ (flax_dtensor.dtensor, in its rooms: layout/ for arrays,
+layouts and TF variables, files/ for checkpoints, serving/ for SavedModels,
+each with its multi-process and fault tests; the bridge as a whole at the
+top), cli/, docs/ (the README, the pages, the
 docstrings and notebooks run); support/ holds what is not a test (helpers,
 case tables, and workers/, the scripts run in processes of their own), on
 sys.path here so that tests import them by bare name.

@@ -17,6 +17,11 @@ import rich.console
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+# The public namespace names the diff (`flax_dtensor.PlanDiff`) for type
+# checkers without importing it: the views (`_plan_view`, `_plan_chart`)
+# and the diff (`_plan_diff`) import this model, and its methods reach them
+# by a late import.
+import flax_dtensor
 from flax_dtensor import _errors
 from flax_dtensor._placement import (
   _creation_order,
@@ -25,7 +30,6 @@ from flax_dtensor._placement import (
   _trees,
   _variables,
 )
-from flax_dtensor._planning import _plan_chart, _plan_diff, _plan_view
 from flax_dtensor._rules import (
   _logical,
   _meshes,
@@ -33,9 +37,6 @@ from flax_dtensor._rules import (
   _path_rules,
   _specs,
 )
-
-PlanDiff = _plan_diff.PlanDiff
-
 
 _itemsize = _path_rules.itemsize
 
@@ -242,7 +243,7 @@ class ShardingPlan:
     """
     return plan_from_json(text)
 
-  def diff(self, golden: ShardingPlan) -> PlanDiff:
+  def diff(self, golden: ShardingPlan) -> flax_dtensor.PlanDiff:
     """What changed from `golden` to this plan, variable by variable.
 
     What moved (a different spec), what changed size per device (shape,
@@ -270,6 +271,8 @@ class ShardingPlan:
       >>> bool(now.diff(now))
       False
     """
+    from flax_dtensor._planning import _plan_diff
+
     return _plan_diff.diff(self, golden)
 
   def bytes_by_device(self) -> dict[str, list[int]]:
@@ -280,6 +283,8 @@ class ShardingPlan:
     `bytes_per_device_by_category`; a block that ends short counts what it
     holds. This is what the chart of `to_html` draws.
     """
+    from flax_dtensor._planning import _plan_chart
+
     return _plan_chart.device_bytes(self)
 
   def closest_paths(self, path: str, n: int = 3) -> list[str]:
@@ -321,6 +326,8 @@ class ShardingPlan:
         in an integer path component, with the same shape, dtype, spec
         and reasons, share a row: ``layers/{0..23}/attn/kernel ×24``.
     """
+    from flax_dtensor._planning import _plan_view
+
     return _plan_view.render_text(self, width, summary=summary, expand=expand)
 
   def summary(self) -> PlanView:
@@ -345,6 +352,8 @@ class ShardingPlan:
     layers collapsed unless `expand`). ``flax-dtensor plan --html FILE``
     writes it.
     """
+    from flax_dtensor._planning import _plan_chart
+
     return _plan_chart.page(self, budget=budget, expand=expand)
 
   def show(self, path: str) -> BlockMap:
@@ -362,6 +371,8 @@ class ShardingPlan:
   def __rich_console__(
     self, console: rich.console.Console, options: rich.console.ConsoleOptions
   ) -> Iterator[Any]:
+    from flax_dtensor._planning import _plan_view
+
     yield from _plan_view.renderables(self, options.max_width)
 
   def __str__(self) -> str:
@@ -370,6 +381,8 @@ class ShardingPlan:
   __repr__ = __str__
 
   def _repr_html_(self) -> str:
+    from flax_dtensor._planning import _plan_chart
+
     return _plan_chart.notebook_html(self)
 
 
@@ -385,6 +398,8 @@ class PlanView:
     self.expand = expand
 
   def render(self, width: int | None = None) -> str:
+    from flax_dtensor._planning import _plan_view
+
     return _plan_view.render_text(
       self.plan, width, summary=self.is_summary, expand=self.expand
     )
@@ -392,6 +407,8 @@ class PlanView:
   def __rich_console__(
     self, console: rich.console.Console, options: rich.console.ConsoleOptions
   ) -> Iterator[Any]:
+    from flax_dtensor._planning import _plan_view
+
     yield from _plan_view.renderables(
       self.plan,
       options.max_width,
@@ -405,6 +422,8 @@ class PlanView:
   __repr__ = __str__
 
   def _repr_html_(self) -> str:
+    from flax_dtensor._planning import _plan_chart, _plan_view
+
     if self.is_summary:
       return _plan_view.render_html(self.plan, summary=True)
     return _plan_chart.notebook_html(self.plan, expand=self.expand)
@@ -422,11 +441,15 @@ class BlockMap:
   def __init__(
     self, entry: PlanEntry, mesh_axes: dict[str, int] | None
   ) -> None:
+    from flax_dtensor._planning import _plan_view
+
     self.entry = entry
     self.mesh_axes = mesh_axes
     self.blocks = _plan_view.device_blocks(entry.shape, entry.spec, mesh_axes)
 
   def render(self, width: int | None = None) -> str:
+    from flax_dtensor._planning import _plan_view
+
     return _plan_view.blocks_text(self.entry, self.mesh_axes, width)
 
   def __str__(self) -> str:

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING
 
 from flax_dtensor import _text
-from flax_dtensor._planning import _plan_view
-
-if TYPE_CHECKING:
-  from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
+from flax_dtensor._planning import _plan, _plan_view
 
 CATEGORIES = ('params', 'optimizer', 'other')
 COLOURS = {'params': '#4878a8', 'optimizer': '#e0904a', 'other': '#9a9a9a'}
@@ -36,7 +32,7 @@ PLOT_W = WIDTH - LEFT - RIGHT
 PLOT_H = HEIGHT - TOP - BOTTOM
 
 
-def _entry_bytes(e: PlanEntry, positions: int) -> list[int]:
+def _entry_bytes(e: _plan.PlanEntry, positions: int) -> list[int]:
   """The bytes of `e` at each of `positions` mesh positions.
 
   A device holds its block of the variable: where the variable is placed
@@ -61,7 +57,7 @@ def _entry_bytes(e: PlanEntry, positions: int) -> list[int]:
   return out
 
 
-def device_bytes(plan: ShardingPlan) -> dict[str, list[int]]:
+def device_bytes(plan: _plan.ShardingPlan) -> dict[str, list[int]]:
   """{category: bytes at each mesh position}, for params, optimizer, other.
 
   Position i is ``mesh.devices.flat[i]``. Where every dimension divides
@@ -98,7 +94,7 @@ def _num(x: float) -> str:
   return f'{x:.2f}'.rstrip('0').rstrip('.')
 
 
-def memory_svg(plan: ShardingPlan, *, budget: int | None = None) -> str:
+def memory_svg(plan: _plan.ShardingPlan, *, budget: int | None = None) -> str:
   """Bytes per device as stacked bars, one per mesh position.
 
   Parameters at the bottom, then the optimizer state, then other
@@ -208,7 +204,7 @@ def _shade(fraction: float) -> str:
   return '#' + ''.join(f'{v:02x}' for v in rgb)
 
 
-def mesh_svg(plan: ShardingPlan, *, budget: int | None = None) -> str:
+def mesh_svg(plan: _plan.ShardingPlan, *, budget: int | None = None) -> str:
   """The mesh as a grid, one cell per device, coloured by its load.
 
   Rows run over all axes but the last, columns over the last; position i
@@ -272,7 +268,7 @@ figure{margin:0.6em 0}
 
 
 def page(
-  plan: ShardingPlan,
+  plan: _plan.ShardingPlan,
   *,
   budget: int | None = None,
   expand: bool = False,
@@ -313,7 +309,7 @@ def page(
 
 
 def notebook_html(
-  plan: ShardingPlan, *, expand: bool = False, budget: int | None = None
+  plan: _plan.ShardingPlan, *, expand: bool = False, budget: int | None = None
 ) -> str:
   """The plan for a notebook: the header, the chart, the table."""
   return _plan_view.render_html(

@@ -10,14 +10,11 @@ disappeared. (A plan is written and read back by `ShardingPlan.to_json` /
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flax_dtensor import _text
-from flax_dtensor._planning import _plan_view
+from flax_dtensor._planning import _plan, _plan_view
 from flax_dtensor._rules import _specs
-
-if TYPE_CHECKING:
-  from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +28,8 @@ class Change:
   """
 
   path: str
-  before: PlanEntry
-  after: PlanEntry
+  before: _plan.PlanEntry
+  after: _plan.PlanEntry
 
   @property
   def moved(self) -> bool:
@@ -176,7 +173,7 @@ class PlanDiff:
     }
 
 
-def diff(new: ShardingPlan, golden: ShardingPlan) -> PlanDiff:
+def diff(new: _plan.ShardingPlan, golden: _plan.ShardingPlan) -> PlanDiff:
   """What changed from `golden` to `new`, variable by variable."""
   old = {e.path: e for e in golden.entries}
   now = {e.path: e for e in new.entries}

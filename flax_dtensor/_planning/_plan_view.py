@@ -19,7 +19,7 @@ import io
 import math
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import rich.box
 import rich.console
@@ -29,10 +29,8 @@ import rich.table
 import rich.text
 
 from flax_dtensor import _text
+from flax_dtensor._planning import _plan
 from flax_dtensor._rules import _missing_axes, _specs
-
-if TYPE_CHECKING:
-  from flax_dtensor._planning._plan import PlanEntry, ShardingPlan
 
 LARGEST = 5
 """How many of the largest replicated variables the summary names."""
@@ -45,7 +43,7 @@ TYPO_REASON = _missing_axes.TYPO_REASON
 # ------------------------------------------------------------------------------
 
 
-def mesh_text(plan: ShardingPlan) -> str:
+def mesh_text(plan: _plan.ShardingPlan) -> str:
   """'mesh data=2, model=4 (8 devices)'.
 
   Axes of size 1 are named apart, as left out of the specs shown, when
@@ -66,7 +64,7 @@ def mesh_text(plan: ShardingPlan) -> str:
   return f'mesh {axes} ({devices})'
 
 
-def totals_text(plan: ShardingPlan) -> str:
+def totals_text(plan: _plan.ShardingPlan) -> str:
   ideal = plan.ideal_bytes_per_device
   ratio = plan.bytes_per_device / ideal if ideal else 1.0
   text = (
@@ -82,18 +80,18 @@ def totals_text(plan: ShardingPlan) -> str:
   return text
 
 
-def shape_text(entry: PlanEntry) -> str:
+def shape_text(entry: _plan.PlanEntry) -> str:
   """'float32[64,128]'."""
   return f'{entry.dtype}[{",".join(map(str, entry.shape))}]'
 
 
-def axes_text(entry: PlanEntry) -> str:
+def axes_text(entry: _plan.PlanEntry) -> str:
   if entry.logical_axes is None:
     return '-'
   return repr(tuple(entry.logical_axes))
 
 
-def spec_text(entry: PlanEntry) -> str:
+def spec_text(entry: _plan.PlanEntry) -> str:
   """ "P('fsdp', None)", and where it is placed when that differs.
 
   Without the mesh axes of size 1 (`PlanEntry.display_spec`); the spec
@@ -106,7 +104,7 @@ def spec_text(entry: PlanEntry) -> str:
 
 
 def fallback_groups(
-  entries: Iterable[PlanEntry],
+  entries: Iterable[_plan.PlanEntry],
 ) -> list[tuple[str, list[str]]]:
   """[(reason, paths it affects)], most variables first.
 
@@ -123,7 +121,9 @@ def fallback_groups(
   return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
 
 
-def largest_replicated(plan: ShardingPlan, n: int = LARGEST) -> list[PlanEntry]:
+def largest_replicated(
+  plan: _plan.ShardingPlan, n: int = LARGEST
+) -> list[_plan.PlanEntry]:
   """The `n` largest variables every device holds whole (if any devices)."""
   if plan.num_devices <= 1:
     return []
@@ -148,10 +148,10 @@ class Row:
   """
 
   path: str
-  entries: tuple[PlanEntry, ...]
+  entries: tuple[_plan.PlanEntry, ...]
 
   @property
-  def entry(self) -> PlanEntry:
+  def entry(self) -> _plan.PlanEntry:
     return self.entries[0]
 
   @property
@@ -161,7 +161,7 @@ class Row:
     return self.path if n == 1 else f'{self.path} \u00d7{n}'
 
 
-def _alike(e: PlanEntry) -> tuple[Any, ...]:
+def _alike(e: _plan.PlanEntry) -> tuple[Any, ...]:
   """What must be equal for two variables to share a row: all but the path."""
   return (
     e.kind,
@@ -179,7 +179,9 @@ def _alike(e: PlanEntry) -> tuple[Any, ...]:
   )
 
 
-def rows(entries: Iterable[PlanEntry], *, expand: bool = False) -> list[Row]:
+def rows(
+  entries: Iterable[_plan.PlanEntry], *, expand: bool = False
+) -> list[Row]:
   """The rows a view shows: variables identical but for an integer path
   component (same shape, dtype, spec, reasons) as one, unless `expand`."""
   entries = list(entries)
@@ -211,13 +213,13 @@ _COLUMNS = (
 )
 
 
-def by_path_rules(entries: Iterable[PlanEntry]) -> bool:
+def by_path_rules(entries: Iterable[_plan.PlanEntry]) -> bool:
   """Whether a path rule placed any of the entries, or matched one that an
   annotation kept (both are shown in the 'source' column)."""
   return any('path rule' in (e.source or '') for e in entries)
 
 
-def _columns(entries: Sequence[PlanEntry]) -> tuple[str, ...]:
+def _columns(entries: Sequence[_plan.PlanEntry]) -> tuple[str, ...]:
   """The table's columns: 'type' only when the variables' types differ,
   'source' only when a path rule placed or matched a variable."""
   drop = set()
@@ -316,7 +318,7 @@ def fallbacks_text(groups: Sequence[tuple[str, list[str]]]) -> str:
   return text + f'{_text.count(len(typos), "likely typo")}, {variables(typos)}'
 
 
-def typo_headlines(plan: ShardingPlan) -> list[str]:
+def typo_headlines(plan: _plan.ShardingPlan) -> list[str]:
   """'Likely typo: ...' for each rule of `plan.likely_typos`."""
   return [f'Likely typo: {t}' for t in plan.likely_typos]
 
@@ -333,7 +335,7 @@ def _listed(labels: Sequence[str], width: int) -> list[Any]:
 
 
 def _fallbacks(
-  entries: Sequence[PlanEntry],
+  entries: Sequence[_plan.PlanEntry],
   width: int,
   *,
   list_paths: bool,
@@ -378,7 +380,7 @@ def _by_reason(
 
 
 def _notes(
-  entries: Sequence[PlanEntry],
+  entries: Sequence[_plan.PlanEntry],
   width: int,
   *,
   list_paths: bool,
@@ -413,7 +415,7 @@ def _notes(
 
 
 def renderables(
-  plan: ShardingPlan,
+  plan: _plan.ShardingPlan,
   width: int,
   *,
   summary: bool = False,
@@ -468,7 +470,7 @@ def renderables(
 
 
 def render_text(
-  plan: ShardingPlan,
+  plan: _plan.ShardingPlan,
   width: int | None = None,
   *,
   summary: bool = False,
@@ -526,7 +528,7 @@ def table_html(rows_: Sequence[Row], columns: Sequence[str]) -> str:
 
 
 def render_html(
-  plan: ShardingPlan,
+  plan: _plan.ShardingPlan,
   *,
   summary: bool = False,
   expand: bool = False,
@@ -638,7 +640,9 @@ def _devices_text(positions: Sequence[int]) -> str:
 
 
 def blocks_text(
-  entry: PlanEntry, mesh_axes: dict[str, int] | None, width: int | None = None
+  entry: _plan.PlanEntry,
+  mesh_axes: dict[str, int] | None,
+  width: int | None = None,
 ) -> str:
   """Which mesh position holds which block of `entry`, as text.
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, TextIO
 
 import typer
 
@@ -33,6 +33,8 @@ EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 3
 DEBUG_HELP = 'Show the traceback of an error.'
+# Every command's --debug, declared once.
+DebugOption = Annotated[bool, typer.Option('--debug', help=DEBUG_HELP)]
 REPORT_MSG = (
   'This is a bug in flax-dtensor or a library it uses: please report it '
   'with the output of the same command run with --debug, and of '

@@ -16,7 +16,9 @@ import pathlib
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from flax_dtensor.cli._command import BadInputError, one_line
 
@@ -76,6 +78,16 @@ CPU_DEVICES_HELP = (
   'Run on this many virtual CPU devices (sets XLA_FLAGS and '
   'jax_num_cpu_devices before JAX starts).'
 )
+
+# The options every command that builds a model takes, declared once (typer
+# reads a copy of each `typer.Option` per command).
+MeshOption = Annotated[str, typer.Option(metavar=MESH_METAVAR, help=MESH_HELP)]
+RulesOption = Annotated[
+  str | None, typer.Option(metavar=RULES_METAVAR, help=RULES_HELP)
+]
+MeshAxisNamesOption = Annotated[
+  bool, typer.Option('--mesh-axis-names', help=MESH_AXIS_NAMES_HELP)
+]
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -155,7 +167,7 @@ class InputSpec:
 
   def polymorphic_shape(self, index: int) -> str | None:
     """jax2tf's polymorphic shape of the input (`index`: its position)."""
-    from flax_dtensor.dtensor import _signature
+    from flax_dtensor.dtensor._serving import _signature
 
     if self.dims is None:
       return None
@@ -563,7 +575,7 @@ def check_served_inputs(
   from flax import nnx
 
   from flax_dtensor import _errors, _text
-  from flax_dtensor.dtensor import _signature
+  from flax_dtensor.dtensor._serving import _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(

@@ -184,7 +184,7 @@ def writing(out: pathlib.Path) -> Iterator[pathlib.Path]:
   (`_atomic.atomic_directory`); if it raises or is interrupted, the
   sibling is removed and `out` is left as it was.
   """
-  from flax_dtensor.dtensor import _atomic
+  from flax_dtensor.dtensor._files import _atomic
 
   out = out.absolute()
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,8 @@ def demo(
   steps: Annotated[
     int, typer.Option(min=1, metavar='N', help='Training steps.')
   ] = 300,
-  mesh: Annotated[
-    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
-  ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[
-    str | None,
-    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
-  ] = None,
+  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
+  rules: _inputs.RulesOption = None,
   out: Annotated[
     pathlib.Path,
     typer.Option(
@@ -56,9 +51,7 @@ def demo(
       help='No training progress (a line every few seconds when piped).',
     ),
   ] = False,
-  debug: Annotated[
-    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
-  ] = False,
+  debug: _command.DebugOption = False,
 ) -> None:
   """Train a small Transformer LM on a sharded mesh and export it to TF.
 

@@ -33,17 +33,9 @@ def export(
     pathlib.Path,
     typer.Option(metavar='DIR', help='Output directory.', show_default=False),
   ],
-  mesh: Annotated[
-    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
-  ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[
-    str | None,
-    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
-  ] = None,
-  mesh_axis_names: Annotated[
-    bool,
-    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
-  ] = False,
+  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
+  rules: _inputs.RulesOption = None,
+  mesh_axis_names: _inputs.MeshAxisNamesOption = False,
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -101,9 +93,7 @@ def export(
       'has one, is kept).',
     ),
   ] = None,
-  debug: Annotated[
-    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
-  ] = False,
+  debug: _command.DebugOption = False,
 ) -> None:
   """Restore an Orbax checkpoint onto a mesh and export it to TF DTensor.
 

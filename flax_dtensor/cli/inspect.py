@@ -46,7 +46,7 @@ def sharding_texts(record: Any) -> tuple[str, str]:
 def _read_manifest(path: pathlib.Path) -> Any:
   """The manifest of the export in `path` itself, or None."""
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor import _manifest
+  from flax_dtensor.dtensor._files import _manifest
 
   try:
     manifest = _manifest.read(str(path))
@@ -77,7 +77,7 @@ _VARIABLE_COLUMNS = (
 
 
 def _manifest_rows(manifest: Any) -> list[Row]:
-  from flax_dtensor.dtensor import _names
+  from flax_dtensor.dtensor._layout import _names
 
   rows = []
   for record in sorted(manifest.records, key=lambda r: r.key):
@@ -100,7 +100,7 @@ def _manifest_rows(manifest: Any) -> list[Row]:
 
 def _tf_rows(items: Any) -> list[Row]:
   """Rows of (NNX path, shape, stored dtype) read by TF: no layouts."""
-  from flax_dtensor.dtensor import _names
+  from flax_dtensor.dtensor._layout import _names
 
   return [
     (_names.path_text(p), '-', str(tuple(shape)), dtype, '-', '-')
@@ -125,7 +125,8 @@ def inspect_checkpoint(path: pathlib.Path, width: int) -> list[Any]:
 
 
 def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
-  from flax_dtensor.dtensor import _names, _tf
+  from flax_dtensor.dtensor import _tf
+  from flax_dtensor.dtensor._layout import _names
 
   tf = _tf.tf()
   try:
@@ -192,7 +193,7 @@ def _load_with_tf(path: pathlib.Path) -> tuple[dict[str, Any], list[Any]]:
   graph of the SavedModel runs (`tf.saved_model.load` would restore its
   functions).
   """
-  from flax_dtensor.dtensor import _saved_model
+  from flax_dtensor.dtensor._serving import _saved_model
 
   try:
     signatures = _saved_model.written_signatures(str(path))
@@ -219,7 +220,7 @@ def verify_export(
 
   import rich.text
 
-  from flax_dtensor.dtensor import _manifest
+  from flax_dtensor.dtensor._files import _manifest
 
   what = 'DTensor checkpoint' if kind == 'checkpoint' else 'SavedModel'
   manifest = _read_manifest(path)
@@ -388,9 +389,7 @@ def inspect(
       ),
     ),
   ] = False,
-  debug: Annotated[
-    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
-  ] = False,
+  debug: _command.DebugOption = False,
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 

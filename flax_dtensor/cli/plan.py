@@ -23,17 +23,9 @@ def plan(
       show_default=False,
     ),
   ],
-  mesh: Annotated[
-    str, typer.Option(metavar=_inputs.MESH_METAVAR, help=_inputs.MESH_HELP)
-  ] = _inputs.DEFAULT_MESH,
-  rules: Annotated[
-    str | None,
-    typer.Option(metavar=_inputs.RULES_METAVAR, help=_inputs.RULES_HELP),
-  ] = None,
-  mesh_axis_names: Annotated[
-    bool,
-    typer.Option('--mesh-axis-names', help=_inputs.MESH_AXIS_NAMES_HELP),
-  ] = False,
+  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
+  rules: _inputs.RulesOption = None,
+  mesh_axis_names: _inputs.MeshAxisNamesOption = False,
   missing_mesh_axes: Annotated[
     str | None,
     typer.Option(
@@ -186,9 +178,7 @@ def plan(
       show_default=False,
     ),
   ] = None,
-  debug: Annotated[
-    bool, typer.Option('--debug', help=_command.DEBUG_HELP)
-  ] = False,
+  debug: _command.DebugOption = False,
 ) -> None:
   """Show where every variable of a model would go, without allocating it.
 

@@ -17,18 +17,6 @@ from typing import TYPE_CHECKING
 from flax_dtensor import _lazy
 
 if TYPE_CHECKING:
-  from flax_dtensor.dtensor._arrays import (
-    array_to_dtensor as array_to_dtensor,
-  )
-  from flax_dtensor.dtensor._arrays import (
-    dtensor_to_array as dtensor_to_array,
-  )
-  from flax_dtensor.dtensor._background import SaveHandle as SaveHandle
-  from flax_dtensor.dtensor._checkpoint import (
-    save_checkpoint as save_checkpoint,
-  )
-  from flax_dtensor.dtensor._convert import flat_variables as flat_variables
-  from flax_dtensor.dtensor._convert import to_tf_module as to_tf_module
   from flax_dtensor.dtensor._errors import (
     DamagedExportError as DamagedExportError,
   )
@@ -43,27 +31,51 @@ if TYPE_CHECKING:
   from flax_dtensor.dtensor._errors import (
     SaveInProgressError as SaveInProgressError,
   )
-  from flax_dtensor.dtensor._from_tf import from_tf_module as from_tf_module
-  from flax_dtensor.dtensor._layouts import layout_for as layout_for
-  from flax_dtensor.dtensor._layouts import mesh_to_dtensor as mesh_to_dtensor
-  from flax_dtensor.dtensor._names import checkpoint_key as checkpoint_key
-  from flax_dtensor.dtensor._names import nnx_path as nnx_path
-  from flax_dtensor.dtensor._restore import read_checkpoint as read_checkpoint
-  from flax_dtensor.dtensor._restore import (
+  from flax_dtensor.dtensor._files._background import SaveHandle as SaveHandle
+  from flax_dtensor.dtensor._files._checkpoint import (
+    save_checkpoint as save_checkpoint,
+  )
+  from flax_dtensor.dtensor._files._restore import (
+    read_checkpoint as read_checkpoint,
+  )
+  from flax_dtensor.dtensor._files._restore import (
     restore_checkpoint as restore_checkpoint,
   )
-  from flax_dtensor.dtensor._saved_model import (
-    save_saved_model as save_saved_model,
+  from flax_dtensor.dtensor._layout._arrays import (
+    array_to_dtensor as array_to_dtensor,
   )
-  from flax_dtensor.dtensor._single_mesh import (
+  from flax_dtensor.dtensor._layout._arrays import (
+    dtensor_to_array as dtensor_to_array,
+  )
+  from flax_dtensor.dtensor._layout._convert import (
+    flat_variables as flat_variables,
+  )
+  from flax_dtensor.dtensor._layout._convert import to_tf_module as to_tf_module
+  from flax_dtensor.dtensor._layout._from_tf import (
+    from_tf_module as from_tf_module,
+  )
+  from flax_dtensor.dtensor._layout._layouts import layout_for as layout_for
+  from flax_dtensor.dtensor._layout._layouts import (
+    mesh_to_dtensor as mesh_to_dtensor,
+  )
+  from flax_dtensor.dtensor._layout._names import (
+    checkpoint_key as checkpoint_key,
+  )
+  from flax_dtensor.dtensor._layout._names import nnx_path as nnx_path
+  from flax_dtensor.dtensor._layout._single_mesh import (
     RelaidVariable as RelaidVariable,
   )
-  from flax_dtensor.dtensor._single_mesh import (
+  from flax_dtensor.dtensor._layout._single_mesh import (
     SingleMeshReport as SingleMeshReport,
   )
-  from flax_dtensor.dtensor._topology import initialize as initialize
-  from flax_dtensor.dtensor._topology import is_initialized as is_initialized
-  from flax_dtensor.dtensor._topology import shutdown as shutdown
+  from flax_dtensor.dtensor._layout._topology import initialize as initialize
+  from flax_dtensor.dtensor._layout._topology import (
+    is_initialized as is_initialized,
+  )
+  from flax_dtensor.dtensor._layout._topology import shutdown as shutdown
+  from flax_dtensor.dtensor._serving._saved_model import (
+    save_saved_model as save_saved_model,
+  )
 
 __all__ = (
   'DamagedExportError',
@@ -95,31 +107,31 @@ __all__ = (
 
 # {public name: the private module that defines it}.
 _MODULES = {
-  'array_to_dtensor': '_arrays',
-  'dtensor_to_array': '_arrays',
-  'SaveHandle': '_background',
-  'save_checkpoint': '_checkpoint',
-  'flat_variables': '_convert',
-  'to_tf_module': '_convert',
+  'array_to_dtensor': '_layout._arrays',
+  'dtensor_to_array': '_layout._arrays',
+  'SaveHandle': '_files._background',
+  'save_checkpoint': '_files._checkpoint',
+  'flat_variables': '_layout._convert',
+  'to_tf_module': '_layout._convert',
   'DamagedExportError': '_errors',
   'DiskFullError': '_errors',
   'ExportNotFoundError': '_errors',
   'MalformedExportError': '_errors',
   'PeerError': '_errors',
   'SaveInProgressError': '_errors',
-  'from_tf_module': '_from_tf',
-  'layout_for': '_layouts',
-  'mesh_to_dtensor': '_layouts',
-  'checkpoint_key': '_names',
-  'nnx_path': '_names',
-  'read_checkpoint': '_restore',
-  'restore_checkpoint': '_restore',
-  'save_saved_model': '_saved_model',
-  'RelaidVariable': '_single_mesh',
-  'SingleMeshReport': '_single_mesh',
-  'initialize': '_topology',
-  'is_initialized': '_topology',
-  'shutdown': '_topology',
+  'from_tf_module': '_layout._from_tf',
+  'layout_for': '_layout._layouts',
+  'mesh_to_dtensor': '_layout._layouts',
+  'checkpoint_key': '_layout._names',
+  'nnx_path': '_layout._names',
+  'read_checkpoint': '_files._restore',
+  'restore_checkpoint': '_files._restore',
+  'save_saved_model': '_serving._saved_model',
+  'RelaidVariable': '_layout._single_mesh',
+  'SingleMeshReport': '_layout._single_mesh',
+  'initialize': '_layout._topology',
+  'is_initialized': '_layout._topology',
+  'shutdown': '_layout._topology',
 }
 
 

@@ -33,7 +33,7 @@ import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _inputs
 from flax_dtensor.cli import inspect as inspect_command
 from flax_dtensor.demo import verify
-from flax_dtensor.dtensor import _manifest
+from flax_dtensor.dtensor._files import _manifest
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent

@@ -2,13 +2,17 @@
 
 The layering the docs' architecture page describes, checked on the source:
 the core (``flax_dtensor/_*.py``) never imports the TensorFlow bridge, the
-command line or the demo; the bridge never imports the command line; only
-``dtensor/_tf.py`` imports TensorFlow; and the modules' imports of each
-other form no cycle.
+command line or the demo; the bridge never imports the command line; inside
+the bridge, its rooms (``_layout``, ``_files``, ``_serving``) import only
+downwards and the helpers beside them import no room; only
+``dtensor/_tf.py`` imports TensorFlow; the modules' imports of each other
+form no cycle; and the plan's data model imports none of its views.
 """
 
 import ast
 import pathlib
+
+import pytest
 
 import flax_dtensor
 
@@ -20,8 +24,12 @@ def _module_name(path):
   return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
 
 
-def _imports():
-  """{module: set of modules it imports (all of them, lazy ones too)}."""
+def _imports(*, type_checking=False, late=True):
+  """{module: set of modules it imports (all of them, lazy ones too)}.
+
+  Imports under `if TYPE_CHECKING:` count only with `type_checking`; those
+  inside a function (late imports) only with `late`.
+  """
   graph = {}
   for path in sorted(PACKAGE.rglob('*.py')):
     name = _module_name(path)
@@ -30,7 +38,13 @@ def _imports():
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
       # Imports for type checking only (`if TYPE_CHECKING:`) are not run.
-      if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+      if (
+        not type_checking
+        and isinstance(node, ast.If)
+        and 'TYPE_CHECKING' in ast.unparse(node.test)
+      ):
+        node.body = []
+      if not late and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
         node.body = []
     for node in ast.walk(tree):
       if isinstance(node, ast.Import):
@@ -104,11 +118,27 @@ def test_only_one_module_imports_tensorflow():
   assert importers == {'flax_dtensor.dtensor._tf'}, importers
 
 
-def test_no_import_cycles():
+# The plan's data model reaches its views by late imports, from inside the
+# methods that render it; its module imports none of them (checked below).
+PLAN = 'flax_dtensor._planning._plan'
+PLAN_VIEWS = {
+  'flax_dtensor._planning._plan_view',
+  'flax_dtensor._planning._plan_chart',
+  'flax_dtensor._planning._plan_diff',
+}
+
+
+def _find_cycle(graph, *, late_views=False):
+  """Raises AssertionError naming a cycle of `graph`'s internal imports.
+
+  With `late_views`, the plan's late imports of its views are no edges.
+  """
   edges = {
     m: _internal(imported) - {m} - {'flax_dtensor'}
-    for m, imported in GRAPH.items()
+    for m, imported in graph.items()
   }
+  if late_views and PLAN in edges:
+    edges[PLAN] -= PLAN_VIEWS
   # A package's __init__ importing its own modules is re-exporting, not a
   # cycle: drop the edges from packages to their children.
   for m in edges:
@@ -130,6 +160,37 @@ def test_no_import_cycles():
 
   for node in sorted(edges):
     visit(node)
+
+
+def test_no_import_cycles():
+  _find_cycle(GRAPH, late_views=True)
+
+
+def test_the_plan_imports_none_of_its_views():
+  """The plan's data model imports no view, not even for type checking:
+  its views and its diff import it, and it reaches them by a late import
+  inside a method. Counting `TYPE_CHECKING` imports too, the planning
+  modules form no cycle."""
+  graph = _imports(type_checking=True, late=False)
+  assert not _internal(graph[PLAN]) & PLAN_VIEWS, graph[PLAN]
+  for view in PLAN_VIEWS:
+    assert PLAN in graph[view], view
+  planning = {
+    m: imported
+    for m, imported in graph.items()
+    if m.startswith('flax_dtensor._planning')
+  }
+  _find_cycle(planning)
+
+
+def test_the_cycle_check_catches_a_cycle():
+  """A cycle through the plan's model and a view fails the check, unless it
+  is the model's late import of the view."""
+  view = 'flax_dtensor._planning._plan_view'
+  graph = {PLAN: {view}, view: {PLAN}}
+  with pytest.raises(AssertionError, match=r'_plan -> .*_plan_view -> .*_plan'):
+    _find_cycle(graph)
+  _find_cycle(graph, late_views=True)
 
 
 def _lazy_namespace(init: pathlib.Path, package: str = ''):
@@ -236,18 +297,101 @@ def test_the_root_holds_few_modules():
   assert root == {m.rpartition('.')[2] for m in UTILITIES | {'_lazy'}}, root
 
 
+# The bridge's rooms, lowest first: a module of one imports the bridge only
+# from its own room or those below, and from the helpers beside them (the
+# processes, the one TF door, the errors), which import no room.
+BRIDGE = 'flax_dtensor.dtensor'
+BRIDGE_HELPERS = {
+  f'{BRIDGE}._errors',
+  f'{BRIDGE}._peers',
+  f'{BRIDGE}._tf',
+  f'{BRIDGE}._tf_errors',
+}
+BRIDGE_ROOMS = (f'{BRIDGE}._layout', f'{BRIDGE}._files', f'{BRIDGE}._serving')
+
+
+def _room(module):
+  """The index of the bridge's room `module` is in; -1 for a helper."""
+  if module in BRIDGE_HELPERS:
+    return -1
+  for i, room in enumerate(BRIDGE_ROOMS):
+    if module == room or module.startswith(room + '.'):
+      return i
+  return None
+
+
+def test_the_bridge_keeps_few_modules_beside_its_rooms():
+  bridge = PACKAGE / 'dtensor'
+  top = {p.stem for p in bridge.glob('*.py')}
+  assert top == {'__init__'} | {m.rpartition('.')[2] for m in BRIDGE_HELPERS}
+  assert len(top) <= 8, top
+  rooms = {p.name for p in bridge.iterdir() if (p / '__init__.py').exists()}
+  assert rooms == {r.rpartition('.')[2] for r in BRIDGE_ROOMS}, rooms
+  loose = {
+    m for m in MODULES if m.startswith(BRIDGE + '.') and _room(m) is None
+  }
+  assert not loose, loose
+
+
+def test_each_room_says_what_it_holds_and_may_import():
+  import importlib
+
+  for i, room in enumerate(BRIDGE_ROOMS):
+    doc = importlib.import_module(room).__doc__
+    assert doc, room
+    held = {m.rpartition('.')[2] for m in MODULES if m.startswith(room + '.')}
+    assert all(f'`{m}`' in doc for m in held), (room, held)
+    may = doc.partition('May import:')[2]
+    assert may, room
+    below = [r.rpartition('.')[2] for r in BRIDGE_ROOMS[:i]]
+    assert all(f'`dtensor.{r}`' in may for r in below), (room, below)
+
+
+def _bridge_imports_upward(graph):
+  upward = []
+  for module, imported in graph.items():
+    if not module.startswith(BRIDGE + '.'):
+      continue
+    for target in _internal(imported):
+      if not target.startswith(BRIDGE + '.') or target in BRIDGE_ROOMS:
+        continue
+      if _room(target) > _room(module) or (
+        module in BRIDGE_HELPERS and target not in BRIDGE_HELPERS
+      ):
+        upward.append(f'{module} -> {target}')
+  return upward
+
+
+def test_the_bridge_imports_run_downwards_through_its_rooms():
+  """`_layout` imports only the helpers (and the core), `_files` also
+  `_layout`, `_serving` also `_files`; the helpers import no room."""
+  assert not _bridge_imports_upward(GRAPH), _bridge_imports_upward(GRAPH)
+
+
+def test_the_room_check_catches_an_upward_import():
+  """The check above fails on each kind of import it forbids."""
+  bad = {
+    f'{BRIDGE}._layout._arrays': {f'{BRIDGE}._files._manifest'},
+    f'{BRIDGE}._files._restore': {f'{BRIDGE}._serving._signature'},
+    f'{BRIDGE}._tf_errors': {f'{BRIDGE}._layout._names'},
+    f'{BRIDGE}._serving._signature': {f'{BRIDGE}._files._manifest'},
+  }
+  assert sorted(_bridge_imports_upward(bad)) == [
+    f'{BRIDGE}._files._restore -> {BRIDGE}._serving._signature',
+    f'{BRIDGE}._layout._arrays -> {BRIDGE}._files._manifest',
+    f'{BRIDGE}._tf_errors -> {BRIDGE}._layout._names',
+  ]
+
+
 def test_the_atomic_layer_knows_no_export_format():
   """`_atomic` writes directories atomically and knows nothing of what an
   export holds: the format's layer passes what it must know (`is_export`),
-  so it imports neither the manifest nor anything that writes or reads
-  one."""
+  so it imports no other module of its room (the manifest, what writes or
+  reads one) and nothing of serving."""
+  imported = _internal(GRAPH[f'{BRIDGE}._files._atomic'])
   format_layer = {
-    'flax_dtensor.dtensor._manifest',
-    'flax_dtensor.dtensor._checkpoint',
-    'flax_dtensor.dtensor._restore',
-    'flax_dtensor.dtensor._saved_model',
-    'flax_dtensor.dtensor._host_read',
-    'flax_dtensor.dtensor._host_write',
+    m
+    for m in imported
+    if m.startswith((f'{BRIDGE}._files.', f'{BRIDGE}._serving'))
   }
-  imported = _internal(GRAPH['flax_dtensor.dtensor._atomic'])
-  assert not imported & format_layer, imported & format_layer
+  assert not format_layer, format_layer

@@ -223,7 +223,7 @@ def _unreadable_stablehlo(ctx):
   StableHLO)."""
   from tensorflow.compiler.tf2xla.python import xla
 
-  from flax_dtensor.dtensor import _serialization
+  from flax_dtensor.dtensor._serving import _serialization
 
   tf = ctx.tf
   traced = tf.function(
@@ -440,7 +440,7 @@ def _shard_module_too_big(ctx):
 
 
 def _topology():
-  from flax_dtensor.dtensor import _topology
+  from flax_dtensor.dtensor._layout import _topology
 
   return _topology
 
@@ -481,7 +481,7 @@ def _no_space(ctx):
 
 def _in_progress(ctx):
   """A temporary whose name says a live process (pid 1) writes it."""
-  from flax_dtensor.dtensor import _atomic
+  from flax_dtensor.dtensor._files import _atomic
 
   writer = _atomic.Writer.on_this_host(1)
   path = ctx.tmp / 'busy'
@@ -504,7 +504,7 @@ def _bad_peer_timeout(ctx):
 
 def _replaced_while_restoring(ctx):
   """Another save swaps the checkpoint in after the files were checked."""
-  from flax_dtensor.dtensor import _manifest
+  from flax_dtensor.dtensor._files import _manifest
 
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'swapped')
   with jax.set_mesh(ctx.mesh), fdt.logical_axis_rules(ctx.rules):

@@ -199,7 +199,8 @@ _UNWRITABLE = textwrap.dedent(
   jax.config.update('jax_num_cpu_devices', 8)
   from flax import nnx
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _atomic, _manifest, _tf
+  from flax_dtensor.dtensor import _tf
+  from flax_dtensor.dtensor._files import _atomic, _manifest
 
   fdt_tf.initialize()
   tf = _tf.tf()

@@ -74,7 +74,7 @@ def leftovers(folder: pathlib.Path) -> list[str]:
 def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
   """What keeps `folder` from being one whole run that verifies."""
   from flax_dtensor.cli import _runs
-  from flax_dtensor.dtensor import _manifest
+  from flax_dtensor.dtensor._files import _manifest
 
   problems = list(_runs.problems(folder))
   present = sorted(n for n in os.listdir(folder) if not n.startswith('.'))

@@ -23,7 +23,8 @@ import numpy as np
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
-from flax_dtensor.dtensor import _tf, _topology
+from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor._layout import _topology
 
 if TYPE_CHECKING:
   from tensorflow.experimental import dtensor as tf_dtensor

@@ -25,20 +25,20 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
-from flax_dtensor.dtensor import (
+from flax_dtensor.dtensor import _peers, _tf, _tf_errors
+from flax_dtensor.dtensor._files import (
   _atomic,
   _background,
-  _convert,
   _host_write,
-  _layouts,
   _manifest,
-  _names,
   _paths,
-  _peers,
+)
+from flax_dtensor.dtensor._layout import (
+  _convert,
+  _layouts,
+  _names,
   _selection,
   _single_mesh,
-  _tf,
-  _tf_errors,
 )
 
 if TYPE_CHECKING:

@@ -32,7 +32,8 @@ import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor import _atomic, _manifest, _names  # noqa: E402
+from flax_dtensor.dtensor._files import _atomic, _manifest  # noqa: E402
+from flax_dtensor.dtensor._layout import _names  # noqa: E402
 
 
 @pytest.fixture(scope='session', autouse=True)

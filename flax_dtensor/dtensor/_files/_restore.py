@@ -25,21 +25,21 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources, _variables
 from flax_dtensor._rules import _logical
-from flax_dtensor.dtensor import (
+from flax_dtensor.dtensor import _peers, _tf, _tf_errors
+from flax_dtensor.dtensor._files import (
   _atomic,
   _background,
   _checkpoint,
-  _convert,
-  _dtypes,
   _host_read,
   _manifest,
-  _names,
   _paths,
-  _peers,
+)
+from flax_dtensor.dtensor._layout import (
+  _convert,
+  _dtypes,
+  _names,
   _selection,
   _target,
-  _tf,
-  _tf_errors,
 )
 
 A = TypeVar('A')

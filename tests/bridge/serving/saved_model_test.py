@@ -501,7 +501,7 @@ def test_polymorphic_exports_under_explicit_axes(
   polymorphic dimensions to a sharding, which TF's XlaCallModule loads but
   cannot compile where it serves: refused before writing. Outside the mesh,
   or with static shapes, the same model serves."""
-  from flax_dtensor.dtensor import _serialization
+  from flax_dtensor.dtensor._serving import _serialization
 
   rules = [('embed', None), ('mlp', 'model')]  # The Auto axis only.
   with jax.set_mesh(mixed_mesh), fdt.logical_axis_rules(rules):
@@ -589,7 +589,7 @@ def test_saved_model_variables_are_loaded_model_variables(trained_exports):
   assert {v.name for v in serving.variables} == {f'{k}:0' for k in names}
   # The manifest records the signatures as TF reads them (what `inspect`
   # shows without TensorFlow).
-  from flax_dtensor.dtensor import _manifest
+  from flax_dtensor.dtensor._files import _manifest
 
   (name,) = loaded.signatures
   recorded = _manifest.read(sm).signatures
@@ -682,7 +682,7 @@ def test_saved_model_errors(auto_mesh, tmp_path):
 
 
 def test_polymorphic_shape_strings():
-  from flax_dtensor.dtensor import _signature
+  from flax_dtensor.dtensor._serving import _signature
 
   shape = _signature.polymorphic_shape
   assert shape(tf.TensorSpec([None, 16]), 0) == '(b, 16)'
@@ -710,7 +710,7 @@ def _xla_call_module_versions(path):
 def test_calling_convention_follows_what_tf_runs(
   auto_mesh, tmp_path, monkeypatch
 ):
-  from flax_dtensor.dtensor import _saved_model, _serialization
+  from flax_dtensor.dtensor._serving import _saved_model, _serialization
 
   net = _trained(auto_mesh)
   spec = [tf.TensorSpec([None, 64], tf.float32)]
@@ -787,7 +787,7 @@ def test_stablehlo_is_written_for_the_installed_tensorflow(
   auto_mesh, tmp_path, monkeypatch
 ):
   """The artifact's StableHLO version is one TF's own reader reads."""
-  from flax_dtensor.dtensor import _serialization
+  from flax_dtensor.dtensor._serving import _serialization
 
   net = _trained(auto_mesh)
   spec = [tf.TensorSpec([None, 64], tf.float32)]
@@ -825,7 +825,7 @@ def _call_module(module):
 
 
 def test_a_module_tf_cannot_load_is_refused_before_writing(tmp_path):
-  from flax_dtensor.dtensor import _serialization
+  from flax_dtensor.dtensor._serving import _serialization
 
   reads = _serialization.tf_stablehlo_version()
   cases = {
@@ -862,7 +862,7 @@ def test_no_stablehlo_target_writes_what_tf_cannot_serve(
 ):
   """With JAX's own StableHLO target (past what TF 2.21 reads on jax 0.12),
   the export is refused before writing, or what it writes serves in TF."""
-  from flax_dtensor.dtensor import _serialization
+  from flax_dtensor.dtensor._serving import _serialization
 
   jax_target = _serialization.jax_stablehlo_target()
   monkeypatch.setattr(_serialization, 'target_for_tf', lambda: jax_target)
@@ -1250,7 +1250,7 @@ def test_results_that_cannot_be_served(auto_mesh, tmp_path, method, match):
 
 
 def test_named_outputs():
-  from flax_dtensor.dtensor import _signature
+  from flax_dtensor.dtensor._serving import _signature
 
   x, y = np.zeros(2), np.ones(3)
   named = _signature.named_outputs
@@ -1276,7 +1276,7 @@ def test_named_outputs():
 
 
 def test_parameters_and_suggestions():
-  from flax_dtensor.dtensor import _signature
+  from flax_dtensor.dtensor._serving import _signature
 
   class M(nnx.Module):
     def a(self, x, y=None, *, z=1):

@@ -28,22 +28,16 @@ from jax.experimental import multihost_utils
 from flax_dtensor import _errors, _output, _text
 from flax_dtensor._placement import _variables
 from flax_dtensor._rules import _meshes
-from flax_dtensor.dtensor import (
-  _atomic,
-  _checkpoint,
+from flax_dtensor.dtensor import _peers, _tf, _tf_errors
+from flax_dtensor.dtensor._files import _atomic, _checkpoint, _manifest, _paths
+from flax_dtensor.dtensor._layout import (
   _convert,
   _dtypes,
-  _manifest,
-  _paths,
-  _peers,
   _selection,
-  _serialization,
-  _signature,
   _single_mesh,
-  _tf,
-  _tf_errors,
   _topology,
 )
+from flax_dtensor.dtensor._serving import _serialization, _signature
 
 if TYPE_CHECKING:
   import tensorflow as tf

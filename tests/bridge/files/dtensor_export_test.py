@@ -20,13 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor.dtensor import (
-  _atomic,
-  _checkpoint,
-  _convert,
-  _dtypes,
-  _manifest,
-)
+from flax_dtensor.dtensor._files import _atomic, _checkpoint, _manifest
+from flax_dtensor.dtensor._layout import _convert, _dtypes
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -1100,7 +1095,7 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
   from jax.sharding import NamedSharding, PartitionSpec as P
   import flax_dtensor as fdt
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _checkpoint
+  from flax_dtensor.dtensor._files import _checkpoint
 
   fdt_tf.initialize()
   mesh = jax.make_mesh((2, 4), ('data', 'model'))

@@ -4,7 +4,7 @@
 NNX path (`_names`) and checks them as a restore checks a checkpoint
 (`_target`). It reads each DTensor's local components (`dtensor.unpack`),
 whose global slices follow from the DTensor layout by mesh position, and
-places the slices the target's sharding needs (`_host_read.assemble`). In a
+places the slices the target's sharding needs (`_pieces.assemble`). In a
 multi-process run, JAX moves what another process holds.
 """
 
@@ -22,21 +22,20 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources
 from flax_dtensor._rules import _logical, _meshes
-from flax_dtensor.dtensor import (
+from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor._layout import (
   _arrays,
   _convert,
-  _host_read,
   _layouts,
-  _manifest,
   _names,
+  _pieces,
   _selection,
   _target,
-  _tf,
   _topology,
 )
 
 A = TypeVar('A')
-Index = _manifest.Index
+Index = _pieces.Index
 
 _EXPECTED_SOURCE = (
   'Expected a tf.Module from to_tf_module (or a SavedModel of '
@@ -124,7 +123,7 @@ def _is_dtensor(t: Any) -> bool:
   return _topology.is_initialized() and bool(_tf.dtensor().is_dtensor(t))
 
 
-def _pieces(
+def _host_pieces(
   t: Any, shape: tuple[int, ...]
 ) -> tuple[dict[Index, np.ndarray], dict[jax.Device, tuple[Index, np.ndarray]]]:
   """This process's slices of a tensor on the host, without copies.
@@ -159,8 +158,8 @@ def _placed_on_host(
   t: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding
 ) -> jax.Array:
   """The tensor's values placed as `sharding` says, via host slices."""
-  pieces, own = _pieces(t, shape)
-  return _host_read.assemble(pieces, shape, sharding, own=own)
+  pieces, own = _host_pieces(t, shape)
+  return _pieces.assemble(pieces, shape, sharding, own=own)
 
 
 def _placed_by_jax(

@@ -25,7 +25,7 @@ tf = pytest.importorskip('tensorflow')
 
 import flax_dtensor as fdt  # noqa: E402
 from flax_dtensor import dtensor as fdt_dtensor  # noqa: E402
-from flax_dtensor.dtensor import _topology  # noqa: E402
+from flax_dtensor.dtensor._layout import _topology  # noqa: E402
 
 dtensor = tf.experimental.dtensor
 P = jax.sharding.PartitionSpec

@@ -9,22 +9,21 @@ threads while JAX places in the calling thread.
 from __future__ import annotations
 
 import concurrent.futures
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import (
+from flax_dtensor.dtensor import _tf, _tf_errors
+from flax_dtensor.dtensor._files import _manifest
+from flax_dtensor.dtensor._layout import (
   _arrays,
   _layouts,
-  _manifest,
+  _pieces,
   _selection,
   _target,
-  _tf,
-  _tf_errors,
 )
 
 AHEAD = 2
@@ -159,102 +158,6 @@ def _read(
   return {index: _cut(read, index, saved) for index in needed}
 
 
-def place(
-  pieces: Mapping[_manifest.Index, np.ndarray],
-  shape: tuple[int, ...],
-  sharding: jax.sharding.Sharding,
-  *,
-  own: Mapping[jax.Device, tuple[_manifest.Index, np.ndarray]] | None = None,
-) -> jax.Array:
-  """The array made of host slices, placed as `sharding` says.
-
-  On CPU, JAX uses a suitably aligned host slice as the device buffer
-  itself; elsewhere it copies. `own` maps a device to a slice held for it
-  (its global index and data), used where the device needs exactly that
-  slice: replicas then keep a buffer each rather than sharing one piece.
-  """
-  targets = sharding.addressable_devices_indices_map(shape)
-  devices = list(targets)
-  views = []
-  for d in devices:
-    index = _layouts.normalize_index(targets[d], shape)
-    mine = own.get(d) if own is not None else None
-    views.append(
-      mine[1] if mine is not None and mine[0] == index else pieces[index]
-    )
-  arrays = jax.device_put(views, devices)  # One batched call.
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _local(index: _manifest.Index, held: _manifest.Index) -> tuple[slice, ...]:
-  """`index` relative to the slice `held`."""
-  return tuple(
-    slice(a - h, b - h) for (a, b), (h, _) in zip(index, held, strict=True)
-  )
-
-
-# JAX on CPU uses a host buffer as a device buffer, without a copy, when it
-# is aligned to this many bytes (NumPy's own allocations often are not).
-_ALIGNMENT = 64
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-  """An uninitialized array whose data starts on a `_ALIGNMENT` boundary."""
-  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-  start = (-raw.ctypes.data) % _ALIGNMENT
-  return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def slice_of(
-  pieces: Mapping[_manifest.Index, np.ndarray], index: _manifest.Index
-) -> np.ndarray:
-  """The global slice `index` of pieces that are disjoint blocks covering it.
-
-  A view when one piece holds it, else a copy assembled from several (its
-  buffer aligned so that JAX on CPU places it without copying it again).
-  """
-  if index in pieces:
-    return pieces[index]
-  for held, data in pieces.items():
-    if _manifest.contains(held, index):
-      return data[_local(index, held)]
-  first = next(iter(pieces.values()))
-  out = aligned_empty([b - a for a, b in index], first.dtype)
-  covered = 0
-  for held, data in pieces.items():
-    overlap = tuple(
-      (max(a, h0), min(b, h1))
-      for (a, b), (h0, h1) in zip(index, held, strict=True)
-    )
-    if any(lo >= hi for lo, hi in overlap):
-      continue
-    out[_local(overlap, index)] = data[_local(overlap, held)]
-    covered += math.prod(hi - lo for lo, hi in overlap)
-  assert covered == out.size, (index, sorted(pieces))
-  return out
-
-
-def assemble(
-  pieces: Mapping[_manifest.Index, np.ndarray],
-  shape: tuple[int, ...],
-  sharding: jax.sharding.Sharding,
-  *,
-  own: Mapping[jax.Device, tuple[_manifest.Index, np.ndarray]] | None = None,
-) -> jax.Array:
-  """The array of host pieces covering it, placed as `sharding` says.
-
-  Each distinct slice the devices need is made once (`slice_of`), and
-  `place`d (see there for `own`).
-  """
-  wanted = {
-    _layouts.normalize_index(index, shape)
-    for index in sharding.addressable_devices_indices_map(shape).values()
-  }
-  slices = {index: slice_of(pieces, index) for index in wanted}
-  return place(slices, shape, sharding, own=own)
-
-
 def read_placed(
   prefix: str,
   entries: Sequence[_selection.Entry],
@@ -291,7 +194,7 @@ def read_placed(
       pieces = reads.pop(i).result()
       if i + AHEAD < len(entries):
         reads[i + AHEAD] = submit(i + AHEAD)
-      array = place(pieces, tuple(e.shape), shardings[i])
+      array = _pieces.place(pieces, tuple(e.shape), shardings[i])
       del pieces
       arrays.append(_target.as_target(array, e, kinds[i][1]))
       advance(1)

@@ -24,13 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_dtensor.dtensor import (
-  _host_read,
-  _layouts,
-  _manifest,
-  _selection,
-  _tf,
-)
+from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor._files import _host_read, _manifest
+from flax_dtensor.dtensor._layout import _layouts, _pieces, _selection
 
 # Dtypes NumPy cannot hand over through DLPack, and the same-size dtype TF
 # reinterprets (`tf.bitcast`, no copy) as them. Others it has no
@@ -98,7 +94,7 @@ def snapshot(
   for i, (entry, mine) in enumerate(zip(entries, own(values), strict=True)):
     for index, shard in sorted(mine.items()):
       source = np.asarray(shard.data)
-      data = _host_read.aligned_empty(source.shape, entry.stored_dtype)
+      data = _pieces.aligned_empty(source.shape, entry.stored_dtype)
       np.copyto(data, source, casting='unsafe')
       pieces.append(Piece(i, index, data, np.dtype(entry.dtype)))
   return pieces

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _text
 from flax_dtensor._rules import _meshes, _specs
-from flax_dtensor.dtensor import _host_read, _layouts, _selection
+from flax_dtensor.dtensor._layout import _layouts, _pieces, _selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _moved(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   """`value` laid out as `sharding` says, with the fewest bytes copied.
 
   When this process holds all of it, each distinct slice the devices need
-  is cut or assembled on the host from its shards (`_host_read.assemble`):
+  is cut or assembled on the host from its shards (`_pieces.assemble`):
   a device whose shard is already its slice keeps its buffer, and on CPU
   the devices needing one slice share one buffer. Otherwise JAX moves it
   (a collective over the processes).
@@ -194,7 +194,7 @@ def _moved(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     data = np.asarray(shard.data)
     pieces.setdefault(index, data)
     own[shard.device] = (index, data)
-  return _host_read.assemble(pieces, shape, sharding, own=own)
+  return _pieces.assemble(pieces, shape, sharding, own=own)
 
 
 def onto_one_mesh(

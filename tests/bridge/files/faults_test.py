@@ -28,12 +28,8 @@ import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor import (  # noqa: E402
-  _host_read,
-  _manifest,
-  _restore,
-  _tf_errors,
-)
+from flax_dtensor.dtensor import _tf_errors  # noqa: E402
+from flax_dtensor.dtensor._files import _host_read, _manifest, _restore  # noqa: E402
 
 
 @pytest.fixture(scope='module', autouse=True)

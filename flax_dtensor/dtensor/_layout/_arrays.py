@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import _layouts, _tf, _topology
+from flax_dtensor.dtensor import _tf
+from flax_dtensor.dtensor._layout import _layouts, _topology
 
 if TYPE_CHECKING:
   import tensorflow as tf

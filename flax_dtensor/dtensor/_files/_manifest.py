@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
-from flax_dtensor.dtensor import _names, _paths
+from flax_dtensor.dtensor._files import _paths
+from flax_dtensor.dtensor._layout import _index, _names
 
 if TYPE_CHECKING:
   import jax
@@ -52,7 +53,7 @@ CHUNK_BYTES = 64 * 2**20
 SAVED_MODEL_ASSETS = 'assets'
 THREADS = max(2, min(8, os.cpu_count() or 2))
 
-Index = tuple[tuple[int, int], ...]
+Index = _index.Index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +251,7 @@ def crc(data: Any, as_dtype: Any = None) -> int:
   return value
 
 
-def _index(index: Sequence[slice], shape: Sequence[int]) -> Index:
+def _global_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
   out = []
   for s, size in zip(index, shape, strict=True):
     start, stop, _ = s.indices(size)
@@ -270,7 +271,7 @@ def shard_checksums(
   def work(value: jax.Array) -> list[tuple[Index, int]]:
     seen: dict[Index, int] = {}
     for shard in value.addressable_shards:
-      index = _index(shard.index, value.shape)
+      index = _global_index(shard.index, value.shape)
       if index not in seen:
         seen[index] = crc(shard.data)
     return sorted(seen.items())
@@ -993,7 +994,7 @@ def verify_index(
   """
   import numpy as np
 
-  from flax_dtensor.dtensor import _dtypes
+  from flax_dtensor.dtensor._layout import _dtypes
 
   held = {k for k in shapes if _names.nnx_path(k) is not None}
   recorded = manifest.by_key
@@ -1063,7 +1064,7 @@ def verify_read(
   for held, data in read.items():
     checked = 0
     for index, expected in record.shards:
-      if contains(held, index):
+      if _index.contains(held, index):
         _check_shard(manifest, record, index, expected, data, held)
         checked += _volume(index)
     if checked != _volume(held):
@@ -1084,14 +1085,6 @@ def _volume(index: Index) -> int:
   return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
 
-def contains(held: Index, index: Index) -> bool:
-  """Whether the global slice `held` contains the global slice `index`."""
-  return all(
-    h0 <= i0 and i1 <= h1
-    for (i0, i1), (h0, h1) in zip(index, held, strict=True)
-  )
-
-
 def _check_shard(
   manifest: Manifest,
   record: Record,
@@ -1100,13 +1093,9 @@ def _check_shard(
   data: Any,
   held: Index,
 ) -> None:
-  local = tuple(
-    slice(i0 - h0, i1 - h0)
-    for (i0, i1), (h0, _) in zip(index, held, strict=True)
-  )
   import numpy as np
 
-  got = crc(np.asarray(data)[local])
+  got = crc(np.asarray(data)[_index.local(index, held)])
   if got != expected:
     raise damaged(
       manifest,

@@ -1,0 +1,10 @@
+"""SavedModels: an NNX model served by TensorFlow without JAX.
+
+The serving signatures a forward pass takes and returns (`_signature`), the
+forward pass serialized for TF's StableHLO reader (`_serialization`), and
+`save_saved_model` (`_saved_model`), which writes them with the
+variables and a manifest.
+
+May import: `dtensor._files`, `dtensor._layout`, the bridge's top-level
+helpers and the package's core.
+"""

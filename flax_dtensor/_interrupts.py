@@ -32,6 +32,10 @@ HARD_EXIT_SECONDS = 1.5
 """After the first signal, the watchdog ends the process at the latest."""
 REDELIVER_SECONDS = 0.2
 """How often an interrupt nobody acknowledged is raised again."""
+# The cleanup before an exit at once: passes until two find nothing to
+# undo, this many at most, this far apart (about 0.4 s at the most).
+CLEANUP_PASSES = 8
+CLEANUP_PAUSE_SECONDS = 0.05
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -74,12 +78,13 @@ def acknowledge() -> None:
   _acknowledged = True
 
 
-def on_exit_now(cleanup: Callable[[], None]) -> None:
+def on_exit_now(cleanup: Callable[[], bool | None]) -> None:
   """Registers `cleanup` to run when an interrupted process exits at once.
 
   It runs on the main thread (`exit_now`) or on the watchdog's, maybe
   while the main thread still runs: it must tolerate what it removes being
-  removed already.
+  removed already. It runs again while any cleanup returns True (it found
+  something to undo), a few times at most.
   """
   with _lock:
     if cleanup not in _cleanups:
@@ -206,16 +211,22 @@ def exit_now(code: int, *, message: bool = False) -> None:
   if _on_main_thread():
     _depth += 1  # A signal now is only recorded.
   _swap_lock.acquire()  # Never released: no swap starts after this.
-  # Twice: a library's thread still writing (Orbax's) may have created
-  # again what the first pass removed.
-  for attempt in range(2):
+  # Until two passes in a row find nothing to undo (within a bound): a
+  # library's thread still writing (Orbax's, TensorFlow's in a main thread
+  # stuck in C) may create again what a pass removed.
+  quiet = 0
+  for attempt in range(CLEANUP_PASSES):
     if attempt:
-      time.sleep(0.05)
+      time.sleep(CLEANUP_PAUSE_SECONDS)
+    found = False
     for cleanup in list(_cleanups):
       try:
-        cleanup()
+        found = bool(cleanup()) or found
       except Exception:  # Exiting: the others still run.
-        pass
+        found = True
+    quiet = 0 if found else quiet + 1
+    if quiet == 2:
+      break
   if message:
     with contextlib.suppress(Exception):
       print('interrupted', file=_output.stream(), flush=True)

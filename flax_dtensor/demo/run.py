@@ -18,7 +18,7 @@ import rich.console
 import rich.progress
 import rich.text
 
-from flax_dtensor import _text
+from flax_dtensor import _interrupts, _text
 from flax_dtensor.cli import _runs
 
 
@@ -238,7 +238,10 @@ def run(
   run_ = _runs.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
   with _runs.writing(out) as tmp:
     paths = {name: tmp / name for name in names}
-    with timer('write Orbax checkpoint'):
+    # Orbax writes on threads of its own: an interrupt waits for them (the
+    # watchdog's 1.5 s at the most) rather than remove the folder while
+    # they write into it.
+    with timer('write Orbax checkpoint'), _interrupts.deferred():
       checkpointer = ocp.StandardCheckpointer()
       checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
       checkpointer.wait_until_finished()

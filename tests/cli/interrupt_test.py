@@ -270,6 +270,62 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
   assert os.listdir(out) == ['old.txt']
 
 
+WRITER_GOES_ON = """
+import os, pathlib, sys, threading, time
+from flax_dtensor import _interrupts
+from flax_dtensor.dtensor._files import _atomic
+_interrupts.install()
+out = sys.argv[1]
+
+def library_writer(tmp):
+  # As Orbax's threads do: files written until some time after the signal,
+  # into 0.15 s of the watchdog's cleanup, the folders made again.
+  stop = None
+  while stop is None or time.monotonic() < stop:
+    if stop is None and _interrupts.received() is not None:
+      stop = time.monotonic() + _interrupts.HARD_EXIT_SECONDS + 0.15
+    part = pathlib.Path(tmp, 'orbax', 'chunks')
+    try:
+      part.mkdir(parents=True, exist_ok=True)
+      (part / f'{time.monotonic_ns()}').write_text('x')
+    except OSError:  # Removed under it: made again on the next turn.
+      pass
+    time.sleep(0.005)
+
+with _atomic.atomic_directory(out, is_export=lambda p: True, overwrite=True) \\
+    as tmp:
+  threading.Thread(target=library_writer, args=(tmp,), daemon=True).start()
+  with _interrupts.deferred():  # A long C call: the watchdog ends it.
+    print('WRITING', flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_library_thread_writing_on_is_cleaned_up_after(warm_pool, tmp_path):
+  """What a library's thread writes again during the cleanup is removed too:
+  the cleanup passes until two find nothing (an Orbax write went on past
+  the watchdog's first pass and left the temporary)."""
+  script = tmp_path / 'writer.py'
+  script.write_text(WRITER_GOES_ON)
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'old.txt').write_text('old')
+  case = warm_pool.start(
+    script, str(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  )
+  try:
+    assert case.stdout.readline() == b'WRITING\n'
+    case.send_signal(signal.SIGINT)
+    status = case.wait(processes.TIMEOUT)
+  finally:
+    case.kill()
+  with case.stdout, case.stderr:
+    err = case.stderr.read().decode()
+  assert status == 130, err
+  assert sorted(os.listdir(tmp_path)) == ['out', 'writer.py']
+  assert os.listdir(out) == ['old.txt']
+
+
 def test_demo_refuses_an_out_holding_other_files(warm_pool, tmp_path):
   out = tmp_path / 'mine'
   out.mkdir()

@@ -363,15 +363,21 @@ def recover(directory: str, *, writing: bool, is_export: IsExport) -> None:
     _fsync_dir(os.path.dirname(directory))
 
 
-def abandon() -> None:
+def abandon() -> bool:
   """Undoes what this process is writing, for a process about to end.
 
   Registered with `_interrupts.on_exit_now`: run while no swap is under
   way, maybe on another thread than the writer's. An old export renamed
   aside goes back if its place is empty (else it is the replaced one and
-  goes); temporaries being written are removed. What the writer creates
-  after this is a dead writer's, removed by the next `recover`.
+  goes); temporaries being written are removed. Each is remembered, so
+  that a next pass removes it again should a library's thread still
+  writing (Orbax's) have made it again; what is made after the last pass
+  is a dead writer's, removed by the next `recover`.
+
+  Returns:
+    Whether this pass found anything to undo.
   """
+  found = False
   for path in sorted(
     list(_active) + list(_removed), key=lambda p: _OLD not in p
   ):
@@ -379,6 +385,7 @@ def abandon() -> None:
     target = None
     if name.startswith('.') and _OLD in name:
       target = os.path.join(parent, name[1:].rsplit(_OLD, 1)[0])
+    found = found or os.path.lexists(path)
     try:
       if target is not None and not os.path.lexists(target):
         os.rename(path, target)
@@ -389,8 +396,9 @@ def abandon() -> None:
     except OSError:
       pass
     _active.discard(path)
-    if not os.path.lexists(path):
-      _removed.discard(path)
+    if target is None:
+      _removed.add(path)  # Looked at again by the next pass.
+  return found
 
 
 _interrupts.on_exit_now(abandon)

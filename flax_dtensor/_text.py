@@ -1,7 +1,8 @@
 """Text every printed view of the package shares, at the bottom of it.
 
 Sizes in IEC units (`human_bytes`), counts with their noun (`count`), paths
-broken only after a ``/`` (`wrap_path`), lines broken only between their
+broken only after a ``/`` (`wrap_path`, and in running text
+`wrap_words`), lines broken only between their
 parts (`fill`, `hanging_lines`), paths alike but for an integer as one
 pattern (`collapse_paths`), the terminal's width, and a table that turns
 into short stacked lines when it does not fit (`table_or_stacked`). The plan's views, the bridge's messages and the
@@ -52,6 +53,31 @@ def wrap_path(path: str, width: int) -> list[str]:
     if lines[-1] and len(lines[-1]) + len(part) > width:
       lines.append('')
     lines[-1] += part
+  return lines
+
+
+def wrap_words(text: str, width: int, *, hanging: int = 0) -> list[str]:
+  """`text` in lines of at most `width` columns, broken between words.
+
+  A word too long for a line (a long path) is broken only after a '/'
+  (`wrap_path`), or kept whole on a line of its own: never cut inside a
+  name. The lines after the first are indented by `hanging`.
+  """
+  lines = ['']
+  indent = ' ' * hanging
+  for word in text.split():
+    room = width - len(indent if lines != [''] else '')
+    if lines[-1].strip() and len(lines[-1]) + 1 + len(word) <= width:
+      lines[-1] += ' ' + word
+      continue
+    if lines[-1].strip():
+      lines.append(indent)
+    if len(word) <= width - len(lines[-1]):
+      lines[-1] += word
+      continue
+    parts = wrap_path(word, max(room, 1))
+    lines[-1] += parts[0]
+    lines += [indent + part for part in parts[1:]]
   return lines
 
 

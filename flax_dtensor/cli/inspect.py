@@ -242,7 +242,15 @@ def verify_export(
     return [*title, rich.text.Text(text)], True
   lines = [
     rich.text.Text(f'damaged: {_count(len(problems), "problem")}'),
-    *(rich.text.Text(f'- {p}') for p in problems),
+    *(
+      # Paths in a problem break only after a '/', never inside a name.
+      rich.text.Text(
+        '\n'.join(_text.wrap_words(f'- {p}', width, hanging=2)),
+        no_wrap=True,
+        overflow='ignore',
+      )
+      for p in problems
+    ),
   ]
   return [*title, *lines], False
 

@@ -280,11 +280,18 @@ def plan(
           f'--html {str(html_file)!r}: cannot write the page '
           f'({e.strerror or e}). Pass a file in a directory you can write.'
         ) from e
-      _command.console(stderr=True).print(
+      console = _command.console(stderr=True)
+      message = (
         f'Wrote the plan as HTML to {str(html_file)!r} '
-        f'({_text.human_bytes(len(page.encode()))}).',
+        f'({_text.human_bytes(len(page.encode()))}).'
+      )
+      # A long path breaks only after a '/', never inside a name.
+      console.print(
+        '\n'.join(_text.wrap_words(message, console.width)),
         highlight=False,
         markup=False,
+        no_wrap=True,
+        overflow='ignore',
       )
     if check:
       report = fdt.check(

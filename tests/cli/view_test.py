@@ -11,6 +11,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import big_model
+import output_util
 import pytest
 from typer.testing import CliRunner
 
@@ -102,7 +103,8 @@ def test_html_writes_one_page_with_the_charts(cli, big_rules, tmp_path):
     cli, big_rules, '--html', page, '--budget', '512MiB', '--optimizer', 'adamw'
   )
   assert code == 0, err
-  assert f"Wrote the plan as HTML to '{page}'" in ' '.join(err.split())
+  assert f"Wrote the plan as HTML to '{page}'" in output_util.unwrapped(err)
+  output_util.assert_fits(err, 80, [f"'{page}'"])
   assert out.startswith('Sharding plan: mesh data=8, model=16')
   text = page.read_text()
   assert '<script' not in text and text.startswith('<!DOCTYPE html>')

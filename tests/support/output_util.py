@@ -13,3 +13,9 @@ def assert_fits(text: str, width: int, paths=()) -> None:
   joined = re.sub(r'/\n[ │]*', '/', text)
   for path in paths:
     assert str(path) in joined, (path, text)
+
+
+def unwrapped(text: str) -> str:
+  """`text` on one line: paths broken after a '/' joined again, and every
+  other line break and run of spaces one space."""
+  return ' '.join(re.sub(r'/\n[ │]*', '/', text).split())

@@ -241,10 +241,14 @@ print('NOT STOPPED')
 """
 
 
-@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
-def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
-  script = tmp_path / 'stuck.py'
-  script.write_text(STUCK)
+def _signal_while_writing(warm_pool, tmp_path, text, sig):
+  """Runs script `text` over an old folder `out`, signals it once it writes.
+
+  Returns (exit status, seconds from the signal, stdout after 'WRITING',
+  stderr).
+  """
+  script = tmp_path / 'script.py'
+  script.write_text(text)
   out = tmp_path / 'out'
   out.mkdir()
   (out / 'old.txt').write_text('old')
@@ -259,15 +263,22 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
   finally:
     case.kill()
   seconds = time.monotonic() - sent
+  with case.stdout, case.stderr:
+    return status, seconds, case.stdout.read(), case.stderr.read().decode()
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
+def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
+  status, seconds, stdout, err = _signal_while_writing(
+    warm_pool, tmp_path, STUCK, sig
+  )
   assert status == 128 + sig
   # The hard exit comes after HARD_EXIT_SECONDS, not after the minute.
   assert seconds < LOOSE_EXIT_SECONDS
-  with case.stdout, case.stderr:
-    assert case.stdout.read() == b''
-    err = case.stderr.read().decode()
-    assert err.splitlines()[-1] == 'interrupted', err
-  assert sorted(os.listdir(tmp_path)) == ['out', 'stuck.py']
-  assert os.listdir(out) == ['old.txt']
+  assert stdout == b''
+  assert err.splitlines()[-1] == 'interrupted', err
+  assert sorted(os.listdir(tmp_path)) == ['out', 'script.py']
+  assert os.listdir(tmp_path / 'out') == ['old.txt']
 
 
 WRITER_GOES_ON = """
@@ -305,25 +316,12 @@ def test_a_library_thread_writing_on_is_cleaned_up_after(warm_pool, tmp_path):
   """What a library's thread writes again during the cleanup is removed too:
   the cleanup passes until two find nothing (an Orbax write went on past
   the watchdog's first pass and left the temporary)."""
-  script = tmp_path / 'writer.py'
-  script.write_text(WRITER_GOES_ON)
-  out = tmp_path / 'out'
-  out.mkdir()
-  (out / 'old.txt').write_text('old')
-  case = warm_pool.start(
-    script, str(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+  status, _, _, err = _signal_while_writing(
+    warm_pool, tmp_path, WRITER_GOES_ON, signal.SIGINT
   )
-  try:
-    assert case.stdout.readline() == b'WRITING\n'
-    case.send_signal(signal.SIGINT)
-    status = case.wait(processes.TIMEOUT)
-  finally:
-    case.kill()
-  with case.stdout, case.stderr:
-    err = case.stderr.read().decode()
   assert status == 130, err
-  assert sorted(os.listdir(tmp_path)) == ['out', 'writer.py']
-  assert os.listdir(out) == ['old.txt']
+  assert sorted(os.listdir(tmp_path)) == ['out', 'script.py']
+  assert os.listdir(tmp_path / 'out') == ['old.txt']
 
 
 def test_demo_refuses_an_out_holding_other_files(warm_pool, tmp_path):

@@ -24,6 +24,7 @@ import contextlib
 import glob
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -50,15 +51,42 @@ class WorkerError(RuntimeError):
   """A worker process failed or timed out; the message has all outputs."""
 
 
+def _ephemeral_low() -> int:
+  """The first port of the kernel's range for outgoing connections."""
+  try:
+    with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 32768  # Linux's default.
+
+
+def _bindable(port: int) -> bool:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind(('127.0.0.1', port))
+    except OSError:
+      return False
+  return True
+
+
 def free_ports(n: int) -> list[int]:
-  """Returns `n` distinct free TCP ports on 127.0.0.1 (bound, then released)."""
-  with contextlib.ExitStack() as stack:
-    ports = []
-    for _ in range(n):
-      s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-      s.bind(('127.0.0.1', 0))
-      ports.append(s.getsockname()[1])
-    return ports
+  """Returns `n` distinct free TCP ports on 127.0.0.1, chosen at random.
+
+  Below the kernel's ephemeral range: a port the kernel hands out for a
+  bind to port 0 is also one it hands to outgoing connections as their
+  local port, so between its release and the worker's bind any client
+  (gRPC's, in a test running beside this one) could take it. A port below
+  that range is taken only by another server's bind.
+  """
+  high = _ephemeral_low()
+  low = max(1024, high - 12_000)
+  rng = random.SystemRandom()
+  ports: list[int] = []
+  while len(ports) < n:
+    port = rng.randrange(low, high)
+    if port not in ports and _bindable(port):
+      ports.append(port)
+  return ports
 
 
 def worker_env(

@@ -179,6 +179,36 @@ def test_a_started_script_is_talked_to_through_pipes(tmp_path, warm_pool):
   case.stdout.close()
 
 
+def test_a_signal_during_the_fork_reaches_the_script(tmp_path):
+  """A SIGINT while the child runs Python's at-fork hooks is not lost.
+
+  Raised in a hook, Python would print it and go on (the script then ran
+  to its end, exit 0); held, it comes as the script starts, as to a fresh
+  `python`: KeyboardInterrupt, death by SIGINT, the script not run.
+  """
+  (tmp_path / 'slow_fork.py').write_text(
+    'import os, time\n'
+    'os.register_at_fork(after_in_child=lambda: time.sleep(2))\n'
+  )
+  script = _script(tmp_path, 'ran.py', "print('ran')\n")
+  env = processes.clean_env(
+    XLA_FLAGS=None,
+    OPENBLAS_NUM_THREADS='1',
+    PYTHONPATH=f'{tmp_path}{os.pathsep}{processes.REPO_ROOT}',
+  )
+  pool = warm.Pool(['slow_fork'], env=env)
+  try:
+    case = pool.start(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    case.send_signal(signal.SIGINT)  # The child is in its 2 s hook.
+    assert case.wait(60) == -signal.SIGINT
+    out = case.stdout.read().decode()
+    case.stdout.close()
+  finally:
+    pool.close()
+  assert 'ran' not in out.split(), out
+  assert out.rstrip().endswith('KeyboardInterrupt'), out
+
+
 @pytest.mark.parametrize(
   'module, problem',
   [

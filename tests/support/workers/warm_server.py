@@ -74,6 +74,11 @@ def _serve(sock):
       request = json.loads(data)
       sys.stdout.flush()
       sys.stderr.flush()
+      # A signal sent to the child while Python's at-fork hooks run in it
+      # would raise in a hook, where Python prints the exception and goes
+      # on: the signal lost. Blocked across the fork, it waits, and comes
+      # as the script starts, as to a fresh `python`.
+      mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
       pid = os.fork()
       # Its own process group (set on both sides, so that it exists before
       # either goes on): a timeout kills the script and all it started.
@@ -83,7 +88,9 @@ def _serve(sock):
         for target, fd in enumerate(fds):
           os.dup2(fd, target)
           os.close(fd)
+        request['mask'] = mask
         return request
+      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
       try:
         os.setpgid(pid, pid)
       except OSError:  # The child did it first (and may have ended).
@@ -123,6 +130,7 @@ def _run(request):
   ]
   interrupted = False
   try:
+    signal.pthread_sigmask(signal.SIG_SETMASK, request['mask'])
     runpy.run_path(script, run_name='__main__')
     status = 0
   except SystemExit as e:
@@ -165,6 +173,8 @@ def _exit_status(code):
 
 
 _SERVER_ENV = dict(os.environ)
+# Held from the fork until the script runs (see `_serve`).
+_HELD = {signal.SIGINT, signal.SIGTERM}
 
 
 def main():

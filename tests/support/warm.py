@@ -10,9 +10,10 @@ script can see: its own devices (`jax_num_cpu_devices`, `XLA_FLAGS`), its
 own DTensor `initialize()` (one client or several, with
 `jax.distributed`), Flax's configuration, module globals, the directory,
 the environment and PYTHONPATH, stdin/stdout/stderr, its exit status, a
-process group of its own (a kill or a timeout takes what it started too);
-only the imports are done. A session's pool, and every script still
-running, end with the session.
+process group of its own (a kill or a timeout takes what it started too),
+signals (one sent as the fork starts waits for the script, as a fresh
+`python` would take it); only the imports are done. A session's pool,
+and every script still running, end with the session.
 
     pool = warm.Pool()  # Or the session's: the `warm_pool` fixture.
     proc = pool.run(script, 'arg', cwd=tmp, env=processes.reader_env())

@@ -1,11 +1,11 @@
 """Text every printed view of the package shares, at the bottom of it.
 
 Sizes in IEC units (`human_bytes`), counts with their noun (`count`), paths
-broken only after a ``/`` (`wrap_path`, and in running text
-`wrap_words`), lines broken only between their
-parts (`fill`, `hanging_lines`), paths alike but for an integer as one
-pattern (`collapse_paths`), the terminal's width, and a table that turns
-into short stacked lines when it does not fit (`table_or_stacked`). The plan's views, the bridge's messages and the
+broken only after a ``/`` (`wrap_path`, and in running text `wrap_words`),
+lines broken only between their parts (`fill`, `hanging_lines`), paths
+alike but for an integer as one pattern (`collapse_paths`), the terminal's
+width, and a table that turns into short stacked lines when it does not
+fit (`table_or_stacked`). The plan's views, the bridge's messages and the
 command line all import these; none of them imports another's.
 """
 
@@ -66,16 +66,16 @@ def wrap_words(text: str, width: int, *, hanging: int = 0) -> list[str]:
   lines = ['']
   indent = ' ' * hanging
   for word in text.split():
-    room = width - len(indent if lines != [''] else '')
-    if lines[-1].strip() and len(lines[-1]) + 1 + len(word) <= width:
-      lines[-1] += ' ' + word
-      continue
     if lines[-1].strip():
+      if len(lines[-1]) + 1 + len(word) <= width:
+        lines[-1] += ' ' + word
+        continue
       lines.append(indent)
     if len(word) <= width - len(lines[-1]):
       lines[-1] += word
       continue
-    parts = wrap_path(word, max(room, 1))
+    # Its parts must fit this line and the indented ones after it.
+    parts = wrap_path(word, max(width - max(len(lines[-1]), hanging), 1))
     lines[-1] += parts[0]
     lines += [indent + part for part in parts[1:]]
   return lines

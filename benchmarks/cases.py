@@ -932,8 +932,8 @@ def _warm_up(jax, nnx, fdt_tf, path: str) -> None:
   multihost_utils.sync_global_devices('warm')
 
 
-def _launch(method: str, params: dict) -> list[dict]:
-  """Runs `_mp_step` in `params['processes']` processes; their results."""
+def _launch(method: str, params: dict, step: str = '_mp_step') -> list[dict]:
+  """Runs `step` in `params['processes']` processes; their results."""
   import socket
   import subprocess
 
@@ -942,13 +942,14 @@ def _launch(method: str, params: dict) -> list[dict]:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if not k.startswith('DTENSOR_')}
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={8 // processes}'
+  per_process = params.get('devices', 8) // processes
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={per_process}'
   procs = [
     subprocess.Popen(
       [
         sys.executable,
         __file__,
-        '_mp_step',
+        step,
         method,
         json.dumps({**params, 'process': i, 'port': port}),
       ],
@@ -1080,6 +1081,187 @@ def _mp_step(
   os._exit(0)  # JAX's shutdown at exit would wait for the slowest process.
 
 
+# Checkpoints as the device count grows
+# ------------------------------------------------------------------------------
+
+_SCALE_METHODS = (
+  'save',
+  'save_async',
+  'restore',
+  'orbax_save',
+  'orbax_save_fsync',
+  'orbax_restore',
+)
+
+
+def checkpoint_scale(
+  method: str, devices: int, processes: int = 1, arrays: int = 32
+) -> dict:
+  """A checkpoint of `arrays` float32 arrays of shape (devices, 64), each
+  split over all `devices` devices (one shard per device), against
+  orbax-checkpoint's `StandardCheckpointer` on the same state.
+
+  In one process of `devices` CPU devices, or in `processes` local
+  processes of `devices // processes` devices each (JAX's distributed
+  runtime on 127.0.0.1), where the slowest process's seconds count.
+  `save` and `orbax_save` wait until the files are written
+  (`orbax_save_fsync` then flushes orbax's files, as ours are flushed);
+  `save_async` is a background save, waited for. A restore reads what the
+  same process saved before (not timed): in one process onto 8 of its
+  devices, across processes onto the whole mesh. The state is small: the
+  cost measured is the one that grows with the shards.
+  """
+  import shutil
+
+  if method not in _SCALE_METHODS:
+    raise ValueError(method)
+  root = tempfile.mkdtemp(prefix='fdt_scale_', dir=os.environ.get('BENCH_DIR'))
+  params = {'arrays': arrays, 'devices': devices, 'root': root}
+  try:
+    if processes == 1:
+      return _scale_step(method, **params, processes=1, process=0, port=0)
+    outs = _launch(
+      method, params | {'processes': processes}, step='_scale_step'
+    )
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return {
+    'seconds': max(o['seconds'] for o in outs),
+    'rss_before_mib': 0.0,
+    'rss_peak_mib': max(o['rss_peak_mib'] - o['rss_before_mib'] for o in outs),
+    'per_process': outs,
+  }
+
+
+def _scale_step(
+  method: str,
+  arrays: int,
+  devices: int,
+  root: str,
+  processes: int,
+  process: int,
+  port: int,
+) -> dict:
+  """`checkpoint_scale`'s measurement in one of its processes."""
+  import shutil
+
+  jax = _jax()
+  jax.config.update('jax_num_cpu_devices', devices // processes)
+  if processes > 1:
+    jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}',
+      coordinator_bind_address=f'127.0.0.1:{port}',
+      num_processes=processes,
+      process_id=process,
+    )
+  from flax import nnx
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  if jax.device_count() != devices:
+    raise RuntimeError(f'{jax.device_count()} devices, not {devices}')
+  mesh = jax.make_mesh(
+    (devices,), ('x',), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  sharding = NamedSharding(mesh, P('x'))
+  shape = (devices, 64)
+  state = nnx.State(
+    {
+      f'v{i}': nnx.Param(
+        jax.make_array_from_callback(
+          shape,
+          sharding,
+          lambda index, i=i: np.full(shape, i, np.float32)[index],
+        )
+      )
+      for i in range(arrays)
+    }
+  )
+  if processes == 1:
+    onto = jax.make_mesh(
+      (min(8, devices),),
+      ('x',),
+      axis_types=(jax.sharding.AxisType.Auto,),
+      devices=jax.devices()[: min(8, devices)],
+    )
+    target_sharding = NamedSharding(onto, P('x'))
+  else:
+    target_sharding = sharding
+  target = nnx.State(
+    {
+      k: nnx.Param(
+        jax.ShapeDtypeStruct(shape, np.float32, sharding=target_sharding)
+      )
+      for k in state
+    }
+  )
+  ours = os.path.join(root, 'ckpt')
+  orbax = os.path.join(root, 'orbax')
+  if method == 'restore':
+    fdt_tf.save_checkpoint(state, ours)
+  elif method == 'orbax_restore':
+    _orbax_scale('orbax_save', state, orbax)
+  multihost_utils.sync_global_devices('before')
+  before = _reset_peak()
+  start = time.perf_counter()
+  if method == 'save':
+    fdt_tf.save_checkpoint(state, ours)
+  elif method == 'save_async':
+    fdt_tf.save_checkpoint(state, ours, blocking=False).wait()
+  elif method == 'restore':
+    out = fdt_tf.restore_checkpoint(ours, target)
+    jax.block_until_ready(jax.tree.leaves(out))
+  else:
+    _orbax_scale(method, target if method == 'orbax_restore' else state, orbax)
+  seconds = time.perf_counter() - start
+  peak = _rss_mib()
+  multihost_utils.sync_global_devices('after')
+  result = {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': peak,
+    'bytes': arrays * devices * 64 * 4,
+    'process': process,
+  }
+  if processes == 1:
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+  print(json.dumps(result), flush=True)
+  os._exit(0)  # JAX's shutdown at exit would wait for the slowest process.
+
+
+def _orbax_scale(method: str, tree, path: str) -> None:
+  """orbax-checkpoint's `StandardCheckpointer`: a save, waited for (then
+  its files flushed, for `orbax_save_fsync`), or a restore onto `tree`'s
+  shardings."""
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  pure = nnx.to_pure_dict(tree)
+  checkpointer = ocp.StandardCheckpointer()
+  if method == 'orbax_restore':
+    abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      pure,
+    )
+    jax.block_until_ready(checkpointer.restore(path, abstract))
+    return
+  checkpointer.save(path, pure)
+  checkpointer.wait_until_finished()
+  checkpointer.close()
+  if method == 'orbax_save_fsync' and jax.process_index() == 0:
+    for directory, _, names in os.walk(path):
+      for name in [*names, '.']:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
 CASES = {
   'init': init,
   'plan': plan,
@@ -1090,6 +1272,8 @@ CASES = {
   'cli': cli,
   'multiprocess': multiprocess,
   '_mp_step': _mp_step,
+  'checkpoint_scale': checkpoint_scale,
+  '_scale_step': _scale_step,
 }
 
 

@@ -6,8 +6,7 @@ and the fix; `space_checked` does the same for a full disk or file-size
 limit (a `DiskFullError`), wherever in a write it struck (TF reports one as an ``OpError``
 whose text holds the OS's words). `describe` gives a TF error's cause on
 one line (DTensor runs its ops asynchronously; the op that fails may only
-report a ``CancelledError`` while the `cause` waits in TF's executors);
-`stopped_tasks` reads which DTensor clients TF found gone.
+report a ``CancelledError`` while the `cause` waits in TF's executors).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import sys
 from collections.abc import Iterator
 
@@ -98,33 +96,6 @@ def translated(
         f'{action} {path!r} failed in TensorFlow: {describe(e)}. {fix}'
       ) from e
     raise
-
-
-# How TF tells of a DTensor client that is gone: its coordination service
-# found it unhealthy (no heartbeat), or its gRPC connection broke.
-_LOST = (
-  'unhealthy',
-  'heartbeat timeout',
-  'Connection reset by peer',
-  'Socket closed',
-  'failed to connect',
-)
-
-
-def stopped_tasks(e: BaseException, me: int) -> list[int]:
-  """The other DTensor clients that TF says are gone, in `e`.
-
-  When a client stops, TF DTensor aborts the collective waiting for it:
-  its coordination service lists the unhealthy tasks
-  (``/job:worker/replica:0/task:1``), or gRPC names the remote target whose
-  connection broke. A client id is the JAX process index; `me` is this one.
-  """
-  e = cause(e)
-  text = str(getattr(e, 'message', None) or e)
-  if not any(words in text for words in _LOST):
-    return []
-  tasks = {int(t) for t in re.findall(r'/replica:\d+/task:(\d+)', text)}
-  return sorted(tasks - {me})
 
 
 def out_of_room(e: BaseException) -> int | None:

@@ -1,12 +1,13 @@
 """Writing checkpoints: NNX variables as a TF checkpoint of DTensor variables.
 
-`save_checkpoint` writes, atomically (`_atomic`), one DTensor sharded save
-per DTensor mesh (every process writes its own shards, straight from the
-JAX buffers), merges them into ``ckpt.*`` with the object graph
-``tf.train.Checkpoint`` needs (`merge`), and writes the manifest
-(`_manifest`) last, with a CRC-32 of every shard (hashed while TF writes)
-and of every file. A background save (`blocking=False`) writes the same
-checkpoint from host copies instead, without DTensor (`_host_write`).
+`save_checkpoint` writes, atomically (`_atomic`), each distinct shard once
+with TF's plain SaveV2 on the host (`_host_write`: no DTensor op, no
+collective), with the object graph ``tf.train.Checkpoint`` needs; in a
+multi-process run each process writes a bundle of its own and process 0
+merges them (`merge`). The manifest (`_manifest`) comes last, with a CRC-32
+of every shard (hashed while TF writes) and of every file. A blocking save
+hands TF the JAX buffers themselves; a background save (`blocking=False`)
+copies them to host memory first and writes on a thread of its own.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from flax_dtensor import _errors, _output
+from flax_dtensor import _output
 from flax_dtensor.dtensor import _peers, _tf, _tf_errors
 from flax_dtensor.dtensor._files import (
   _atomic,
@@ -41,109 +43,70 @@ from flax_dtensor.dtensor._layout import (
   _single_mesh,
 )
 
-if TYPE_CHECKING:
-  import tensorflow as tf
-
 # The checkpoint prefix inside a `save_checkpoint` directory.
 PREFIX = 'ckpt'
 # Scratch directory for the per-mesh partial checkpoints (removed after use).
 _SCRATCH = '.parts'
 _PART = 'flax_dtensor.part-{}.json'
-TF_POISONED_MSG = (
-  'TF DTensor cancels every later TensorFlow operation of this process '
-  'after such an error: restart the process once the cause is fixed.'
-)
 WRITE_FIX = (
   'Check the disk space, the permissions and the path (on several hosts: a '
   'filesystem every process sees).'
 )
 
 
-def by_mesh(tensors: Sequence[tf.Tensor]) -> list[tuple[Any, list[int]]]:
-  """Groups DTensors by DTensor mesh: [(mesh, indices)], in first-seen order.
+def _object_graph(entries: Sequence[_selection.Entry], scratch: str) -> Any:
+  """The checkpoint's object graph, as a TF string tensor.
 
-  TF DTensor saves and restores the tensors of one mesh at a time (a save
-  op mixing meshes fails in DTensor's mesh propagation). A fused mesh axis
-  (`P(('data', 'model'))`) or a single-device array has a mesh of its own.
+  `tf.train.Checkpoint` records how the variables hang off the root (the
+  `_CHECKPOINTABLE_OBJECT_GRAPH` key), which its `read` needs. The graph of a
+  module of placeholder scalars with the same structure and names is the
+  same, so it is taken from one, written under `scratch` (then removed).
+  The last few are kept by their paths: saving one model again costs
+  nothing.
   """
-  dtensor = _tf.dtensor()
-  groups: dict[str, tuple[Any, list[int]]] = {}
-  for i, t in enumerate(tensors):
-    mesh = dtensor.fetch_layout(t).mesh
-    groups.setdefault(mesh.to_string(), (mesh, []))[1].append(i)
-  return list(groups.values())
+  paths = tuple(e.path for e in entries)
+  graph = _graphs.get(paths)
+  if graph is None:
+    tf = _tf.tf()
+    skeleton = _convert.make_module(
+      (e.path, tf.Variable(False, name=_names.variable_name(e.path)))
+      for e in entries
+    )
+    os.makedirs(scratch, exist_ok=True)
+    written = tf.train.Checkpoint(skeleton).write(
+      os.path.join(scratch, 'skeleton')
+    )
+    graph = tf.train.load_checkpoint(written).get_tensor(
+      _names.OBJECT_GRAPH_KEY
+    )
+    shutil.rmtree(scratch, ignore_errors=True)
+    with _graphs_lock:
+      _graphs[paths] = graph
+      while len(_graphs) > _GRAPHS_KEPT:
+        del _graphs[next(iter(_graphs))]
+  return _tf.tf().constant(graph)
+
+
+_GRAPHS_KEPT = 4
+_graphs: dict[tuple[Any, ...], bytes] = {}
+_graphs_lock = threading.Lock()
 
 
 def _write_object_graph(
   entries: Sequence[_selection.Entry], directory: str
 ) -> str:
-  """Writes the checkpoint's object graph; returns the prefix written.
-
-  `tf.train.Checkpoint` records how the variables hang off the root (the
-  `_CHECKPOINTABLE_OBJECT_GRAPH` key), which its `read` needs. The graph of a
-  module of placeholder scalars with the same structure and names is the
-  same, so it is taken from one.
-  """
+  """Writes the object graph as a bundle of its own; the prefix written."""
   tf = _tf.tf()
-  skeleton = _convert.make_module(
-    (e.path, tf.Variable(False, name=_names.variable_name(e.path)))
-    for e in entries
-  )
-  scratch = tf.train.Checkpoint(skeleton).write(
-    os.path.join(directory, 'skeleton')
-  )
-  graph = tf.train.load_checkpoint(scratch).get_tensor(_names.OBJECT_GRAPH_KEY)
   prefix = os.path.join(directory, 'object_graph')
-  tf.raw_ops.SaveV2(
-    prefix=prefix,
-    tensor_names=[_names.OBJECT_GRAPH_KEY],
-    shape_and_slices=[''],
-    tensors=[tf.constant(graph)],
-  )
+  graph = _object_graph(entries, os.path.join(directory, 'skeleton'))
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(
+      prefix=prefix,
+      tensor_names=[_names.OBJECT_GRAPH_KEY],
+      shape_and_slices=[''],
+      tensors=[graph],
+    )
   return prefix
-
-
-def _write_tf_checkpoint(
-  entries: Sequence[_selection.Entry],
-  tensors: Sequence[tf.Tensor],
-  directory: str,
-) -> list[str]:
-  """Writes every process's shards collectively; the prefixes written.
-
-  One DTensor sharded save per DTensor mesh, under `directory`'s scratch
-  directory; process 0 merges them (`merge`).
-  """
-  tf = _tf.tf()
-  dtensor = _tf.dtensor()
-  scratch = os.path.join(directory, _SCRATCH)
-  prefixes = []
-  for i, (mesh, indices) in enumerate(by_mesh(tensors)):
-    prefix = os.path.join(scratch, f'mesh{i}')
-    try:
-      dtensor.sharded_save(
-        mesh,
-        prefix,
-        [entries[j].key for j in indices],
-        [''] * len(indices),
-        [tensors[j] for j in indices],
-      )
-    except tf.errors.OpError as e:
-      cause = _tf_errors.cause(e)
-      stopped = _tf_errors.stopped_tasks(cause, jax.process_index())
-      if stopped:
-        raise _peers.stopped(
-          stopped[0],
-          'TensorFlow lost it while writing the shards '
-          f'({_tf_errors.describe(cause)}). ' + TF_POISONED_MSG,
-        ) from e
-      raise _errors.ExportError(
-        'TensorFlow failed to write the NNX variables '
-        f'{_selection.names(entries[j] for j in indices)} (one DTensor mesh) '
-        f'to {prefix!r}: {_tf_errors.describe(cause)}. {WRITE_FIX} '
-        + TF_POISONED_MSG
-      ) from e
-    prefixes.append(prefix)
-  return prefixes
 
 
 def merge(
@@ -163,6 +126,10 @@ def merge(
     delete_old_dirs=True,
   )
   shutil.rmtree(scratch, ignore_errors=True)
+  _write_state_file(directory)
+
+
+def _write_state_file(directory: str) -> None:
   # `tf.train.load_checkpoint(directory)` and `latest_checkpoint` need
   # it; relative, since the directory is renamed after writing.
   with open(os.path.join(directory, 'checkpoint'), 'w') as f:
@@ -178,23 +145,29 @@ def records(
   layouts: Sequence[Any],
   shards: Sequence[Sequence[tuple[Any, int]]],
 ) -> tuple[_manifest.Record, ...]:
-  """The manifest's variable records (each array's sharding and layout)."""
-  return tuple(
-    _manifest.Record(
-      path=e.path,
-      key=e.key,
-      type=type(e.variable).__name__,
-      dtype=e.dtype.name,
-      stored_dtype=e.stored_dtype.name,
-      shape=e.shape,
-      key_impl=e.key_impl,
-      sharding=_manifest.sharding_record(sharding, layout, len(e.shape)),
-      shards=tuple(s),
+  """The manifest's variable records (each array's sharding and layout).
+
+  `shards` lists, per variable, every distinct shard's (slice, CRC-32).
+  """
+  out = []
+  for e, sharding, layout, s in zip(
+    entries, shardings, layouts, shards, strict=True
+  ):
+    record = _manifest.sharding_record(sharding, layout, len(e.shape))
+    out.append(
+      _manifest.Record(
+        path=e.path,
+        key=e.key,
+        type=type(e.variable).__name__,
+        dtype=e.dtype.name,
+        stored_dtype=e.stored_dtype.name,
+        shape=tuple(e.shape),
+        key_impl=e.key_impl,
+        sharding=record,
+        shards=_manifest.shard_grid(record, tuple(e.shape), s),
+      )
     )
-    for e, sharding, layout, s in zip(
-      entries, shardings, layouts, shards, strict=True
-    )
-  )
+  return tuple(out)
 
 
 def gather_shards(
@@ -432,23 +405,19 @@ def save_checkpoint(
     _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
   ):
     values, report = _arrays_to_save(entries, single_mesh)
-    tensors = [
-      _convert.to_dtensor(e, widen=True, value=v)
-      for e, v in _convert.progress(
-        zip(entries, values, strict=True),
-        show=show,
-        total=len(entries),
-        desc='flax_dtensor: to DTensor',
-      )
-    ]
+    shardings = [v.sharding for v in values]
+    layouts = [_layouts.layout_for(v.sharding, v.ndim) for v in values]
     with (
       _atomic.atomic_directory(
         directory, overwrite=overwrite, is_export=_manifest.is_export
       ) as tmp,
       concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
-      concurrent.futures.ThreadPoolExecutor(1) as flusher,
     ):
-      _write(entries, values, tensors, tmp, directory, show, pool, flusher)
+      # TF reads the JAX buffers themselves: `values` stay alive meanwhile.
+      pieces = _host_write.hand_over(entries, values)
+      _write_merged(
+        entries, pieces, shardings, layouts, tmp, directory, show, pool
+      )
   return (directory, report) if single_mesh else directory
 
 
@@ -536,84 +505,65 @@ def _write_merged(
   show: bool,
   pool: concurrent.futures.Executor,
 ) -> None:
-  """A background save's writing, into the temporary `tmp`.
-
-  Each process writes its copied shards as a TF bundle of its own (and
-  drops them), hashed meanwhile by `pool`; process 0 then merges every
-  bundle into the checkpoint and writes the manifest.
-  """
-  nbytes = sum(e.nbytes for e in entries)
-  _output.announce(
-    show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
-  )
-  start = time.perf_counter()
-  scratch = os.path.join(tmp, _SCRATCH)
-  os.makedirs(scratch, exist_ok=True)
-  prefix = os.path.join(scratch, f'process{jax.process_index()}')
-  shards = _host_write.write(entries, pieces, prefix, pool)
-  bundles = [prefix] if pieces else []
-  pieces.clear()  # The copies are on disk: their memory goes.
-  gathered = gather_shards(shards, tmp, bundles)
-  if gathered is not None:
-    shards, bundles = gathered
-    merge(entries, bundles, tmp)
-    write_manifest(
-      tmp,
-      _manifest.CHECKPOINT_FORMAT,
-      PREFIX,
-      records(entries, shardings, layouts, shards),
-      pool,
-    )
-  _output.announce(
-    show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
-  )
-
-
-def _write(
-  entries: Sequence[_selection.Entry],
-  values: Sequence[jax.Array],
-  tensors: Sequence[Any],
-  tmp: str,
-  directory: str,
-  show: bool,
-  pool: concurrent.futures.Executor,
-  flusher: concurrent.futures.Executor,
-) -> None:
   """Writes the checkpoint and its manifest into the temporary `tmp`.
 
-  `pool` hashes (`_manifest.THREADS` threads), `flusher` (one thread)
-  flushes the files while they are hashed.
+  One process writes its shards straight into the checkpoint, with the
+  object graph, then hashes the files for the manifest while the disk
+  flushes them. Several write a TF bundle each (flushed before they meet),
+  and process 0 merges every bundle into the checkpoint and writes the
+  manifest. `pool` hashes while TF writes; `pieces` are dropped once
+  written.
   """
   nbytes = sum(e.nbytes for e in entries)
   _output.announce(
     show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
   )
   start = time.perf_counter()
-  hashing = _manifest.shard_checksums(values, pool)
-  prefixes = _write_tf_checkpoint(entries, tensors, tmp)
-  if jax.process_index() == 0:
-    merge(entries, prefixes, tmp)
-  # The disk flushes what TF wrote while the CRCs read it back from the
-  # page cache; the directory's final flush then finds little to do.
-  flushed = flusher.submit(_atomic.flush_files, tmp)
-  try:
-    gathered = gather_shards([f.result() for f in hashing], tmp)
+  if jax.process_count() == 1:
+    prefix = os.path.join(tmp, PREFIX)
+    graph = _object_graph(entries, os.path.join(tmp, _SCRATCH))
+    shards = _host_write.write(
+      entries, pieces, prefix, pool, {_names.OBJECT_GRAPH_KEY: graph}
+    )
+    pieces.clear()
+    _write_state_file(tmp)
+    # The disk flushes what TF wrote while the CRCs read it back from the
+    # page cache; the directory's final flush then finds little to do.
+    with concurrent.futures.ThreadPoolExecutor(1) as flusher:
+      flushed = flusher.submit(_atomic.flush_files, tmp)
+      try:
+        write_manifest(
+          tmp,
+          _manifest.CHECKPOINT_FORMAT,
+          PREFIX,
+          records(entries, shardings, layouts, shards),
+          pool,
+        )
+      finally:
+        concurrent.futures.wait(
+          [flushed]
+        )  # Done with `tmp`, whatever happened.
+      flushed.result()
+  else:
+    scratch = os.path.join(tmp, _SCRATCH)
+    os.makedirs(scratch, exist_ok=True)
+    prefix = os.path.join(scratch, f'process{jax.process_index()}')
+    shards = _host_write.write(entries, pieces, prefix, pool)
+    bundles = [prefix] if pieces else []
+    pieces.clear()  # On disk: host copies go.
+    if bundles:
+      _host_write.flush(prefix)
+    gathered = gather_shards(shards, tmp, bundles)
     if gathered is not None:
+      shards, bundles = gathered
+      merge(entries, bundles, tmp)
       write_manifest(
         tmp,
         _manifest.CHECKPOINT_FORMAT,
         PREFIX,
-        records(
-          entries,
-          [v.sharding for v in values],
-          [_tf.dtensor().fetch_layout(t) for t in tensors],
-          gathered[0],
-        ),
+        records(entries, shardings, layouts, shards),
         pool,
       )
-  finally:
-    concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
-  flushed.result()
   _output.announce(
     show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
   )

@@ -1,14 +1,21 @@
 """Reading checkpoint slices on the host and placing them onto devices.
 
-Each process asks TF's checkpoint reader (RestoreV2 on the host CPU) for the
-slices its own devices hold, checks every byte read against the manifest's
-shard CRCs, and JAX places them. TF reads and checks ahead in worker
-threads while JAX places in the calling thread.
+Each process asks TF's checkpoint reader (RestoreV2 on the host CPU) for
+the regions its own devices need: each region whole saved shards (the
+blocks of the variable's grid that its devices' slices meet, merged into
+as few boxes as hold nothing more), so that every byte read is checked
+against the manifest's shard CRCs, and TF finds each region with one
+lookup of its index, whatever the number of shards. One TF op reads a
+batch of variables; TF reads and checks the next batches in worker
+threads while JAX places this one, zero-copy where a device's slice is a
+contiguous part of a region.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,9 +24,10 @@ import numpy as np
 
 from flax_dtensor import _errors
 from flax_dtensor.dtensor import _tf, _tf_errors
-from flax_dtensor.dtensor._files import _manifest
+from flax_dtensor.dtensor._files import _grid, _manifest
 from flax_dtensor.dtensor._layout import (
   _arrays,
+  _index,
   _layouts,
   _pieces,
   _selection,
@@ -27,7 +35,10 @@ from flax_dtensor.dtensor._layout import (
 )
 
 AHEAD = 2
-"""Variables TF reads ahead of the one JAX is placing (host copies alive)."""
+"""Batches TF reads ahead of the one JAX is placing (host copies alive)."""
+
+BATCH_BYTES = 64 * 2**20
+"""A batch: consecutive variables read by one TF op, up to these bytes."""
 
 
 def slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
@@ -41,88 +52,88 @@ def slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
   return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
 
 
-def _overlap(a: _manifest.Index, b: _manifest.Index) -> _manifest.Index | None:
-  out = tuple(
-    (max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True)
+def _meet(a: _manifest.Index, b: _manifest.Index) -> bool:
+  return all(
+    a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b, strict=True)
   )
-  return out if all(lo < hi for lo, hi in out) or not out else None
 
 
-def _to_read(
+def _bound(boxes: Sequence[_manifest.Index]) -> _manifest.Index:
+  return tuple(
+    (min(lo for lo, _ in dims), max(hi for _, hi in dims))
+    for dims in zip(*boxes, strict=True)
+  )
+
+
+def regions(
   shape: tuple[int, ...],
   needed: set[_manifest.Index],
   whole: bool,
   record: _manifest.Record | None,
 ) -> list[_manifest.Index]:
-  """The slices to ask TF for, so that every byte placed can be checked.
+  """The regions to ask TF for: each slice in `needed` lies in one of them.
 
-  With a manifest, each saved shard that meets a slice this process holds,
-  whole: the manifest has a CRC of each saved shard, not of arbitrary
-  slices; TF reads a stored slice whole anyway to cut a part of it, and
-  returns each one contiguous, so it is hashed without a copy. Without a
-  manifest, the whole variable when this process holds all of it (TF reads
-  an entry in one pass), else the slices it holds.
+  With a manifest, each needed slice widened to the saved shards it meets
+  (`ShardGrid.hull`), boxes that overlap merged, and one box if their
+  bounding box holds nothing more: whole saved shards, so every byte read
+  is checked (the manifest has a CRC of each saved shard). Without one,
+  the whole variable when this process holds all of it (TF reads an entry
+  in one pass), else the slices it holds.
   """
-  if record is None or not record.shards:
+  if record is None:
     return [tuple((0, n) for n in shape)] if whole else sorted(needed)
-  return sorted(
-    index
-    for index, _ in record.shards
-    if any(_overlap(index, n) is not None for n in needed)
-  )
-
-
-def _within(
-  part: _manifest.Index, origin: _manifest.Index
-) -> tuple[slice, ...]:
-  """The slice `part` of an array, in a block that starts at `origin`."""
-  return tuple(
-    slice(p0 - o0, p1 - o0)
-    for (p0, p1), (o0, _) in zip(part, origin, strict=True)
-  )
+  boxes = {record.shards.hull(n) for n in needed}
+  merged = True
+  while merged and len(boxes) > 1:
+    merged = False
+    for a, b in itertools.combinations(sorted(boxes), 2):
+      if _meet(a, b):
+        boxes -= {a, b}
+        boxes.add(_bound([a, b]))
+        merged = True
+        break
+  bound = _bound(list(boxes))
+  if sum(_grid.volume(b) for b in boxes) == _grid.volume(bound):
+    return [bound]
+  return sorted(boxes)
 
 
 def _cut(
-  read: dict[_manifest.Index, np.ndarray],
-  index: _manifest.Index,
-  dtype: np.dtype,
+  read: dict[_manifest.Index, np.ndarray], index: _manifest.Index
 ) -> np.ndarray:
-  """The slice `index` of a variable, from the (checked) slices read."""
-  if index in read:
-    return read[index]
+  """The slice `index` of a variable: a view of the region holding it."""
   for held, data in read.items():
-    if _overlap(index, held) == index:
-      return data[_within(index, held)]
-  out = np.empty([b - a for a, b in index], dtype)
-  filled = 0
-  for held, data in read.items():
-    part = _overlap(index, held)
-    if part is not None:
-      out[_within(part, index)] = data[_within(part, held)]
-      filled += int(np.prod([b - a for a, b in part], dtype=np.int64))
-  # Internal: the slices read are the saved shards meeting `index`.
-  assert filled == out.size, (index, sorted(read))
-  return out
+    if _index.contains(held, index):
+      return data[_index.local(index, held)]
+  # `regions` gives every needed slice a region: an internal invariant,
+  # checked even under `python -O`.
+  raise AssertionError(
+    f'flax_dtensor internal error: no region read holds the slice {index}; '
+    f'read {sorted(read)}.'
+  )
 
 
-def _read(
-  prefix: str,
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What to read of one variable, and for which slices."""
+
+  entry: _selection.Entry
+  kind: tuple[np.dtype, np.dtype]  # (stored, saved)
+  record: _manifest.Record | None
+  needed: set[_manifest.Index]
+  regions: list[_manifest.Index]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(_grid.volume(r) for r in self.regions) * self.kind[0].itemsize
+
+
+def _plan(
   entry: _selection.Entry,
   kind: tuple[np.dtype, np.dtype],
   sharding: jax.sharding.Sharding,
   manifest: _manifest.Manifest | None,
-) -> dict[_manifest.Index, np.ndarray]:
-  """The slices this process's devices hold, read by TF and checked.
-
-  TF reads (`_to_read`) on the host; the values go back to the saved dtype
-  (widened on save; exact both ways) and every byte is checked against the
-  manifest (`_manifest.verify_read`) before the slices the devices hold are
-  cut from them. So no host reads the full model when a variable is
-  sharded over processes, though a process may read more of a variable
-  than it holds when the layout differs from the saved one. Thread-safe:
-  one TF op per call.
-  """
-  stored, saved = kind
+) -> _Plan:
   shape = tuple(entry.shape)
   needed = {
     _layouts.normalize_index(index, shape)
@@ -131,31 +142,76 @@ def _read(
   full = tuple((0, n) for n in shape)
   whole = sharding.is_fully_addressable or needed == {full}
   record = manifest.by_key.get(entry.key) if manifest is not None else None
-  slices = _to_read(shape, needed, whole, record)
+  return _Plan(
+    entry, kind, record, needed, regions(shape, needed, whole, record)
+  )
+
+
+def _read(
+  prefix: str,
+  plans: Sequence[_Plan],
+  manifest: _manifest.Manifest | None,
+) -> list[dict[_manifest.Index, np.ndarray]]:
+  """The slices this process's devices hold, of each variable, read by TF.
+
+  One TF op (RestoreV2 on the host) reads every region of the batch; the
+  values go back to the saved dtype (widened on save; exact both ways) and
+  every byte is checked against the manifest (`_manifest.verify_read`)
+  before the slices the devices hold are cut from them. So no host reads
+  the full model when a variable is sharded over processes, though a
+  process may read more of a variable than it holds when the layout
+  differs from the saved one. Thread-safe: one TF op per call.
+  """
   tf = _tf.tf()
+  names, specs, dtypes = [], [], []
+  for p in plans:
+    shape = tuple(p.entry.shape)
+    for region in p.regions:
+      names.append(p.entry.key)
+      specs.append(slice_spec(shape, region))
+      dtypes.append(tf.as_dtype(p.kind[0]))
   try:
     with tf.device('/CPU:0'):
       tensors = tf.raw_ops.RestoreV2(
         prefix=prefix,
-        tensor_names=[entry.key] * len(slices),
-        shape_and_slices=[slice_spec(shape, i) for i in slices],
-        dtypes=[tf.as_dtype(stored)] * len(slices),
+        tensor_names=names,
+        shape_and_slices=specs,
+        dtypes=dtypes,
       )
   except tf.errors.OpError as e:
+    which = ', '.join(repr(p.entry.name) for p in plans)
     raise _errors.DamagedExportError(
-      f'TensorFlow failed to read the NNX variable {entry.name!r} from the '
-      f'checkpoint {prefix!r}: {_tf_errors.describe(e)}. Check that every '
-      'data file of the checkpoint is complete and readable (or that no '
-      'other process rewrote it during the read), or re-export it. Nothing '
-      'was restored: the target is unchanged.'
+      f'TensorFlow failed to read the NNX variable{"s" * (len(plans) > 1)} '
+      f'{which} from the checkpoint {prefix!r}: {_tf_errors.describe(e)}. '
+      'Check that every data file of the checkpoint is complete and readable '
+      '(or that no other process rewrote it during the read), or re-export '
+      'it. Nothing was restored: the target is unchanged.'
     ) from e
-  read = {}
-  for index, t in zip(slices, tensors, strict=True):
-    value = _arrays.tensor_numpy(t)
-    read[index] = value.astype(saved) if stored != saved else value
-  if record is not None:
-    _manifest.verify_read(manifest, record, read)
-  return {index: _cut(read, index, saved) for index in needed}
+  out = []
+  tensors = iter(tensors)
+  for p in plans:
+    stored, saved = p.kind
+    read = {}
+    for region in p.regions:
+      value = _arrays.tensor_numpy(next(tensors))
+      read[region] = value.astype(saved) if stored != saved else value
+    if p.record is not None:
+      _manifest.verify_read(manifest, p.record, read)
+    out.append({index: _cut(read, index) for index in p.needed})
+  return out
+
+
+def _batches(plans: Sequence[_Plan]) -> list[list[int]]:
+  """Consecutive variables, in batches of about `BATCH_BYTES` to read."""
+  out: list[list[int]] = []
+  size = BATCH_BYTES
+  for i, p in enumerate(plans):
+    if size >= BATCH_BYTES:
+      out.append([])
+      size = 0
+    out[-1].append(i)
+    size += p.nbytes
+  return out
 
 
 def read_placed(
@@ -175,27 +231,34 @@ def read_placed(
     shardings: Per entry, where the array goes.
     manifest: The checked manifest, whose shard CRCs are verified; None for
       a plain TF checkpoint.
-    advance: Called with 1 after each variable is placed (progress).
+    advance: Called with the number of variables placed (progress).
   """
+  plans = [
+    _plan(e, k, s, manifest)
+    for e, k, s in zip(entries, kinds, shardings, strict=True)
+  ]
+  batches = _batches(plans)
   arrays: list[jax.Array] = []
-  # TF reads and the CRCs are checked for the next variables in worker
+  # TF reads and the CRCs are checked for the next batches in worker
   # threads while JAX places this one here (JAX's configuration, such as
   # 64-bit types, is this thread's). Both release the GIL; at most AHEAD
-  # host copies exist at once.
+  # batches of host copies exist at once.
   with concurrent.futures.ThreadPoolExecutor(AHEAD) as pool:
 
-    def submit(i: int) -> concurrent.futures.Future:
+    def submit(b: int) -> concurrent.futures.Future:
       return pool.submit(
-        _read, prefix, entries[i], kinds[i], shardings[i], manifest
+        _read, prefix, [plans[i] for i in batches[b]], manifest
       )
 
-    reads = {i: submit(i) for i in range(min(AHEAD, len(entries)))}
-    for i, e in enumerate(entries):
-      pieces = reads.pop(i).result()
-      if i + AHEAD < len(entries):
-        reads[i + AHEAD] = submit(i + AHEAD)
-      array = _pieces.place(pieces, tuple(e.shape), shardings[i])
+    reads = {b: submit(b) for b in range(min(AHEAD, len(batches)))}
+    for b, batch in enumerate(batches):
+      pieces = reads.pop(b).result()
+      if b + AHEAD < len(batches):
+        reads[b + AHEAD] = submit(b + AHEAD)
+      for i, piece in zip(batch, pieces, strict=True):
+        e = entries[i]
+        array = _pieces.place(piece, tuple(e.shape), shardings[i])
+        arrays.append(_target.as_target(array, e, kinds[i][1]))
       del pieces
-      arrays.append(_target.as_target(array, e, kinds[i][1]))
-      advance(1)
+      advance(len(batch))
   return arrays

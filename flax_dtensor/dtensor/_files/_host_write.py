@@ -1,16 +1,16 @@
-"""Writing checkpoint shards from host memory, off the caller's thread.
+"""Writing checkpoint shards with TF's plain SaveV2 on the host.
 
-A background save (`save_checkpoint(..., blocking=False)`) cannot use TF
-DTensor's sharded save there: that write is collective across the DTensor
-clients (TF collectives on the mesh), and collectives issued from two
-threads of every process (the save's, and the caller's next export) pair up
-in different orders and hang. So `own` gives each saved shard (a distinct
-slice of a variable) to one process holding it, replicas spread over them;
-`snapshot` copies this process's into host buffers of the stored dtype on
-the caller's thread; and `write` hands them without another copy (DLPack)
-to TF's plain SaveV2 on the host CPU, as a bundle of this process, hashing
-each shard meanwhile. No DTensor op and no collective runs: process 0
-merges every process's bundle into the checkpoint (`_checkpoint`).
+Every save writes this way, blocking or not: no DTensor op and no
+collective runs (TF DTensor's sharded save costs a SaveV2 per device,
+barriers and a merge, and grows faster than the shards). `own` gives each
+saved shard (a distinct slice of a variable) to one process holding it,
+replicas spread over the processes; `hand_over` gives this process's to
+TF as they are (a blocking save: TF reads the JAX buffers themselves,
+through DLPack, where the dtype is stored as it is), `snapshot` copies them
+into host buffers first (a background save, so that the caller may
+overwrite its arrays); and `write` writes them as one TF bundle of this
+process, hashing each shard meanwhile. Process 0 merges every process's
+bundle into the checkpoint (`_checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._files import _host_read, _manifest
-from flax_dtensor.dtensor._layout import _layouts, _pieces, _selection
+from flax_dtensor.dtensor._layout import _pieces, _selection
 
 # Dtypes NumPy cannot hand over through DLPack, and the same-size dtype TF
 # reinterprets (`tf.bitcast`, no copy) as them. Others it has no
@@ -36,20 +36,29 @@ _DLPACK_VIEWS = {'bfloat16': np.uint16}
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """One saved shard this process writes, copied to host memory.
+  """One saved shard this process writes.
 
   Attributes:
     variable: Its variable's position among the save's entries.
     index: Its global slice.
     data: Its values in the stored dtype (widened exactly where the
-      checkpoint widens), C-contiguous and 64-byte aligned.
+      checkpoint widens): a host copy (C-contiguous, 64-byte aligned), or
+      the JAX shard itself (`jax.Array`) where it is stored as it is and
+      the caller waits for the write.
     saved: The dtype it is hashed as (the variable's saved dtype).
   """
 
   variable: int
   index: _manifest.Index
-  data: np.ndarray
+  data: np.ndarray | jax.Array
   saved: np.dtype
+
+
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> _manifest.Index:
+  return tuple(
+    (s.start or 0, n if s.stop is None else s.stop)
+    for s, n in zip(index, shape, strict=True)
+  )
 
 
 def own(values: Sequence[jax.Array]) -> list[dict[_manifest.Index, Any]]:
@@ -65,13 +74,15 @@ def own(values: Sequence[jax.Array]) -> list[dict[_manifest.Index, Any]]:
   out = []
   for i, value in enumerate(values):
     shape = tuple(value.shape)
-    holders: dict[_manifest.Index, set[int]] = {}
-    for device, index in value.sharding.devices_indices_map(shape).items():
-      key = _layouts.normalize_index(index, shape)
-      holders.setdefault(key, set()).add(device.process_index)
     local = {}
     for shard in value.addressable_shards:
-      local.setdefault(_layouts.normalize_index(shard.index, shape), shard)
+      local.setdefault(_index(shard.index, shape), shard)
+    if value.is_fully_addressable and jax.process_count() == 1:
+      out.append(local)  # The only holder of every slice.
+      continue
+    holders: dict[_manifest.Index, set[int]] = {}
+    for device, index in value.sharding.devices_indices_map(shape).items():
+      holders.setdefault(_index(index, shape), set()).add(device.process_index)
     mine = {}
     for k, index in enumerate(sorted(holders)):
       processes = sorted(holders[index])
@@ -79,6 +90,27 @@ def own(values: Sequence[jax.Array]) -> list[dict[_manifest.Index, Any]]:
         mine[index] = local[index]
     out.append(mine)
   return out
+
+
+def hand_over(
+  entries: Sequence[_selection.Entry], values: Sequence[jax.Array]
+) -> list[Piece]:
+  """The saved shards this process writes, without copying them.
+
+  A shard stored as it is stays the JAX shard, which TF reads through
+  DLPack; a widened one is converted into a host buffer (the checkpoint
+  must hold the widened values). For a blocking save: the arrays must not
+  change until the write is done.
+  """
+  pieces = []
+  for i, (entry, mine) in enumerate(zip(entries, own(values), strict=True)):
+    widened = entry.stored_dtype != entry.dtype
+    for index, shard in sorted(mine.items()):
+      data = shard.data
+      if widened:
+        data = np.asarray(data).astype(entry.stored_dtype)
+      pieces.append(Piece(i, index, data, np.dtype(entry.dtype)))
+  return pieces
 
 
 def snapshot(
@@ -100,9 +132,14 @@ def snapshot(
   return pieces
 
 
-def _tensor(data: np.ndarray) -> Any:
+def _tensor(data: np.ndarray | jax.Array) -> Any:
   """A TF tensor on the host CPU viewing `data` (no copy, where TF can)."""
   tf = _tf.tf()
+  if isinstance(data, jax.Array):
+    try:
+      return tf.experimental.dlpack.from_dlpack(data.__dlpack__())
+    except Exception:  # A dtype DLPack lacks (int4), a device TF lacks.
+      return tf.convert_to_tensor(np.asarray(data))
   view = _DLPACK_VIEWS.get(data.dtype.name)
   try:
     if view is None:
@@ -113,43 +150,82 @@ def _tensor(data: np.ndarray) -> Any:
     return tf.convert_to_tensor(data)
 
 
+def _crcs(pieces: Sequence[Piece]) -> list[int]:
+  out = []
+  for piece in pieces:
+    data = piece.data
+    if isinstance(data, jax.Array):
+      out.append(_manifest.crc(np.asarray(data)))
+    else:
+      out.append(_manifest.crc(data, piece.saved))
+  return out
+
+
+# Pieces hashed by one task: a task per shard would cost more to hand over
+# than to hash when they are small and many.
+_HASH_TASK_BYTES = 16 * 2**20
+_HASH_TASKS = 64
+
+
+def _hashing(
+  pieces: Sequence[Piece], pool: concurrent.futures.Executor
+) -> list[concurrent.futures.Future]:
+  """Starts hashing `pieces` in `pool`, in tasks of consecutive pieces."""
+  total = sum(p.data.nbytes for p in pieces)
+  step = max(_HASH_TASK_BYTES, total // _HASH_TASKS, 1)
+  tasks, start, size = [], 0, 0
+  for i, p in enumerate(pieces):
+    size += p.data.nbytes
+    if size >= step or i == len(pieces) - 1:
+      tasks.append(pool.submit(_crcs, pieces[start : i + 1]))
+      start, size = i + 1, 0
+  return tasks
+
+
 def write(
   entries: Sequence[_selection.Entry],
   pieces: Sequence[Piece],
   prefix: str,
   pool: concurrent.futures.Executor,
+  extra: dict[str, Any] | None = None,
 ) -> list[list[tuple[_manifest.Index, int]]]:
   """Writes `pieces` as the TF bundle `prefix`; their CRCs per variable.
 
-  TF writes on this thread while `pool` hashes; then the bundle is flushed
-  to disk. A process with nothing to write writes no bundle.
+  TF writes on this thread while `pool` hashes (`flush` then puts the
+  bundle on disk). `extra` adds whole tensors by key (the object graph,
+  when this bundle is the checkpoint itself). A process with nothing to
+  write writes no bundle.
   """
-  hashes = [pool.submit(_manifest.crc, p.data, p.saved) for p in pieces]
-  if pieces:
+  hashes = _hashing(pieces, pool)
+  extra = extra or {}
+  if pieces or extra:
     tf = _tf.tf()
+    keys = [e.key for e in entries]
     with tf.device('/CPU:0'):
       tf.raw_ops.SaveV2(
         prefix=prefix,
-        tensor_names=[entries[p.variable].key for p in pieces],
+        tensor_names=[keys[p.variable] for p in pieces] + list(extra),
         shape_and_slices=[
           _host_read.slice_spec(entries[p.variable].shape, p.index)
           for p in pieces
-        ],
-        tensors=[_tensor(p.data) for p in pieces],
+        ]
+        + [''] * len(extra),
+        tensors=[_tensor(p.data) for p in pieces] + list(extra.values()),
       )
-    directory, base = os.path.split(prefix)
-    for name in os.listdir(directory):
-      if name.startswith(base + '.'):
-        _flush(os.path.join(directory, name))
   out: list[list[tuple[_manifest.Index, int]]] = [[] for _ in entries]
-  for p, h in zip(pieces, hashes, strict=True):
-    out[p.variable].append((p.index, h.result()))
+  crcs = (crc for h in hashes for crc in h.result())
+  for p, crc in zip(pieces, crcs, strict=True):
+    out[p.variable].append((p.index, crc))
   return [sorted(shards) for shards in out]
 
 
-def _flush(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+def flush(prefix: str) -> None:
+  """Flushes the files of the TF bundle `prefix` to disk."""
+  directory, base = os.path.split(prefix)
+  for name in os.listdir(directory):
+    if name.startswith(base + '.'):
+      fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)

@@ -2,7 +2,9 @@
 
 It records every variable (its exact NNX path, checkpoint key, NNX type,
 dtype, stored dtype, shape, layout, and a CRC-32 of each saved shard's
-bytes) and every file of the export (size and a CRC-32 per 64 MiB chunk).
+bytes: the shards are the blocks of a grid its layout implies, `_grid`,
+so a shard costs 4 bytes) and every file of the export (size and a CRC-32
+per 64 MiB chunk).
 `read` is the one reader (restore, `read_checkpoint` and the CLI use it),
 strict about the document's shape and the paths it names;
 `verify_files` checks where the files lead and their bytes before
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
-from flax_dtensor.dtensor._files import _paths
+from flax_dtensor.dtensor._files import _grid, _paths
 from flax_dtensor.dtensor._layout import _index, _names
 
 if TYPE_CHECKING:
@@ -37,12 +39,14 @@ if TYPE_CHECKING:
 FILE = 'flax_dtensor.json'
 CHECKPOINT_FORMAT = 'flax_dtensor.checkpoint'
 SAVED_MODEL_FORMAT = 'flax_dtensor.saved_model'
-# 3: exact paths, per-shard and per-file checksums.
-VERSION = 3
+# 3: exact paths, per-shard and per-file checksums, each shard a record.
+# 4: the shards implied by each variable's layout (the blocks of a grid),
+# their checksums one base64 string of 4 bytes a shard.
+VERSION = 4
 # The versions read, each with the name of its checksum: the key of the
 # per-file and per-shard checksums, and the manifest's `checksum`. Version 2
 # (no checksums) was never released, and is refused.
-READABLE = {3: 'crc32'}
+READABLE = {3: 'crc32', 4: 'crc32'}
 # What a manifest may be: at most this large, and nested this deep.
 MAX_BYTES = 256 * 2**20
 MAX_DEPTH = 64
@@ -127,7 +131,8 @@ class Record:
   key_impl: str | None
   # A display string in the records of early flax_dtensor versions.
   sharding: ShardingRecord | str | None
-  shards: tuple[tuple[Index, int], ...]  # (global slice, CRC-32 of bytes)
+  # The saved shards: iterates as (global slice, CRC-32 of its bytes).
+  shards: _grid.ShardGrid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +231,70 @@ def sharding_record(
     dtensor_specs=tuple(str(s) for s in layout.sharding_specs),
     dtensor_mesh=_axes(layout.mesh.dim_names, layout.mesh.shape()),
   )
+
+
+def blocks_of(
+  sharding: ShardingRecord, shape: Sequence[int]
+) -> tuple[int, ...]:
+  """The grid of saved shards a recorded layout implies, per dimension.
+
+  A dimension sharded over mesh axes is cut into as many equal blocks as
+  the product of their sizes (one block if it is empty); others are whole.
+
+  Raises:
+    ValueError: Saying why the layout implies no grid over `shape`.
+  """
+  if sharding.kind == 'single_device':
+    return (1,) * len(shape)
+  if len(sharding.spec) != len(shape):
+    raise ValueError(
+      f'its layout has {len(sharding.spec)} dimensions, its shape {len(shape)}'
+    )
+  sizes = dict(zip(sharding.mesh.names, sharding.mesh.sizes, strict=True))
+  used = [axis for axes in sharding.spec for axis in axes]
+  if len(set(used)) != len(used) or not set(used) <= set(sizes):
+    raise ValueError(
+      f'its layout shards over mesh axes {used}, which are not distinct '
+      f'axes of its mesh {sharding.mesh.text()}'
+    )
+  out = []
+  for axes, n in zip(sharding.spec, shape, strict=True):
+    count = 1
+    for axis in axes:
+      count *= sizes[axis]
+    if n % count:
+      raise ValueError(
+        f'its layout cuts a dimension of {n} into {count} blocks, unevenly'
+      )
+    out.append(count if n else 1)
+  return tuple(out)
+
+
+def shard_grid(
+  sharding: ShardingRecord,
+  shape: Sequence[int],
+  shards: Sequence[tuple[Index, int]],
+) -> _grid.ShardGrid:
+  """The grid of a variable's saved shards, from their (slice, CRC-32)s.
+
+  For the writers: every distinct shard of the array, each once, as the
+  layout implies (an internal invariant, checked even under `python -O`).
+  """
+  try:
+    grid = _grid.from_shards(tuple(shape), shards)
+    implied = blocks_of(sharding, shape)
+  except ValueError as e:
+    raise AssertionError(
+      f'flax_dtensor internal error: the shards written of an array of shape '
+      f'{tuple(shape)} {e}. Please report this with its sharding.'
+    ) from e
+  if grid.blocks != implied:
+    raise AssertionError(
+      f'flax_dtensor internal error: the shards written of an array of shape '
+      f'{tuple(shape)} are {grid.blocks} blocks, its layout implies '
+      f'{implied}. Please report this with its sharding.'
+    )
+  return grid
 
 
 # Elements narrowed at a time by `crc`: a bounded scratch copy.
@@ -365,10 +434,10 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
           if isinstance(r.sharding, ShardingRecord)
           else r.sharding
         ),
-        'shards': [
-          {'index': [list(d) for d in index], 'crc32': crc}
-          for index, crc in r.shards
-        ],
+        'shards': {
+          'blocks': list(r.shards.blocks),
+          'crc32': r.shards.to_text(),
+        },
       }
       for r in manifest.records
     ],
@@ -461,6 +530,93 @@ def _checksum(value: Any, what: str, file: str) -> int:
   return value
 
 
+def _listed_shards(
+  raw: Any, path: _names.Path, shape: tuple[int, ...], checksum: str, file: str
+) -> _grid.ShardGrid:
+  """Version 3's shards, one record each, as their grid (or our error)."""
+  if not isinstance(raw, list):
+    raise _malformed(file, f'the shards of {list(path)!r:.80} are {raw!r:.80}')
+  shards = [_shard(s, checksum, file) for s in raw]
+  try:
+    return _grid.from_shards(shape, shards)
+  except _grid.NotAGrid as e:
+    raise _uncovered(file, path, e) from None
+
+
+def _uncovered(
+  file: str, path: _names.Path, e: _grid.NotAGrid
+) -> _errors.MalformedExportError:
+  name = _names.path_text(path)
+  if e.uncovered is not None:
+    return _malformed(
+      file,
+      f'the shards recorded for {name} do not cover '
+      f'[{_grid.text(e.uncovered)}], so those values were never saved or '
+      'their records are lost',
+    )
+  return _malformed(file, f'the shards recorded for {name} {e}')
+
+
+def _grid_shards(
+  raw: Any,
+  path: _names.Path,
+  shape: tuple[int, ...],
+  sharding: ShardingRecord | str | None,
+  checksum: str,
+  file: str,
+) -> _grid.ShardGrid:
+  """Version 4's shards: the grid its layout implies, and their CRCs."""
+  name = _names.path_text(path)
+  if not isinstance(sharding, ShardingRecord):
+    raise _malformed(
+      file, f'{name} has no recorded layout, which implies its shards'
+    )
+  blocks = raw.get('blocks') if isinstance(raw, dict) else None
+  text = raw.get(checksum) if isinstance(raw, dict) else None
+  if not isinstance(text, str) or not isinstance(blocks, list):
+    raise _malformed(
+      file,
+      f'the shards of {name} are {raw!r:.80}, expected blocks and {checksum}',
+    )
+  blocks = _int_list(blocks, f'the blocks of {name}', file)
+  try:
+    implied = blocks_of(sharding, shape)
+  except ValueError as e:
+    raise _malformed(
+      file, f'the layout of {name} implies no shards: {e}'
+    ) from None
+  if blocks != implied:
+    raise _malformed(
+      file,
+      f'the shards of {name} are {list(blocks)} blocks, where its layout '
+      f'({_layout_text(sharding)}) cuts its shape {shape} into '
+      f'{list(implied)}',
+    )
+  try:
+    crcs = _grid.decode(text)
+  except ValueError as e:
+    raise _malformed(
+      file, f'the {checksum} of the shards of {name} are {e}'
+    ) from None
+  count = 1
+  for b in blocks:
+    count *= b
+  if len(crcs) != count:
+    raise _malformed(
+      file,
+      f'{name} has {len(crcs)} shard checksum{"s" * (len(crcs) != 1)}, '
+      f'where its layout ({_layout_text(sharding)}) implies {count} '
+      f'shard{"s" * (count != 1)}',
+    )
+  return _grid.ShardGrid(shape, blocks, crcs)
+
+
+def _layout_text(sharding: ShardingRecord) -> str:
+  if sharding.kind == 'single_device':
+    return 'one device'
+  return f'{list(map(list, sharding.spec))} over {sharding.mesh.text()}'
+
+
 def _shard(raw: Any, checksum: str, file: str) -> Any:
   if not isinstance(raw, dict) or not isinstance(raw.get('index'), list):
     raise _malformed(file, f'a shard record is {raw!r:.80}')
@@ -539,7 +695,7 @@ def read_sharding(
   )
 
 
-def _record(raw: Any, file: str, checksum: str) -> Record:
+def _record(raw: Any, file: str, checksum: str, version: int) -> Record:
   if not isinstance(raw, dict):
     raise _malformed(file, f'a variable record is {raw!r:.80}')
   path = raw.get('path')
@@ -564,10 +720,12 @@ def _record(raw: Any, file: str, checksum: str) -> Record:
       )
     text[name] = value
   shape = _int_list(raw.get('shape'), 'a shape', file)
-  shards = raw.get('shards', [])
-  if not isinstance(shards, list):
-    raise _malformed(
-      file, f'the shards of {list(path)!r:.80} are {shards!r:.80}'
+  sharding = read_sharding(raw.get('sharding'), file, path)
+  if version == 3:
+    shards = _listed_shards(raw.get('shards', []), path, shape, checksum, file)
+  else:
+    shards = _grid_shards(
+      raw.get('shards'), path, shape, sharding, checksum, file
     )
   try:
     key = text['key'] or _names.checkpoint_key(path)
@@ -583,8 +741,8 @@ def _record(raw: Any, file: str, checksum: str) -> Record:
     stored_dtype=text['stored_dtype'] or text['dtype'],
     shape=shape,
     key_impl=text['key_impl'],
-    sharding=read_sharding(raw.get('sharding'), file, path),
-    shards=tuple(_shard(s, checksum, file) for s in shards),
+    sharding=sharding,
+    shards=shards,
   )
 
 
@@ -722,7 +880,7 @@ def read(path: str) -> Manifest | None:
   variables = raw.get('variables')
   if not isinstance(variables, list):
     raise _malformed(file, '`variables` is not a list of records')
-  records = tuple(_record(v, file, checksum) for v in variables)
+  records = tuple(_record(v, file, checksum, version) for v in variables)
   raw_files = raw.get('files')
   if not isinstance(raw_files, dict):
     raise _malformed(file, '`files` is not a dict')
@@ -1016,14 +1174,6 @@ def verify_index(
         f'{name} has shape {tuple(shapes[key])} in the data, {r.shape} in '
         'the manifest'
       )
-    elif not all(
-      len(index) == len(r.shape)
-      and all(b <= n for (_, b), n in zip(index, r.shape, strict=True))
-      for index, _ in r.shards
-    ):
-      problems.append(
-        f'the shards recorded for {name} do not fit its shape {r.shape}'
-      )
     stored = np.dtype(dtypes[key].as_numpy_dtype)
     if stored.name != r.stored_dtype:
       problems.append(
@@ -1051,38 +1201,34 @@ def verify_read(
   `verify_files` (a byte flipped, a file truncated, the whole export
   replaced by another save), a restore places only bytes that match what
   was saved. `read` maps each global slice TF returned to its host array,
-  in the saved dtype: the whole variable, or whole saved shards. Each saved
-  shard found in a slice is hashed (`crc`) and compared; a slice that the
-  recorded shards do not cover whole (a record without shards, too) is
-  refused.
+  in the saved dtype: whole saved shards (a box of whole blocks of the
+  grid, `ShardGrid.hull`), each of which is hashed (`crc`) and compared. A
+  slice that is not whole blocks is refused.
 
   Raises:
     DamagedExportError: If a shard's bytes differ from what was saved.
-    MalformedExportError: If the recorded shards leave part of a slice
-      read unchecked.
+    MalformedExportError: If a slice read is not made of whole shards.
   """
+  import numpy as np
+
+  grid = record.shards
   for held, data in read.items():
-    checked = 0
-    for index, expected in record.shards:
-      if _index.contains(held, index):
-        _check_shard(manifest, record, index, expected, data, held)
-        checked += _volume(index)
-    if checked != _volume(held):
+    if not grid.aligned(held):
       raise damaged(
         manifest,
         [
           f'the shards recorded for {_names.path_text(record.path)} do not '
-          f'cover [{_slices(held)}], so its bytes cannot be checked'
+          f'cover [{_grid.text(held)}] whole, so its bytes cannot be checked'
         ],
         read=True,
         kind=_errors.MalformedExportError,
       )
-
-
-def _volume(index: Index) -> int:
-  import numpy as np
-
-  return int(np.prod([b - a for a, b in index], dtype=np.int64))
+    data = np.asarray(data)
+    if held == grid.whole and len(grid) == 1:
+      _check_shard(manifest, record, held, grid.crcs[0], data, held)
+      continue
+    for index, expected in grid.inside(held):
+      _check_shard(manifest, record, index, expected, data, held)
 
 
 def _check_shard(
@@ -1093,19 +1239,13 @@ def _check_shard(
   data: Any,
   held: Index,
 ) -> None:
-  import numpy as np
-
-  got = crc(np.asarray(data)[_index.local(index, held)])
+  got = crc(data[_index.local(index, held)])
   if got != expected:
     raise damaged(
       manifest,
       [
-        f'{_names.path_text(record.path)}[{_slices(index)}] read back '
+        f'{_names.path_text(record.path)}[{_grid.text(index)}] read back '
         f'with CRC-32 {got:08x}, recorded {expected:08x}'
       ],
       read=True,
     )
-
-
-def _slices(index: Index) -> str:
-  return ', '.join(f'{a}:{b}' for a, b in index)

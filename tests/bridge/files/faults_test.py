@@ -11,6 +11,7 @@ saying what happened and what to do.
 
 import dataclasses
 import errno
+import itertools
 import os
 import re
 import threading
@@ -29,6 +30,7 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor import _tf_errors  # noqa: E402
+from flax_dtensor.dtensor._files import _grid as _grid_module  # noqa: E402
 from flax_dtensor.dtensor._files import _host_read, _manifest, _restore  # noqa: E402
 
 
@@ -545,18 +547,15 @@ def test_restores_while_another_thread_swaps_the_checkpoint(
   assert len(outcomes) == 12
 
 
-def _grid(shape, blocks):
-  """The saved shards of a `blocks` grid over `shape`: [(index, 0)]."""
+def _grid(shape, blocks, full=None):
+  """The saved shards of a `blocks` grid over `shape`, CRCs of `full`."""
   steps = [n // b for n, b in zip(shape, blocks, strict=True)]
   out = []
   for i in np.ndindex(*blocks):
-    out.append(
-      (
-        tuple((k * s, (k + 1) * s) for k, s in zip(i, steps, strict=True)),
-        0,
-      )
-    )
-  return out
+    index = tuple((k * s, (k + 1) * s) for k, s in zip(i, steps, strict=True))
+    value = 0 if full is None else _manifest.crc(_view(full, index))
+    out.append((index, value))
+  return _grid_module.from_shards(tuple(shape), out)
 
 
 def _record(shape, shards):
@@ -573,56 +572,93 @@ def _record(shape, shards):
   )
 
 
+def _view(full, index):
+  return full[tuple(slice(a, b) for a, b in index)]
+
+
 @pytest.mark.parametrize('whole', [False, True])
 @pytest.mark.parametrize(
-  'saved, held',
-  [((2, 4), (4, 2)), ((4, 1), (1, 4)), ((2, 2), (2, 2)), ((8, 1), (2, 1))],
+  'shape, saved, held',
+  [
+    ((8, 16), (2, 4), (4, 2)),
+    ((8, 16), (4, 1), (1, 4)),
+    ((8, 16), (2, 2), (2, 2)),
+    ((8, 16), (8, 1), (2, 1)),
+    # Held slices straddling saved blocks: their boxes overlap, merged.
+    ((8, 12), (1, 3), (1, 2)),
+  ],
 )
 def test_a_process_reads_whole_saved_shards_and_cuts_its_slices(
-  saved, held, whole
+  shape, saved, held, whole
 ):
-  """The read plan, by values: read saved shards, check them, then cut."""
-  shape = (8, 16)
-  full = np.arange(128, dtype=np.float32).reshape(shape)
-  record = _record(shape, tuple(_grid(shape, saved)))
+  """The read plan, by values: read boxes of saved shards, then cut views."""
+  full = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  grid = _grid(shape, saved)
+  record = _record(shape, grid)
   # Some slices of another layout (as a process of several holds), or the
   # whole variable (as one process holding all of it does).
-  needed = (
-    {((0, 8), (0, 16))} if whole else {i for i, _ in _grid(shape, held)[:3]}
-  )
-  slices = _host_read._to_read(shape, needed, whole, record)
-  read = {i: full[_host_read._within(i, ((0, 8), (0, 16)))] for i in slices}
-  # Only saved shards, each whole, and only those meeting a held slice.
-  assert set(slices) <= {index for index, _ in record.shards}
-  for index in slices:
-    assert any(_host_read._overlap(index, n) for n in needed)
+  steps = [n // b for n, b in zip(shape, held, strict=True)]
+  slices = [
+    tuple((k * s, (k + 1) * s) for k, s in zip(i, steps, strict=True))
+    for i in np.ndindex(*held)
+  ]
+  needed = {((0, shape[0]), (0, shape[1]))} if whole else set(slices[:3])
+  regions = _host_read.regions(shape, needed, whole, record)
+  # Whole saved shards, disjoint, each meeting a needed slice, and each
+  # needed slice inside one of them.
+  for region in regions:
+    assert grid.aligned(region)
+    assert any(_host_read._meet(region, n) for n in needed)
+  for a, b in itertools.combinations(regions, 2):
+    assert not _host_read._meet(a, b)
+  read = {r: _view(full, r) for r in regions}
   for index in needed:
-    cut = _host_read._cut(read, index, np.dtype(np.float32))
-    np.testing.assert_array_equal(
-      cut, full[_host_read._within(index, ((0, 8), (0, 16)))]
-    )
+    cut = _host_read._cut(read, index)
+    np.testing.assert_array_equal(cut, _view(full, index))
+    # A view of what TF read, never a copy.
+    assert any(np.shares_memory(cut, data) for data in read.values())
 
 
-def test_the_read_check_refuses_shards_that_leave_bytes_unchecked(tmp_path):
+def test_regions_merge_boxes_that_meet_and_keep_apart_those_that_do_not():
+  shape = (8, 16)
+  record = _record(shape, _grid(shape, (4, 4)))
+  # Two slices in one saved block's row: one box of the blocks they meet.
+  assert _host_read.regions(
+    shape, {((0, 1), (0, 2)), ((1, 2), (5, 6))}, False, record
+  ) == [((0, 2), (0, 8))]
+  # Slices far apart: two boxes, nothing read between them.
+  assert _host_read.regions(
+    shape, {((0, 2), (0, 4)), ((6, 8), (12, 16))}, False, record
+  ) == [((0, 2), (0, 4)), ((6, 8), (12, 16))]
+  # Slices side by side: one box.
+  assert _host_read.regions(
+    shape, {((0, 2), (0, 4)), ((0, 2), (4, 8))}, False, record
+  ) == [((0, 2), (0, 8))]
+  # A plain TF checkpoint: the slices themselves, or the whole.
+  assert _host_read.regions(shape, {((0, 2), (0, 4))}, False, None) == [
+    ((0, 2), (0, 4))
+  ]
+  assert _host_read.regions(shape, {((0, 2), (0, 4))}, True, None) == [
+    ((0, 8), (0, 16))
+  ]
+
+
+def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
-  shards = tuple(
-    (index, _manifest.crc(full[_host_read._within(index, ((0, 8), (0, 16)))]))
-    for index, _ in _grid(shape, (2, 2))
-  )
   manifest = _manifest.Manifest(
-    _manifest.CHECKPOINT_FORMAT, 3, str(tmp_path), 'ckpt', {}, ()
+    _manifest.CHECKPOINT_FORMAT, 4, str(tmp_path), 'ckpt', {}, ()
   )
-  record = _record(shape, shards)
+  record = _record(shape, _grid(shape, (2, 2), full))
   whole = {((0, 8), (0, 16)): full}
   _manifest.verify_read(manifest, record, whole)  # Every byte checked.
-  partial = dataclasses.replace(record, shards=shards[:-1])
+  _manifest.verify_read(manifest, record, {((4, 8), (0, 8)): full[4:, :8]})
   with pytest.raises(
     fdt_tf.MalformedExportError,
-    match=r'the shards recorded for w do not cover \[0:8, 0:16\], so its '
-    r'bytes cannot be checked',
+    match=r'the shards recorded for w do not cover \[0:6, 0:16\] whole, so '
+    r'its bytes cannot be checked',
   ):
-    _manifest.verify_read(manifest, partial, whole)
+    _manifest.verify_read(manifest, record, {((0, 6), (0, 16)): full[:6]})
   changed = full.copy()
   changed[7, 15] += 1
   with pytest.raises(

@@ -9,6 +9,7 @@ hook sees every `open`) or handed to TensorFlow as a prefix (a spy on our
 own call site).
 """
 
+import base64
 import concurrent.futures
 import contextlib
 import json
@@ -218,14 +219,17 @@ def _set(key, value):
 
 
 def _shape_bomb(meta, root, theirs):
-  record = meta['variables'][0]
-  record['shape'] = [10**13, 1]
-  record['shards'] = [{'index': [[0, 10**13], [0, 1]], CHECKSUM: 0}]
+  record = _variable(meta, 'bias')  # Replicated: one shard, whatever size.
+  record['shape'] = [10**13]
 
 
 def _no_shards(meta, root, theirs):
   for record in meta['variables']:
-    record['shards'] = []
+    record['shards'][CHECKSUM] = ''
+
+
+def _variable(meta, name):
+  return next(v for v in meta['variables'] if v['path'][-1] == name)
 
 
 def _text(text):
@@ -302,12 +306,13 @@ CRAFTED = [
   (
     'shape bomb',
     _shape_bomb,
-    r'has shape \(.*\) in the data, \(10000000000000, 1\) in the manifest',
+    r'has shape \(16,\) in the data, \(10000000000000,\) in the manifest',
   ),
   (
     'no shards recorded',
     _no_shards,
-    r'the shards recorded for \S+ do not cover',
+    r'dense/bias has 0 shard checksums, where its layout \(one device\) '
+    r'implies 1 shard\b',
   ),
   ('deep nesting', _deep, 'nests deeper than Python parses'),
   (
@@ -325,17 +330,33 @@ CRAFTED = [
   ('crc too big', None, r'expected a list of ints in \[0, 4294967296\)'),
   ('negative shape', None, r'a shape is \[-8, 16\]'),
   (
-    'shard out of shape',
+    "blocks not the layout's",
     None,
-    r'is damaged: the shards recorded for dense/kernel do not fit its shape '
-    r'\(8, 16\)',
+    r'the shards of dense/kernel are \[4, 2\] blocks, where its layout '
+    r"\(\[\['data'\], \['model'\]\] over data=2,model=4\) cuts its shape "
+    r'\(8, 16\) into \[2, 4\]',
   ),
   (
-    'shard index reversed',
+    'a shard checksum removed',
     None,
-    r'the shard index \[\[4, 0\]\] is not a list of \[start, stop\] pairs',
+    r'dense/kernel has 7 shard checksums, where its layout .* implies 8',
   ),
-  ('crc a string', None, rf'the {CHECKSUM} of a shard is .*expected an int'),
+  (
+    'shards of an uneven layout',
+    None,
+    r'the layout of dense/kernel implies no shards: its layout cuts a '
+    r'dimension of 16 into 3 blocks, unevenly',
+  ),
+  (
+    'checksums not base64',
+    None,
+    rf'the {CHECKSUM} of the shards of dense/kernel are not base64',
+  ),
+  (
+    'checksums a number',
+    None,
+    rf'the shards of dense/kernel are .*expected blocks and {CHECKSUM}',
+  ),
   ('path missing', None, r'a variable path is None'),
   ('dtype a list', None, r'the dtype of .* is \[1\]'),
 ]
@@ -352,19 +373,32 @@ def _field_edit(case):
       files[first][CHECKSUM] = [2**32]
     elif case == 'negative shape':
       var['shape'] = [-8, 16]
-    elif case == 'shard out of shape':
-      var = next(v for v in meta['variables'] if v['path'][-1] == 'kernel')
-      var['shards'][0]['index'] = [[0, 9], [0, 16]]
-    elif case == 'shard index reversed':
-      var['shards'][0]['index'] = [[4, 0]]
-    elif case == 'crc a string':
-      var['shards'][0][CHECKSUM] = '12'
+    elif case == "blocks not the layout's":
+      _variable(meta, 'kernel')['shards']['blocks'] = [4, 2]
+    elif case == 'a shard checksum removed':
+      shards = _variable(meta, 'kernel')['shards']
+      shards[CHECKSUM] = _b64(_crcs(shards)[:-1])
+    elif case == 'shards of an uneven layout':
+      layout = _variable(meta, 'kernel')['sharding']['mesh']
+      layout['axis_sizes'] = [2, 3]
+    elif case == 'checksums not base64':
+      _variable(meta, 'kernel')['shards'][CHECKSUM] = 'not base64!'
+    elif case == 'checksums a number':
+      _variable(meta, 'kernel')['shards'][CHECKSUM] = 12
     elif case == 'path missing':
       del var['path']
     elif case == 'dtype a list':
       var['dtype'] = [1]
 
   return edit
+
+
+def _crcs(shards):
+  return list(np.frombuffer(base64.b64decode(shards[CHECKSUM]), '<u4'))
+
+
+def _b64(crcs):
+  return base64.b64encode(np.asarray(crcs, '<u4').tobytes()).decode()
 
 
 def _craft(saved, tmp_path, edit):
@@ -403,6 +437,132 @@ def test_a_crafted_manifest_is_refused(
   assert before.keys() == after.keys()
   for path, value in before.items():
     np.testing.assert_array_equal(after[path], value)
+
+
+# Version 3: each shard its own record
+# ------------------------------------------------------------------------------
+
+
+def as_version_3(meta):
+  """The manifest as flax_dtensor wrote it before version 4: a record of
+  each shard, its global slice and CRC-32, instead of a grid and a string."""
+  meta['version'] = 3
+  for var in meta['variables']:
+    shape, blocks = var['shape'], var['shards']['blocks']
+    steps = [n // b if n else 0 for n, b in zip(shape, blocks, strict=True)]
+    var['shards'] = [
+      {
+        'index': [[k * s, (k + 1) * s] for k, s in zip(i, steps, strict=True)],
+        CHECKSUM: int(crc),
+      }
+      for i, crc in zip(np.ndindex(*blocks), _crcs(var['shards']), strict=True)
+    ]
+  return meta
+
+
+def _kernel_shards(meta):
+  return _variable(meta, 'kernel')['shards']
+
+
+def _v3_edit(case):
+  def edit(meta, root, theirs):
+    shards = _kernel_shards(as_version_3(meta))
+    if case == 'a record removed':
+      del shards[5]
+    elif case == 'an index moved onto another':
+      shards[5]['index'] = shards[6]['index']
+    elif case == 'an index changed off the grid':
+      shards[5]['index'] = [[4, 8], [4, 9]]
+    elif case == 'an index reversed':
+      shards[0]['index'] = [[4, 0]]
+    elif case == 'an index out of shape':
+      shards[7]['index'] = [[4, 9], [12, 16]]
+    elif case == 'a crc a string':
+      shards[0][CHECKSUM] = '12'
+    elif case == 'no records':
+      shards.clear()
+
+  return edit
+
+
+VERSION_3 = [
+  (
+    'a record removed',
+    r'the shards recorded for dense/kernel do not cover \[4:8, 4:8\], so '
+    r'those values were never saved or their records are lost',
+  ),
+  (
+    'an index moved onto another',
+    r'the shards recorded for dense/kernel record the block \[4:8, 8:12\] '
+    r'twice',
+  ),
+  (
+    'an index changed off the grid',
+    r'the shards recorded for dense/kernel are not the equal blocks of a '
+    r'grid \(dimension 1 is cut into 0:4, 4:8, 4:9, 8:12, 12:16\)',
+  ),
+  (
+    'an index reversed',
+    r'the shard index \[\[4, 0\]\] is not a list of \[start, stop\] pairs',
+  ),
+  (
+    'an index out of shape',
+    r'the shards recorded for dense/kernel do not fit its shape \(8, 16\)',
+  ),
+  ('a crc a string', rf'the {CHECKSUM} of a shard is .*expected an int'),
+  (
+    'no records',
+    r'the shards recorded for dense/kernel do not cover \[0:8, 0:16\]',
+  ),
+]
+
+
+def test_a_version_3_manifest_still_reads(saved, tmp_path, monkeypatch):
+  """Checkpoints on disk from before version 4 restore as they did."""
+  base, _, _, mesh = saved
+  root = _craft(saved, tmp_path, lambda meta, *_: as_version_3(meta) and None)
+  assert _meta(root)['version'] == 3
+  target = _model(mesh, 1)
+  with _watched(monkeypatch, base, root):
+    fdt_tf.restore_checkpoint(root, target)
+    arrays = fdt_tf.read_checkpoint(root)
+  expected = _values(_model(mesh, 0))
+  for path, value in _values(target).items():
+    np.testing.assert_array_equal(value, expected[path])
+  for path, value in expected.items():
+    key = path[:-1] if path[-1] == 'value' else path
+    np.testing.assert_array_equal(arrays[key], value)
+  # The same grid and checksums as the version 4 manifest it came from.
+  old = _manifest.read(root).by_key
+  new = _manifest.read(saved[1]).by_key
+  assert {k: r.shards for k, r in old.items()} == {
+    k: r.shards for k, r in new.items()
+  }
+
+
+@pytest.mark.parametrize(
+  ('case', 'match'), VERSION_3, ids=[c for c, _ in VERSION_3]
+)
+def test_version_3_shard_records_that_do_not_tile_are_refused(
+  saved, tmp_path, monkeypatch, case, match
+):
+  """Before a byte is read: a region no record covers is named."""
+  base, _, _, mesh = saved
+  root = _craft(saved, tmp_path, _v3_edit(case))
+  target = _model(mesh, 1)
+  before = _values(target)
+  with _watched(monkeypatch, base, root):
+    for read in (
+      lambda: fdt_tf.restore_checkpoint(root, target),
+      lambda: fdt_tf.read_checkpoint(root),
+      lambda: inspect_command.inspect_checkpoint(pathlib.Path(root), 80),
+    ):
+      with pytest.raises(
+        (fdt_tf.MalformedExportError, _command.BadInputError), match=match
+      ):
+        read()
+  for path, value in _values(target).items():
+    np.testing.assert_array_equal(value, before[path])
 
 
 def test_links_inside_the_export_are_followed(saved, tmp_path, monkeypatch):

@@ -6,11 +6,11 @@ wrong model, an overwrite of a directory that is not ours, a save killed
 between its two renames, names that collide.
 """
 
+import base64
 import concurrent.futures
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -85,8 +85,11 @@ def test_manifest_records_every_variable_and_file(explicit_mesh, tmp_path):
   records = {tuple(r['path']): r for r in meta['variables']}
   assert set(records) == {('w',), ('b',), ('n',)}
   assert records[('w',)]['shape'] == [8, 16]
-  assert len(records[('w',)]['shards']) == 8  # 2 x 4 distinct blocks.
-  assert len(records[('b',)]['shards']) == 1  # Replicated: one copy.
+  # A CRC-32 (4 bytes, base64) per distinct block of the layout's grid.
+  assert records[('w',)]['shards']['blocks'] == [2, 4]
+  assert len(base64.b64decode(records[('w',)]['shards']['crc32'])) == 8 * 4
+  assert records[('b',)]['shards']['blocks'] == [1]  # Replicated: one copy.
+  assert len(base64.b64decode(records[('b',)]['shards']['crc32'])) == 4
   assert sorted(meta['files']) == sorted(
     n for n in os.listdir(path) if n != 'flax_dtensor.json'
   )
@@ -146,69 +149,74 @@ def test_damaged_files_are_refused_before_tf_reads(
       read()
 
 
-@pytest.mark.parametrize('how', ['flip', 'zero'])
-def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, how):
+@pytest.mark.parametrize('where', ['values', 'object graph', 'all'])
+def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, where):
   """Data files are checked as they are read, each byte once.
 
-  Each data file in turn is damaged. Where it holds values the readers use,
-  TF's checksum stops the read and the whole check that follows names the
-  file and bytes, the target unchanged. Where it holds only TF's own
-  metadata (the object graph, which no reader here uses), the values come
-  back exact, and the full check (`inspect --verify`) names the damage.
+  The data file is damaged: its first byte (a shard's values, written
+  first), its last (TF's object graph, written last, which no reader here
+  uses), or all of it zeroed. Where the readers use the bytes, TF's
+  checksum stops the read and the whole check that follows names the file
+  and bytes, the target unchanged. Where only the object graph is hit, the
+  values come back exact, and the full check (`inspect --verify`) names
+  the damage.
   """
   model = _model(explicit_mesh)
-  saved = fdt_tf.save_checkpoint(model, tmp_path / 'saved')
-  names = sorted(n for n in os.listdir(saved) if n.startswith('ckpt.data'))
-  assert len(names) > 1
-  outcomes = {}
-  for k, name in enumerate(names):
-    path = str(tmp_path / f'c{k}')
-    shutil.copytree(saved, path)
-    _corrupt(path, name, how)
-    target = _model(explicit_mesh, seed=1)
-    before = {
-      p: np.asarray(v.get_value())
-      for p, v in nnx.to_flat_state(nnx.state(target))
-    }
-    manifest = _manifest.read(path)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      (problem,) = _manifest.problems_of(manifest, pool)
-    # The range is the file's checked block: here the whole (small) file.
-    size = os.path.getsize(os.path.join(path, name))
-    assert re.fullmatch(
-      rf'{re.escape(name)} bytes 0\.\.{size} changed \(CRC-32 '
-      r'[0-9a-f]{8}, recorded [0-9a-f]{8}\)',
-      problem,
-    )
-    try:
-      fdt_tf.restore_checkpoint(path, target)
-    except fdt_tf.DamagedExportError as e:
-      assert re.search(
-        rf'is damaged: {re.escape(problem)} \(.*found in the bytes read.*'
-        r'Nothing was restored: the target is unchanged',
-        str(e),
-      ), str(e)
-      for p, v in nnx.to_flat_state(nnx.state(target)):
-        np.testing.assert_array_equal(np.asarray(v.get_value()), before[p])
-      with pytest.raises(
-        fdt_tf.DamagedExportError, match=rf'{re.escape(problem)} \('
-      ):
-        fdt_tf.read_checkpoint(path)
-      outcomes[name] = 'refused'
-    else:
-      _same(fdt_tf.read_checkpoint(path), model)
-      _same(
-        {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(target))},
-        model,
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'saved')
+  (name,) = [n for n in os.listdir(path) if n.startswith('ckpt.data')]
+  if where == 'all':
+    _corrupt(path, name, 'zero')
+  else:
+    with open(os.path.join(path, name), 'r+b') as f:
+      f.seek(
+        0 if where == 'values' else -1,
+        os.SEEK_SET if where == 'values' else os.SEEK_END,
       )
-      # Only TF's metadata was hit: a plain TF restore of the object graph
-      # meets the damage through TF's own checksum.
-      with pytest.raises(tf.errors.OpError):
-        tf.train.load_checkpoint(os.path.join(path, 'ckpt')).get_tensor(
-          '_CHECKPOINTABLE_OBJECT_GRAPH'
-        )
-      outcomes[name] = 'unused'
-  assert sorted(set(outcomes.values())) == ['refused', 'unused'], outcomes
+      byte = f.read(1)[0]
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte ^ 0xFF]))
+  target = _model(explicit_mesh, seed=1)
+  before = {
+    p: np.asarray(v.get_value())
+    for p, v in nnx.to_flat_state(nnx.state(target))
+  }
+  manifest = _manifest.read(path)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    (problem,) = _manifest.problems_of(manifest, pool)
+  # The range is the file's checked block: here the whole (small) file.
+  size = os.path.getsize(os.path.join(path, name))
+  assert re.fullmatch(
+    rf'{re.escape(name)} bytes 0\.\.{size} changed \(CRC-32 '
+    r'[0-9a-f]{8}, recorded [0-9a-f]{8}\)',
+    problem,
+  )
+  if where == 'object graph':
+    _same(fdt_tf.read_checkpoint(path), model)
+    fdt_tf.restore_checkpoint(path, target)
+    _same(
+      {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(target))},
+      model,
+    )
+    # Only TF's metadata was hit: a plain TF restore of the object graph
+    # meets the damage through TF's own checksum.
+    with pytest.raises(tf.errors.OpError):
+      tf.train.load_checkpoint(os.path.join(path, 'ckpt')).get_tensor(
+        '_CHECKPOINTABLE_OBJECT_GRAPH'
+      )
+    return
+  with pytest.raises(fdt_tf.DamagedExportError) as e:
+    fdt_tf.restore_checkpoint(path, target)
+  assert re.search(
+    rf'is damaged: {re.escape(problem)} \(.*found in the bytes read.*'
+    r'Nothing was restored: the target is unchanged',
+    str(e.value),
+  ), str(e.value)
+  for p, v in nnx.to_flat_state(nnx.state(target)):
+    np.testing.assert_array_equal(np.asarray(v.get_value()), before[p])
+  with pytest.raises(
+    fdt_tf.DamagedExportError, match=rf'{re.escape(problem)} \('
+  ):
+    fdt_tf.read_checkpoint(path)
 
 
 def test_a_plain_checkpoint_without_its_index_is_named(explicit_mesh, tmp_path):
@@ -299,6 +307,14 @@ def _record_of(meta, name):
   return record
 
 
+def _set_crc(record, k, value):
+  """Sets the k-th shard's CRC-32 (the manifest keeps them in base64)."""
+  crcs = np.frombuffer(base64.b64decode(record['shards']['crc32']), '<u4')
+  crcs = crcs.copy()
+  crcs[k] = value
+  record['shards']['crc32'] = base64.b64encode(crcs.tobytes()).decode()
+
+
 @pytest.mark.parametrize(
   'edit, kind, match',
   [
@@ -320,7 +336,7 @@ def _record_of(meta, name):
       r'the data holds b, which the manifest does not list',
     ),
     (
-      lambda m: _record_of(m, 'w')['shards'][0].update(crc32=12345),
+      lambda m: _set_crc(_record_of(m, 'w'), 0, 12345),
       # Bytes that do not match their recorded CRC: damaged, as far as
       # anything can tell.
       fdt_tf.DamagedExportError,

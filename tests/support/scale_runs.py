@@ -160,9 +160,12 @@ def shard_bytes(manifest: dict[str, Any], name: str, slices: Any) -> int:
   """
   (record,) = [v for v in manifest['variables'] if v['path'] == [name]]
   size = dtype(record['stored_dtype']).itemsize
+  # Version 4: the blocks of a grid (version 3 listed each shard).
+  blocks = record['shards']['blocks']
+  steps = [n // b for n, b in zip(record['shape'], blocks, strict=True)]
   total = 0
-  for shard in record['shards']:
-    index = shard['index']
+  for coords in np.ndindex(*blocks):
+    index = [(k * s, (k + 1) * s) for k, s in zip(coords, steps, strict=True)]
     if slices is None or any(
       all(
         max(a, c) < min(b, d) for (a, b), (c, d) in zip(index, s, strict=True)

@@ -2,13 +2,12 @@
 
 Two local processes (jax.distributed and DTensor on 127.0.0.1, see
 fault_runs.dead_peer and _mp_worker_dead_peer.py) save a checkpoint, then
-overwrite it; process 1 is killed mid-save, inside TensorFlow's collective
-write or at our barrier after its shards, or as a restore begins. Process
-0 must raise our `ExportError` naming process 1, within TF DTensor's
-heartbeat timeout or FLAX_DTENSOR_PEER_TIMEOUT (10 s here) rather than hang
-until JAX's own heartbeat timeout aborts it (100 s); the checkpoint must be
-the old version, whole, with nothing else left, and a restore's target
-unchanged. In four processes (scale_runs.four_processes), process 2 is
+overwrite it; process 1 is killed mid-save, while it writes its shards or
+at our barrier after them, or as a restore begins. Process 0 must raise our
+`ExportError` naming process 1, within FLAX_DTENSOR_PEER_TIMEOUT (10 s
+here) rather than hang until JAX's own heartbeat timeout aborts it (100 s);
+the checkpoint must be the old version, whole, with nothing else left, a
+restore's target unchanged, and process 0's TensorFlow still working. In four processes (scale_runs.four_processes), process 2 is
 killed during a background save: the three others raise at `wait()`. And
 `initialize()` names a process that never joins the set-up of DTensor.
 """
@@ -26,13 +25,13 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
 pytestmark = pytest.mark.multiprocess
 
+# Either moment: process 0 meets process 1's silence at our barrier (a save
+# runs no collective, so nothing of TF waits for it).
 _WHY = {
-  'in-write': r'TensorFlow lost it while writing the shards '
-  r'\(UnavailableError: .*task:1.*\)\. TF DTensor cancels every later '
-  r'TensorFlow operation of this process',
-  'at-barrier': rf'no heartbeat from it for {fault_runs.PEER_TIMEOUT} s \(it '
+  moment: rf'no heartbeat from it for {fault_runs.PEER_TIMEOUT} s \(it '
   r'died, or hangs; FLAX_DTENSOR_PEER_TIMEOUT sets this bound, 60 s by '
-  r'default\)',
+  r'default\)'
+  for moment in ('in-write', 'at-barrier')
 }
 
 
@@ -68,8 +67,10 @@ def test_a_dead_peer_is_named_and_the_checkpoint_stays_whole(moment):
     r'or the new one, whole\. Restart every process of the job',
     run['error'],
   ), run['error']
-  # Process 0 removed its temporary before reporting.
+  # Process 0 removed its temporary before reporting, and its TensorFlow
+  # still works: it read the checkpoint back.
   assert run['listing'] == ['ckpt']
+  assert run['read_after'] == float(sum(v.sum() for v in _version(1).values()))
   read = fdt_tf.read_checkpoint(path)
   expected = _version(1)
   assert set(read) == set(expected)

@@ -5,19 +5,22 @@ _mp_worker_dead_peer.py OUT_DIR MOMENT. Both processes save version 1 of a
 model sharded over both; then they overwrite it with version 2, and process
 1 kills itself (SIGKILL; a thread watches the files) at MOMENT:
 
-- 'in-write': as soon as the save's temporary directory exists, so process
-  0 is left inside TensorFlow's collective write, which TF DTensor's own
-  coordination service aborts (its heartbeat timeout, 10 s);
+- 'in-write': as soon as the save's temporary directory exists, before or
+  while it writes its shards; process 0 writes its own and is left waiting
+  for it at our barrier, bounded by FLAX_DTENSOR_PEER_TIMEOUT (the run sets
+  it);
 - 'at-barrier': as soon as its own part of the manifest appears, its shards
-  written, so process 0 is left waiting for it at our barrier, bounded by
-  FLAX_DTENSOR_PEER_TIMEOUT (the run sets it);
+  written, so process 0 is left waiting for it at that barrier;
 - 'in-restore': instead of overwriting, both restore version 1 into a
   target of other values, and process 1 dies as its restore begins;
   process 0 reads its part and then waits for process 1 to confirm its own.
 
 Either way process 0 must fail in our words, naming process 1, long before
 JAX's own heartbeat timeout (100 s) would abort it; a restore must leave
-its target unchanged. Process 0 prints one
+its target unchanged; and after a failed save, it reads the checkpoint
+back with plain TF (`read_after`, the sum of its values): its TensorFlow
+still works.
+Process 0 prints one
 JSON line starting with 'RESULT ', then leaves at once: at exit, JAX's
 shutdown would wait for the dead process until its heartbeat timeout.
 """
@@ -116,6 +119,13 @@ def main():
     result['error'] = str(e)
     result['kind'] = type(e).__name__
   result['listing'] = sorted(os.listdir(out_dir))
+  # Plain TF, this process alone (no other process to meet).
+  reader = sys.modules['tensorflow'].train.load_checkpoint(ckpt)
+  result['read_after'] = float(
+    sum(
+      reader.get_tensor(fdt_tf.checkpoint_key(name)).sum() for name in values(1)
+    )
+  )
   print('RESULT ' + json.dumps(result), flush=True)
   os._exit(0)
 

@@ -384,7 +384,11 @@ def load_target(target: str) -> Callable[[], Any]:
       )
     unique = f'_flax_dtensor_target_{abs(hash(str(path.resolve())))}'
     spec = importlib.util.spec_from_file_location(unique, path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+      raise BadInputError(
+        f'TARGET {target!r}: file {str(path)!r} is not a Python source file '
+        f'Python can import (expected a .py file; {example}).'
+      )
     module = importlib.util.module_from_spec(spec)
     sys.modules[unique] = module
     try:

@@ -761,6 +761,10 @@ def test_plan_malformed_mesh(args, fragments):
       ["has no attribute 'no_such_factory'"],
     ),
     ('/no/such/file.py:make', ["file '/no/such/file.py' does not exist"]),
+    (
+      f'{pathlib.Path(THIS_FILE).parents[2] / "README.md"}:make',
+      ['README.md', 'is not a Python source file Python can import'],
+    ),
     (f'{THIS_FILE}:not_a_module', ['expected an nnx.Module']),
     (f'{THIS_FILE}:USER_RULES', ['is a str, not a callable']),
   ],
@@ -769,6 +773,7 @@ def test_plan_malformed_mesh(args, fragments):
     'no-module',
     'no-attribute',
     'no-file',
+    'not-python',
     'not-a-module',
     'not-callable',
   ],

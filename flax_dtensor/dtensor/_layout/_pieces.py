@@ -3,9 +3,9 @@
 A piece is a block of a global array held on the host, keyed by its global
 `Index` (`_index`). `assemble` cuts or joins the slices a sharding's
 devices need from disjoint pieces and `place`s them with JAX, zero-copy on
-CPU where a slice is aligned. TF's DTensor components (`_from_tf`), another mesh's shards
-(`_single_mesh`) and a checkpoint's slices read on the host (`_files`) are
-all placed here.
+CPU where a slice is aligned. TF's DTensor components (`_from_tf`), another
+mesh's shards (`_single_mesh`) and a checkpoint's slices read on the host
+(`_files`) are all placed here.
 """
 
 from __future__ import annotations
@@ -84,7 +84,15 @@ def slice_of(pieces: Mapping[Index, np.ndarray], index: Index) -> np.ndarray:
       continue
     out[_index.local(overlap, index)] = data[_index.local(overlap, held)]
     covered += math.prod(hi - lo for lo, hi in overlap)
-  assert covered == out.size, (index, sorted(pieces))
+  if covered != out.size:
+    # The callers' pieces are a DTensor's components or an array's shards,
+    # which cover it: an internal invariant, checked even under
+    # `python -O` (a region left out would hold uninitialized memory).
+    raise AssertionError(
+      f'flax_dtensor internal error: the pieces {sorted(pieces)} cover '
+      f'{covered} of the {out.size} elements of the slice {index}. Please '
+      'report this.'
+    )
   return out
 
 

@@ -1262,6 +1262,161 @@ def _orbax_scale(method: str, tree, path: str) -> None:
         os.close(fd)
 
 
+def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
+  """The manifest of a checkpoint of `variables` variables, each split over
+  all `devices` devices of a (devices / 8, 8) mesh ('data', 'model'), as
+  `save_checkpoint` writes it (random CRCs, no data files)."""
+  import array
+  import random
+
+  from flax_dtensor.dtensor._files import _grid, _manifest
+
+  hosts = devices // 8
+  mesh = _manifest.MeshAxes(('data', 'model'), (hosts, 8))
+  layouts = [
+    # (shape, JAX spec, DTensor specs, DTensor mesh)
+    ((hosts * 4, 256), (('data',), ('model',)), ('data', 'model'), mesh),
+    ((8 * 64, hosts * 2), (('model',), ('data',)), ('model', 'data'), mesh),
+    (
+      (devices * 2, 128),
+      (('data', 'model'), ()),
+      ('data+model', 'unsharded'),
+      _manifest.MeshAxes(('data+model',), (devices,)),
+    ),
+  ]
+  rng = random.Random(0)
+  records = []
+  for i in range(variables):
+    shape, spec, dspecs, dmesh = layouts[i % len(layouts)]
+    sharding = _manifest.ShardingRecord('named', spec, mesh, dspecs, dmesh)
+    blocks = _manifest.blocks_of(sharding, shape)
+    crcs = array.array(
+      _grid.U32, rng.getrandbits(32 * devices).to_bytes(4 * devices, 'little')
+    )
+    path = ('layers', i // 10, f'w{i % 10}')
+    records.append(
+      _manifest.Record(
+        path=path,
+        key=f'layers/{i // 10}/w{i % 10}/.ATTRIBUTES/VARIABLE_VALUE',
+        type='Param',
+        dtype='float32',
+        stored_dtype='float32',
+        shape=shape,
+        key_impl=None,
+        sharding=sharding,
+        shards=_grid.ShardGrid(shape, blocks, crcs),
+      )
+    )
+  files = {
+    'checkpoint': _manifest.FileSum(65, (0,)),
+    'ckpt.index': _manifest.FileSum(1 << 20, (0,)),
+    **{
+      f'ckpt.data-{h:05d}-of-{hosts:05d}': _manifest.FileSum(1 << 30, (0,) * 16)
+      for h in range(hosts)
+    },
+  }
+  # What `inspect` looks for in a checkpoint directory.
+  with open(os.path.join(root, 'checkpoint'), 'w') as f:
+    f.write('model_checkpoint_path: "ckpt"\n')
+  open(os.path.join(root, 'ckpt.index'), 'w').close()
+  _manifest.write(
+    _manifest.Manifest(
+      _manifest.CHECKPOINT_FORMAT,
+      _manifest.VERSION,
+      root,
+      'ckpt',
+      files,
+      tuple(records),
+    )
+  )
+
+
+def manifest_scale(method: str, variables: int, devices: int) -> dict:
+  """The manifest of a checkpoint of `devices` devices, in 8-device hosts.
+
+  `restore_metadata`: what a restore of host 0 does with the manifest
+  before TF reads anything: reads and checks it (`_manifest.read`), then,
+  for each variable, finds the regions that host's 8 devices read and the
+  shards' CRCs it checks them against. `inspect`: ``flax-dtensor
+  inspect`` of it, a fresh process timed from outside. `write`: the
+  manifest written by process 0, from its records. The checkpoint is
+  synthetic (`_synthetic_manifest`): no data files, only what describes
+  them.
+  """
+  import shutil
+  import subprocess
+
+  root = tempfile.mkdtemp(prefix='fdt_meta_', dir=os.environ.get('BENCH_DIR'))
+  try:
+    if method == 'write':
+      before = _reset_peak()
+      start = time.perf_counter()
+      _synthetic_manifest(root, variables, devices)
+      seconds = time.perf_counter() - start
+      peak = _rss_mib()
+    else:
+      _synthetic_manifest(root, variables, devices)
+    nbytes = os.path.getsize(os.path.join(root, 'flax_dtensor.json'))
+    if method == 'restore_metadata':
+      from flax_dtensor.dtensor._files import _host_read, _manifest
+
+      _release_free_memory()
+      before = _reset_peak()
+      start = time.perf_counter()
+      manifest = _manifest.read(root)
+      checked = 0
+      for record in manifest.records:
+        # Host 0's 8 devices: data index 0, every model index.
+        needed = set()
+        for m in range(8):
+          index = []
+          for axes, n, b in zip(
+            record.sharding.spec,
+            record.shape,
+            record.shards.blocks,
+            strict=True,
+          ):
+            step = n // b
+            k = {(): 0, ('data',): 0, ('model',): m}.get(axes, m)
+            index.append((k * step, (k + 1) * step) if axes else (0, n))
+          needed.add(tuple(index))
+        for region in _host_read.regions(record.shape, needed, False, record):
+          checked += sum(1 for _ in record.shards.inside(region))
+      seconds = time.perf_counter() - start
+      peak = _rss_mib()
+      if checked != 8 * len(manifest.records):
+        raise RuntimeError(f'{checked} shards checked')
+    elif method == 'inspect':
+      env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+      env['COLUMNS'] = '80'
+      with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+          [sys.executable, '-m', 'flax_dtensor', 'inspect', root],
+          stdout=subprocess.DEVNULL,
+          stderr=err,
+          env=env,
+          cwd=tempfile.gettempdir(),
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status):
+          err.seek(0)
+          raise RuntimeError(err.read().decode()[-500:])
+      before, peak = 0.0, usage.ru_maxrss / 1024
+    elif method != 'write':
+      raise ValueError(method)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': peak,
+    'bytes': nbytes,
+    'shards': variables * devices,
+  }
+
+
 CASES = {
   'init': init,
   'plan': plan,
@@ -1274,6 +1429,7 @@ CASES = {
   '_mp_step': _mp_step,
   'checkpoint_scale': checkpoint_scale,
   '_scale_step': _scale_step,
+  'manifest_scale': manifest_scale,
 }
 
 

@@ -126,6 +126,70 @@ def _multiprocess(arrays, mib, counts, repeat=None):
   ]
 
 
+# Checkpoints as the devices grow, against orbax-checkpoint in the same run:
+# 32 small arrays, each split over every device (one shard per device), so
+# that what is measured is what grows with the shards. Orbax does not fsync
+# what it writes: `peer_fsync` adds the flush ours does.
+_SCALE = {
+  'ours': 'save',
+  'ours_async': 'save_async',
+  'ours_restore': 'restore',
+  'peer': 'orbax_save',
+  'peer_fsync': 'orbax_save_fsync',
+  'peer_restore': 'orbax_restore',
+}
+_SCALE_RATIOS = [
+  ('ours', 'peer'),
+  ('ours', 'peer_fsync'),
+  ('ours_restore', 'peer_restore'),
+]
+# The manifest of a synthetic checkpoint of 1,000 variables, each split over
+# every device of 8-device hosts: what a restore of one host does with it
+# before TF reads, `inspect`, and process 0 writing it.
+_MANIFEST_SCALE = {
+  'ours': 'restore_metadata',
+  'ours_inspect': 'inspect',
+  'ours_write': 'write',
+}
+
+
+def _checkpoint_scale(one, several, manifest, repeat=None):
+  return (
+    [
+      _case(
+        'checkpoint_scale',
+        {'devices': d},
+        _SCALE,
+        _SCALE_RATIOS,
+        repeat=repeat,
+        note=f'one process of {d} devices; the restore onto 8 of them',
+      )
+      for d in one
+    ]
+    + [
+      _case(
+        'checkpoint_scale',
+        {'devices': 2 * n, 'processes': n},
+        _SCALE,
+        _SCALE_RATIOS,
+        repeat=repeat,
+        note=f'{n} process(es) of 2 devices; the slowest process',
+      )
+      for n in several
+    ]
+    + [
+      _case(
+        'manifest_scale',
+        {'variables': 1000, 'devices': d},
+        _MANIFEST_SCALE,
+        repeat=repeat,
+        note=f'synthetic: 1,000 variables over {d} devices in 8-device hosts',
+      )
+      for d in manifest
+    ]
+  )
+
+
 # The command line: each command in a fresh process, against the bare
 # interpreter (the floor) and a process that only imports JAX and Flax (what
 # a command line importing them at start-up could not go below).
@@ -314,6 +378,9 @@ def _full():
       ),
     ],
     'multiprocess': _multiprocess(32, 16, (1, 2, 4), repeat=3),
+    'checkpoint_scale': _checkpoint_scale(
+      (8, 32, 128), (1, 2, 4), (256, 512, 1024, 2048, 4096), repeat=3
+    ),
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -367,6 +434,7 @@ def _quick():
       )
     ],
     'multiprocess': _multiprocess(4, 1, (1, 2)),
+    'checkpoint_scale': _checkpoint_scale((8, 32), (1, 2), (256, 512)),
     'single_mesh': [
       _case(
         'to_tf',
@@ -440,6 +508,7 @@ def _summary(runs):
   }
   for key in (
     'param_bytes',
+    'shards',
     'bytes',
     'copied_bytes',
     'shard_bytes',
@@ -519,7 +588,7 @@ def _machine():
 
 def _growth(results):
   """For each scaling group: cost of doubling, per role (time, memory)."""
-  out = {}
+  out = _device_growth(results)
   for group in ('init_scaling', 'checkpoint_scaling', 'plan'):
     rows = [r for r in results if r['group'] == group]
     by_role = {}
@@ -551,6 +620,57 @@ def _growth(results):
       if steps:
         out[f'{group}/{key}'] = steps
   return out
+
+
+def _device_growth(results):
+  """`checkpoint_scale`: each series' growth as the devices double.
+
+  A series is a case and its parameters but the device count: one process,
+  several processes, the synthetic manifest.
+  """
+  series = {}
+  for r in results:
+    if r['group'] != 'checkpoint_scale':
+      continue
+    params = {k: v for k, v in r['params'].items() if k != 'devices'}
+    mode = 'processes' if 'processes' in params else 'one process'
+    for role, m in r['methods'].items():
+      if 'seconds' in m:
+        key = f'checkpoint_scale/{r["case"]} ({mode})/{role}:{m["method"]}'
+        series.setdefault(key, []).append(
+          (
+            r['params']['devices'],
+            m['seconds']['median'],
+            m['rss_above_baseline_mib']['median'],
+          )
+        )
+  out = {}
+  for key, points in series.items():
+    points.sort()
+    steps = [
+      {
+        'from': a[0],
+        'to': b[0],
+        'time_x': b[1] / a[1] if a[1] else None,
+        'memory_x': b[2] / a[2] if a[2] > 0 else None,
+        'size_x': b[0] / a[0],
+      }
+      for a, b in itertools.pairwise(points)
+    ]
+    if steps:
+      out[key] = steps
+  return out
+
+
+def _print_growth(growth):
+  for key, steps in growth.items():
+    for s in steps:
+      time_x = '-' if s['time_x'] is None else f'{s["time_x"]:.2f}x'
+      print(
+        f'{"growth":<13} {key:<62} {s["from"]:>6g} -> {s["to"]:<6g} '
+        f'({s["size_x"]:.0f}x): time {time_x}',
+        flush=True,
+      )
 
 
 def run(groups, repeat, repo, timeout, label, roles):
@@ -586,6 +706,8 @@ def run(groups, repeat, repo, timeout, label, roles):
       for name, value in entry['ratio'].items():
         print(f'{"":<13} {"":<48} {name:<22} {value:8.2f}x', flush=True)
       results.append(entry)
+  growth = _growth(results)
+  _print_growth(growth)
   return {
     'label': label,
     'date': _now(),
@@ -593,7 +715,7 @@ def run(groups, repeat, repo, timeout, label, roles):
     'command': _command(),
     'machine': _machine(),
     'results': results,
-    'growth': _growth(results),
+    'growth': growth,
   }
 
 

@@ -11,6 +11,7 @@ theirs.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -304,7 +305,7 @@ def _edited_manifest(ctx):
   file = os.path.join(path, 'flax_dtensor.json')
   with open(file) as f:
     meta = json.load(f)
-  meta['variables'][0]['shape'] = [1, 2]
+  meta['variables'][0]['shape'] = [32]
   with open(file, 'w') as f:
     json.dump(meta, f)
   ctx.dt.read_checkpoint(path)
@@ -312,7 +313,7 @@ def _edited_manifest(ctx):
 
 def _damaged_data(ctx):
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'damaged')
-  # Every data file: one holds only TF's metadata, which a restore skips.
+  # Its first bytes: a shard's values (TF's object graph comes last).
   for name in os.listdir(path):
     if name.startswith('ckpt.data'):
       with open(os.path.join(path, name), 'r+b') as f:
@@ -358,6 +359,44 @@ def _unlisted(ctx):
     del meta['files'][data[0]]
 
   ctx.dt.read_checkpoint(_crafted(ctx, 'unlisted', edit))
+
+
+def _kernel(meta):
+  (record,) = [v for v in meta['variables'] if v['path'] == ['kernel']]
+  return record
+
+
+def _checksum_missing(ctx):
+  def edit(meta, root):
+    shards = _kernel(meta)['shards']
+    crcs = base64.b64decode(shards['crc32'])
+    shards['crc32'] = base64.b64encode(crcs[:-4]).decode()
+
+  ctx.dt.restore_checkpoint(_crafted(ctx, 'short', edit), ctx.model())
+
+
+def _version_3_record_missing(ctx):
+  """A manifest of flax_dtensor before version 4 (a record per shard), one
+  of its records gone."""
+
+  def edit(meta, root):
+    meta['version'] = 3
+    for var in meta['variables']:
+      shape, blocks = var['shape'], var['shards']['blocks']
+      steps = [n // b for n, b in zip(shape, blocks, strict=True)]
+      crcs = np.frombuffer(base64.b64decode(var['shards']['crc32']), '<u4')
+      var['shards'] = [
+        {
+          'index': [
+            [k * t, (k + 1) * t] for k, t in zip(i, steps, strict=True)
+          ],
+          'crc32': int(crc),
+        }
+        for i, crc in zip(np.ndindex(*blocks), crcs, strict=True)
+      ]
+    del _kernel(meta)['shards'][-1]
+
+  ctx.dt.restore_checkpoint(_crafted(ctx, 'v3', edit), ctx.model())
 
 
 def _version_2(ctx):
@@ -1383,7 +1422,7 @@ CASES = [
     'flax_dtensor.dtensor.read_checkpoint',
     'a manifest edited by hand',
     fdt_tf.MalformedExportError,
-    r'is damaged: bias has shape \(16,\) in the data, \(1, 2\) in the manifest',
+    r'is damaged: bias has shape \(16,\) in the data, \(32,\) in the manifest',
     'Restore an intact copy, or re-export.',
     _edited_manifest,
     tf=True,
@@ -1415,6 +1454,28 @@ CASES = [
     r'is damaged: .*ckpt\.data-\S+ is on disk but not in the manifest',
     'Restore an intact copy, or re-export.',
     _unlisted,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a manifest with fewer shard checksums than its layout has shards',
+    fdt_tf.MalformedExportError,
+    r'is not a valid flax_dtensor manifest: kernel has 7 shard checksums, '
+    r"where its layout \(\[\['data'\], \['model'\]\] over data=2,model=4\) "
+    'implies 8 shards',
+    'Restore an intact copy, or re-export.',
+    _checksum_missing,
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_checkpoint',
+    'a version-3 manifest missing the record of a shard',
+    fdt_tf.MalformedExportError,
+    r'the shards recorded for kernel do not cover \[4:8, 12:16\], so those '
+    'values were never saved or their records are lost',
+    'Restore an intact copy, or re-export: nothing on disk says what those '
+    'values are.',
+    _version_3_record_missing,
     tf=True,
   ),
   Case(

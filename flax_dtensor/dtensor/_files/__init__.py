@@ -1,11 +1,11 @@
 """The checkpoint format and its writing: what lands on disk, and back.
 
 Paths confined to an export (`_paths`), the manifest that describes and
-checks an export (`_manifest`), atomic directories that know nothing of the
-format (`_atomic`), saves that run behind training (`_background`), slices
-read and written on the host (`_host_read`, `_host_write`), and the two
-public steps, `save_checkpoint` (`_checkpoint`) and `restore_checkpoint`
-(`_restore`).
+checks an export (`_manifest`, its shards a grid: `_grid`), atomic
+directories that know nothing of the format (`_atomic`), saves that run
+behind training (`_background`), slices read and written on the host
+(`_host_read`, `_host_write`), and the two public steps, `save_checkpoint`
+(`_checkpoint`) and `restore_checkpoint` (`_restore`).
 
 May import: `dtensor._layout`, the bridge's top-level helpers and the
 package's core; never `_serving`. `_atomic` imports nothing of the format.

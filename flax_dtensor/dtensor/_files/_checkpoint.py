@@ -291,8 +291,11 @@ def save_checkpoint(
 ) -> str | tuple[str, _single_mesh.SingleMeshReport] | _background.SaveHandle:
   """Writes NNX variables as a TF checkpoint of DTensor variables.
 
-  Each process writes only its own shards, straight from the JAX buffers
-  (nothing is gathered). The result is an ordinary `tf.train.Checkpoint`:
+  Each distinct shard is written once, by one process holding it, with
+  TF's plain SaveV2 on the host reading the JAX buffers themselves: nothing
+  is gathered, nothing is copied but the dtypes stored widened, and no
+  DTensor op or collective runs. The result is an ordinary
+  `tf.train.Checkpoint`:
   plain single-process TensorFlow reads it with
   `tf.train.load_checkpoint(directory)`, without DTensor, under the keys of
   `checkpoint_key` (float16, float8, uint16 and uint32 stored widened). Next
@@ -345,8 +348,9 @@ def save_checkpoint(
       `nnx.Optimizer`'s state).
     exclude: NNX filter of variables to leave out (default: RNG state).
     overwrite: Replace `directory` if it is an export of this package.
-    progress: Show a progress bar; None shows one from 16 variables when
-      stderr is a terminal.
+    progress: Say on stderr what is written, and how long it took (one TF
+      op writes every shard, so there is no bar to advance); None says it
+      from 16 variables when stderr is a terminal.
     single_mesh: Write every variable from one DTensor mesh (see above).
     blocking: Return once the checkpoint is complete on disk (the default);
       if false, once the state is copied, with a `SaveHandle`.

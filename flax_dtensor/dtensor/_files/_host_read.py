@@ -74,11 +74,14 @@ def regions(
   """The regions to ask TF for: each slice in `needed` lies in one of them.
 
   With a manifest, each needed slice widened to the saved shards it meets
-  (`ShardGrid.hull`), boxes that overlap merged, and one box if their
-  bounding box holds nothing more: whole saved shards, so every byte read
-  is checked (the manifest has a CRC of each saved shard). Without one,
-  the whole variable when this process holds all of it (TF reads an entry
-  in one pass), else the slices it holds.
+  (`ShardGrid.hull`): whole saved shards, so every byte read is checked
+  (the manifest has a CRC of each saved shard). Boxes that overlap are
+  merged; and all of them into one, when their bounding box holds nothing
+  more and each needed slice is a contiguous part of it (JAX then places
+  it without a copy, as it would the slice read alone): TF finds a region
+  with one lookup of its index, however many shards it holds. Without a
+  manifest, the whole variable when this process holds all of it (TF
+  reads an entry in one pass), else the slices it holds.
   """
   if record is None:
     return [tuple((0, n) for n in shape)] if whole else sorted(needed)
@@ -93,9 +96,23 @@ def regions(
         merged = True
         break
   bound = _bound(list(boxes))
-  if sum(_grid.volume(b) for b in boxes) == _grid.volume(bound):
+  if sum(_grid.volume(b) for b in boxes) == _grid.volume(bound) and all(
+    _contiguous(n, bound) for n in needed
+  ):
     return [bound]
   return sorted(boxes)
+
+
+def _contiguous(index: _manifest.Index, region: _manifest.Index) -> bool:
+  """Whether the slice `index` of a C-order block `region` is contiguous.
+
+  It is when, before the last dimension where it is narrower than the
+  region, it is one element wide.
+  """
+  partial = [
+    d for d, (i, r) in enumerate(zip(index, region, strict=True)) if i != r
+  ]
+  return not partial or all(b - a == 1 for a, b in index[: partial[-1]])
 
 
 def _cut(

@@ -761,16 +761,19 @@ def _no_constant(name: str) -> Any:
 
 def _depth(value: Any) -> int:
   """How deep `value` nests (iteratively: a deep one breaks no stack)."""
+  if type(value) is not dict and type(value) is not list:
+    return 0
   deepest = 0
   todo = [(value, 1)]
   while todo:
     item, depth = todo.pop()
-    if isinstance(item, dict | list):
-      deepest = max(deepest, depth)
-      if depth > MAX_DEPTH:
-        break
-      items = item.values() if isinstance(item, dict) else item
-      todo.extend((v, depth + 1) for v in items)
+    deepest = max(deepest, depth)
+    if depth > MAX_DEPTH:
+      break
+    items = item.values() if type(item) is dict else item
+    todo.extend(
+      (v, depth + 1) for v in items if type(v) is dict or type(v) is list
+    )
   return deepest
 
 
@@ -783,7 +786,9 @@ def _load(file: str) -> Any:
         raise _malformed(
           file, f'it has {size} bytes, more than a manifest ({MAX_BYTES})'
         )
-      data = f.read(MAX_BYTES + 1)
+      # What fstat says, and a byte more to see it grew: `read(n)` first
+      # allocates n bytes, whatever the file holds.
+      data = f.read(size + 1)
   except FileNotFoundError as e:
     # `locate` saw the file an instant ago: the export is being replaced.
     raise _errors.SaveInProgressError(

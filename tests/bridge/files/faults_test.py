@@ -630,10 +630,14 @@ def test_regions_merge_boxes_that_meet_and_keep_apart_those_that_do_not():
   assert _host_read.regions(
     shape, {((0, 2), (0, 4)), ((6, 8), (12, 16))}, False, record
   ) == [((0, 2), (0, 4)), ((6, 8), (12, 16))]
-  # Slices side by side: one box.
+  # Slices one above the other: one box, each a contiguous part of it.
+  assert _host_read.regions(
+    shape, {((0, 2), (0, 16)), ((2, 4), (0, 16))}, False, record
+  ) == [((0, 4), (0, 16))]
+  # Side by side: a box each, so that each is placed without a copy.
   assert _host_read.regions(
     shape, {((0, 2), (0, 4)), ((0, 2), (4, 8))}, False, record
-  ) == [((0, 2), (0, 8))]
+  ) == [((0, 2), (0, 4)), ((0, 2), (4, 8))]
   # A plain TF checkpoint: the slices themselves, or the whole.
   assert _host_read.regions(shape, {((0, 2), (0, 4))}, False, None) == [
     ((0, 2), (0, 4))
@@ -641,6 +645,24 @@ def test_regions_merge_boxes_that_meet_and_keep_apart_those_that_do_not():
   assert _host_read.regions(shape, {((0, 2), (0, 4))}, True, None) == [
     ((0, 8), (0, 16))
   ]
+
+
+@pytest.mark.parametrize(
+  'index',
+  [
+    ((0, 8), (0, 16)),
+    ((2, 4), (0, 16)),
+    ((3, 4), (2, 9)),
+    ((2, 4), (0, 8)),
+    ((0, 8), (4, 5)),
+    ((5, 6), (15, 16)),
+  ],
+)
+def test_contiguous_slices_are_told_apart(index):
+  region = ((0, 8), (0, 16))
+  block = np.zeros((8, 16), np.float32)
+  view = _view(block, index)
+  assert _host_read._contiguous(index, region) == view.flags.c_contiguous
 
 
 def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):

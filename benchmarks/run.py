@@ -8,8 +8,8 @@ Usage::
   python benchmarks/run.py --repo /old/checkout --label before --roles ours
 
 Each case measures flax_dtensor, its peer and the machine's limit in the
-same run, on the same state (`cases.py`), and reports min / median / max
-of the repeats and the ratios of the medians (flax_dtensor's time divided
+same run, on the same state (`cases.py`), the repeats taking turns between
+them, and reports min / median / max of the repeats and the ratios of the medians (flax_dtensor's time divided
 by the other's: below 1 is faster). Memory is the OS's peak RSS
 (``resource.getrusage``) above the process's baseline before the measured
 step. Results go to ``--out`` as JSON, under ``--label`` (the docs'
@@ -693,14 +693,21 @@ def run(groups, repeat, repo, timeout, label, roles):
         },
         'methods': {},
       }
-      for role, method in spec['methods'].items():
-        if roles and role not in roles:
-          continue
-        runs = [
-          _measure(spec['case'], method, spec['params'], repo, timeout)
-          for _ in range(n)
-        ]
-        entry['methods'][role] = {'method': method} | _summary(runs)
+      chosen = {
+        role: method
+        for role, method in spec['methods'].items()
+        if not roles or role in roles
+      }
+      # Repeats take turns between the roles, so that a machine busier for
+      # a while slows every role alike rather than one.
+      runs = {role: [] for role in chosen}
+      for _ in range(n):
+        for role, method in chosen.items():
+          runs[role].append(
+            _measure(spec['case'], method, spec['params'], repo, timeout)
+          )
+      for role, method in chosen.items():
+        entry['methods'][role] = {'method': method} | _summary(runs[role])
         _print_line(group, spec['params'], role, entry['methods'][role])
       entry['ratio'] = _ratios(entry)
       for name, value in entry['ratio'].items():

@@ -126,6 +126,20 @@ def _multiprocess(arrays, mib, counts, repeat=None):
   ]
 
 
+# A SavedModel of one model on jax.make_mesh's default mesh (Explicit axes),
+# built and exported inside jax.set_mesh, beside a blocking checkpoint of
+# it: peak RSS above the baseline, against the parameter bytes.
+def _export_memory(mib):
+  return _case(
+    'export_memory',
+    {'mib': mib},
+    {'ours': 'saved_model', 'ours_checkpoint': 'save'},
+    note=f'{mib} MiB of float32 parameters on jax.make_mesh((2, 4)) '
+    '(Explicit axes), a forward with out_sharding=; peak RSS above the '
+    'baseline ÷ param_bytes',
+  )
+
+
 # The command line: each command in a fresh process, against the bare
 # interpreter (the floor) and a process that only imports JAX and Flax (what
 # a command line importing them at start-up could not go below).
@@ -314,6 +328,7 @@ def _full():
       ),
     ],
     'multiprocess': _multiprocess(32, 16, (1, 2, 4), repeat=3),
+    'export_memory': [_export_memory(2048)],
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -367,6 +382,7 @@ def _quick():
       )
     ],
     'multiprocess': _multiprocess(4, 1, (1, 2)),
+    'export_memory': [_export_memory(128)],
     'single_mesh': [
       _case(
         'to_tf',

@@ -1417,7 +1417,111 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
   }
 
 
+# Export on jax.make_mesh's default mesh
+# ------------------------------------------------------------------------------
+
+_EXPORT_WIDTH = 4096  # Each layer's kernel: 64 MiB of float32.
+
+
+def _explicit_stack(jax, nnx, layers: int):
+  """A stack of square layers with a forward written for Explicit axes.
+
+  Kernels alternate ('embed', 'mlp') and ('mlp', 'embed'); each call says
+  where its result goes (`out_sharding=`): the second contracts over the
+  sharded 'mlp'.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  ones = nnx.initializers.ones
+
+  class Stack(nnx.Module):
+    def __init__(self, rngs):
+      self.count = layers
+      for i in range(layers):
+        names = ('embed', 'mlp') if i % 2 == 0 else ('mlp', 'embed')
+        layer = nnx.Linear(
+          _EXPORT_WIDTH,
+          _EXPORT_WIDTH,
+          use_bias=False,
+          kernel_init=nnx.with_partitioning(ones, names),
+          rngs=rngs,
+        )
+        setattr(self, f'layer{i}', layer)
+
+    def __call__(self, x):
+      for i in range(self.count):
+        spec = P(None, 'model') if i % 2 == 0 else P()
+        x = getattr(self, f'layer{i}')(x, out_sharding=spec)
+      return x
+
+  return Stack
+
+
+def export_memory(method: str, mib: int) -> dict:
+  """One step of a model of `mib` MiB on `jax.make_mesh`'s default mesh.
+
+  The model (square float32 layers, `_explicit_stack`) is built by
+  `fdt.init` inside ``jax.set_mesh(jax.make_mesh((2, 4), ('data',
+  'model')))`` (every axis Explicit) and the step runs there:
+  `saved_model` (`save_saved_model` with a polymorphic batch) or `save`
+  (a blocking `save_checkpoint`). A small model's SavedModel is written
+  first, so TensorFlow's one-time start-up is not counted. The peak RSS
+  above the baseline, divided by `param_bytes`, is the figure.
+  """
+  import shutil
+
+  jax = _jax()
+  from flax import nnx
+
+  import flax_dtensor as fdt
+  from flax_dtensor import dtensor as fdt_tf
+
+  fdt_tf.initialize()
+  import tensorflow as tf
+
+  if method not in ('saved_model', 'save'):
+    raise ValueError(method)
+  layers = max(2, mib // 64)
+  rules = [('embed', None), ('mlp', 'model')]
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  root = tempfile.mkdtemp(prefix='fdt_export_', dir=os.environ.get('BENCH_DIR'))
+  spec = [tf.TensorSpec([None, _EXPORT_WIDTH], tf.float32)]
+  try:
+    with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+      small = fdt.init(_explicit_stack(jax, nnx, 2), nnx.Rngs(0))
+      fdt_tf.save_saved_model(
+        small, os.path.join(root, 'warm'), input_signature=spec
+      )
+      fdt_tf.save_checkpoint(small, os.path.join(root, 'warm_ckpt'))
+      del small
+      model = fdt.init(_explicit_stack(jax, nnx, layers), nnx.Rngs(0))
+      jax.block_until_ready(nnx.state(model))
+      param_bytes = sum(
+        v.nbytes for v in jax.tree.leaves(nnx.state(model, nnx.Param))
+      )
+      _release_free_memory()
+      before = _reset_peak()
+      start = time.perf_counter()
+      if method == 'saved_model':
+        fdt_tf.save_saved_model(
+          model, os.path.join(root, 'sm'), input_signature=spec
+        )
+      else:
+        fdt_tf.save_checkpoint(model, os.path.join(root, 'ckpt'))
+      seconds = time.perf_counter() - start
+      peak = _rss_mib()
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': peak,
+    'param_bytes': param_bytes,
+  }
+
+
 CASES = {
+  'export_memory': export_memory,
   'init': init,
   'plan': plan,
   'to_tf': to_tf,

@@ -190,6 +190,20 @@ def _checkpoint_scale(one, several, manifest, repeat=None):
   )
 
 
+# A SavedModel of one model on jax.make_mesh's default mesh (Explicit axes),
+# built and exported inside jax.set_mesh, beside a blocking checkpoint of
+# it: peak RSS above the baseline, against the parameter bytes.
+def _export_memory(mib):
+  return _case(
+    'export_memory',
+    {'mib': mib},
+    {'ours': 'saved_model', 'ours_checkpoint': 'save'},
+    note=f'{mib} MiB of float32 parameters on jax.make_mesh((2, 4)) '
+    '(Explicit axes), a forward with out_sharding=; peak RSS above the '
+    'baseline ÷ param_bytes',
+  )
+
+
 # The command line: each command in a fresh process, against the bare
 # interpreter (the floor) and a process that only imports JAX and Flax (what
 # a command line importing them at start-up could not go below).
@@ -381,6 +395,7 @@ def _full():
     'checkpoint_scale': _checkpoint_scale(
       (8, 32, 128), (1, 2, 4), (256, 512, 1024, 2048, 4096), repeat=3
     ),
+    'export_memory': [_export_memory(2048)],
     'checkpoint_scaling': [
       _case(
         'checkpoint',
@@ -435,6 +450,7 @@ def _quick():
     ],
     'multiprocess': _multiprocess(4, 1, (1, 2)),
     'checkpoint_scale': _checkpoint_scale((8, 32), (1, 2), (256, 512)),
+    'export_memory': [_export_memory(128)],
     'single_mesh': [
       _case(
         'to_tf',

@@ -7,6 +7,9 @@ Messages say what was expected, what arrived, where (the variable path when
 there is one), and how to fix it.
 """
 
+import os
+import sys
+
 
 class FlaxDTensorError(Exception):
   """Base class of every error raised by flax_dtensor."""
@@ -214,3 +217,32 @@ class LikelyTypoWarning(UserWarning):
   ``missing_mesh_axes='error'`` makes every rule naming a missing axis an
   error (`MissingMeshAxisError`).
   """
+
+
+class ServedShapeWarning(UserWarning):
+  """A SavedModel serves fewer input shapes than its signature's None allows.
+
+  Warned by `save_saved_model` when the forward splits a polymorphic
+  dimension (the batch, say) over an Explicit mesh axis of `n` devices,
+  which JAX does only for sizes it knows to be multiples of `n`: the
+  dimension is exported as ``n*b``, so the SavedModel serves the sizes JAX
+  runs, multiples of `n`, and any other size fails in TensorFlow with
+  JAX's message ('Division had remainder'). Passing those shapes as
+  `polymorphic_shapes=` says so and silences it; constraining the dimension
+  on Auto axes (``with_sharding_constraint``) serves every size.
+  """
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+  """`stacklevel` for a warning that names the first frame outside the package.
+
+  Called in the function that calls `warnings.warn`: frames of
+  flax_dtensor are skipped, so the warning points at the user's line.
+  """
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level

@@ -316,7 +316,7 @@ class Order:
     for path, variable in built.items():
       spec = specs.get(path, PartitionSpec())
       variable.set_value(
-        jax.device_put(
+        _meshes.put(
           _variables.value_of(variable),
           _variables.sharding_for(variable, self.mesh, spec),
         )
@@ -394,7 +394,7 @@ def put_back(x: Any, sharding: Any) -> Any:
   """`x` moved back to `sharding` (a leaf of a state; None leaves it)."""
   if sharding is None or not isinstance(x, jax.Array):
     return x
-  return jax.device_put(x, sharding)
+  return _meshes.put(x, sharding)
 
 
 def _creator(

@@ -194,7 +194,18 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   if not uses_ours or not isinstance(
     out_sharding, tuple | list | PartitionSpec
   ):
-    return flax_fn(*args, **kwargs)
+    try:
+      return flax_fn(*args, **kwargs)
+    except ValueError as e:
+      # Flax's own refusal when it has no mesh: ours instead (a ValueError
+      # too), saying how to get one. Checked only once Flax has refused.
+      if _meshes.mesh_for(mesh=named.get('mesh')) is not None:
+        raise
+      raise _errors.MeshError(
+        'Expected a mesh to place a new variable annotated '
+        f'out_sharding={tuple(out_sharding)!r}, but no mesh is set (nor '
+        f"given in the variable's metadata). {_placing.NO_MESH_MSG}"
+      ) from e
   mesh = _placing.require_mesh(named.get('mesh'), 'a new variable')
   resolution = _resolution.resolve(
     tuple(out_sharding),

@@ -403,7 +403,7 @@ def _place_result(
       variable.set_value(_meshes.retype(value, mesh))
       continue
     variable.set_value(
-      jax.device_put(
+      _meshes.put(
         value, _variables.sharding_for(variable, mesh, resolution.spec)
       )
     )

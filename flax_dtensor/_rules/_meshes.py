@@ -151,11 +151,28 @@ def same_devices(a: MeshLike | None, b: Mesh) -> bool:
   )
 
 
+def put(x: Any, sharding: jax.sharding.Sharding) -> Any:
+  """``jax.device_put(x, sharding)``, typed keys over several processes too.
+
+  JAX moves a typed key array laid out over several processes' devices
+  only as its key data: `jax.device_put` refuses the key itself there
+  (it is not a plain array), where it moves the key data.
+  """
+  if (
+    isinstance(x, jax.Array)
+    and not x.is_fully_addressable
+    and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ):
+    data = jax.device_put(jax.random.key_data(x), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return jax.device_put(x, sharding)
+
+
 def retype(x: Any, mesh: Mesh) -> Any:
   """`x` on `mesh`, zero-copy when it is laid out on the same devices."""
   if not isinstance(x, jax.Array):
     return x
   sharding = x.sharding
   if isinstance(sharding, NamedSharding) and same_devices(sharding.mesh, mesh):
-    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
-  return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return put(x, NamedSharding(mesh, sharding.spec))
+  return put(x, NamedSharding(mesh, PartitionSpec()))

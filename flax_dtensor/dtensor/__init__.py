@@ -31,6 +31,9 @@ if TYPE_CHECKING:
   from flax_dtensor.dtensor._errors import (
     SaveInProgressError as SaveInProgressError,
   )
+  from flax_dtensor.dtensor._errors import (
+    ServedShapeWarning as ServedShapeWarning,
+  )
   from flax_dtensor.dtensor._files._background import SaveHandle as SaveHandle
   from flax_dtensor.dtensor._files._checkpoint import (
     save_checkpoint as save_checkpoint,
@@ -86,6 +89,7 @@ __all__ = (
   'RelaidVariable',
   'SaveHandle',
   'SaveInProgressError',
+  'ServedShapeWarning',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
@@ -119,6 +123,7 @@ _MODULES = {
   'MalformedExportError': '_errors',
   'PeerError': '_errors',
   'SaveInProgressError': '_errors',
+  'ServedShapeWarning': '_errors',
   'from_tf_module': '_layout._from_tf',
   'layout_for': '_layout._layouts',
   'mesh_to_dtensor': '_layout._layouts',

@@ -1,4 +1,4 @@
-"""The kinds of `ExportError` the bridge raises, for callers to tell apart.
+"""The kinds of `ExportError` the bridge raises, and its warnings.
 
 Defined with the package's other errors (`flax_dtensor._errors`), handed
 out here, by `flax_dtensor.dtensor`.
@@ -10,6 +10,7 @@ from flax_dtensor._errors import ExportNotFoundError as ExportNotFoundError
 from flax_dtensor._errors import MalformedExportError as MalformedExportError
 from flax_dtensor._errors import PeerError as PeerError
 from flax_dtensor._errors import SaveInProgressError as SaveInProgressError
+from flax_dtensor._errors import ServedShapeWarning as ServedShapeWarning
 
 __all__ = (
   'DamagedExportError',
@@ -18,4 +19,5 @@ __all__ = (
   'MalformedExportError',
   'PeerError',
   'SaveInProgressError',
+  'ServedShapeWarning',
 )

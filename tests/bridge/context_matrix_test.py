@@ -9,7 +9,8 @@ error, as `context_matrix.REFUSALS` says.
 
 Kept cheap: each model is built once per context (`World`), checkpoints
 are written once and read by the cells that need them, and every
-SavedModel of the matrix is served by one JAX-free TF process.
+SavedModel of the matrix is served by one JAX-free TF process, at every
+batch size of `context_matrix.SERVED_BATCHES`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import json
 import pathlib
 import textwrap
+import warnings
 from typing import Any
 
 import context_matrix as cm
@@ -34,7 +36,7 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-X = np.random.default_rng(7).standard_normal((cm.BATCH, cm.EMBED))
+X = np.random.default_rng(7).standard_normal((max(cm.SERVED_BATCHES), cm.EMBED))
 X = X.astype(np.float32)
 
 
@@ -150,21 +152,6 @@ def check_placements(module, context, mesh):
 SIGNATURE = [tf.TensorSpec([None, cm.EMBED], tf.float32, name='x'), None]
 
 
-def _signature(context):
-  """A polymorphic batch; static on a mesh with an Explicit axis.
-
-  On an Explicit mesh the forward reshards the batch over 'data', which JAX
-  cannot do to a batch of unknown size (see
-  `test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size`). On a
-  mixed mesh a polymorphic batch exports, but TF 2.21 refuses every call
-  of it ("shape_assertion: expects static assert_what"), even for a model
-  without constraints: a bug reported, not yet fixed.
-  """
-  if context.mesh in ('Explicit', 'mixed'):
-    return [tf.TensorSpec([cm.BATCH, cm.EMBED], tf.float32, name='x'), None]
-  return SIGNATURE
-
-
 def _serving(model):
   if model.has('nnx.Rngs and dropout'):
     return nnx.view(model, deterministic=True)
@@ -191,6 +178,7 @@ class World:
   def __init__(self, root: pathlib.Path):
     self.root = root
     self._memo: dict[Any, Any] = {}
+    self.narrowed: dict[str, list[str]] = {}
 
   def memo(self, key, make):
     if key not in self._memo:
@@ -271,19 +259,30 @@ class World:
 
     return self.memo(('tf_module', context, cell.features), make)
 
-  def reference_output(self, cell):
-    """The served method's result in JAX, under the context's mesh."""
+  def reference_output(self, cell, batch: int, *, one_device: bool = False):
+    """The served method's result in JAX on `batch` rows, jitted under the
+    context's mesh, or on one device (a copy of the mesh whose axes are
+    each of size 1, the model's arrays moved there). JAX's own refusal,
+    if it refuses, is raised."""
     context, mesh = cell.context, self.mesh(cell.context)
 
     def make():
       # A copy: `nnx.view` of a module with a kept nnx.Rngs advances it.
       view = _serving(nnx.clone(self.model(cell)))
-      with jax.set_mesh(mesh), cm.scope(context, mesh):
-        x = jax.device_put(X, jax.sharding.NamedSharding(mesh, cm.P()))
-        out = view(x, None)
+      on = _one_device(mesh) if one_device else mesh
+      if one_device:
+        state = nnx.state(view)
+        nnx.update(
+          view,
+          jax.device_put(state, jax.sharding.NamedSharding(on, cm.P())),
+        )
+      with jax.set_mesh(on), cm.scope(context, on):
+        x = jax.device_put(X[:batch], jax.sharding.NamedSharding(on, cm.P()))
+        out = nnx.jit(lambda m, x: m(x, None))(view, x)
       return [np.asarray(jax.device_get(o)) for o in jax.tree.leaves(out)]
 
-    return self.memo(('jax_out', context, cell.features), make)
+    key = ('jax_out', context, cell.features, batch, one_device)
+    return self.memo(key, make)
 
   def export(self, cell) -> str:
     context, mesh = cell.context, self.mesh(cell.context)
@@ -292,17 +291,20 @@ class World:
       # A copy: `nnx.view` of a module with a kept nnx.Rngs advances it.
       view = _serving(nnx.clone(self.model(cell)))
       path = self.directory('sm', context, cell.features)
-      with cm.scope(context, mesh):
-        return fdt_tf.save_saved_model(
-          view,
-          path,
-          input_signature=_signature(context),
-        )
+      with cm.scope(context, mesh), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always', fdt_tf.ServedShapeWarning)
+        path = fdt_tf.save_saved_model(view, path, input_signature=SIGNATURE)
+      self.narrowed[path] = [
+        str(x.message)
+        for x in w
+        if issubclass(x.category, fdt_tf.ServedShapeWarning)
+      ]
+      return path
 
     return self.memo(('sm', context, cell.features), make)
 
 
-ALL_CELLS = cm.cells() + cm.feature_cells()
+ALL_CELLS = cm.cells() + cm.feature_cells() + cm.export_cells()
 
 
 @pytest.fixture(scope='module')
@@ -336,7 +338,8 @@ def _compiled_once(tmp_path_factory):
 
 
 # Serves every SavedModel of the matrix in one TF process that cannot
-# import JAX: {path: [outputs in name order]}.
+# import JAX, at each batch size: {path: {batch: {output name: values}, or
+# {'error': TF's error}}}.
 _SERVE = processes.NO_JAX + textwrap.dedent(
   """
   import json, sys
@@ -347,12 +350,19 @@ _SERVE = processes.NO_JAX + textwrap.dedent(
   x = np.load(job['x'])
   report = {}
   for path in job['paths']:
+    report[path] = {}
     try:
       serve = tf.saved_model.load(path).signatures['serving_default']
-      out = serve(x=tf.constant(x))
-      report[path] = {k: out[k].numpy().tolist() for k in sorted(out)}
     except Exception as e:
-      report[path] = {'error': f'{type(e).__name__}: {e}'[-3000:]}
+      report[path] = {'load': f'{type(e).__name__}: {e}'[-3000:]}
+      continue
+    for batch in job['batches']:
+      try:
+        out = serve(x=tf.constant(x[:batch]))
+        got = {k: out[k].numpy().tolist() for k in sorted(out)}
+      except Exception as e:
+        got = {'error': f'{type(e).__name__}: {e}'[-3000:]}
+      report[path][str(batch)] = got
   print(RESULT + json.dumps(report))
   """
 ).replace('RESULT', repr(processes.RESULT))
@@ -363,7 +373,7 @@ def served(world, tmp_path_factory):
   """Exports every SavedModel cell's model, then serves them all at once."""
   paths = []
   for cell in ALL_CELLS:
-    if cell.entry != 'save_saved_model (served by TF)':
+    if cell.entry != cm.SAVED_MODEL:
       continue
     try:
       paths.append(world.export(cell))
@@ -374,7 +384,13 @@ def served(world, tmp_path_factory):
   work = tmp_path_factory.mktemp('serve')
   np.save(work / 'x.npy', X)
   (work / 'job.json').write_text(
-    json.dumps({'x': str(work / 'x.npy'), 'paths': paths})
+    json.dumps(
+      {
+        'x': str(work / 'x.npy'),
+        'paths': paths,
+        'batches': list(cm.SERVED_BATCHES),
+      }
+    )
   )
   (work / 'serve.py').write_text(_SERVE)
   return processes.checked_result(
@@ -496,16 +512,52 @@ def _from_tf_module(world, cell):
   assert_bit_exact(flat(target, rng=False), flat(world.model(cell), rng=False))
 
 
+def _one_device(mesh):
+  """`mesh`'s axis names and types, each axis of size 1, on one device."""
+  devices = np.array(jax.devices()[:1]).reshape((1,) * len(mesh.shape))
+  return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
 def _saved_model(world, cell, served):
+  """Served at every batch JAX runs, with JAX's values; refused by TF at
+  the batches JAX refuses, and only there (with our warning saying so).
+
+  A batch that JAX refuses to split over its mesh's Explicit axis, but runs
+  on one device, is served with JAX's values there: TF serves on one device.
+  """
   path = world.export(cell)
-  want = world.reference_output(cell)
-  got = served[path]
-  assert 'error' not in got, got.get('error')
-  assert len(got) == len(want)
-  for name, w in zip(sorted(got), want, strict=True):
-    np.testing.assert_allclose(
-      np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name
-    )
+  multiple = cm.batch_multiple(cell)
+  warned = world.narrowed[path]
+  if multiple == 1:
+    assert warned == []
+  else:
+    assert len(warned) == 1
+    assert f"'b' is exported as a multiple of {multiple}" in warned[0]
+  report = served[path]
+  assert 'load' not in report, report.get('load')
+  for batch in cm.SERVED_BATCHES:
+    got = report[str(batch)]
+    on_mesh = cm.runs_on_its_mesh(cell, batch)
+    if not on_mesh:
+      with pytest.raises(ValueError, match='does not evenly divide'):
+        world.reference_output(cell, batch)
+    if batch % multiple:
+      # JAX refuses this batch on any mesh, and TF refuses it as JAX does.
+      with pytest.raises(ValueError, match='does not evenly divide'):
+        world.reference_output(cell, batch, one_device=True)
+      assert got.get('error', '').startswith('InvalidArgumentError'), got
+      continue
+    want = world.reference_output(cell, batch, one_device=not on_mesh)
+    assert 'error' not in got, (batch, got.get('error'))
+    assert len(got) == len(want)
+    for name, w in zip(sorted(got), want, strict=True):
+      np.testing.assert_allclose(
+        np.asarray(got[name]),
+        w,
+        rtol=1e-4,
+        atol=1e-4,
+        err_msg=f'{name} at batch {batch}',
+      )
 
 
 RUNNERS = {
@@ -526,9 +578,7 @@ RUNNERS = {
 
 
 def test_every_list_element_is_in_a_cell():
-  assert set(RUNNERS) | {'save_saved_model (served by TF)'} == set(
-    cm.ENTRY_POINTS
-  )
+  assert set(RUNNERS) | {cm.SAVED_MODEL} == set(cm.ENTRY_POINTS)
   cells = ALL_CELLS
   assert {c.entry for c in cells} == set(cm.ENTRY_POINTS)
   assert {c.context.mesh_context for c in cells} == set(cm.MESH_CONTEXTS)
@@ -541,7 +591,7 @@ def test_every_list_element_is_in_a_cell():
 
 @pytest.mark.parametrize('cell', ALL_CELLS, ids=lambda c: c.id)
 def test_cell(cell, world, request):
-  if cell.entry == 'save_saved_model (served by TF)':
+  if cell.entry == cm.SAVED_MODEL:
     run = lambda: _saved_model(world, cell, request.getfixturevalue('served'))  # noqa: E731
   else:
     run = lambda: RUNNERS[cell.entry](world, cell)  # noqa: E731
@@ -553,24 +603,92 @@ def test_cell(cell, world, request):
       run()
 
 
-def test_a_batch_resharded_on_an_explicit_axis_needs_a_static_size(world):
-  """JAX cannot reshard a polymorphic batch: our error names the fix."""
-  cell = cm.Cell(
-    'save_saved_model (served by TF)',
-    cm.Context('jax.set_mesh', 'fdt.logical_axis_rules', 'Explicit'),
+def _explicit_cell(mesh_context='jax.set_mesh', features=cm.FEATURES):
+  return cm.Cell(
+    cm.SAVED_MODEL,
+    cm.Context(mesh_context, 'fdt.logical_axis_rules', 'Explicit'),
+    features,
   )
+
+
+def test_a_batch_resharded_on_an_explicit_axis_is_served_as_jax_runs_it(
+  world,
+):
+  """The warning says what is served and how to keep it quietly: passing
+  the shapes it names exports the same, without a warning."""
+  cell = _explicit_cell(features=('constrained activations',))
   mesh = world.mesh(cell.context)
+  view = world.model(cell)
   with cm.scope(cell.context, mesh):
+    with pytest.warns(
+      fdt_tf.ServedShapeWarning,
+      match=r"'b' is exported as a multiple of 2 \(x \(2\*b, 16\)\).*"
+      r"polymorphic_shapes=\['\(2\*b, 16\)'\]",
+    ) as record:
+      fdt_tf.save_saved_model(
+        view, world.directory('warned'), input_signature=SIGNATURE
+      )
+    # The warning points at this line, not at flax_dtensor's code.
+    (ours,) = [w for w in record if w.category is fdt_tf.ServedShapeWarning]
+    assert ours.filename == __file__
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', fdt_tf.ServedShapeWarning)
+      path = fdt_tf.save_saved_model(
+        view,
+        world.directory('quiet'),
+        input_signature=SIGNATURE,
+        polymorphic_shapes=['(2*b, 16)', None],
+      )
+  assert (pathlib.Path(path) / 'saved_model.pb').is_file()
+
+
+class _Grows(nnx.Module):
+  """Reshards, on the mesh it names, a batch one row longer than its
+  input: 'b + 1' rows, which no multiple of 'b' makes even."""
+
+  def __init__(self, mesh):
+    self.mesh = mesh
+    self.scale = nnx.Param(jax.numpy.ones((cm.EMBED,)))
+
+  def __call__(self, x):
+    y = jax.numpy.concatenate([x, x[:1]]) * self.scale[...][None]
+    named = jax.sharding.NamedSharding(self.mesh, cm.P('data', None))
+    return jax.sharding.reshard(y, named).sum(0)
+
+
+def test_a_dimension_no_multiple_makes_divide_is_refused_in_our_words(world):
+  mesh = world.mesh(cm.Context('jax.set_mesh', 'no rules', 'Explicit'))
+  with jax.set_mesh(mesh):
     with pytest.raises(
       fdt.ExportError,
-      match=r"polymorphic dimension 'b' \(x \(b, 16\)\) over 2 devices .*"
-      r'static size there, a multiple of 2',
+      match=r"splits a dimension of size 'b \+ 1' over 2 devices.*"
+      r'The inputs: x \(b, 16\).*Auto axes',
     ):
       fdt_tf.save_saved_model(
-        world.model(cell),
-        world.directory('refused'),
-        input_signature=SIGNATURE,
+        _Grows(mesh), world.directory('grows'), input_signature=[SIGNATURE[0]]
       )
+
+
+@pytest.mark.parametrize('mesh_kind', ['Explicit', 'mixed'])
+def test_a_model_in_training_mode_is_refused_naming_nnx_view(world, mesh_kind):
+  """Dropout draws from the model's nnx.Rngs, which a served function
+  cannot advance: our error, before anything is written."""
+  cell = cm.Cell(
+    cm.SAVED_MODEL,
+    cm.Context('jax.set_mesh', 'fdt.logical_axis_rules', mesh_kind),
+    ('nnx.Rngs and dropout',),
+  )
+  path = pathlib.Path(world.directory('training'))
+  with cm.scope(cell.context, world.mesh(cell.context)):
+    with pytest.raises(
+      fdt.ExportError,
+      match=r'Model.__call__ for the SavedModel failed: it changes the '
+      r"model's RngCount.*nnx.view\(model, deterministic=True",
+    ):
+      fdt_tf.save_saved_model(
+        nnx.clone(world.model(cell)), path, input_signature=SIGNATURE
+      )
+  assert not path.exists()
 
 
 # The MaxText-style world (tests/support/maxtext_style.py): its mesh of 12

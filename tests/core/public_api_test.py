@@ -58,6 +58,7 @@ EXPECTED_DTENSOR = (
   'RelaidVariable',
   'SaveHandle',
   'SaveInProgressError',
+  'ServedShapeWarning',
   'SingleMeshReport',
   'array_to_dtensor',
   'checkpoint_key',
@@ -104,16 +105,20 @@ def test_the_bridge_errors_are_export_errors():
   ``except ExportError`` still catches each."""
   import flax_dtensor.dtensor as fdt_tf
 
-  errors = [
+  classes = [
     getattr(fdt_tf, name)
     for name in fdt_tf.__all__
     if isinstance(getattr(fdt_tf, name), type)
     and issubclass(getattr(fdt_tf, name), Exception)
   ]
+  errors = [c for c in classes if not issubclass(c, Warning)]
   assert len(errors) == 6, errors
   for error in errors:
     assert issubclass(error, fdt.ExportError), error
     assert error.__name__.endswith('Error'), error
+  warned = [c for c in classes if issubclass(c, Warning)]
+  assert warned == [fdt_tf.ServedShapeWarning]
+  assert issubclass(fdt_tf.ServedShapeWarning, UserWarning)
 
 
 def _run(code, **env):

@@ -45,6 +45,17 @@ CHECKS = {
     'served = tf.saved_model.load("saved_model").signatures\n'
     "assert list(served) == ['serving_default'], served\n"
   ),
+  'export_guide.md:explicit-axes': (
+    # Served at 8 rows as JAX computes them on the mesh, and at 3 (which
+    # JAX splits over 'data' on one device only) as the same rows: the
+    # forward treats each row alone.
+    'x = np.random.default_rng(0).standard_normal((8, 16)).astype("float32")\n'
+    'with jax.set_mesh(mesh):\n'
+    '  want = np.asarray(model(x))\n'
+    'for rows in (8, 3, 1):\n'
+    '  got = serve(x=tf.constant(x[:rows]))["output_0"].numpy()\n'
+    '  np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5)\n'
+  ),
   'export_guide.md:rng-state': (
     'import numpy as np\n'
     'for got in (seeded, resumed):\n'
@@ -146,12 +157,13 @@ CHECKS = {
     'assert reader.get_variable_to_shape_map()[fdt_dt.checkpoint_key(\n'
     "    'up/kernel')] == [512, 2048]\n"
     'loaded = tf.saved_model.load("sm")\n'
-    'x = np.ones((2, 512), np.float32)\n'
-    'with jax.set_mesh(mesh):\n'
+    'x = np.random.default_rng(0).standard_normal((4, 512)).astype("float32")\n'
+    'with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):\n'
     '  want = np.asarray(model(jax.numpy.asarray(x)))\n'
-    'got = list(loaded.signatures.values())[0](tf.constant(x))\n'
-    'got = np.asarray(list(got.values())[0])\n'
-    'np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)\n'
+    'for rows in (4, 3, 1):  # odd batches: each row as JAX computes it\n'
+    '  got = list(loaded.signatures.values())[0](tf.constant(x[:rows]))\n'
+    '  got = np.asarray(list(got.values())[0])\n'
+    '  np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5)\n'
   ),
   'golden_layouts.md:golden-in-python': (
     "assert changes.moved == ('embed/embedding', 'head/kernel'), changes\n"

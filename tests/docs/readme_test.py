@@ -28,14 +28,24 @@ def test_readme_blocks_run_alone(tmp_path, warm_pool):
     + "reader = tf.train.load_checkpoint('ckpt')\n"
     + 'names = sorted(reader.get_variable_to_shape_map())\n'
     + "print('KEYS', [n for n in names if 'kernel' in n])\n"
+    # Served at odd batches too, each row as JAX computes it.
+    + 'import numpy as np\n'
+    + "serve = tf.saved_model.load('served').signatures['serving_default']\n"
+    + 'want = np.asarray(y)\n'
+    + 'for rows in (1, 3):\n'
+    + '  (got,) = serve(tf.ones((rows, 512))).values()\n'
+    + '  np.testing.assert_allclose(got.numpy(), want[:rows], rtol=1e-5, atol=1e-5)\n'
+    + "print('SERVED', rows)\n"
   )
   out = script_util.run_script(script, tmp_path, 300, warm_pool)
   assert out.returncode == 0, out.stderr[-3000:]
   quick, _, after = out.stdout.partition('QUICKSTART DONE')
   assert "P(None, 'model')" in quick  # up/kernel: 'fsdp' fell back.
-  assert quick.rstrip().endswith('(16, 512)')  # The forward pass ran.
+  # The forward pass ran, its batch on 'data'.
+  assert quick.rstrip().endswith('float32[16@data,512]')
   assert "'embed' -> 'fsdp': the mesh has no axis 'fsdp'" in quick
   assert (
     "KEYS ['state/down/kernel/.ATTRIBUTES/VARIABLE_VALUE', "
     "'state/up/kernel/.ATTRIBUTES/VARIABLE_VALUE']" in after
   )
+  assert after.rstrip().endswith('SERVED 3')

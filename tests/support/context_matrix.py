@@ -13,12 +13,19 @@ context_matrix_test.py runs them; docs/compatibility.md shows `table()`):
 The pruning rule: every entry point runs in every context on `Model`
 (`cells()`, the full product); each feature is then run alone
 (`feature_cells()`: a model with only that feature, every entry point, in
-`FEATURE_CONTEXT`), so that a failure there names its feature.
+`FEATURE_CONTEXT`), so that a failure there names its feature. The export
+to a served SavedModel, where a mesh with Explicit axes changes what JAX
+writes, also runs each model of `EXPORT_MODELS` in each of
+`EXPORT_CONTEXTS` (`export_cells()`): outside ``jax.set_mesh``, inside it,
+and inside it under our rules, on ``jax.make_mesh``'s default mesh (every
+axis Explicit) and on a mixed one.
 
 A cell either works (its values are compared: placements with the plan
 and `nnx.get_partition_spec`, restores bit-exact, served within a
-tolerance) or is refused with one of flax_dtensor's errors: `REFUSALS`
-lists those, each with the reason, and `refusal(cell)` finds a cell's.
+tolerance of JAX at several batch sizes) or is refused with one of
+flax_dtensor's errors, and only where JAX itself refuses the same thing:
+`REFUSALS` lists those, each with the reason, and `refusal(cell)` finds a
+cell's.
 """
 
 from __future__ import annotations
@@ -65,11 +72,14 @@ FEATURES = (
   'bfloat16 variable',
   'nnx.scan-stacked layers',
   'constrained activations',
+  'out_sharding= forwards',
   'tuple and dict results',
   'None argument',
 )
 
 EMBED, MLP, LAYERS, BATCH = maxtext_style.EMBED, maxtext_style.MLP, 2, 8
+# The batch sizes each SavedModel is served at.
+SERVED_BATCHES = (1, 2, 3, 8)
 
 # The rules of the (2, 4) meshes; the size-1 mesh has MaxText's.
 RULES_2X4 = (
@@ -99,6 +109,27 @@ CONTEXTS = tuple(
 )
 # Where each feature runs alone.
 FEATURE_CONTEXT = Context('jax.set_mesh', 'fdt.logical_axis_rules', 'Auto')
+SAVED_MODEL = 'save_saved_model (served by TF)'
+# Where a SavedModel is exported from on meshes with Explicit axes: outside
+# `jax.set_mesh`, inside it, and inside it under our rules.
+EXPORT_CONTEXTS = tuple(
+  Context(mesh_context, rules, mesh)
+  for mesh in ('Explicit', 'mixed')
+  for mesh_context, rules in (
+    ('no mesh context', 'no rules'),
+    ('jax.set_mesh', 'no rules'),
+    ('jax.set_mesh', 'fdt.logical_axis_rules'),
+  )
+)
+# The models exported there: a plain one, then one feature each whose
+# forward or variables a mesh with Explicit axes changes.
+EXPORT_MODELS = (
+  (),
+  ('0-d variable',),
+  ('constrained activations',),
+  ('out_sharding= forwards',),
+  ('nnx.Rngs and dropout',),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +138,20 @@ class Cell:
   context: Context
   features: tuple[str, ...] = FEATURES
 
+  @property
+  def what(self) -> str:
+    """The model: 'all' its features, 'plain' none, else them, '+'-joined."""
+    if self.features == FEATURES:
+      return 'all'
+    return '+'.join(self.features) or 'plain'
+
   def __str__(self) -> str:
-    what = 'all' if self.features == FEATURES else '+'.join(self.features)
-    return f'{self.entry} | {self.context} | {what}'
+    return f'{self.entry} | {self.context} | {self.what}'
 
   @property
   def id(self) -> str:
     """A test id: the words of each part, '-' between parts."""
-    what = 'all' if self.features == FEATURES else '+'.join(self.features)
-    parts = (self.entry, *dataclasses.astuple(self.context), what)
+    parts = (self.entry, *dataclasses.astuple(self.context), self.what)
     return '-'.join(_slug(p) for p in parts)
 
 
@@ -134,6 +170,40 @@ def feature_cells() -> list[Cell]:
     Cell(e, FEATURE_CONTEXT, (f,))
     for f, e in itertools.product(FEATURES, ENTRY_POINTS)
   ]
+
+
+def export_cells() -> list[Cell]:
+  """The SavedModel export of each of `EXPORT_MODELS` in `EXPORT_CONTEXTS`."""
+  return [
+    Cell(SAVED_MODEL, c, f)
+    for c, f in itertools.product(EXPORT_CONTEXTS, EXPORT_MODELS)
+  ]
+
+
+def runs_on_its_mesh(cell: Cell, batch: int) -> bool:
+  """Whether JAX runs the cell's forward on `batch` rows on its own mesh.
+
+  A forward that reshards its batch over the Explicit axis 'data' (2
+  devices) runs there for even batches only; on one device (a mesh of the
+  same axes, each of size 1) for every batch, unless it names the mesh it
+  reshards on (`batch_multiple`).
+  """
+  reshards = {'constrained activations', 'out_sharding= forwards'}
+  explicit = cell.context.mesh in ('Explicit', 'mixed')
+  return not (explicit and reshards & set(cell.features) and batch % 2)
+
+
+def batch_multiple(cell: Cell) -> int:
+  """What the served batch must be a multiple of: JAX's own condition.
+
+  A forward that reshards its batch over the Explicit axis 'data' (size 2)
+  of a mesh it names (`constrained activations`) runs in JAX only for even
+  batches, on that mesh or any other, and so serves only those (exported as
+  '2*b', with `fdt_dt.ServedShapeWarning`); any batch otherwise, bare specs
+  (`out_sharding= forwards`) included: they trace on one device.
+  """
+  reshards = 'constrained activations' in cell.features
+  return 2 if reshards and cell.context.mesh in ('Explicit', 'mixed') else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,30 +227,14 @@ class Refusal:
 REFUSALS = (
   Refusal(
     entries=('eager creation',),
-    when=lambda c: (
-      c.mesh_context == 'no mesh context'
-      and c.rules == 'fdt.logical_axis_rules'
-    ),
-    condition='no mesh context, our rules',
+    when=lambda c: c.mesh_context == 'no mesh context',
+    condition='no mesh context',
     error='MeshError',
     match='no mesh is set',
     reason=(
-      'an annotated variable is placed when it is created: set a mesh, or '
-      'use `fdt.init(..., mesh=)`'
-    ),
-  ),
-  Refusal(
-    entries=('eager creation',),
-    when=lambda c: (
-      c.mesh_context == 'no mesh context'
-      and c.rules != 'fdt.logical_axis_rules'
-    ),
-    condition="no mesh context, Flax's rules or none",
-    error='ValueError',
-    match='mesh context or metadata is required',
-    reason=(
-      "Flax's own error: without our rules in effect flax_dtensor leaves "
-      "Flax's creation as it is"
+      'an annotated variable is placed when it is created, on a mesh: set '
+      'one, or use `fdt.init(..., mesh=)`; JAX itself needs a mesh to '
+      'place an array by a PartitionSpec'
     ),
   ),
   Refusal(
@@ -213,11 +267,16 @@ def refusal(cell: Cell) -> Refusal | None:
 
 
 def make_mesh(kind: str) -> jax.sharding.Mesh:
+  """The mesh of a kind; 'Explicit' is `jax.make_mesh`'s own default."""
   if kind == 'size-1 axes':
     return maxtext_style.make_mesh()
+  if kind == 'Explicit':
+    mesh = jax.make_mesh((2, 4), ('data', 'model'))  # As users write it.
+    if mesh.axis_types != (AxisType.Explicit,) * 2:
+      raise ValueError(f'jax.make_mesh gave {mesh.axis_types}, not Explicit')
+    return mesh
   types = {
     'Auto': (AxisType.Auto,) * 2,
-    'Explicit': (AxisType.Explicit,) * 2,
     'mixed': (AxisType.Explicit, AxisType.Auto),
   }[kind]
   return jax.make_mesh((2, 4), ('data', 'model'), axis_types=types)
@@ -279,29 +338,58 @@ def expected_spec(logical: tuple[Any, ...], context: Context) -> P:
 # The model.
 
 
-def constrain(x, mesh, spec, *, bare: bool = False):
-  """Constrains `x` as MaxText does: reshard on Explicit, else a constraint.
-
-  On a mixed mesh only the spec's Auto axes are constrained. `bare` uses
-  a bare PartitionSpec (the mesh is the context's), else `mesh`'s.
-  """
-  explicit = {
+def _explicit_axes(mesh: jax.sharding.Mesh) -> set[str]:
+  return {
     n
     for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
     if t == AxisType.Explicit
   }
-  all_explicit = len(explicit) == len(mesh.axis_names)
+
+
+def _only(spec: Any, axes: set[str]) -> P:
+  """`spec` with only the mesh axes in `axes` (the others replicated)."""
   dims = []
   for entry in tuple(spec):
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    if not all_explicit:
-      axes = tuple(a for a in axes if a not in explicit)
-    dims.append(axes or None)
-  spec = P(*dims)
-  target = spec if bare else NamedSharding(mesh, spec)
-  if all_explicit:
-    return jax.sharding.reshard(x, target)
-  return jax.lax.with_sharding_constraint(x, target)
+    kept = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    dims.append(tuple(a for a in kept if a in axes) or None)
+  return P(*dims)
+
+
+def constrain(x, mesh, spec, *, bare: bool = False):
+  """Places `x` as users write it for the mesh's axis types.
+
+  ``jax.sharding.reshard`` to the spec's Explicit axes, then
+  ``with_sharding_constraint`` to its Auto axes: one of them on an
+  all-Explicit or all-Auto mesh, both on a mixed one. `bare` uses a bare
+  PartitionSpec (the mesh is the context's), else `mesh`'s.
+  """
+  explicit = _explicit_axes(mesh)
+  auto = set(mesh.axis_names) - explicit
+
+  def target(axes):
+    only = _only(spec, axes)
+    return only if bare else NamedSharding(mesh, only)
+
+  if explicit:
+    x = jax.sharding.reshard(x, target(explicit))
+  if auto:
+    x = jax.lax.with_sharding_constraint(x, target(auto))
+  return x
+
+
+def out_sharding(mesh, x, *rest):
+  """The `out_sharding=` a forward written for Explicit axes passes.
+
+  `x`'s batch sharding, then `rest` with only the mesh's Explicit axes
+  (an op may be told only those); None on a mesh without one, where users
+  pass none.
+  """
+  explicit = _explicit_axes(mesh)
+  if not explicit:
+    return None
+  spec = jax.typeof(x).sharding.spec
+  batch = spec[0] if len(spec) else None
+  return P(batch, *_only(P(*rest), explicit))
 
 
 _LECUN = nnx.initializers.lecun_normal()
@@ -329,10 +417,56 @@ class Layer(nnx.Module):
     h = jax.nn.gelu(x @ self.wi[...])
     if self.constrained:
       h = constrain(h, self.mesh, self.spec)
-    y = h @ self.wo[...]
+    # Contracts over 'mlp', sharded over 'model': on Explicit axes, told
+    # where its result goes.
+    y = jnp.dot(h, self.wo[...], out_sharding=out_sharding(self.mesh, h, None))
     if self.constrained:
       y = constrain(y, self.mesh, self.spec)
     return x + y
+
+
+class OutShardingBlock(nnx.Module):
+  """Layers called as forwards for Explicit axes call them, with bare specs.
+
+  The batch resharded over the Explicit 'data' axis
+  (``jax.sharding.reshard(x, P('data', None))``), then ``nnx.Linear``,
+  ``nnx.Einsum`` and ``jnp.dot``, each told where its result goes
+  (`out_sharding`): the last two contract over a dimension sharded over
+  'model', which JAX refuses on Explicit axes without it. Bare
+  `PartitionSpec`s, of the mesh in context: a polymorphic batch serves at
+  every size (where the `constrained activations`, which name their mesh,
+  serve even sizes only).
+  """
+
+  def __init__(self, mesh, names, *, rngs: nnx.Rngs):
+    self.mesh = mesh
+    self.up = nnx.Linear(
+      EMBED,
+      MLP,
+      use_bias=False,
+      kernel_init=nnx.with_partitioning(_LECUN, names('embed', 'mlp')),
+      rngs=rngs,
+    )
+    self.mix = nnx.Einsum(
+      'bm,mn->bn',
+      (MLP, MLP),
+      kernel_init=nnx.with_partitioning(_LECUN, names('mlp', None)),
+      rngs=rngs,
+    )
+    self.down = nnx.Param(
+      nnx.with_partitioning(_LECUN, names('mlp', 'embed'))(
+        rngs.params(), (MLP, EMBED)
+      )
+    )
+
+  def __call__(self, x):
+    if 'data' in _explicit_axes(self.mesh):
+      x = jax.sharding.reshard(x, P('data', None))
+    h = self.up(x, out_sharding=out_sharding(self.mesh, x, 'model'))
+    h = self.mix(h, out_sharding=out_sharding(self.mesh, h, None))
+    return jnp.dot(
+      h, self.down[...], out_sharding=out_sharding(self.mesh, h, None)
+    )
 
 
 class Model(nnx.Module):
@@ -396,6 +530,8 @@ class Model(nnx.Module):
     if self.has('nnx.Rngs and dropout'):
       self.dropout = nnx.Dropout(0.25, rngs=rngs)
       self.rngs = rngs
+    if self.has('out_sharding= forwards'):
+      self.head = OutShardingBlock(mesh, self.names, rngs=rngs)
 
   def has(self, feature: str) -> bool:
     return feature in self.features
@@ -433,6 +569,8 @@ class Model(nnx.Module):
       h = h + bias
     if self.has('nnx.Rngs and dropout'):
       h = self.dropout(h)
+    if self.has('out_sharding= forwards'):
+      h = h + self.head(h)
     if self.has('constrained activations'):
       # The context's mesh: a bare PartitionSpec.
       h = constrain(
@@ -508,6 +646,35 @@ def table() -> str:
       if not any(refusal(c) for c in feature_cells())
       else 'see the refusals.'
     )
+  )
+  export_models = ', '.join(
+    Cell(SAVED_MODEL, FEATURE_CONTEXT, f).what for f in EXPORT_MODELS
+  )
+  export_contexts = '; '.join(
+    f'"{c}"' for c in EXPORT_CONTEXTS if c.mesh == EXPORT_CONTEXTS[0].mesh
+  )
+  lines.append('')
+  lines.append(
+    f'`{SAVED_MODEL}` exports with a polymorphic batch (`tf.TensorSpec('
+    '[None, 16])`) and is served in a TensorFlow process that cannot '
+    f'import JAX, at batches {", ".join(map(str, SERVED_BATCHES))}, each '
+    "compared with JAX's forward pass. It also runs for each model of "
+    f'{export_models} in each of the contexts {export_contexts}, on the '
+    "Explicit mesh (`jax.make_mesh`'s default) and on the mixed one: "
+    + (
+      'every such cell works.'
+      if not any(refusal(c) for c in export_cells())
+      else 'see the refusals.'
+    )
+    + ' A forward that reshards its batch over the Explicit axis `data` '
+    '(2 devices) runs in JAX on that mesh for even batches only, and on '
+    'one device for every batch: written with bare PartitionSpecs (the '
+    'mesh in context), it is traced on one device, as TensorFlow serves '
+    "it, and serves every batch with JAX's values there; naming its mesh "
+    '(`NamedSharding(mesh, ...)`), it runs for even batches only on any '
+    "mesh, and is served so: its batch is exported as '2*b' (with "
+    '`fdt_dt.ServedShapeWarning`), and TensorFlow refuses an odd one as '
+    'JAX does.'
   )
   if used:
     lines.append('')

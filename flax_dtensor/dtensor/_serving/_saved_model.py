@@ -16,9 +16,12 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import flax
 import jax
 import numpy as np
 from flax import nnx
@@ -264,39 +267,50 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     result = getattr(model, served.method)(*served.inputs.arguments(inputs))
     return _signature.named_outputs(result, where)
 
-  forward_tf = jax2tf.convert(
-    forward,
-    polymorphic_shapes=[None, *served.inputs.polymorphic],
-    with_gradient=False,
-    native_serialization_platforms=(
-      tuple(served.platforms) if served.platforms is not None else None
-    ),
-  )
+  def serving(inputs: _signature.Inputs) -> Any:
+    """The served `tf.function` for these inputs' polymorphic shapes."""
+    forward_tf = jax2tf.convert(
+      forward,
+      polymorphic_shapes=[None, *inputs.polymorphic],
+      with_gradient=False,
+      native_serialization_platforms=(
+        tuple(served.platforms) if served.platforms is not None else None
+      ),
+    )
 
-  def serve(*inputs: tf.Tensor) -> Any:
-    # Widened variables go back to their dtype in TF, or inside the JAX
-    # function (`forward`) for dtypes TF may lack.
-    params = [
-      tf.cast(v, e.dtype)
-      if e.stored_dtype != e.dtype and not e.widened_in_jax
-      else v
-      for e, v in zip(entries, dvars, strict=True)
-    ]
-    return forward_tf(params, *inputs)
+    def serve(*tensors: tf.Tensor) -> Any:
+      # Widened variables go back to their dtype in TF, or inside the JAX
+      # function (`forward`) for dtypes TF may lack.
+      params = [
+        tf.cast(v, e.dtype)
+        if e.stored_dtype != e.dtype and not e.widened_in_jax
+        else v
+        for e, v in zip(entries, dvars, strict=True)
+      ]
+      return forward_tf(params, *tensors)
 
-  serve_fn = tf.function(
-    serve, input_signature=list(served.inputs.specs), autograph=False
-  )
-  tf_module.serve = serve_fn
+    return tf.function(
+      serve, input_signature=list(inputs.specs), autograph=False
+    )
+
   with (
     _serialization.for_tensorflow(),
     concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    serving, trace_mesh = _traced(serve_fn, served.inputs, where, mesh)
-    _serialization.check_readable(serving, 'save_saved_model')
-    with _mesh_set(trace_mesh):  # TF traces again while it saves.
-      _write_saved_model(tf_module, directory, serving)
+    traced = _traced(serving, served.inputs, where, mesh)
+    _serialization.check_readable(traced.concrete, 'save_saved_model')
+    if traced.inputs.multiples:
+      warnings.warn(
+        _signature.narrowed_warning(
+          traced.inputs, where, traced.refused_serving_mesh
+        ),
+        _errors.ServedShapeWarning,
+        stacklevel=_errors.caller_stacklevel(),
+      )
+    tf_module.serve = traced.function
+    with _mesh_set(traced.mesh):  # TF traces again while it saves.
+      _write_saved_model(tf_module, directory, traced.concrete)
     _checkpoint.write_manifest(
       directory,
       _manifest.SAVED_MODEL_FORMAT,
@@ -317,51 +331,152 @@ def _mesh_set(mesh: jax.sharding.Mesh | None) -> Iterator[None]:
     yield
 
 
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+  """The served function, traced: what `_traced` found works."""
+
+  function: Any  # The `tf.function` to save.
+  concrete: Any  # Its concrete function.
+  inputs: _signature.Inputs  # The inputs it was traced for.
+  mesh: jax.sharding.Mesh | None  # The mesh it was traced under, if set.
+  # Why the serving mesh could not be used, when there was one.
+  refused_serving_mesh: str | None = None
+
+
+# The most times the served function is traced on the caller's mesh: once,
+# once more under the model's mesh, and once per symbol made a multiple of
+# a mesh axis's size.
+_MOST_TRACES = 8
+
+
+def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
+  """The mesh a SavedModel's forward is traced under, for `mesh`'s axes.
+
+  TensorFlow serves a SavedModel on one device, whatever mesh it was
+  trained on: a mesh's sizes matter to the exported function only where
+  JAX checks, while tracing, that a dimension divides over an Explicit
+  axis (``reshard``, ``out_sharding=``), which a polymorphic batch cannot
+  pass. This copy has `mesh`'s axis names and types, each axis of size 1,
+  on one device: a forward written for `mesh` with bare `PartitionSpec`s
+  traces there for every size, as JAX runs it on one device. None when
+  `mesh` (concrete or abstract) has no Explicit axis: JAX checks nothing
+  then, and the forward is traced as the caller has it.
+  """
+  if mesh is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return None
+  devices = np.array(jax.local_devices()[:1]).reshape((1,) * len(mesh.shape))
+  return jax.sharding.Mesh(
+    devices, mesh.axis_names, axis_types=tuple(mesh.axis_types)
+  )
+
+
 def _traced(
-  serve_fn: Any,
+  serving: Callable[[_signature.Inputs], Any],
   inputs: _signature.Inputs,
   where: str,
   mesh: jax.sharding.Mesh | None,
-) -> tuple[Any, jax.sharding.Mesh | None]:
-  """The serving function, traced, and the mesh it was traced under.
+) -> _Traced:
+  """The serving function of `serving(inputs)`, traced as JAX runs it.
 
-  As the caller's context has it; but a forward that constrains its
-  activations with bare `PartitionSpec`s
-  (``jax.lax.with_sharding_constraint(x, P('data'))``) needs a mesh in
-  context, and when none is set it is traced again under the model's
-  `mesh` (the one every exported variable is laid out on), which is then
-  returned. Only then: a mesh in context changes what JAX writes (shardings
-  of its own for 0-d arguments and shape checks). A failure where
-  polymorphic dimensions of their own meet (`_signature.shapes_error`),
-  where one is sharded over a mesh axis it may not divide
-  (`_signature.divisibility_error`), or a bare constraint with no mesh
-  anywhere, is put in our words.
+  On a mesh with Explicit axes (the caller's, else the one the model's
+  variables are on, `mesh`), first under its `serving_mesh`, where every
+  size of a polymorphic dimension traces. If the forward does not trace
+  there (it names the mesh itself, say ``NamedSharding(mesh, ...)``), and
+  on any other mesh, it is traced as the caller has it, by
+  `_traced_in_context`.
   """
+  context = _meshes.current_mesh()
+  served_on = serving_mesh(context if context is not None else mesh)
+  if served_on is None:
+    return _traced_in_context(serving, inputs, where, mesh)
+  function = serving(inputs)
   try:
-    return serve_fn.get_concrete_function(), None
-  except _errors.FlaxDTensorError:
-    raise
-  except Exception as e:
-    needs_mesh = any(words in str(e) for words in _NEEDS_MESH)
-    if needs_mesh and mesh is not None and _meshes.current_mesh() is None:
-      with jax.set_mesh(mesh):
-        return _traced(serve_fn, inputs, where, None)[0], mesh
-    if needs_mesh:
-      raise _errors.ExportError(
-        f'Tracing {where} for the SavedModel failed: it constrains a '
-        'sharding with a bare PartitionSpec, which needs a mesh in '
-        'context, and none is set, nor are the exported variables laid out '
-        f'on one ({e}). Export inside `with jax.set_mesh(mesh):`, with the '
-        'mesh the forward pass constrains over.'
-      ) from e
-    error = _signature.shapes_error(
-      inputs, e, where
-    ) or _signature.divisibility_error(inputs, e, where)
-    if error is None:
+    with jax.set_mesh(served_on):
+      concrete = function.get_concrete_function()
+    return _Traced(function, concrete, inputs, served_on)
+  except Exception as e:  # Traced again as the caller has it, below.
+    refused = _signature.summary(e)
+  traced = _traced_in_context(serving, inputs, where, mesh)
+  return dataclasses.replace(traced, refused_serving_mesh=refused)
+
+
+def _traced_in_context(
+  serving: Callable[[_signature.Inputs], Any],
+  inputs: _signature.Inputs,
+  where: str,
+  mesh: jax.sharding.Mesh | None,
+) -> _Traced:
+  """The serving function traced as the caller's context has it.
+
+  With two exceptions that JAX itself asks for, each traced again:
+
+  - a forward that constrains its activations with bare `PartitionSpec`s
+    (``jax.lax.with_sharding_constraint(x, P('data'))``, ``reshard``,
+    ``out_sharding=P(...)``) needs a mesh in context, and when none is set
+    it is traced under the model's `mesh` (the one every exported variable
+    is laid out on). Only then: a mesh in context changes what JAX writes;
+  - a forward that splits a polymorphic dimension over an Explicit mesh
+    axis of `n` devices needs it to be a multiple of `n`: its symbol is
+    made one (`_signature.narrowed`), as JAX itself runs such a forward only
+    for such sizes; the caller warns.
+
+  A failure where polymorphic dimensions of their own meet
+  (`_signature.shapes_error`), where a dimension cannot be made to divide
+  (`_signature.divisibility_error`), where the forward changes the model
+  (training mode), or a bare constraint with no mesh anywhere, is put in
+  our words.
+  """
+  trace_mesh = None
+  for attempt in range(_MOST_TRACES):
+    function = serving(inputs)
+    try:
+      with _mesh_set(trace_mesh):
+        concrete = function.get_concrete_function()
+      return _Traced(function, concrete, inputs, trace_mesh)
+    except _errors.FlaxDTensorError:
       raise
-    raise error from e
+    except Exception as e:
+      last = attempt == _MOST_TRACES - 1
+      needs_mesh = any(words in str(e) for words in _NEEDS_MESH)
+      if needs_mesh and trace_mesh is None and not last:
+        if mesh is not None and _meshes.current_mesh() is None:
+          trace_mesh = mesh
+          continue
+      if needs_mesh:
+        raise _errors.ExportError(
+          f'Tracing {where} for the SavedModel failed: it constrains a '
+          'sharding with a bare PartitionSpec, which needs a mesh in '
+          'context, and none is set, nor are the exported variables laid '
+          f'out on one ({e}). Export inside `with jax.set_mesh(mesh):`, '
+          'with the mesh the forward pass constrains over.'
+        ) from e
+      mutated = _MUTATED.search(str(e))
+      if isinstance(e, flax.errors.TraceContextError) and mutated:
+        raise _errors.ExportError(
+          f'Tracing {where} for the SavedModel failed: it changes the '
+          f"model's {mutated[1]} (Flax: {_signature.summary(e)}), as a "
+          'model in training mode does: Dropout draws from its nnx.Rngs, '
+          'BatchNorm updates its statistics. A served function cannot '
+          'change the model: export it in inference mode, '
+          '`save_saved_model(nnx.view(model, deterministic=True, '
+          'use_running_average=True), ...)` (the arguments its layers take).'
+        ) from e
+      found = _signature.narrowing(e)
+      more = None if found is None else _signature.narrowed(inputs, found)
+      if more is not None and not last:
+        inputs = more
+        continue
+      error = _signature.shapes_error(
+        inputs, e, where
+      ) or _signature.divisibility_error(inputs, e, where)
+      if error is None:
+        raise
+      raise error from e
+  raise AssertionError('unreachable: the last attempt returns or raises')
 
 
+# Flax's refusal to change a variable of the model from inside the trace.
+_MUTATED = re.compile(r'Cannot mutate (\w+) from a different trace level')
 # JAX's words when a bare PartitionSpec meets no mesh: in
 # `with_sharding_constraint`, and in `reshard` (Explicit axes).
 _NEEDS_MESH = (

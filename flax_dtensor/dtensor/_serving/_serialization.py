@@ -11,6 +11,9 @@ only show where the SavedModel is served. So, while a SavedModel is traced:
 - the StableHLO artifact targets the older of JAX's target and the version
   TF reads (`stablehlo_target`), both read from the installed libraries at
   run time;
+- the checks JAX writes for polymorphic dimensions carry no sharding
+  (`unconstrain_shape_checks`), so that TF can fold them for the shapes it
+  serves;
 - every ``XlaCallModule`` of the traced function is loaded by TF's own
   loader, the one the serving op runs (`check_readable`), before anything is
   written.
@@ -32,6 +35,7 @@ from flax_dtensor.dtensor import _tf
 
 
 class _Target(threading.local):
+  active: bool = False  # Within `for_tensorflow`: modules are for TF.
   version: str | None = None  # The StableHLO version to write, or JAX's.
 
 
@@ -68,13 +72,16 @@ def jax_stablehlo_target() -> str | None:
 
 @functools.cache
 def _install() -> bool:
-  """Lets `stablehlo_target` choose the version JAX serializes for.
+  """Lets `for_tensorflow` shape the module JAX serializes.
 
   JAX's export serializes in ``jax._src.export._export._module_to_bytecode``
-  for a target it picks itself (no option sets it). This wraps that
-  function, once: the target chosen in this thread (`_target`) if any, JAX's
-  own otherwise. False where JAX has moved it: JAX's target then applies, and
-  `check_readable` still refuses what TF cannot read.
+  for a target it picks itself (no option sets it), from a copy of the
+  lowered module made for the export alone. This wraps that function, once:
+  within `for_tensorflow` on this thread (`_target`), the module's shape
+  checks lose their shardings (`unconstrain_shape_checks`) and it is written
+  for the target chosen (`stablehlo_target`), JAX's own otherwise. False
+  where JAX has moved it: JAX's module and target then apply, and
+  `check_readable` still refuses what TF cannot load or serve.
   """
   try:
     from jax._src import xla_bridge
@@ -88,6 +95,8 @@ def _install() -> bool:
 
   @functools.wraps(original)
   def module_to_bytecode(module: Any) -> bytes:
+    if _target.active:
+      unconstrain_shape_checks(module)
     if _target.version is None:
       return original(module)
     return serialize(
@@ -110,21 +119,65 @@ def target_for_tf() -> str | None:
 
 @contextlib.contextmanager
 def stablehlo_target(version: str | None) -> Iterator[None]:
-  """Within the block, this thread's JAX exports write StableHLO `version`.
+  """Within the block, this thread's JAX exports are modules for TF.
 
-  None keeps JAX's choice.
+  They write StableHLO `version` (None keeps JAX's choice), and their shape
+  checks carry no sharding (`unconstrain_shape_checks`).
   """
   with _install_lock:
     installed = _install()
-  if version is None or not installed:
+  if not installed:
     yield
     return
-  old = _target.version
-  _target.version = version
+  old = _target.active, _target.version
+  _target.active, _target.version = True, version
   try:
     yield
   finally:
-    _target.version = old
+    _target.active, _target.version = old
+
+
+def _operations(operation: Any) -> Iterator[Any]:
+  """Every operation nested in `operation`, inner ones first."""
+  for region in operation.regions:
+    for block in region:
+      for child in list(block):
+        yield from _operations(child.operation)
+        yield child.operation
+
+
+def unconstrain_shape_checks(module: Any) -> int:
+  """Drops the shardings of 0-d integers in `module`; returns how many.
+
+  Under a mesh with Explicit axes JAX gives every value it lowers a
+  sharding, the dimension sizes its shape checks compare included
+  (``sdy.sharding_constraint`` of a 0-d integer, always replicated: a 0-d
+  value has no dimension to split). TF's ``XlaCallModule`` folds each check
+  to a constant for the shapes it serves, and cannot fold through a
+  constraint: every call then fails ('Module shape refinement failed: …
+  expects static assert_what'). A constraint never changes a value, and
+  these ones change no placement either, so each is replaced by its
+  operand: the checks, and what they say when a shape is wrong, are kept.
+  `module` is the export's own copy, about to be serialized.
+  """
+  from jax._src.lib.mlir import ir
+
+  dropped = 0
+  for op in list(_operations(module.operation)):
+    if op.name != 'sdy.sharding_constraint' or len(op.results) != 1:
+      continue
+    result = op.results[0]
+    tensor = result.type  # JAX's MLIR gives each type its own class.
+    if not isinstance(tensor, ir.RankedTensorType) or tensor.rank != 0:
+      continue
+    if not isinstance(tensor.element_type, ir.IntegerType):
+      continue
+    if 'unreduced' in str(op.attributes['sharding']):
+      continue  # Partial sums: a placement of their own, kept.
+    result.replace_all_uses_with(op.operands[0])
+    op.erase()
+    dropped += 1
+  return dropped
 
 
 def _tf_max_calling_convention() -> int | None:
@@ -244,12 +297,15 @@ def check_readable(concrete_function: Any, what: str) -> None:
       f'{what}: JAX {jax.__version__} exported the forward pass '
       f'({", ".join(name for name, _ in modules)}) under a mesh with Explicit '
       'axes, and so constrained the checks of its polymorphic input '
-      'dimensions to a sharding. The installed TensorFlow '
-      f"{tf.__version__}'s XlaCallModule loads such a module but cannot "
-      "compile it where it serves ('Module shape refinement failed: … "
-      "expects static assert_what'). Nothing was written. Export outside "
-      '`jax.set_mesh` (the exported variables keep their layout), under a '
-      'mesh whose axes are all Auto, or with static input shapes.'
+      'dimensions to a sharding, which flax_dtensor removes before '
+      'TensorFlow sees them, but could not in this JAX release (its export '
+      'no longer serializes through '
+      '`jax._src.export._export._module_to_bytecode`). The installed '
+      f"TensorFlow {tf.__version__}'s XlaCallModule loads such a module but "
+      "cannot compile it where it serves ('Module shape refinement failed: "
+      "… expects static assert_what'). Nothing was written. Give "
+      '`input_signature` static shapes (no None), or use a JAX release of '
+      'the compatibility page.'
     )
 
 

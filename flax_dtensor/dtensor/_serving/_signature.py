@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -228,12 +229,15 @@ class Inputs:
       input in `specs`, or None for an argument passed as None.
     derived: Whether `polymorphic` was derived from the specs (by
       `symbol`), not given by the caller.
+    multiples: (symbol, multiple) of each symbol the export made a
+      multiple of a number (`narrowed`), for JAX to split it over devices.
   """
 
   specs: tuple[Any, ...]
   polymorphic: tuple[str | None, ...]
   slots: tuple[int | None, ...]
   derived: bool
+  multiples: tuple[tuple[str, int], ...] = ()
 
   def arguments(self, arrays: Sequence[Any]) -> list[Any]:
     """The method's positional arguments, given its inputs' values."""
@@ -430,41 +434,139 @@ def shapes_error(
 
 
 # JAX's refusal to shard a symbolic dimension over an axis it may not divide
-# (an Explicit axis: `reshard` or an Explicit input sharding in the forward).
+# (an Explicit axis: `reshard`, `out_sharding=` or an Explicit input
+# sharding in the forward), with the dimension as JAX prints it.
 _NOT_DIVIDED = re.compile(
   r'partitioned (\d+) times, but does not evenly divide the dimension size '
-  r'([A-Za-z_][A-Za-z0-9_]*)\b'
+  r'(.+?)\. Got shape'
 )
+# A dimension JAX prints as one symbol times a constant: 'b', '4*b', 'b*4'.
+_SCALED_SYMBOL = re.compile(r'(?:(\d+)\*)?([A-Za-z_]\w*)(?:\*(\d+))?')
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrowing:
+  """A polymorphic symbol JAX needs to be a multiple of a number.
+
+  Attributes:
+    symbol: The symbol, e.g. 'b'.
+    factor: What it is multiplied by in the shapes, so that JAX knows the
+      dimension divides: the served sizes are multiples of it.
+    devices: The devices the dimension is split over, as JAX said.
+  """
+
+  symbol: str
+  factor: int
+  devices: int
+
+
+def narrowing(error: BaseException) -> Narrowing | None:
+  """The symbol to scale so that a dimension JAX shards divides, if any.
+
+  JAX cannot split a dimension of unknown size over `n` devices (an
+  Explicit axis) unless it knows the size is a multiple of `n`; a symbol
+  ``b`` written as ``n*b`` says so. None when `error` is not that refusal,
+  or the dimension is not one symbol times a constant (``b + 1``, ``b*t``).
+  """
+  found = _NOT_DIVIDED.search(str(error))
+  if found is None:
+    return None
+  devices = int(found[1])
+  scaled = _SCALED_SYMBOL.fullmatch(found[2].replace(' ', ''))
+  if scaled is None or devices < 2:
+    return None
+  coefficient = int(scaled[1] or 1) * int(scaled[3] or 1)
+  factor = devices // math.gcd(devices, coefficient)
+  if factor < 2:
+    return None
+  return Narrowing(scaled[2], factor, devices)
+
+
+def narrowed(inputs_: Inputs, narrowing_: Narrowing) -> Inputs | None:
+  """`inputs_` with the symbol of `narrowing_` a multiple of its factor.
+
+  Every polymorphic shape naming the symbol has it multiplied (``(b, 16)``
+  becomes ``(2*b, 16)``), so equal dimensions stay equal; None if no shape
+  names it.
+  """
+  symbol = re.compile(rf'(?<![\w.]){re.escape(narrowing_.symbol)}(?!\w)')
+  shapes = tuple(
+    None if s is None else symbol.sub(f'{narrowing_.factor}*\\g<0>', s)
+    for s in inputs_.polymorphic
+  )
+  if shapes == inputs_.polymorphic:
+    return None
+  multiples = dict(inputs_.multiples)
+  multiples[narrowing_.symbol] = (
+    multiples.get(narrowing_.symbol, 1) * narrowing_.factor
+  )
+  return dataclasses.replace(
+    inputs_, polymorphic=shapes, multiples=tuple(sorted(multiples.items()))
+  )
+
+
+def narrowed_warning(
+  inputs_: Inputs, where: str, refused: str | None = None
+) -> str:
+  """What a narrowed signature serves, why, and how to say so and be quiet.
+
+  `refused`: why the forward did not trace on a serving mesh (one device),
+  where every size would have served, if it was tried.
+  """
+  said = ', '.join(
+    f"'{symbol}' is exported as a multiple of {multiple}"
+    for symbol, multiple in inputs_.multiples
+  )
+  listing = ', '.join(
+    f'{spec.name} {shape}'
+    for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
+    if shape is not None
+  )
+  why = (
+    ''
+    if refused is None
+    else " It did not trace on one device with the mesh's axis names, "
+    f'where every size serves ({refused}): it names the mesh itself; '
+    'written with bare PartitionSpecs (`P(...)` under `jax.set_mesh`), it '
+    'would.'
+  )
+  return (
+    f'{where} splits a polymorphic dimension over an Explicit mesh axis, '
+    f'which JAX does only for sizes it knows divide: {said} ({listing}), '
+    'so the SavedModel serves those sizes only, the ones JAX runs; any '
+    "other fails in TensorFlow with JAX's message ('Division had "
+    f"remainder').{why} To serve every size, constrain that dimension on "
+    'Auto axes (`with_sharding_constraint`) instead; to keep this and '
+    'silence the warning, pass '
+    f'`polymorphic_shapes={list(inputs_.polymorphic)!r}`.'
+  )
 
 
 def divisibility_error(
   inputs_: Inputs, error: BaseException, where: str
 ) -> _errors.ExportError | None:
-  """Our error for a polymorphic dimension sharded over an Explicit axis.
+  """Our error for a polymorphic dimension sharded over an Explicit axis
+  that no multiple of a symbol makes divide (e.g. ``b + 1``).
 
-  JAX cannot shard a dimension of unknown size over `n` devices unless it
-  knows the size is a multiple of `n`. JAX accepts a polymorphic ``n*b``,
-  but TF 2.21's `XlaCallModule` then refuses every call ("expects static
-  assert_what"): the fix that serves is a static size. None when the error
-  is not that one.
+  None when the error is not JAX's refusal to split it.
   """
   found = _NOT_DIVIDED.search(str(error))
   if found is None:
     return None
-  times, name = int(found[1]), found[2]
+  times, size = int(found[1]), found[2]
   listing = ', '.join(
     f'{spec.name} {shape}'
     for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
-    if shape is not None and re.search(rf'\b{name}\b', shape)
+    if shape is not None
   )
   return _errors.ExportError(
-    f'Tracing {where} for the SavedModel failed: the forward shards the '
-    f"polymorphic dimension '{name}' ({listing}) over {times} devices (an "
-    f'Explicit mesh axis), and JAX cannot know that every size of it '
-    f'divides by {times} ({summary(error)}). Give `input_signature` a '
-    f'static size there, a multiple of {times}, or constrain that '
-    'dimension on Auto axes (`with_sharding_constraint`), which need no '
-    'such proof.'
+    f'Tracing {where} for the SavedModel failed: the forward splits a '
+    f"dimension of size '{size}' over {times} devices (an Explicit mesh "
+    f'axis), and JAX cannot know that every size of it divides by {times} '
+    f'({summary(error)}). The inputs: {listing}. Give `polymorphic_shapes=` '
+    f'that make it a multiple of {times} (e.g. a symbol written '
+    f"'{times}*b'), a static size there, or constrain that dimension on "
+    'Auto axes (`with_sharding_constraint`), which need no such proof.'
   )
 
 

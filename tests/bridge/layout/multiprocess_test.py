@@ -15,7 +15,7 @@ def test_dtensor_bridge_across_two_processes():
     WORKERS_DIR / '_mp_worker_mesh.py', num_processes=2, timeout=400
   )
   for i, out in enumerate(outputs):
-    assert f'WORKER OK process={i} checks=40' in out, out
+    assert f'WORKER OK process={i} checks=49' in out, out
 
 
 def test_run_workers_reports_a_failing_worker(tmp_path):

@@ -37,10 +37,13 @@ _SERVE_SCRIPT = processes.NO_JAX + textwrap.dedent(
   loaded = tf.saved_model.load(sys.argv[1])
   serve = loaded.signatures['serving_default']
   out = serve(features=tf.constant(np.load(sys.argv[2])))
-  np.save(sys.argv[3], out['logits'].numpy())
+  saved = sys.argv[4] if len(sys.argv) > 4 else 'logits'
+  np.save(sys.argv[3], out[saved].numpy())
   print(json.dumps({
     'outputs': sorted(out),
-    'probs_sum': out['probs'].numpy().sum(axis=1).tolist(),
+    'probs_sum': (
+      out['probs'].numpy().sum(axis=1).tolist() if 'probs' in out else None
+    ),
     'variables': sorted(v.name for v in serve.variables),
     'jax_modules': sorted(
       m for m, v in sys.modules.items() if m.startswith('jax') and v is not None
@@ -95,7 +98,15 @@ def test_two_processes_write_one_saved_model(tmp_path):
     'details) and run the export again.'
   )
   # Only what succeeded is there; no temporary directory is left.
-  assert sorted(os.listdir(tmp_path)) == ['ckpt', 'sm', 'want.npy', 'x.npy']
+  assert sorted(os.listdir(tmp_path)) == [
+    'ckpt',
+    'explicit_sm',
+    'explicit_want.npy',
+    'sm',
+    'want.npy',
+    'x.npy',
+    'x8.npy',
+  ]
   assert {'saved_model.pb', 'variables', 'assets'} <= set(os.listdir(sm))
 
   # Served by plain TF, JAX blocked, in a process of its own.
@@ -123,6 +134,32 @@ def test_two_processes_write_one_saved_model(tmp_path):
   got = np.load(tmp_path / 'got.npy')
   assert got.shape == want.shape == (5, 16)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  # The model written for Explicit axes, exported from jax.make_mesh's
+  # default mesh over both processes: served at every batch, odd ones
+  # included, each row as JAX computed it on the mesh.
+  x8 = np.load(tmp_path / 'x8.npy')
+  explicit_want = np.load(tmp_path / 'explicit_want.npy')
+  for rows in (8, 3, 1):
+    np.save(tmp_path / f'x{rows}rows.npy', x8[:rows])
+    served = processes.run_python(
+      script,
+      tmp_path / 'explicit_sm',
+      tmp_path / f'x{rows}rows.npy',
+      tmp_path / f'got{rows}.npy',
+      'output_0',
+      timeout=TIMEOUT,
+    )
+    assert served.returncode == 0, served.stderr[-4000:]
+    assert (
+      json.loads(served.stdout.strip().splitlines()[-1])['jax_modules'] == []
+    )
+    np.testing.assert_allclose(
+      np.load(tmp_path / f'got{rows}.npy'),
+      explicit_want[:rows],
+      rtol=1e-5,
+      atol=1e-5,
+    )
 
   # TF's own tool reads the signature we wrote.
   cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')

@@ -6,6 +6,10 @@ interleaved positions span both processes, every array is converted with
 components against TF's own layout semantics and against the local JAX shards
 (bytes and addresses), a DTensor all-gather (relayout to replicated) against
 the global JAX value from `process_allgather`, and the round trip back.
+Then, on `jax.make_mesh`'s default mesh (Explicit axes), an Auto one and a
+mixed one over both processes, variables are created under our rules
+(eagerly, by `fdt.init` with the `nnx.Rngs` passed, by `fdt.init` of a
+closure): each placed by the rules, with an unsharded build's values.
 """
 
 import multiprocess_util
@@ -13,9 +17,11 @@ import multiprocess_util
 multiprocess_util.initialize_jax()
 
 # ruff: noqa: E402
+import creation_values
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental import multihost_utils
 
 import flax_dtensor as fdt
@@ -134,6 +140,8 @@ def main() -> None:
       )
       checks += 1
 
+  checks += _creation_checks()
+
   # A mesh of the other process's devices only: no part for this process.
   others = [d for d in devices if d.process_index != me]
   with pytest.raises(fdt.DTensorError, match=r'at least one of this process'):
@@ -150,6 +158,80 @@ def main() -> None:
   # Leave together: no process exits while the other still gathers.
   multihost_utils.sync_global_devices('done')
   print(f'WORKER OK process={me} checks={checks}', flush=True)
+
+
+class _Block(nnx.Module):
+  """Two annotated layers and the nnx.Rngs they were built with."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(
+      16,
+      32,
+      kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
+      rngs=rngs,
+    )
+    self.down = nnx.Linear(
+      32,
+      16,
+      kernel_init=nnx.with_partitioning(init, ('mlp', 'embed')),
+      rngs=rngs,
+    )
+    self.rngs = rngs
+
+
+def _creation_checks() -> int:
+  """Variables created under our rules on meshes over both processes."""
+  rules = [('embed', 'data'), ('mlp', 'model')]
+  with nnx.use_eager_sharding(False):
+    want = {
+      k: np.asarray(v.get_value())
+      for k, v in nnx.to_flat_state(nnx.state(_Block(nnx.Rngs(3)), nnx.Param))
+    }
+  axis_types = jax.sharding.AxisType
+  meshes = {
+    'make_mesh': jax.make_mesh((2, 4), ('data', 'model')),
+    'Auto': jax.make_mesh(
+      (2, 4), ('data', 'model'), axis_types=(axis_types.Auto,) * 2
+    ),
+    'mixed': jax.make_mesh(
+      (2, 4),
+      ('data', 'model'),
+      axis_types=(axis_types.Explicit, axis_types.Auto),
+    ),
+  }
+  builds = {
+    'eager': lambda: _Block(nnx.Rngs(3)),
+    'fdt.init, rngs passed': lambda: fdt.init(_Block, nnx.Rngs(3)),
+    'fdt.init of a closure': lambda: fdt.init(lambda: _Block(nnx.Rngs(3))),
+  }
+  specs = {
+    ('up', 'kernel'): P('data', 'model'),
+    ('down', 'kernel'): P('model', 'data'),
+  }
+  checks = 0
+  for mesh_name, mesh in meshes.items():
+    for how, build in builds.items():
+      where = f'{mesh_name}, {how}'
+      with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+        block = build()
+      got = dict(nnx.to_flat_state(nnx.state(block, nnx.Param)))
+      assert sorted(got) == sorted(want), where
+      for path, variable in got.items():
+        value = variable.get_value()
+        assert value.sharding.mesh == mesh, (where, path)
+        if path in specs:
+          assert value.sharding.spec == specs[path], (where, path)
+        creation_values.assert_close(
+          multihost_utils.process_allgather(value, tiled=True),
+          want[path],
+          err_msg=f'{where} {path}',
+        )
+      # The model's nnx.Rngs stay usable, on the caller's mesh.
+      key = block.rngs.params()
+      assert key.sharding.mesh == mesh, where
+      checks += 1
+  return checks
 
 
 if __name__ == '__main__':

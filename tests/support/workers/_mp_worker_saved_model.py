@@ -9,6 +9,9 @@ over both processes' devices (each mesh row mixes them), then, together:
 - tries a SavedModel over the size limit, one that fails on process 0 only
   (a wrong input signature, traced there alone) and one into an existing
   directory: every process must raise, none left waiting;
+- writes a SavedModel of a model whose forward is written for Explicit
+  axes, on `jax.make_mesh`'s default mesh over both processes, with a
+  polymorphic batch; process 0 saves its input and JAX's output;
 - has TF change every DVariable and brings them back with from_tf_module
   onto the row-major mesh (each process reads its own components; JAX moves
   the rest), and saves a single-mesh checkpoint and restores it.
@@ -27,6 +30,7 @@ import sys
 
 import jax
 
+import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
 
 fdt_tf.initialize()  # Before any other TF op.
@@ -62,6 +66,24 @@ class Net(nnx.Module):
   def predict(self, x):
     logits = self(x)
     return {'logits': logits, 'probs': jax.nn.softmax(logits)}
+
+
+class ExplicitNet(nnx.Module):
+  """A forward written for Explicit axes: the batch over 'data', each
+  matmul told where its result goes (the second contracts 'mlp')."""
+
+  def __init__(self, rngs):
+    self.up = nnx.Linear(
+      64, 128, kernel_init=_part(('embed', 'mlp')), rngs=rngs
+    )
+    self.down = nnx.Linear(
+      128, 16, kernel_init=_part(('mlp', 'embed')), rngs=rngs
+    )
+
+  def __call__(self, x):
+    x = jax.sharding.reshard(x, P('data', None))
+    h = jax.nn.gelu(self.up(x, out_sharding=P('data', 'model')))
+    return self.down(h, out_sharding=P('data', None))
 
 
 def _mesh(kind):
@@ -144,6 +166,22 @@ def main():
   exists = _error(
     lambda: fdt_tf.save_saved_model(serving, sm, input_signature=signature)
   )
+
+  # jax.make_mesh's default mesh (every axis Explicit) over both processes.
+  explicit = jax.make_mesh((2, 4), ('data', 'model'))
+  x8 = rng.standard_normal((8, 64)).astype(np.float32)
+  with (
+    jax.set_mesh(explicit),
+    fdt.logical_axis_rules([('embed', None), ('mlp', 'model')]),
+  ):
+    net = ExplicitNet(nnx.Rngs(3))
+    explicit_want = _gathered(net(_global(x8, explicit)))
+    fdt_tf.save_saved_model(
+      net, os.path.join(out_dir, 'explicit_sm'), input_signature=signature
+    )
+  if pid == 0:
+    np.save(os.path.join(out_dir, 'x8.npy'), x8)
+    np.save(os.path.join(out_dir, 'explicit_want.npy'), explicit_want)
 
   # TF changes every variable; from_tf_module brings them back onto the
   # row-major mesh, whose shards other processes' components hold.

@@ -246,13 +246,36 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
   return InputSpec(name, tuple(dims), dtype)
 
 
-def check_out(out: pathlib.Path) -> None:
-  """Checks that `out` is, or can be made, a directory; before any work.
+def check_out(
+  out: pathlib.Path,
+  *,
+  overwrite: bool,
+  flag: bool,
+  reads: pathlib.Path | None = None,
+) -> bool:
+  """Checks, before any work, that a run may write `out` as a whole.
+
+  `out`, or the nearest of its parents that exists, must be a directory;
+  an existing `out` is replaced as a whole (`_run_folder.writing`), so it
+  may hold only an earlier run's output.
+
+  Args:
+    out: The output folder (``--out``).
+    overwrite: Whether the user asked to replace an earlier run's output.
+    flag: Whether the command has ``--overwrite`` (else it always may).
+    reads: The input the run reads (``--checkpoint``), never inside `out`.
+
+  Returns:
+    Whether `out` exists and holds something (to be replaced).
 
   Raises:
-    BadInputError: If `out`, or the nearest of its parents that exists, is
-      not a directory.
+    BadInputError: If `out` or its nearest existing parent is not a
+      directory, `out` holds files no run wrote, or an earlier run's output
+      and `overwrite` is false, or `reads` or the current directory is
+      inside it.
   """
+  from flax_dtensor.dtensor._files import _run_folder
+
   existing = out
   while not existing.exists() and existing.parent != existing:
     existing = existing.parent
@@ -262,6 +285,41 @@ def check_out(out: pathlib.Path) -> None:
       f'--out {str(out)!r} is not a directory{where}. Pass a directory, '
       'existing or to be created.'
     )
+  if not out.is_dir():
+    return False
+  if pathlib.Path.cwd().resolve().is_relative_to(out.resolve()):
+    raise BadInputError(
+      f'--out {str(out)!r} is the current directory or holds it; a run '
+      'replaces its output folder as a whole. Pass a directory inside it, '
+      'e.g. --out flax_dtensor_out.'
+    )
+  if reads is not None and reads.resolve().is_relative_to(out.resolve()):
+    raise BadInputError(
+      f'--checkpoint {str(reads)!r} is inside --out {str(out)!r}, which the '
+      'run replaces as a whole. Choose another --out.'
+    )
+  if out.is_symlink():
+    raise BadInputError(
+      f'--out {str(out)!r} is a symbolic link; the output folder is replaced '
+      'as a whole. Pass the directory it points to, or a new one.'
+    )
+  others = _run_folder.foreign(out)
+  if others:
+    shown = ', '.join(repr(n) for n in others[:5])
+    more = f' and {len(others) - 5} more' if len(others) > 5 else ''
+    raise BadInputError(
+      f'--out {str(out)!r} holds {shown}{more}, which no flax-dtensor run '
+      'wrote. A run replaces its output folder as a whole: pass a new or '
+      'empty directory, or an earlier output of demo or export.'
+    )
+  if not os.listdir(out):
+    return False
+  if flag and not overwrite:
+    raise BadInputError(
+      f"{str(out)!r} already exists (an earlier run's output). Pass "
+      '--overwrite to replace it as a whole, or choose another --out.'
+    )
+  return True
 
 
 def load_rules(

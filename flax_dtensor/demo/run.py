@@ -19,7 +19,7 @@ import rich.progress
 import rich.text
 
 from flax_dtensor import _interrupts, _text
-from flax_dtensor.cli import _runs
+from flax_dtensor.dtensor._files import _run_folder
 
 
 def _disk_usage(path: pathlib.Path) -> int:
@@ -159,7 +159,8 @@ def run(
     rules: The `flax_dtensor.LogicalRules`.
     rules_text: The rules as YAML, copied to `out/rules.yaml`.
     out: The output directory: created, or replaced as a whole (written
-      aside and swapped in; run `_runs.check_out` on it first).
+      aside and swapped in; check it first, as the command line's
+      `_inputs.check_out` does).
     steps: Training steps.
     seed: Seed of init and data.
     batch_size: Sequences per step.
@@ -235,8 +236,8 @@ def run(
   # constraints and runs on one TF device. The whole folder is written
   # aside and swapped in: interrupted, `out` keeps the previous run's.
   names = ('orbax', 'checkpoint', 'saved_model')
-  run_ = _runs.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
-  with _runs.writing(out) as tmp:
+  run_ = _run_folder.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
+  with _run_folder.writing(out) as tmp:
     paths = {name: tmp / name for name in names}
     # Orbax writes on threads of its own: an interrupt waits for them (the
     # watchdog's 1.5 s at the most) rather than remove the folder while

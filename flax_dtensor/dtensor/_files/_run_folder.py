@@ -1,11 +1,12 @@
-"""A command's output folder: one run's parts, written and replaced whole.
+"""A run's output folder: its parts, written aside and replaced whole.
 
-``demo`` and ``export`` build their whole ``--out`` folder aside and swap
-it in (`writing`, through `_atomic.atomic_directory`): interrupted or
-failed, the folder holds the previous run's output as it was. Every part
-carries the run's identifier (`Run`): a directory part holds
-``flax_dtensor_run.json``, a JSON file a ``"run"`` key, a text file a last
-line ``# flax-dtensor COMMAND run ID``. `problems` finds parts of different
+The command line's ``demo`` and ``export`` build their whole ``--out``
+folder aside and swap it in (`writing`, through
+`_atomic.atomic_directory`): interrupted or failed, the folder holds the
+previous run's output as it was. Every part carries the run's identifier
+(`Run`): a directory part holds ``flax_dtensor_run.json``, a JSON file a
+``"run"`` key, a text file a last line ``# flax-dtensor COMMAND run ID``.
+`foreign` finds what no run wrote; `problems` finds parts of different
 runs (a folder mixed by hand) for ``inspect --verify``.
 """
 
@@ -20,8 +21,6 @@ import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-
-from flax_dtensor.cli import _command
 
 PART_FILE = 'flax_dtensor_run.json'
 # What the demo and export wrote before parts carried the run's identifier.
@@ -116,74 +115,16 @@ def is_run_folder(folder: str) -> bool:
   return path.is_dir() and not path.is_symlink() and not foreign(path)
 
 
-def check_out(
-  out: pathlib.Path,
-  *,
-  overwrite: bool,
-  flag: bool,
-  reads: pathlib.Path | None = None,
-) -> bool:
-  """Checks, before any work, that the run may replace `out` as a whole.
-
-  Args:
-    out: The output folder.
-    overwrite: Whether the user asked to replace an earlier run's output.
-    flag: Whether the command has ``--overwrite`` (else it always may).
-    reads: The input the run reads (``--checkpoint``), never inside `out`.
-
-  Returns:
-    Whether `out` exists and holds something (to be replaced).
-
-  Raises:
-    BadInputError: If `out` holds files no run wrote, or an earlier run's
-      output and `overwrite` is false, or `reads` or the current directory
-      is inside it.
-  """
-  if not out.is_dir():
-    return False
-  if pathlib.Path.cwd().resolve().is_relative_to(out.resolve()):
-    raise _command.BadInputError(
-      f'--out {str(out)!r} is the current directory or holds it; a run '
-      'replaces its output folder as a whole. Pass a directory inside it, '
-      'e.g. --out flax_dtensor_out.'
-    )
-  if reads is not None and reads.resolve().is_relative_to(out.resolve()):
-    raise _command.BadInputError(
-      f'--checkpoint {str(reads)!r} is inside --out {str(out)!r}, which the '
-      'run replaces as a whole. Choose another --out.'
-    )
-  if out.is_symlink():
-    raise _command.BadInputError(
-      f'--out {str(out)!r} is a symbolic link; the output folder is replaced '
-      'as a whole. Pass the directory it points to, or a new one.'
-    )
-  others = foreign(out)
-  if others:
-    shown = ', '.join(repr(n) for n in others[:5])
-    more = f' and {len(others) - 5} more' if len(others) > 5 else ''
-    raise _command.BadInputError(
-      f'--out {str(out)!r} holds {shown}{more}, which no flax-dtensor run '
-      'wrote. A run replaces its output folder as a whole: pass a new or '
-      'empty directory, or an earlier output of demo or export.'
-    )
-  if not os.listdir(out):
-    return False
-  if flag and not overwrite:
-    raise _command.BadInputError(
-      f"{str(out)!r} already exists (an earlier run's output). Pass "
-      '--overwrite to replace it as a whole, or choose another --out.'
-    )
-  return True
-
-
 @contextlib.contextmanager
 def writing(out: pathlib.Path) -> Iterator[pathlib.Path]:
   """Yields an empty sibling of `out` to write into; then swaps it in.
 
-  Run `check_out` first. When the block ends, the sibling replaces `out`
+  Check first that `out` may be replaced (no foreign entries: `foreign`).
+  When the block ends, the sibling replaces `out`
   (`_atomic.atomic_directory`); if it raises or is interrupted, the
   sibling is removed and `out` is left as it was.
   """
+  # Late: `inspect` reads run folders without JAX, which `_atomic` imports.
   from flax_dtensor.dtensor._files import _atomic
 
   out = out.absolute()

@@ -52,6 +52,47 @@ def _is_node(x: Any) -> bool:
   return nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
 
 
+def factory_name(factory: Any) -> str:
+  """'make_model' (a function), 'nnx.Linear' (a class), for messages."""
+  name = getattr(factory, '__qualname__', None) or type(factory).__name__
+  return name.replace('.<locals>', '')
+
+
+def expect_module(built: Any, factory: Any) -> Any:
+  """Returns `built`, what `factory` returned, if it is an NNX graph node
+  (or a tuple, list or dict of them).
+
+  Called on the value itself, before JAX traces, stages or places it, so a
+  factory returning a number, a string or a tuple holding one hears so in
+  our words.
+
+  Raises:
+    NotAModelError: Naming the type returned.
+  """
+  leaves = jax.tree.leaves(built, is_leaf=_is_node)
+  if _is_node(built) or (
+    isinstance(built, tuple | list | dict)
+    and leaves
+    and all(_is_node(x) for x in leaves)
+  ):
+    return built
+  raise _errors.NotAModelError(
+    f'Expected the factory {factory_name(factory)!r} to return an NNX '
+    f'module (or another NNX graph node), got {type(built).__name__}: '
+    f'{built!r:.100}. Pass a callable that builds the model and returns it, '
+    'e.g. lambda: Model(rngs=nnx.Rngs(0)).'
+  )
+
+
+def checked(factory: Callable[..., Any]) -> Callable[..., Any]:
+  """`factory`, its result checked by `expect_module` as it returns."""
+
+  def build(*args: Any, **kwargs: Any) -> Any:
+    return expect_module(factory(*args, **kwargs), factory)
+
+  return build
+
+
 def init(
   factory: Callable[..., M],
   *args: Any,
@@ -100,6 +141,7 @@ def init(
       its metadata.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
     ShardingResolutionError: If a variable's axes cannot be resolved.
+    NotAModelError: If `factory` returns no NNX module or graph node.
 
   Example:
     >>> import jax, flax_dtensor as fdt
@@ -146,7 +188,7 @@ def init(
       saved = nnx.clone(nodes)
       try:
         with _hook.strictly_in_shards(), _hook.following(order):
-          built = factory(*args, **kwargs)
+          built = expect_module(factory(*args, **kwargs), factory)
       except _creation.NotInShards:  # Not foreseen by the abstract pass.
         nnx.update(nodes, nnx.state(saved))
       else:
@@ -186,7 +228,7 @@ def _builds_in_shards(
 
   def probe(*a: Any, **k: Any) -> None:
     with _hook.building(in_shards=found, mesh=mesh, recording=recording):
-      built = factory(*a, **k)
+      built = expect_module(factory(*a, **k), factory)
     if recording is not None:
       _creation_order.finish(recording, built)
     leaves = (
@@ -216,6 +258,8 @@ def _builds_in_shards(
 
   try:
     nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
+  except _errors.NotAModelError:
+    raise
   except Exception:  # The traced build reports it, or builds it anyway.
     return False, None
   ok = bool(verdict) and all(verdict)
@@ -293,7 +337,7 @@ def _creator(
   def create(values: list[Any]) -> Any:
     a, k = rebuild(values)
     with _hook.building():
-      built = factory(*a, **k)
+      built = expect_module(factory(*a, **k), factory)
     _constrain(built, rules_, mesh_, auto)
     return built
 
@@ -341,7 +385,8 @@ def build_abstract(
   `FlaxRules` are the context's own (Flax's, or none): nothing is entered.
 
   Raises:
-    NotAModelError: If the factory returns no NNX module or graph node.
+    NotAModelError: If the factory returns no NNX module or graph node
+      (said before JAX traces what it returned).
   """
   with contextlib.ExitStack() as stack:
     if isinstance(mesh, Mesh):
@@ -351,14 +396,7 @@ def build_abstract(
     if rules is not None and not isinstance(rules, _logical.FlaxRules):
       stack.enter_context(_logical.logical_axis_rules(rules))
     stack.enter_context(_hook.building())
-    built = nnx.eval_shape(factory)
-  if not nnx.graph.is_node(built):
-    raise _errors.NotAModelError(
-      f'Expected the factory to return an NNX module or another graph node, '
-      f'got {type(built).__name__}: {built!r:.100}. Pass a callable that '
-      'builds the model with no arguments, e.g. lambda: Model(rngs=nnx.Rngs(0)).'
-    )
-  return built
+    return nnx.eval_shape(checked(factory))
 
 
 def _constrain(

@@ -588,8 +588,8 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
           model = _init.build_abstract(factory)
       else:
         model = _init.build_abstract(factory)
-  except _errors.NotAModelError:
-    model = None
+  except _errors.NotAModelError as e:
+    raise BadInputError(f'TARGET {target!r}: {e}') from e
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:

@@ -96,6 +96,14 @@ def not_a_module() -> int:
   return 3
 
 
+def a_string() -> str:
+  return 'str'
+
+
+def a_tuple() -> tuple:
+  return (user_model(), 'v1')
+
+
 class UserLM(nnx.Module):
   """A user's LLM in another library's style: `(tokens, positions, cache,
   attention_mask) -> (logits, cache)`, served with the cache None."""
@@ -761,7 +769,9 @@ def test_plan_malformed_mesh(args, fragments):
       ["has no attribute 'no_such_factory'"],
     ),
     ('/no/such/file.py:make', ["file '/no/such/file.py' does not exist"]),
-    (f'{THIS_FILE}:not_a_module', ['expected an nnx.Module']),
+    (f'{THIS_FILE}:not_a_module', ["'not_a_module' to return", 'got int: 3']),
+    (f'{THIS_FILE}:a_string', ["'a_string' to return", "got str: 'str'"]),
+    (f'{THIS_FILE}:a_tuple', ["'a_tuple' to return", 'got tuple: (UserMLP']),
     (f'{THIS_FILE}:USER_RULES', ['is a str, not a callable']),
   ],
   ids=[
@@ -769,12 +779,17 @@ def test_plan_malformed_mesh(args, fragments):
     'no-module',
     'no-attribute',
     'no-file',
-    'not-a-module',
+    'returns-an-int',
+    'returns-a-str',
+    'returns-a-tuple',
     'not-callable',
   ],
 )
 def test_plan_bad_target(target, fragments):
-  bad_input(run_cli('plan', target), 'TARGET', *fragments)
+  """Each in our words; a factory's result is named by its type before JAX
+  traces it (not JAX's "returned a value of type <class 'str'>")."""
+  line = bad_input(run_cli('plan', target), 'TARGET', *fragments)
+  assert 'traced for jit' not in line and 'NoneType' not in line
 
 
 @pytest.mark.parametrize(

@@ -445,6 +445,24 @@ def _topology():
   return _topology
 
 
+def _a_string():
+  return 'str'
+
+
+def _a_number():
+  return 42
+
+
+def _a_tuple():
+  return (nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 'v1')
+
+
+# Function names as users write them (no leading underscore in messages).
+_a_string.__qualname__ = 'a_string'
+_a_number.__qualname__ = 'a_number'
+_a_tuple.__qualname__ = 'a_tuple'
+
+
 def _recorded_text(result: dict[str, Any]) -> None:
   """Re-raises the error a multi-process run recorded as its 'kind' (the
   class name) and 'error' (the text)."""
@@ -805,6 +823,40 @@ CASES = [
     lambda ctx: fdt.shard_module(
       ctx.model(), mesh=ctx.mesh, rules=[('embed', 'data')]
     ),
+  ),
+  Case(
+    'fdt.init',
+    'a factory that returns a string, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_string' to return an NNX module \(or another "
+    r"NNX graph node\), got str: 'str'",
+    'Return the model from the factory.',
+    lambda ctx: fdt.init(_a_string, mesh=ctx.mesh, rules=ctx.rules),
+  ),
+  Case(
+    'fdt.plan',
+    'a factory that returns a number, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_number' to return an NNX module .*got int: 42",
+    'Return the model from the factory.',
+    lambda ctx: fdt.plan(_a_number, mesh=ctx.mesh, rules=ctx.rules),
+  ),
+  Case(
+    'fdt.check',
+    'a factory that returns a tuple, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_tuple' to return an NNX module .*got tuple: "
+    r'\(Linear',
+    'Return the model alone from the factory.',
+    lambda ctx: fdt.check(_a_tuple, ctx.rules, ctx.mesh),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'a factory that returns a string, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_string' to return an NNX module .*got str",
+    'Return the model from the factory.',
+    lambda ctx: fdt.suggest_rules(_a_string, ctx.mesh),
   ),
   Case(
     'fdt.init',

@@ -285,14 +285,31 @@ def check_out(
       f'--out {str(out)!r} is not a directory{where}. Pass a directory, '
       'existing or to be created.'
     )
+  # Where the run creates its folder (`out`'s parent) or, for the current
+  # directory, writes inside it: refused now rather than after training.
+  here = out.is_dir() and _run_folder.holds_cwd(out)
+  writes_in = existing if here or existing != out else existing.parent
+  if writes_in.is_dir() and not os.access(writes_in, os.W_OK | os.X_OK):
+    from flax_dtensor.dtensor._files import _atomic
+
+    raise BadInputError(
+      f'--out {str(out)!r} cannot be written: {str(writes_in)!r} is not '
+      f'writable ({_atomic._who_may_write(str(writes_in))}). Pass a '
+      'directory you may write in.'
+    )
   if not out.is_dir():
     return False
-  if pathlib.Path.cwd().resolve().is_relative_to(out.resolve()):
-    raise BadInputError(
-      f'--out {str(out)!r} is the current directory or holds it; a run '
-      'replaces its output folder as a whole. Pass a directory inside it, '
-      'e.g. --out flax_dtensor_out.'
-    )
+  if here:
+    entries = [e for e in os.listdir(out) if not _run_folder.ours(e)]
+    if entries or out.resolve() != pathlib.Path.cwd().resolve():
+      raise BadInputError(
+        f'--out {str(out)!r} is the current directory or holds it, and '
+        'is not empty; a run replaces its output folder as a whole, which '
+        'it cannot do to the directory it runs in. Pass a directory inside '
+        'it, e.g. --out flax_dtensor_out (an empty current directory will '
+        'do too).'
+      )
+    return False
   if reads is not None and reads.resolve().is_relative_to(out.resolve()):
     raise BadInputError(
       f'--checkpoint {str(reads)!r} is inside --out {str(out)!r}, which the '

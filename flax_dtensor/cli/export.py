@@ -137,6 +137,7 @@ def export(
         math.prod(s for _, s in axes), only_cpu=False
       )
     import jax
+    from flax import nnx
 
     import flax_dtensor as fdt
     from flax_dtensor import _text
@@ -160,7 +161,9 @@ def export(
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
     run = _run_folder.Run.new('export', list(outputs))
-    with _run_folder.writing(out) as tmp:  # Swapped in whole at the end.
+    needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    # Swapped in whole at the end.
+    with _run_folder.writing(out, needed=needed) as tmp:
       relaid = None
       if single_mesh:
         _, relaid = dtensor.save_checkpoint(

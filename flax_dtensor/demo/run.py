@@ -237,7 +237,8 @@ def run(
   # aside and swapped in: interrupted, `out` keeps the previous run's.
   names = ('orbax', 'checkpoint', 'saved_model')
   run_ = _run_folder.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
-  with _run_folder.writing(out) as tmp:
+  needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  with _run_folder.writing(out, needed=needed) as tmp:
     paths = {name: tmp / name for name in names}
     # Orbax writes on threads of its own: an interrupt waits for them (the
     # watchdog's 1.5 s at the most) rather than remove the folder while

@@ -1341,6 +1341,30 @@ def test_export_and_inspect_user_factory(user_checkpoint, tmp_path):
   assert 'JAX mesh data=2,model=4; DTensor mesh data=2,model=4' in stdout
 
 
+def test_export_into_an_empty_current_directory(
+  user_checkpoint, tmp_path, monkeypatch
+):
+  """`--out .` in an empty directory writes the run there (its parts moved
+  in from a hidden folder inside it, the directory itself kept); once it
+  holds a run, `--out .` is refused before any work."""
+  orbax, expected = user_checkpoint
+  here = tmp_path / 'here'
+  here.mkdir()
+  monkeypatch.chdir(here)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  args = ['export', USER_TARGET, '--checkpoint', orbax, '--rules', rules]
+  args += ['--out', '.']
+  ok(run_cli(*args))
+  assert sorted(os.listdir(here)) == ['checkpoint']
+  report = check_checkpoint(here / 'checkpoint', expected)
+  assert report['max_abs_diff'] == 0.0 and report['missing'] == []
+  assert pathlib.Path.cwd() == here
+  line = bad_input(run_cli(*args, '--overwrite'), "--out '.' is the current")
+  assert 'and is not empty' in line
+  assert sorted(os.listdir(here)) == ['checkpoint']
+
+
 def test_export_single_mesh(user_checkpoint, tmp_path):
   """--single-mesh: one DTensor mesh, what moved printed, values exact."""
   orbax, expected = user_checkpoint

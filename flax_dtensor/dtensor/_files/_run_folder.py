@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -21,6 +22,8 @@ import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+
+from flax_dtensor import _errors, _interrupts
 
 PART_FILE = 'flax_dtensor_run.json'
 # What the demo and export wrote before parts carried the run's identifier.
@@ -97,11 +100,16 @@ def _parts_named(path: pathlib.Path) -> list[str]:
   return []
 
 
+def ours(entry: str) -> bool:
+  """Whether `entry` of an output folder is a hidden temporary of ours."""
+  return bool(_OURS_HIDDEN.match(entry))
+
+
 def foreign(folder: pathlib.Path) -> list[str]:
   """The entries of `folder` that no run of demo or export wrote."""
   out = []
   for entry in sorted(os.listdir(folder)):
-    if entry in LEGACY_PARTS or _OURS_HIDDEN.match(entry):
+    if entry in LEGACY_PARTS or ours(entry):
       continue
     if run_of(folder / entry) is not None:
       continue
@@ -115,24 +123,153 @@ def is_run_folder(folder: str) -> bool:
   return path.is_dir() and not path.is_symlink() and not foreign(path)
 
 
+def holds_cwd(out: pathlib.Path) -> bool:
+  """Whether `out` is the current directory or one of its ancestors."""
+  return pathlib.Path.cwd().resolve().is_relative_to(out.resolve())
+
+
+# The OS's errors that stop a write, besides no room (`_tf_errors`), and
+# how to fix each.
+_WRITE_FIXES = {
+  errno.EACCES: 'choose a --out you may write in, or change its permissions',
+  errno.EPERM: 'choose a --out you may write in, or change its permissions',
+  errno.EROFS: 'choose a --out on a writable filesystem',
+  errno.EIO: 'check the disk, then run again',
+}
+# TensorStore (Orbax) puts the OS's errno in its message.
+_TS_ERRNO = re.compile(r"os_error_code='(\d+)'")
+
+
+def _os_error_code(e: BaseException | None) -> int | None:
+  """An errno of `_WRITE_FIXES` that `e` or one of its causes reports: an
+  ``OSError``'s, or one named in a library's text (TensorStore's
+  ``os_error_code='13'``, TensorFlow's ``Permission denied``)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in _WRITE_FIXES:
+      return e.errno
+    text = str(getattr(e, 'message', None) or e)
+    for found in _TS_ERRNO.findall(text):
+      if int(found) in _WRITE_FIXES:
+        return int(found)
+    for code in _WRITE_FIXES:
+      if os.strerror(code) in text:
+        return code
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _part_named(e: BaseException, tmp: pathlib.Path | None) -> str:
+  """ " (its part 'orbax')" when the error names a path in the temporary."""
+  if tmp is None:
+    return ''
+  found = re.search(re.escape(str(tmp)) + r'/([^/\'"\s]+)', str(e))
+  return f' (its part {found[1]!r})' if found else ''
+
+
+def _in_our_words(
+  e: BaseException, out: pathlib.Path, tmp: pathlib.Path | None, needed: int
+) -> Exception | None:
+  """`e`, a failure of the run's writing, as an `ExportError` naming `out`,
+  or None for an error that is not a write's."""
+  from flax_dtensor.dtensor import _tf_errors
+
+  if isinstance(e, _errors.ExportError):
+    if tmp is None or str(tmp) not in str(e):
+      return None
+    # The same error, the run's temporary named as what the user asked for.
+    return type(e)(str(e).replace(str(tmp), str(out)))
+  if isinstance(e, _errors.FlaxDTensorError):
+    return None
+  code = _tf_errors.out_of_room(e)
+  if code is not None:
+    return _errors.DiskFullError(
+      _tf_errors.no_room_message(str(out), needed, code)
+    )
+  code = _os_error_code(e)
+  if code is None:
+    return None
+  return _errors.ExportError(
+    f'Writing the output folder {str(out)!r} failed{_part_named(e, tmp)}: '
+    f'{os.strerror(code)}. The previous output there, if any, is unchanged, '
+    f'and the partial one was removed. To fix it, {_WRITE_FIXES[code]}.'
+  )
+
+
 @contextlib.contextmanager
-def writing(out: pathlib.Path) -> Iterator[pathlib.Path]:
-  """Yields an empty sibling of `out` to write into; then swaps it in.
+def writing(out: pathlib.Path, *, needed: int) -> Iterator[pathlib.Path]:
+  """Yields an empty directory to write the run into; then swaps it in.
 
   Check first that `out` may be replaced (no foreign entries: `foreign`).
-  When the block ends, the sibling replaces `out`
-  (`_atomic.atomic_directory`); if it raises or is interrupted, the
-  sibling is removed and `out` is left as it was.
+  The directory is a sibling of `out`; when the block ends, it replaces
+  `out` (`_atomic.atomic_directory`). If the block raises or is
+  interrupted, it is removed and `out` is left as it was. For an empty
+  `out` that is the current directory (which cannot be renamed), it is a
+  hidden directory inside `out`, whose parts are moved into `out` at the
+  end.
+
+  Every failure of the writing is an `ExportError` naming `out` (never the
+  temporary): a full disk, a quota or a file-size limit a `DiskFullError`
+  (whoever wrote: TensorFlow, Orbax's TensorStore, this package), and a
+  permission, a read-only filesystem or an I/O error an `ExportError`.
+
+  Args:
+    out: The output folder.
+    needed: About how many bytes the run's variables take (for a full
+      disk's message).
+
+  Raises:
+    DiskFullError: If the disk, a quota or a file-size limit stops a write.
+    ExportError: If a write fails otherwise, or `out` cannot be made.
   """
   # Late: `inspect` reads run folders without JAX, which `_atomic` imports.
   from flax_dtensor.dtensor._files import _atomic
 
   out = out.absolute()
-  out.parent.mkdir(parents=True, exist_ok=True)
-  with _atomic.atomic_directory(
-    str(out), is_export=is_run_folder, overwrite=True
-  ) as tmp:
-    yield pathlib.Path(tmp)
+  tmp: pathlib.Path | None = None
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and holds_cwd(out):
+      with _atomic.staging_directory(str(out)) as staged:
+        tmp = pathlib.Path(staged)
+        yield tmp
+        _move_parts(tmp, out)
+    else:
+      with _atomic.atomic_directory(
+        str(out), is_export=is_run_folder, overwrite=True
+      ) as staged:
+        tmp = pathlib.Path(staged)
+        yield tmp
+  except Exception as e:
+    ours = _in_our_words(e, out, tmp, needed)
+    if ours is None:
+      raise
+    raise ours from e
+
+
+def _move_parts(staged: pathlib.Path, out: pathlib.Path) -> None:
+  """Moves the parts written in `staged` (inside `out`) into `out`.
+
+  `out` must still hold nothing of its own: it is the current directory,
+  empty when the run began. An interrupt waits for every move.
+
+  Raises:
+    ExportError: If something appeared in `out` meanwhile.
+  """
+  parts = sorted(os.listdir(staged))
+  there = [
+    e for e in os.listdir(out) if e != staged.name and not e.startswith('.')
+  ]
+  if there:
+    raise _errors.ExportError(
+      f'{str(out)!r} was empty when the run began, and now holds '
+      f'{", ".join(map(repr, there[:5]))}: the run does not mix its output '
+      'with those. Run again with --out a new directory.'
+    )
+  with _interrupts.swap():
+    for part in parts:
+      os.rename(staged / part, out / part)
 
 
 def problems(folder: pathlib.Path) -> list[str]:

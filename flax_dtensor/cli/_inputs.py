@@ -734,17 +734,20 @@ def check_served_inputs(
 _UNITS = {'': 1, 'B': 1, 'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
 
 
-def parse_size(text: str, flag: str) -> int:
-  """Bytes from '16GiB', '512 MiB' or '1000' (IEC units).
+def parse_size(text: str, flag: str, *, minimum: int = 0) -> int:
+  """Bytes from '16GiB', '512 MiB' or '1000' (IEC units), at least `minimum`.
 
   Raises:
-    BadInputError: If the text is not a size.
+    BadInputError: If the text is not a size, or is below `minimum`: one
+      wording for every such value (``0``, ``-5KiB``, ``lots``).
   """
   m = re.fullmatch(r'\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*', text)
   unit = m.group(2).upper() if m else None
-  if m is None or unit not in _UNITS:
+  size = None if m is None or unit not in _UNITS else m.group(1)
+  if size is None or int(float(size) * _UNITS[unit]) < minimum:
+    least = f' of at least {minimum} byte{"s" * (minimum != 1)}' * (minimum > 0)
     raise BadInputError(
-      f'Malformed {flag} {text!r}: expected a size in bytes, or with an IEC '
-      'unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
+      f'Malformed {flag} {text!r}: expected a size{least} in bytes, or with '
+      'an IEC unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
     )
-  return int(float(m.group(1)) * _UNITS[unit])
+  return int(float(size) * _UNITS[unit])

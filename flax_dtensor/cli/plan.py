@@ -214,7 +214,9 @@ def plan(
         '--suggest.'
       )
     axes = _inputs.parse_mesh(mesh)
-    budget_ = None if budget is None else _inputs.parse_size(budget, '--budget')
+    budget_ = None
+    if budget is not None:  # One wording for 0, -5KiB and lots.
+      budget_ = _inputs.parse_size(budget, '--budget', minimum=1)
     min_bytes_ = None
     if min_bytes is not None:
       min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')

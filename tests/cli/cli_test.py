@@ -326,6 +326,20 @@ def test_parse_mesh_errors(text, match):
     _inputs.parse_mesh(text)
 
 
+@pytest.mark.parametrize(
+  'flags', [['--suggest'], ['--check']], ids=['suggest', 'check']
+)
+@pytest.mark.parametrize('budget', ['0', '-5KiB', 'lots', '0.5', '12XB'])
+def test_a_bad_budget_has_one_wording(flags, budget):
+  """Zero, negative, fractional and unreadable sizes alike, in the command
+  line's words (not the Python API's "`budget` must be an int")."""
+  line = bad_input(run_cli('plan', DEMO_TARGET, *flags, '--budget', budget))
+  assert line == (
+    f'error: Malformed --budget {budget!r}: expected a size of at least 1 '
+    'byte in bytes, or with an IEC unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
+  )
+
+
 def test_parse_input_shape():
   spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=False)
   assert spec == _inputs.InputSpec('x', ('b', 128), 'int32')

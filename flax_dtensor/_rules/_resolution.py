@@ -172,11 +172,19 @@ def resolve_dims(
     )
   known = set(rules.names)
   unknown = [a for a in axes if isinstance(a, str) and a not in known]
+  if unknown and rules.unknown == 'replicate':
+    _missing_axes.check_unknown_names(rules, unknown)
   if unknown and rules.unknown == 'error':
     suggestions = ', '.join(f'({a!r}, None)' for a in unknown)
+    hints = ''.join(
+      f' {a!r}: did you mean {meant!r}?'
+      for a in unknown
+      for meant in [_missing_axes.likely_meant(a, rules.names)]
+      if meant is not None
+    )
     problem = (
       f'Logical axis name(s) {unknown} are not mentioned by any rule{where_} '
-      f'{_context_text(axes, shape, rules, mesh)}.'
+      f'{_context_text(axes, shape, rules, mesh)}.{hints}'
     )
     raise _errors.UnknownLogicalAxisError(
       f'{problem} Add a rule for each, e.g. {suggestions} to replicate, or '

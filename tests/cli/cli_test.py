@@ -854,6 +854,26 @@ def test_plan_rules_missing_a_name(tmp_path):
   assert 'Error' not in message  # No class names (they are in --debug).
 
 
+def test_plan_says_what_an_unknown_name_likely_meant(tmp_path):
+  """The rules spell 'embed' 'embedd': the error says so, in the command
+  line's words."""
+  rules = tmp_path / 'rules.yaml'
+  text = train_rules_text().replace("['embed',", "['embedd',")
+  rules.write_text(text)
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--rules', rules),
+    "['embed'] are not mentioned by any rule at ",
+    "'embed': did you mean 'embedd'?",
+    'to the rules file (--rules)',
+  )
+
+
+def train_rules_text() -> str:
+  from flax_dtensor.demo import train
+
+  return train.rules_text()
+
+
 def test_debug_shows_traceback():
   proc = run_cli('plan', DEMO_TARGET, '--mesh', 'data2', '--debug')
   assert proc.returncode == 2

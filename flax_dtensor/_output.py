@@ -3,7 +3,8 @@
 `stream()` is ``sys.stderr`` unless a caller routes our output elsewhere
 with `routed_to` (the command line does, so that its stderr holds only our
 own messages while other libraries' output goes to a log). `progress` is
-the one progress bar of the package. `warn` issues our warnings at the
+the one progress bar of the package, `step` the one spinner (a phase of
+work with no count, such as a write). `warn` issues our warnings at the
 user's line, past every frame of this package and the libraries it calls.
 """
 
@@ -15,7 +16,10 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+  import rich.console
 
 _lock = threading.Lock()
 _stream: TextIO | None = None
@@ -118,3 +122,36 @@ def warn(message: str, category: type[Warning]) -> None:
     frame = frame.f_back
     level += 1
   warnings.warn(message, category, stacklevel=level)
+
+
+@contextlib.contextmanager
+def step(
+  description: str, *, show: bool, console: rich.console.Console | None = None
+) -> Iterator[None]:
+  """Shows that `description` (a phase of work, e.g. a write) is under way.
+
+  On a terminal, a spinner with the seconds elapsed, removed when the block
+  ends; piped (a log, CI), one line ``DESCRIPTION…`` as it starts, nothing
+  animated; with `show` false, nothing. Written on `console` (default:
+  `stream()`).
+  """
+  if not show:
+    yield
+    return
+  import rich.console
+  import rich.progress
+
+  console = console or rich.console.Console(file=stream())
+  if not console.is_terminal:
+    console.print(f'{description}…', highlight=False, markup=False)
+    yield
+    return
+  with rich.progress.Progress(
+    rich.progress.SpinnerColumn(),
+    rich.progress.TextColumn('{task.description}'),
+    rich.progress.TimeElapsedColumn(),
+    console=console,
+    transient=True,
+  ) as bar:
+    bar.add_task(description, total=None)
+    yield

@@ -48,7 +48,10 @@ def demo(
     typer.Option(
       '--quiet',
       '-q',
-      help='No training progress (a line every few seconds when piped).',
+      help=(
+        "No progress: neither the training's (a line every few seconds "
+        "when piped) nor the writes' (a line as each starts)."
+      ),
     ),
   ] = False,
   debug: _command.DebugOption = False,

@@ -1840,6 +1840,19 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   )
   steps = re.findall(r'^train step (\d+)/40  loss \d\.\d{3}  ', stdout, re.M)
   assert steps[0] == '1' and steps[-1] == '40', stdout
+  # The writes and the verification (~12 s) each say so as they start.
+  phases = [
+    'write Orbax checkpoint…',
+    'write DTensor checkpoint…',
+    'write SavedModel…',
+    'verify in TF-only subprocess…',
+  ]
+  lines = stdout.splitlines()
+  trained = max(
+    i for i, x in enumerate(lines) if x.startswith('train step 40/')
+  )
+  at = [lines.index(p) for p in phases]
+  assert trained < at[0] and at == sorted(at), stdout
   summary = json.loads((out / 'summary.json').read_text())
   assert summary['steps'] == 40 and len(summary['losses']) == 40
   assert summary['loss_first'] > 5.0  # ~ln(256): uniform over bytes.

@@ -731,6 +731,39 @@ def check_served_inputs(
     ) from e
 
 
+def traced_inputs(texts: Sequence[str], target: str) -> list[Any] | None:
+  """The abstract inputs ``plan --suggest`` traces the forward on: each
+  ``--input-shape`` (sizes only), or for the demo model its own; None for
+  another TARGET without any.
+
+  Raises:
+    BadInputError: If an entry is malformed or has a dimension that is not
+      a size.
+  """
+  if not texts:
+    if target != DEMO_TARGET:
+      return None
+    from flax_dtensor.demo import model
+
+    return model.example_inputs()
+  import jax
+
+  out = []
+  for text in texts:
+    spec = parse_input_shape(text, static_batch=True)
+    if spec.dims is None:
+      out.append(None)
+      continue
+    if not all(isinstance(d, int) for d in spec.dims):
+      raise BadInputError(
+        f'--input-shape {text!r}: tracing the forward for --suggest needs '
+        'sizes, not named or ? dimensions. Pass sizes, e.g. '
+        'tokens:16,128:int32.'
+      )
+    out.append(jax.ShapeDtypeStruct(spec.dims, jax.numpy.dtype(spec.dtype)))
+  return out
+
+
 _UNITS = {'': 1, 'B': 1, 'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
 
 

@@ -30,6 +30,7 @@ import pytest
 import typer
 from flax import nnx
 
+import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _inputs
 from flax_dtensor.cli import inspect as inspect_command
@@ -664,6 +665,83 @@ def test_plan_suggest_writes_rules_that_plan_and_check_read(tmp_path):
     '--suggest proposes the rules, and --rules',
   )
   bad_input(run_cli('plan', target, '--write', written), 'add --suggest')
+
+
+def test_suggested_rules_train_the_demo(tmp_path):
+  """`plan --suggest --budget 300KiB --write FILE`, then what `demo --rules
+  FILE` does with it (the same reading, model, optimizer and steps): the
+  forward's 'batch' has rules (traced on the demo's own inputs), and the
+  model trains under them, its batches data-parallel.
+
+  Slow: the demo's training step compiles (~20 s on a quiet machine).
+  """
+  import jax
+
+  from flax_dtensor.demo import data, train
+  from flax_dtensor.demo import model as model_lib
+
+  written = tmp_path / 'sug.yaml'
+  stdout = ok(
+    run_cli(
+      'plan', DEMO_TARGET, '--suggest', '--budget', '300KiB', '--write', written
+    )
+  )
+  said = ' '.join(stdout.split())
+  assert '(traced on int32[16,128])' in said
+  assert "'batch' -> 'data', None" in said
+  assert 'per device fits the budget of 300.0 KiB' in said
+  rules = _inputs.load_rules(str(written))
+  assert rules.candidates('batch') == ('data', None)
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  batches = data.Batches(data.split_tokens()[0], 16, 64, seed=0)
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    model = model_lib.make_model()
+    optimizer = train.make_optimizer(model, steps=3)
+    losses = []
+    for _ in range(3):
+      batch = train.shard_batch(next(batches))
+      losses.append(float(train.train_step(model, optimizer, batch)))
+  assert batch.sharding.spec == jax.P('data', None)
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_plan_suggest_traces_a_users_forward_on_input_shapes(tmp_path):
+  target = f'{SUPPORT_DIR / "suggest_models.py"}:make_constrained_mlp'
+  written = tmp_path / 'rules.yaml'
+  stdout = ok(
+    run_cli(
+      'plan',
+      target,
+      '--suggest',
+      '--input-shape',
+      'x:8,96:float32',
+      '--write',
+      written,
+    )
+  )
+  said = ' '.join(stdout.split())
+  assert '(traced on float32[8,96])' in said
+  assert "'act_batch' -> 'data', None; 'act_hidden' -> None" in said
+  assert "['act_batch', 'data']" in written.read_text()
+  # Without inputs, the report says the forward was not traced.
+  stdout = ok(run_cli('plan', target, '--suggest'))
+  assert 'The forward was not traced' in ' '.join(stdout.split())
+  bad_input(
+    run_cli('plan', target, '--input-shape', 'x:8,96:float32'),
+    '--input-shape gives the inputs --suggest traces the forward on',
+  )
+  bad_input(
+    run_cli('plan', target, '--suggest', '--input-shape', 'x:b,96:float32'),
+    "--input-shape 'x:b,96:float32': tracing the forward for --suggest "
+    'needs sizes',
+  )
+  bad_input(
+    run_cli('plan', target, '--suggest', '--input-shape', 'x:8,95:float32'),
+    'Tracing ConstrainedMlp.__call__ on the inputs given (float32[8,95]) '
+    'failed',
+  )
 
 
 def test_plan_demo_json():

@@ -977,6 +977,27 @@ CASES = [
   ),
   Case(
     'fdt.suggest_rules',
+    'inputs the forward does not take (its traced names)',
+    fdt.LogicalRulesError,
+    r'Tracing Linear.__call__ on the inputs given \(float32\[4,7\]\) failed '
+    r'with TypeError: .*one jax.ShapeDtypeStruct per positional argument',
+    'Give one jax.ShapeDtypeStruct per positional argument of the forward.',
+    lambda ctx: fdt.suggest_rules(
+      ctx.model(),
+      ctx.mesh,
+      inputs=[jax.ShapeDtypeStruct((4, 7), jnp.float32)],
+    ),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'inputs that are not shapes (a string)',
+    fdt.LogicalRulesError,
+    r'`inputs\[0\]` must be a jax.ShapeDtypeStruct, an array or None',
+    'Pass jax.ShapeDtypeStruct((16, 128), jnp.int32) and the like.',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, inputs=['tokens']),
+  ),
+  Case(
+    'fdt.suggest_rules',
     'mesh axis names instead of a mesh',
     fdt.MeshError,
     r'Expected a mesh for `suggest_rules` \(jax.make_mesh or '

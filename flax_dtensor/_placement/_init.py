@@ -24,6 +24,7 @@ from flax_dtensor._placement import (
   _creation,
   _creation_order,
   _hook,
+  _init_cache,
   _placing,
   _variables,
 )
@@ -31,8 +32,28 @@ from flax_dtensor._rules import _logical, _meshes
 
 M = TypeVar('M')
 
-# How many builds took each path (for tests and benchmarks).
+# How many builds took each path, how many were compiled, and how many
+# reused an earlier call's work (for tests and benchmarks).
 builds: collections.Counter[str] = collections.Counter()
+
+
+def clear_init_cache() -> None:
+  """Forgets what earlier calls of `init` compiled.
+
+  `init` keeps the compiled build of each model configuration (the
+  factory and the values it closes over, the arguments compiled in, the
+  shapes of those passed, the rules, the mesh), so that building the same
+  model again does not trace and compile it again; it keeps no array or
+  module of the caller's. Clear it to free the compiled programs, or after
+  changing something a factory reads that the configuration does not
+  name (a global that a class's ``__init__`` reads, which, as under
+  ``jax.jit``, is fixed at the first call).
+
+  Example:
+    >>> import flax_dtensor as fdt
+    >>> fdt.clear_init_cache()
+  """
+  _init_cache.clear()
 
 
 @contextlib.contextmanager
@@ -123,6 +144,17 @@ def init(
   result lives on the caller's mesh with its axis types (Explicit, Auto or
   mixed), in graph and tree mode alike.
 
+  A second call of the same configuration compiles nothing: the factory
+  (its code, defaults, closure values and the globals its code names), the
+  arguments compiled in, the shapes, dtypes and shardings of those passed,
+  the mesh and the rules name it, and the compiled build (or the abstract
+  pass's verdict) is reused; a changed seed passed in ``nnx.Rngs`` is a
+  changed value, not a new build. A call whose configuration cannot be
+  pinned down (a closure or argument holding an array, a list, an
+  object), or whose trace captured an array, is built anew each time.
+  Nothing of the caller's (arrays, modules) is kept; `clear_init_cache`
+  forgets the builds.
+
   Args:
     factory: A callable returning an NNX module (or another graph node),
       e.g. the module class.
@@ -179,11 +211,19 @@ def init(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
-    in_shards, order = (
-      _builds_in_shards(factory, args, kwargs, mesh_)
-      if isinstance(rules_, _logical.LogicalRules)
-      else (False, None)
+    # The same configuration as an earlier call: its verdict, or its
+    # compiled build, is reused.
+    key = _init_cache.key(
+      factory, leaves, treedef, dynamic, _is_node, rules_, mesh_
     )
+    known = _init_cache.get(key)
+    if known is not None:
+      builds['reused'] += 1
+      in_shards, order = known.in_shards, None
+    elif isinstance(rules_, _logical.LogicalRules):
+      in_shards, order = _builds_in_shards(factory, args, kwargs, mesh_)
+    else:
+      in_shards, order = False, None
     if in_shards:
       saved = nnx.clone(nodes)
       try:
@@ -194,9 +234,15 @@ def init(
       else:
         _place_result(built, rules_, mesh_)
         builds['in_shards'] += 1
+        if order is None and known is None:
+          # With path rules, the creation order is found anew each time.
+          _init_cache.put(key, _init_cache.Build(in_shards=True))
         return built
     builds['traced'] += 1
-    return _traced_build(factory, rules_, mesh_, leaves, treedef, dynamic)
+    compiled = None if known is None else known.compiled
+    return _traced_build(
+      factory, rules_, mesh_, leaves, treedef, dynamic, compiled, key
+    )
 
 
 def _builds_in_shards(
@@ -280,8 +326,15 @@ def _traced_build(
   leaves: list[Any],
   treedef: Any,
   dynamic: list[int],
+  compiled: Any = None,
+  key: Any = None,
 ) -> Any:
-  """Builds under one ``nnx.jit``, each variable constrained to its spec."""
+  """Builds under one ``nnx.jit``, each variable constrained to its spec.
+
+  `compiled` is an earlier call's compiled build of the same configuration
+  (`key`), run as it is; else the build is compiled and, unless its trace
+  captured arrays, kept under `key`.
+  """
   auto = _meshes.auto_copy(mesh_)
   nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
   # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
@@ -290,7 +343,6 @@ def _traced_build(
   original_shardings = jax.tree.map(
     lambda x: getattr(x, 'sharding', None), originals
   )
-  create = _creator(factory, rules_, mesh_, leaves, treedef, dynamic)
   try:
     nnx.update(
       nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
@@ -300,9 +352,13 @@ def _traced_build(
       for i in dynamic
     ]
     with jax.set_mesh(auto):
-      # Compiled as `_creation` compiles initializers, so that the values
-      # equal an eager build's (within 8 ulps).
-      built = create.lower(values).compile(_creation.COMPILER_OPTIONS)(values)
+      if compiled is None:
+        compiled = _compile(
+          _creator(factory, rules_, mesh_, leaves, treedef, dynamic),
+          values,
+          key,
+        )
+      built = compiled(values)
     _place_result(built, rules_, mesh_)
   finally:
     nnx.update(
@@ -316,6 +372,19 @@ def _traced_build(
   return built
 
 
+def _compile(create: Any, values: list[Any], key: Any) -> Any:
+  """`create` traced on `values`, compiled, and kept under `key` unless its
+  trace captured arrays (`_init_cache.holds_constants`)."""
+  traced = create.trace(values)
+  # Compiled as `_creation` compiles initializers, so that the values
+  # equal an eager build's (within 8 ulps).
+  compiled = traced.lower().compile(_creation.COMPILER_OPTIONS)
+  builds['compiled'] += 1
+  if not _init_cache.holds_constants(traced):
+    _init_cache.put(key, _init_cache.Build(in_shards=False, compiled=compiled))
+  return compiled
+
+
 def _creator(
   factory: Callable[..., Any],
   rules_: _logical.LogicalRules | _logical.FlaxRules,
@@ -324,11 +393,17 @@ def _creator(
   treedef: Any,
   dynamic: list[int],
 ) -> Any:
-  """The ``nnx.jit`` function of `_traced_build`, taking the dynamic args."""
+  """The ``nnx.jit`` function of `_traced_build`, taking the dynamic args.
+
+  It keeps the arguments that are compiled in, never those passed (the
+  caller's arrays and graph nodes): a kept build holds none of them.
+  """
   auto = _meshes.auto_copy(mesh_)
+  passed = set(dynamic)
+  statics = [None if i in passed else x for i, x in enumerate(leaves)]
 
   def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    full = list(leaves)
+    full = list(statics)
     for i, v in zip(dynamic, values, strict=True):
       full[i] = v
     return jax.tree_util.tree_unflatten(treedef, full)
@@ -440,8 +515,6 @@ def _place_result(
     if resolution is None:
       variable.set_value(_meshes.retype(value, mesh))
       continue
-    variable.set_value(
-      jax.device_put(
-        value, _variables.sharding_for(variable, mesh, resolution.spec)
-      )
-    )
+    target = _variables.sharding_for(variable, mesh, resolution.spec)
+    if value.sharding != target:  # Else there already: no dispatch.
+      variable.set_value(jax.device_put(value, target))

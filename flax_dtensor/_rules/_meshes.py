@@ -157,5 +157,9 @@ def retype(x: Any, mesh: Mesh) -> Any:
     return x
   sharding = x.sharding
   if isinstance(sharding, NamedSharding) and same_devices(sharding.mesh, mesh):
-    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
-  return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    target = NamedSharding(mesh, sharding.spec)
+  else:
+    target = NamedSharding(mesh, PartitionSpec())
+  if sharding == target:  # There already: no dispatch.
+    return x
+  return jax.device_put(x, target)

@@ -102,6 +102,7 @@ def test_every_public_entry_point_appears():
     'fdt.set_logical_axis_rules',
     'fdt.propagate',
     'fdt.with_logical_constraint',
+    'fdt.clear_init_cache',  # Takes nothing.
     'flax_dtensor.dtensor.is_initialized',
     'flax_dtensor.dtensor.nnx_path',
     # Reports returned by the export functions, not called by users.

@@ -7,7 +7,8 @@ cannot be sure that two calls build the same thing, it returns None and
 nothing is reused. A key holds:
 
 - the factory: a function by its code, its defaults, the values of its
-  closure's cells and of the globals its code names (each value as below);
+  closure's cells and of the globals its code names (each value as below;
+  a library's function by its code, defaults and closure only);
   a class or another global function by identity (a weak reference: the
   key keeps nothing alive); a ``functools.partial`` by its parts;
 - the arguments that are compiled in (sizes, dtypes, initializers,
@@ -18,8 +19,10 @@ nothing is reused. A key holds:
   and the JAX and Flax settings a trace reads (x64, the PRNG, eager
   sharding).
 
-Anything else (a list or dict in a closure, an object, an array where a
-value is compiled in) makes the call uncacheable. What the factory reads
+Containers (tuples, lists, dicts, sets) are keyed by their content at the
+call, so a changed entry is another configuration. Anything else (an
+object, an array where a value is compiled in) makes the call
+uncacheable. What the factory reads
 beyond its own code (a global that a class's ``__init__`` reads) is fixed
 at the first call, as ``jax.jit`` fixes it; a trace that captured an array
 (`holds_constants`) is never kept. `clear` forgets every build.
@@ -39,13 +42,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax_dtensor import _output
 from flax_dtensor._placement import _creation
 
 CACHE_SIZE = 32
 """Builds kept (the least recently used go first)."""
 
-MAX_DEPTH = 6
-"""How deep keys follow functions into their closures' functions."""
+MAX_DEPTH = 24
+"""How deep keys follow values into functions, closures and containers (a
+function closing over itself is uncacheable, not endless)."""
 
 
 class Uncacheable(Exception):
@@ -144,9 +149,18 @@ def value_key(x: Any, depth: int = 0) -> Hashable:
     return plain
   if depth > MAX_DEPTH:
     raise Uncacheable('too deep')
-  if isinstance(x, tuple | frozenset):
-    items = sorted(x, key=repr) if isinstance(x, frozenset) else x
-    return (type(x), tuple(value_key(v, depth + 1) for v in items))
+  if isinstance(x, tuple | list):
+    return (type(x), tuple(value_key(v, depth + 1) for v in x))
+  if isinstance(x, set | frozenset):
+    keys = [value_key(v, depth + 1) for v in x]
+    return (type(x), tuple(sorted(keys, key=repr)))
+  if isinstance(x, dict):
+    # By its content now (a key is made at each call): a changed entry is
+    # another configuration.
+    items = [
+      (value_key(k, depth + 1), value_key(v, depth + 1)) for k, v in x.items()
+    ]
+    return (dict, tuple(sorted(items, key=repr)))
   if isinstance(x, types.ModuleType):
     return ('module', x.__name__)
   if isinstance(x, type):
@@ -210,7 +224,10 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
     raise Uncacheable(type(fn).__name__)
   code = fn.__code__
   scope = fn.__globals__
-  names = sorted(n for n in _code_names(code) if n in scope)
+  # A library's function reads the library's own state: as for jax.jit, its
+  # globals are not the configuration (only the user's code's are).
+  library = code.co_filename.startswith(_output.library_prefixes())
+  names = [] if library else sorted(n for n in _code_names(code) if n in scope)
   return (
     'function',
     code,

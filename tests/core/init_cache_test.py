@@ -190,10 +190,12 @@ def test_what_a_key_cannot_pin_down_is_never_kept(mesh):
     model.up.kernel.set_value(model.up.kernel[...] * 0 + table)
     return model
 
-  config = {'width': 16}
+  class Config:  # A mutable object: nothing says it is the same.
+    width = 16
+
   for factory, args in (
     (with_table, ()),
-    (lambda rngs, config: Block(config['width'], rngs), (config,)),
+    (lambda rngs, config: Block(config.width, rngs), (Config(),)),
   ):
     assert (
       _init_cache.key(
@@ -255,6 +257,48 @@ def test_clear_init_cache_forgets_every_build(mesh):
   assert len(_init_cache._builds._data) == 0
   fdt.init(Block, 16, nnx.Rngs(0), mesh=mesh, rules=RULES)
   assert _counts() == (compiled + 1, reused)
+
+
+def test_an_annotated_initializer_passed_in_is_part_of_the_key(mesh):
+  """`fdt.init(nnx.Linear, ..., kernel_init=nnx.with_partitioning(...))`:
+  the initializer's closure (its metadata dict, its names) is keyed by
+  content, so the same one reuses and other names build anew."""
+
+  def kernel(names):
+    return nnx.with_partitioning(_user_init, names)
+
+  compiled, reused = _counts()
+  fdt.init(
+    nnx.Linear,
+    8,
+    16,
+    kernel_init=kernel(('embed', 'mlp')),
+    rngs=nnx.Rngs(0),
+    mesh=mesh,
+    rules=RULES,
+  )
+  same = fdt.init(
+    nnx.Linear,
+    8,
+    16,
+    kernel_init=kernel(('embed', 'mlp')),
+    rngs=nnx.Rngs(0),
+    mesh=mesh,
+    rules=RULES,
+  )
+  assert _counts() == (compiled + 1, reused + 1)
+  other = fdt.init(
+    nnx.Linear,
+    8,
+    16,
+    kernel_init=kernel(('mlp', 'embed')),
+    rngs=nnx.Rngs(0),
+    mesh=mesh,
+    rules=RULES,
+  )
+  assert _counts() == (compiled + 2, reused + 1)
+  assert same.kernel.sharding.spec == P('data', 'model')
+  assert other.kernel.sharding.spec == P('model', 'data')
 
 
 def test_an_eager_build_skips_its_abstract_pass_the_second_time(mesh):

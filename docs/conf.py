@@ -15,6 +15,7 @@ documented.
 import doctest
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -141,9 +142,26 @@ def _execute_notebooks_for_html_only(app) -> None:
     app.config.nb_execution_mode = 'off'
 
 
+# A page links a notebook's MyST pair in the repository, as the README does
+# (`../notebooks/NAME.md`, which opens on GitHub too); the docs build links
+# the notebook's page (its copy, `notebooks/NAME.ipynb`) instead.
+_NOTEBOOK_LINK = re.compile(r'\]\(\.\./notebooks/([\w-]+)\.md([#)])')
+
+
+def notebook_links(text: str) -> str:
+  """`text` with its links to notebooks' MyST pairs made links to their
+  pages in the docs."""
+  return _NOTEBOOK_LINK.sub(r'](notebooks/\1.ipynb\2', text)
+
+
+def _link_notebook_pages(app, docname, source) -> None:
+  source[0] = notebook_links(source[0])
+
+
 def setup(app) -> None:
   # Before myst-nb reads its configuration (also on builder-inited).
   app.connect('builder-inited', _execute_notebooks_for_html_only, priority=1)
+  app.connect('source-read', _link_notebook_pages)
 
 
 # The docstring examples run under the same flags as tests/docs/doctest_test.py

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
   from flax_dtensor._errors import (
     UnknownLogicalAxisError as UnknownLogicalAxisError,
   )
+  from flax_dtensor._placement._init import (
+    clear_init_cache as clear_init_cache,
+  )
   from flax_dtensor._placement._init import init as init
   from flax_dtensor._placement._placing import shard_module as shard_module
   from flax_dtensor._placement._placing import shard_value as shard_value
@@ -106,6 +109,7 @@ __all__ = (
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
   'check',
+  'clear_init_cache',
   'gather_tree',
   'get_logical_axis_rules',
   'init',
@@ -144,6 +148,7 @@ _MODULES = {
   'ShardingResolutionError': '_errors',
   'UnknownLogicalAxisError': '_errors',
   'init': '_placement._init',
+  'clear_init_cache': '_placement._init',
   'MemoryReport': '_planning._memory',
   'memory_report': '_planning._memory',
   'PathRule': '_rules._path_rules',

@@ -202,7 +202,8 @@ class EagerShardingOffWarning(UserWarning):
 
 
 class LikelyTypoWarning(UserWarning):
-  """A rule names a mesh axis the mesh lacks, spelled like one it has.
+  """A rule names a mesh axis the mesh lacks, spelled like one it has; or
+  a logical name no rule mentions is spelled like one they do.
 
   A rule such as ``('embed', 'dta')`` on a mesh with a ``data`` axis is
   skipped (its name falls back to its next rule, often replication), which
@@ -216,6 +217,12 @@ class LikelyTypoWarning(UserWarning):
   on a mesh of ``data`` and ``model`` is an intended fallback, not a typo.
   ``missing_mesh_axes='error'`` makes every rule naming a missing axis an
   error (`MissingMeshAxisError`).
+
+  The same rule finds a likely typo in a logical name: one that no rule
+  mentions (``'embedd'``) spelled like one they do (``'embed'``), replicated
+  under ``unknown='replicate'``, is warned once per rules and name ("did you
+  mean 'embed'?"), and is ``fdt.check``'s ``unknown-logical-name``. Each
+  warning points at the user's line that caused it.
   """
 
 

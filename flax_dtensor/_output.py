@@ -3,16 +3,23 @@
 `stream()` is ``sys.stderr`` unless a caller routes our output elsewhere
 with `routed_to` (the command line does, so that its stderr holds only our
 own messages while other libraries' output goes to a log). `progress` is
-the one progress bar of the package.
+the one progress bar of the package, `step` the one spinner (a phase of
+work with no count, such as a write). `warn` issues our warnings at the
+user's line, past every frame of this package and the libraries it calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+  import rich.console
 
 _lock = threading.Lock()
 _stream: TextIO | None = None
@@ -76,3 +83,75 @@ def announce(show: bool, message: str) -> None:
   """Prints 'flax_dtensor: MESSAGE' on `stream()` when `show`."""
   if show:
     print(f'flax_dtensor: {message}', file=stream(), flush=True)
+
+
+# Packages whose frames are never the user's line: this one, and the
+# libraries whose code runs between the user's call and our warning.
+_LIBRARIES = ('flax_dtensor', 'flax', 'jax', 'jaxlib', 'optax')
+
+
+def library_prefixes() -> tuple[str, ...]:
+  """The directories of `_LIBRARIES` imported so far, each ending in a
+  separator (``.../site-packages/flax/``)."""
+  out = []
+  for name in _LIBRARIES:
+    module = sys.modules.get(name)
+    path = getattr(module, '__file__', None)
+    if path:
+      out.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+  return tuple(out)
+
+
+def warn(message: str, category: type[Warning]) -> None:
+  """Warns `message` at the first frame outside this package and the
+  libraries it runs under (Flax's module construction, JAX's tracing): the
+  user's line that caused it, whatever depth it was found at.
+
+  Python 3.12 skips those frames itself (``skip_file_prefixes``); before,
+  the stack level is counted here.
+  """
+  prefixes = library_prefixes()
+  if sys.version_info >= (3, 12):
+    warnings.warn(message, category, skip_file_prefixes=prefixes)
+    return
+  frame = sys._getframe(1)
+  level = 2  # The frame that called `warn`.
+  while frame.f_back is not None and frame.f_code.co_filename.startswith(
+    prefixes
+  ):
+    frame = frame.f_back
+    level += 1
+  warnings.warn(message, category, stacklevel=level)
+
+
+@contextlib.contextmanager
+def step(
+  description: str, *, show: bool, console: rich.console.Console | None = None
+) -> Iterator[None]:
+  """Shows that `description` (a phase of work, e.g. a write) is under way.
+
+  On a terminal, a spinner with the seconds elapsed, removed when the block
+  ends; piped (a log, CI), one line ``DESCRIPTION…`` as it starts, nothing
+  animated; with `show` false, nothing. Written on `console` (default:
+  `stream()`).
+  """
+  if not show:
+    yield
+    return
+  import rich.console
+  import rich.progress
+
+  console = console or rich.console.Console(file=stream())
+  if not console.is_terminal:
+    console.print(f'{description}…', highlight=False, markup=False)
+    yield
+    return
+  with rich.progress.Progress(
+    rich.progress.SpinnerColumn(),
+    rich.progress.TextColumn('{task.description}'),
+    rich.progress.TimeElapsedColumn(),
+    console=console,
+    transient=True,
+  ) as bar:
+    bar.add_task(description, total=None)
+    yield

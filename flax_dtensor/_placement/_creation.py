@@ -126,6 +126,14 @@ class LRU:
         self._data.popitem(last=False)
     return value
 
+  def find(self, key: Hashable) -> Any:
+    """The value kept for `key` (now the most recent), or None."""
+    with self._lock:
+      if key not in self._data:
+        return None
+      self._data.move_to_end(key)
+      return self._data[key]
+
   def clear(self) -> None:
     with self._lock:
       self._data.clear()

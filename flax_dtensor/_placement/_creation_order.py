@@ -392,7 +392,7 @@ def traced(args: Any, kwargs: Any) -> bool:
 
 def put_back(x: Any, sharding: Any) -> Any:
   """`x` moved back to `sharding` (a leaf of a state; None leaves it)."""
-  if sharding is None or not isinstance(x, jax.Array):
+  if sharding is None or not isinstance(x, jax.Array) or x.sharding == sharding:
     return x
   return _meshes.put(x, sharding)
 

@@ -24,6 +24,7 @@ from flax_dtensor._placement import (
   _creation,
   _creation_order,
   _hook,
+  _init_cache,
   _placing,
   _variables,
 )
@@ -31,8 +32,28 @@ from flax_dtensor._rules import _logical, _meshes
 
 M = TypeVar('M')
 
-# How many builds took each path (for tests and benchmarks).
+# How many builds took each path, how many were compiled, and how many
+# reused an earlier call's work (for tests and benchmarks).
 builds: collections.Counter[str] = collections.Counter()
+
+
+def clear_init_cache() -> None:
+  """Forgets what earlier calls of `init` compiled.
+
+  `init` keeps the compiled build of each model configuration (the
+  factory and the values it closes over, the arguments compiled in, the
+  shapes of those passed, the rules, the mesh), so that building the same
+  model again does not trace and compile it again; it keeps no array or
+  module of the caller's. Clear it to free the compiled programs, or after
+  changing something a factory reads that the configuration does not
+  name (a global that a class's ``__init__`` reads, which, as under
+  ``jax.jit``, is fixed at the first call).
+
+  Example:
+    >>> import flax_dtensor as fdt
+    >>> fdt.clear_init_cache()
+  """
+  _init_cache.clear()
 
 
 @contextlib.contextmanager
@@ -50,6 +71,47 @@ def scope(
 
 def _is_node(x: Any) -> bool:
   return nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
+
+
+def factory_name(factory: Any) -> str:
+  """'make_model' (a function), 'nnx.Linear' (a class), for messages."""
+  name = getattr(factory, '__qualname__', None) or type(factory).__name__
+  return name.replace('.<locals>', '')
+
+
+def expect_module(built: Any, factory: Any) -> Any:
+  """Returns `built`, what `factory` returned, if it is an NNX graph node
+  (or a tuple, list or dict of them).
+
+  Called on the value itself, before JAX traces, stages or places it, so a
+  factory returning a number, a string or a tuple holding one hears so in
+  our words.
+
+  Raises:
+    NotAModelError: Naming the type returned.
+  """
+  leaves = jax.tree.leaves(built, is_leaf=_is_node)
+  if _is_node(built) or (
+    isinstance(built, tuple | list | dict)
+    and leaves
+    and all(_is_node(x) for x in leaves)
+  ):
+    return built
+  raise _errors.NotAModelError(
+    f'Expected the factory {factory_name(factory)!r} to return an NNX '
+    f'module (or another NNX graph node), got {type(built).__name__}: '
+    f'{built!r:.100}. Pass a callable that builds the model and returns it, '
+    'e.g. lambda: Model(rngs=nnx.Rngs(0)).'
+  )
+
+
+def checked(factory: Callable[..., Any]) -> Callable[..., Any]:
+  """`factory`, its result checked by `expect_module` as it returns."""
+
+  def build(*args: Any, **kwargs: Any) -> Any:
+    return expect_module(factory(*args, **kwargs), factory)
+
+  return build
 
 
 def init(
@@ -82,6 +144,17 @@ def init(
   result lives on the caller's mesh with its axis types (Explicit, Auto or
   mixed), in graph and tree mode alike.
 
+  A second call of the same configuration compiles nothing: the factory
+  (its code, defaults, closure values and the globals its code names), the
+  arguments compiled in, the shapes, dtypes and shardings of those passed,
+  the mesh and the rules name it, and the compiled build (or the abstract
+  pass's verdict) is reused; a changed seed passed in ``nnx.Rngs`` is a
+  changed value, not a new build. A call whose configuration cannot be
+  pinned down (a closure or argument holding an array, a list, an
+  object), or whose trace captured an array, is built anew each time.
+  Nothing of the caller's (arrays, modules) is kept; `clear_init_cache`
+  forgets the builds.
+
   Args:
     factory: A callable returning an NNX module (or another graph node),
       e.g. the module class.
@@ -100,6 +173,7 @@ def init(
       its metadata.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
     ShardingResolutionError: If a variable's axes cannot be resolved.
+    NotAModelError: If `factory` returns no NNX module or graph node.
 
   Example:
     >>> import jax, flax_dtensor as fdt
@@ -137,24 +211,38 @@ def init(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
-    in_shards, order = (
-      _builds_in_shards(factory, args, kwargs, mesh_)
-      if isinstance(rules_, _logical.LogicalRules)
-      else (False, None)
+    # The same configuration as an earlier call: its verdict, or its
+    # compiled build, is reused.
+    key = _init_cache.key(
+      factory, leaves, treedef, dynamic, _is_node, rules_, mesh_
     )
+    known = _init_cache.get(key)
+    if known is not None:
+      builds['reused'] += 1
+      in_shards, order = known.in_shards, None
+    elif isinstance(rules_, _logical.LogicalRules):
+      in_shards, order = _builds_in_shards(factory, args, kwargs, mesh_)
+    else:
+      in_shards, order = False, None
     if in_shards:
       saved = nnx.clone(nodes)
       try:
         with _hook.strictly_in_shards(), _hook.following(order):
-          built = factory(*args, **kwargs)
+          built = expect_module(factory(*args, **kwargs), factory)
       except _creation.NotInShards:  # Not foreseen by the abstract pass.
         nnx.update(nodes, nnx.state(saved))
       else:
         _place_result(built, rules_, mesh_)
         builds['in_shards'] += 1
+        if order is None and known is None:
+          # With path rules, the creation order is found anew each time.
+          _init_cache.put(key, _init_cache.Build(in_shards=True))
         return built
     builds['traced'] += 1
-    return _traced_build(factory, rules_, mesh_, leaves, treedef, dynamic)
+    compiled = None if known is None else known.compiled
+    return _traced_build(
+      factory, rules_, mesh_, leaves, treedef, dynamic, compiled, key
+    )
 
 
 def _builds_in_shards(
@@ -186,7 +274,7 @@ def _builds_in_shards(
 
   def probe(*a: Any, **k: Any) -> None:
     with _hook.building(in_shards=found, mesh=mesh, recording=recording):
-      built = factory(*a, **k)
+      built = expect_module(factory(*a, **k), factory)
     if recording is not None:
       _creation_order.finish(recording, built)
     leaves = (
@@ -216,6 +304,8 @@ def _builds_in_shards(
 
   try:
     nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
+  except _errors.NotAModelError:
+    raise
   except Exception:  # The traced build reports it, or builds it anyway.
     return False, None
   ok = bool(verdict) and all(verdict)
@@ -236,8 +326,15 @@ def _traced_build(
   leaves: list[Any],
   treedef: Any,
   dynamic: list[int],
+  compiled: Any = None,
+  key: Any = None,
 ) -> Any:
-  """Builds under one ``nnx.jit``, each variable constrained to its spec."""
+  """Builds under one ``nnx.jit``, each variable constrained to its spec.
+
+  `compiled` is an earlier call's compiled build of the same configuration
+  (`key`), run as it is; else the build is compiled and, unless its trace
+  captured arrays, kept under `key`.
+  """
   auto = _meshes.auto_copy(mesh_)
   nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
   # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
@@ -246,7 +343,6 @@ def _traced_build(
   original_shardings = jax.tree.map(
     lambda x: getattr(x, 'sharding', None), originals
   )
-  create = _creator(factory, rules_, mesh_, leaves, treedef, dynamic)
   try:
     nnx.update(
       nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
@@ -256,9 +352,13 @@ def _traced_build(
       for i in dynamic
     ]
     with jax.set_mesh(auto):
-      # Compiled as `_creation` compiles initializers, so that the values
-      # equal an eager build's (within 8 ulps).
-      built = create.lower(values).compile(_creation.COMPILER_OPTIONS)(values)
+      if compiled is None:
+        compiled = _compile(
+          _creator(factory, rules_, mesh_, leaves, treedef, dynamic),
+          values,
+          key,
+        )
+      built = compiled(values)
     _place_result(built, rules_, mesh_)
   finally:
     nnx.update(
@@ -272,6 +372,19 @@ def _traced_build(
   return built
 
 
+def _compile(create: Any, values: list[Any], key: Any) -> Any:
+  """`create` traced on `values`, compiled, and kept under `key` unless its
+  trace captured arrays (`_init_cache.holds_constants`)."""
+  traced = create.trace(values)
+  # Compiled as `_creation` compiles initializers, so that the values
+  # equal an eager build's (within 8 ulps).
+  compiled = traced.lower().compile(_creation.COMPILER_OPTIONS)
+  builds['compiled'] += 1
+  if not _init_cache.holds_constants(traced):
+    _init_cache.put(key, _init_cache.Build(in_shards=False, compiled=compiled))
+  return compiled
+
+
 def _creator(
   factory: Callable[..., Any],
   rules_: _logical.LogicalRules | _logical.FlaxRules,
@@ -280,11 +393,17 @@ def _creator(
   treedef: Any,
   dynamic: list[int],
 ) -> Any:
-  """The ``nnx.jit`` function of `_traced_build`, taking the dynamic args."""
+  """The ``nnx.jit`` function of `_traced_build`, taking the dynamic args.
+
+  It keeps the arguments that are compiled in, never those passed (the
+  caller's arrays and graph nodes): a kept build holds none of them.
+  """
   auto = _meshes.auto_copy(mesh_)
+  passed = set(dynamic)
+  statics = [None if i in passed else x for i, x in enumerate(leaves)]
 
   def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    full = list(leaves)
+    full = list(statics)
     for i, v in zip(dynamic, values, strict=True):
       full[i] = v
     return jax.tree_util.tree_unflatten(treedef, full)
@@ -293,7 +412,7 @@ def _creator(
   def create(values: list[Any]) -> Any:
     a, k = rebuild(values)
     with _hook.building():
-      built = factory(*a, **k)
+      built = expect_module(factory(*a, **k), factory)
     _constrain(built, rules_, mesh_, auto)
     return built
 
@@ -341,7 +460,8 @@ def build_abstract(
   `FlaxRules` are the context's own (Flax's, or none): nothing is entered.
 
   Raises:
-    NotAModelError: If the factory returns no NNX module or graph node.
+    NotAModelError: If the factory returns no NNX module or graph node
+      (said before JAX traces what it returned).
   """
   with contextlib.ExitStack() as stack:
     if isinstance(mesh, Mesh):
@@ -351,14 +471,7 @@ def build_abstract(
     if rules is not None and not isinstance(rules, _logical.FlaxRules):
       stack.enter_context(_logical.logical_axis_rules(rules))
     stack.enter_context(_hook.building())
-    built = nnx.eval_shape(factory)
-  if not nnx.graph.is_node(built):
-    raise _errors.NotAModelError(
-      f'Expected the factory to return an NNX module or another graph node, '
-      f'got {type(built).__name__}: {built!r:.100}. Pass a callable that '
-      'builds the model with no arguments, e.g. lambda: Model(rngs=nnx.Rngs(0)).'
-    )
-  return built
+    return nnx.eval_shape(checked(factory))
 
 
 def _constrain(
@@ -402,8 +515,5 @@ def _place_result(
     if resolution is None:
       variable.set_value(_meshes.retype(value, mesh))
       continue
-    variable.set_value(
-      _meshes.put(
-        value, _variables.sharding_for(variable, mesh, resolution.spec)
-      )
-    )
+    target = _variables.sharding_for(variable, mesh, resolution.spec)
+    variable.set_value(_meshes.put(value, target))  # No dispatch if there.

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.experimental.layout import Format
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _creation, _creation_order, _variables
 from flax_dtensor._rules import _logical, _meshes, _resolution, _specs
 
@@ -305,19 +305,15 @@ def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
     # Nothing to say here: ask again in this context for the next module.
     _logical.forget_in_context('eager-sharding-off')
     return
-  import warnings
-
-  warnings.warn(
-    _errors.EagerShardingOffWarning(
-      f'flax_dtensor did not place {len(unplaced)} variables of '
-      f'{type(module).__name__} that the rules in effect cover (e.g. '
-      f'{_variables.listing(unplaced, 3)}) on {_meshes.describe(mesh)}: '
-      'eager sharding is off (flax.config.flax_always_shard_variable is '
-      'False; some libraries turn it off when they are imported), so Flax '
-      f'created them unsharded. {EAGER_OFF_FIX} Said once per '
-      '`fdt.logical_axis_rules` block.'
-    ),
-    stacklevel=4,
+  _output.warn(
+    f'flax_dtensor did not place {len(unplaced)} variables of '
+    f'{type(module).__name__} that the rules in effect cover (e.g. '
+    f'{_variables.listing(unplaced, 3)}) on {_meshes.describe(mesh)}: '
+    'eager sharding is off (flax.config.flax_always_shard_variable is '
+    'False; some libraries turn it off when they are imported), so Flax '
+    f'created them unsharded. {EAGER_OFF_FIX} Said once per '
+    '`fdt.logical_axis_rules` block.',
+    _errors.EagerShardingOffWarning,
   )
 
 

@@ -105,7 +105,18 @@ def check_held(
     h = held.get(e.path)
     if h is None:
       names = sorted(_variables.path_str(p) for p in held)
-      key = f' (key {e.key!r})' if source.keys else ''
+      lacks = [x for x in entries if x.path not in held]
+      if len(lacks) == 1:
+        key = f' (key {e.key!r})' if source.keys else ''
+        which = f'has no variable {e.name!r}{key}, which the target needs'
+      else:
+        shown = [
+          f'{x.name} (key {x.key!r})' if source.keys else x.name for x in lacks
+        ]
+        which = (
+          f'lacks {len(lacks)} variables the target needs: '
+          f'{_variables.listing(shown)}'
+        )
       fix = (
         'Restore with a narrower `include=`/`exclude=` (e.g. '
         f'`include=nnx.Param` for {source.kind} of the parameters only), '
@@ -115,8 +126,7 @@ def check_held(
         f'{source.rebuild_text()}.'
       )
       raise _errors.ExportError(
-        f'{source.name} has no variable {e.name!r}{key}, which the target '
-        f'needs. It holds {len(names)} variables: '
+        f'{source.name} {which}. It holds {len(names)} variables: '
         f'{_variables.listing(names)}. {fix}'
       )
     if h.shape != e.shape:
@@ -154,9 +164,8 @@ def check_extra(
   if allow_extra:
     return
   known = {_variables.path_str(p) for p, _ in _variables.iter_variables(target)}
-  extra = sorted(
-    text for text in map(_variables.path_str, held) if text not in known
-  )
+  found = set(map(_variables.path_str, held))
+  extra = sorted(found - known)
   if extra:
     fix = (
       f'restore into the model that was {source.verb}, or pass '
@@ -165,8 +174,17 @@ def check_extra(
       if source.selects
       else source.rebuild_text()[:1].lower() + source.rebuild_text()[1:] + '.'
     )
+    # Both sides of the mismatch: what the source holds beyond the target,
+    # and the target's variables it lacks.
+    lacks = sorted(known - found)
+    also = (
+      f"; and it lacks {len(lacks)} of the target's variables: "
+      f'{_variables.listing(lacks)}'
+      if lacks
+      else ''
+    )
     raise _errors.ExportError(
       f'{source.name} holds {len(extra)} variable(s) the target does not '
-      f'have: {_variables.listing(extra)}. Expected {source.kind} of this '
-      f'model: {fix}'
+      f'have: {_variables.listing(extra)}{also}. Expected {source.kind} of '
+      f'this model: {fix}'
     )

@@ -420,8 +420,12 @@ def resolved(
 
 
 def listing(names: Sequence[str], limit: int = 8) -> str:
-  """'a, b, c, ...': the first `limit` names, for messages."""
-  return ', '.join(names[:limit]) + (', ...' if len(names) > limit else '')
+  """'a, b, c and 5 more': the first `limit` names and a count of the rest,
+  for messages."""
+  rest = len(names) - limit
+  if rest <= 0:
+    return ', '.join(names)
+  return f'{", ".join(names[:limit])} and {rest} more'
 
 
 def _flax_renamed(variable: nnx.Variable, spec: PartitionSpec) -> PartitionSpec:

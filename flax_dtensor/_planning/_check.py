@@ -36,6 +36,9 @@ CODES = {
   'mesh-axis-typo': (
     'a rule naming a mesh axis the mesh lacks, spelled like one it has'
   ),
+  'unknown-logical-name': (
+    'a logical name a variable has that no rule mentions (replicated)'
+  ),
   'replicated-large': 'a large variable the rules leave whole on every device',
   'over-budget': 'bytes per device above the budget',
   'unmatched-path-rule': 'a path rule whose pattern matches no variable',
@@ -132,14 +135,17 @@ def _rule_findings(
   flax = isinstance(rules, _logical.FlaxRules)
   pairs = [(n, _flax_target(t)) for n, t in rules.pairs] if flax else rules
   out = []
-  for name in dict.fromkeys(n for n, _ in pairs):
+  names = list(dict.fromkeys(n for n, _ in pairs))
+  for name in names:
     if name not in used:
+      # A variable's name spelled like this rule's: a typo on one side.
+      hint = _missing_axes.meant_hint(name, sorted(used - set(names)))
       out.append(
         Finding(
           'unused-rule',
           repr(name),
-          f'no variable has the logical axis {name!r}. Remove its rules, '
-          "or allow 'unused-rule' if activations use it "
+          f'no variable has the logical axis {name!r}{hint}. Remove its '
+          "rules, or allow 'unused-rule' if activations use it "
           '(with_logical_constraint).',
         )
       )
@@ -195,6 +201,40 @@ def _rule_findings(
       out += missing.pop(_missing_axes.rule_text(name, target), [])
   # Those of path rules.
   out += [f for found in missing.values() for f in found]
+  return out
+
+
+def _unknown_name_findings(
+  rules: Any, entries: Sequence[_plan.PlanEntry]
+) -> list[Finding]:
+  """An `unknown-logical-name` for each name of an annotation that no rule
+  mentions (our semantics: replicated, or an error unless
+  ``unknown='replicate'``), with "did you mean" for one spelled like a
+  rule's."""
+  if not isinstance(rules, _logical.LogicalRules):
+    return []
+  where: dict[str, list[str]] = {}
+  for e in entries:
+    for name in e.logical_axes or ():
+      if isinstance(name, str) and name not in rules.names:
+        where.setdefault(name, []).append(e.path)
+  out = []
+  for name, paths in where.items():
+    hint = _missing_axes.meant_hint(name, rules.names)
+    fails = (
+      'creating it fails' if rules.unknown == 'error' else 'it is replicated'
+    )
+    out.append(
+      Finding(
+        'unknown-logical-name',
+        repr(name),
+        f'{_text.count(len(paths), "variable")} (e.g. {paths[0]}) '
+        f'{"has" if len(paths) == 1 else "have"} the logical axis {name!r}, '
+        f'which no rule mentions, so {fails}{hint}. '
+        f'Fix the name, or add a rule for it (e.g. ({name!r}, None) to '
+        'replicate).',
+      )
+    )
   return out
 
 
@@ -408,6 +448,10 @@ def check(
   - ``unused-rule``: a logical name in the rules that no variable uses;
   - ``shadowed-rule``: a rule that an earlier rule for the same name always
     beats (an earlier ``None``, or the same rule twice);
+  - ``unknown-logical-name``: a logical name of a variable that no rule
+    mentions (so creating it fails, or, with ``unknown='replicate'``, it is
+    replicated), with a "did you mean" for one spelled like a rule's name
+    (``'embedd'`` for ``'embed'``);
   - ``mesh-axis-typo``: a rule naming an axis the mesh lacks, spelled like
     one it has (``'modle'`` for ``'model'``: a typo silently replicates),
     with a "did you mean" (the similarity rule of `LikelyTypoWarning`);
@@ -498,6 +542,7 @@ def check(
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }
   findings = _rule_findings(rules_, used, sizes)
+  findings += _unknown_name_findings(rules_, result.entries)
   if isinstance(rules_, _logical.LogicalRules) and rules_.path_rules:
     findings += _path_rule_findings(rules_, _subjects(target))
   for e in result.entries:

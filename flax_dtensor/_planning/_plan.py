@@ -8,7 +8,7 @@ import difflib
 import html
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,7 @@ from flax_dtensor._rules import (
   _meshes,
   _missing_axes,
   _path_rules,
+  _resolution,
   _specs,
 )
 
@@ -183,7 +184,9 @@ class ShardingPlan:
     num_devices: The number of devices in the mesh (1 without a mesh).
     likely_typos: One line per rule naming a mesh axis the mesh lacks,
       spelled like one it has (``"('embed', 'dta') names mesh axis 'dta',
-      which the mesh lacks: did you mean 'data'?"``), shown as the plan's
+      which the mesh lacks: did you mean 'data'?"``), and per logical name
+      of an annotation that no rule mentions, spelled like one they do
+      (replicated under ``unknown='replicate'``), shown as the plan's
       headline. Rules naming other missing axes are intended fallbacks.
   """
 
@@ -743,19 +746,40 @@ def plan(
       module_or_state, rules_, mesh_, sizes, optimizer, logical_axes
     )
   num_devices = math.prod(sizes.values()) if sizes else 1
+  typos = _missing_axes.likely_typos(
+    rules_, None if sizes is None else list(sizes)
+  )
   return ShardingPlan(
     entries=tuple(entries),
     mesh_axes=sizes,
     num_devices=num_devices,
-    likely_typos=tuple(
-      map(
-        str,
-        _missing_axes.likely_typos(
-          rules_, None if sizes is None else list(sizes)
-        ),
-      )
-    ),
+    likely_typos=(*map(str, typos), *_unknown_name_typos(entries, rules_)),
   )
+
+
+def _unknown_name_typos(entries: Sequence[PlanEntry], rules: Any) -> list[str]:
+  """A line for each logical name of an annotation that no rule mentions
+  (replicated) but spelled like one they do: "'embedd' (at kernel) is in
+  no rule, so it is replicated: did you mean 'embed'?"."""
+  if not isinstance(rules, _logical.LogicalRules):
+    return []
+  where: dict[str, list[str]] = {}
+  for e in entries:
+    if e.source not in (None, _resolution.ANNOTATION):
+      continue
+    for name in e.logical_axes or ():
+      if isinstance(name, str) and name not in rules.names:
+        where.setdefault(name, []).append(e.path)
+  out = []
+  for name, paths in where.items():
+    hint = _missing_axes.meant_hint(name, rules.names)
+    if hint:
+      more = f' and {len(paths) - 1} more' if len(paths) > 1 else ''
+      out.append(
+        f'{name!r} (at {paths[0]}{more}) is in no rule, so it is '
+        f'replicated{hint}'
+      )
+  return out
 
 
 def _entries(

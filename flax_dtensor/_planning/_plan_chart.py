@@ -2,8 +2,8 @@
 
 `device_bytes` counts what each mesh position holds, by category;
 `memory_svg` draws it as stacked bars (parameters, optimizer state, other
-variables) with the budget as a line; `mesh_svg` draws the mesh as a grid
-coloured by load; `page` puts both above the plan's table in one HTML file
+variables) with the budget as a line, as wide as its container; `mesh_svg`
+draws the mesh as a grid coloured by load, with a legend; `page` puts both above the plan's table in one HTML file
 with no script and nothing fetched. The numbers the pictures are drawn
 from are written on their elements (``data-bytes``), for tests and tools.
 """
@@ -116,8 +116,8 @@ def memory_svg(plan: _plan.ShardingPlan, *, budget: int | None = None) -> str:
 
   parts = [
     f'<svg xmlns="http://www.w3.org/2000/svg" class="fdt-memory" '
-    f'viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" '
-    f'style="max-width:100%;height:auto" font-family="sans-serif" '
+    f'viewBox="0 0 {WIDTH} {HEIGHT}" width="100%" '
+    f'style="width:100%;height:auto" font-family="sans-serif" '
     f'font-size="11" data-top-bytes="{_num(top)}" role="img">',
     f'<title>Bytes per device: {html.escape(_plan_view.totals_text(plan))}'
     '</title>',
@@ -210,15 +210,18 @@ def mesh_svg(plan: _plan.ShardingPlan, *, budget: int | None = None) -> str:
   Rows run over all axes but the last, columns over the last; position i
   is ``mesh.devices.flat[i]``. The colour is the load against the budget
   (or the heaviest load without one); a device above the budget is
-  outlined in red. Each cell carries ``data-device`` and ``data-bytes``.
+  outlined in red; a legend below the grid says both (a swatch per
+  `LEGEND_STEPS`, the bytes at either end). Each cell carries
+  ``data-device`` and ``data-bytes``.
   """
   loads = device_bytes(plan)
   n = plan.num_devices
   totals = [sum(loads[c][i] for c in loads) for i in range(n)]
   rows_, cols = grid_shape(plan.mesh_axes)
   cell = max(min(48, (WIDTH - 20) / max(cols, 1)), 4)
-  width = cols * cell + 20
-  height = rows_ * cell + 44
+  # Wide enough for the legend's line below the grid.
+  width = max(cols * cell + 20, 330 if budget else 240)
+  height = rows_ * cell + 50
   scale = budget if budget else max(totals)
   labelled = cell >= 36
   axes = list((plan.mesh_axes or {}).items())
@@ -251,12 +254,50 @@ def mesh_svg(plan: _plan.ShardingPlan, *, budget: int | None = None) -> str:
         f'<text x="{_num(x + cell / 2)}" y="{_num(y + cell / 2 + 4)}" '
         f'text-anchor="middle" fill="{ink}">{i}</text>'
       )
-  shade = 'the budget' if budget else 'the heaviest device'
-  parts.append(
-    f'<text x="10" y="{_num(height - 6)}">colour: load against {shade}'
-    f' ({_text.human_bytes(scale)})</text></svg>'
-  )
+  parts += _mesh_legend(height - 20, scale, budget)
+  parts.append('</svg>')
   return ''.join(parts)
+
+
+LEGEND_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The loads the mesh's legend shows a swatch of, as fractions of its
+scale (the budget, or the heaviest device)."""
+
+
+def _mesh_legend(y: float, scale: float, budget: int | None) -> list[str]:
+  """What the mesh's colours mean: a swatch per `LEGEND_STEPS` from no load
+  to the scale, their bytes at both ends, and the red outline of a device
+  above the budget."""
+  size = 12
+  what = 'the budget' if budget else 'the heaviest device'
+  parts = [f'<g class="legend"><text x="10" y="{_num(y + 10)}">load:</text>']
+  x = 44.0
+  parts.append(
+    f'<text x="{_num(x)}" y="{_num(y + 10)}" text-anchor="start">0</text>'
+  )
+  x += 12
+  for fraction in LEGEND_STEPS:
+    parts.append(
+      f'<rect class="swatch" data-fraction="{fraction}" '
+      f'data-bytes="{round(scale * fraction)}" x="{_num(x)}" y="{_num(y)}" '
+      f'width="{size}" height="{size}" fill="{_shade(fraction)}" '
+      'stroke="#999" stroke-width="0.5"/>'
+    )
+    x += size + 2
+  parts.append(
+    f'<text x="{_num(x + 4)}" y="{_num(y + 10)}">'
+    f'{html.escape(_text.human_bytes(scale))} ({what})</text>'
+  )
+  if budget:
+    x += 150
+    parts.append(
+      f'<rect class="over" x="{_num(x)}" y="{_num(y)}" width="{size}" '
+      f'height="{size}" fill="#fff" stroke="#c00" stroke-width="2"/>'
+      f'<text x="{_num(x + size + 6)}" y="{_num(y + 10)}">over the budget'
+      '</text>'
+    )
+  parts.append('</g>')
+  return parts
 
 
 _PAGE_CSS = """

@@ -5,8 +5,11 @@ carry get logical rules (`_Names`, chosen by the bytes each device holds);
 the variables without them are read by their paths and shapes: a preset
 (`_presets`) recognised from the paths, or the generic proposal (the
 largest dimension that divides on the fsdp-like axis, the next on the
-model axis), sharded further until a memory budget fits. `RulesSuggestion`
-holds the rules, the plan under them, and why each variable goes where.
+model axis), sharded further until a memory budget fits. Given inputs,
+the forward is traced on them too (`_forward_names`): the logical names it
+constrains activations with and no variable has (``'batch'``) get rules of
+their own. `RulesSuggestion` holds the rules, the plan under them, and why
+each variable goes where.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from flax_dtensor._planning import _plan, _presets
 from flax_dtensor._rules import (
   _logical,
   _meshes,
+  _missing_axes,
   _path_rules,
   _resolution,
   _specs,
@@ -121,6 +125,13 @@ class RulesSuggestion:
     logical_names: ``{name: its targets, in priority order}`` for each
       logical name the model's annotations use, for which the rules were
       proposed (empty when no variable is annotated).
+    forward_names: ``{name: its targets}`` for each logical name that only
+      the forward uses (an activation's ``with_logical_constraint``, found
+      by tracing it on `inputs`): a batch name on the fsdp-like axis then
+      None, any other None.
+    traced_on: The inputs the forward was traced on, as text
+      (``'int32[16,128]'``), or None when it was not traced (no `inputs`):
+      then the names only the forward uses are unknown here.
   """
 
   rules: _logical.LogicalRules
@@ -134,6 +145,10 @@ class RulesSuggestion:
   logical_names: dict[str, tuple[Any, ...]] = dataclasses.field(
     default_factory=dict
   )
+  forward_names: dict[str, tuple[Any, ...]] = dataclasses.field(
+    default_factory=dict
+  )
+  traced_on: str | None = None
 
   @property
   def bytes_per_device(self) -> int:
@@ -179,7 +194,33 @@ class RulesSuggestion:
       f'# Mesh {where}; {self.recognition}.',
       f'# {self.budget_text()}',
     ]
-    return '\n'.join(lines) + '\n' + self.rules.to_yaml_text()
+    if self.traced_on is None and self.logical_names:
+      lines += [f'# {line}' for line in _text.wrap_words(_UNTRACED_TEXT, 78)]
+    body = self.rules.to_yaml_text()
+    if self.forward_names:
+      # Above the rules of the names only the forward uses (listed first).
+      comment = ''.join(
+        f'  # {line}\n' for line in _text.wrap_words(self.forward_text(), 76)
+      )
+      head, sep, rest = body.partition('logical_axis_rules:\n')
+      body = head + sep + comment + rest
+    return '\n'.join(lines) + '\n' + body
+
+  def forward_text(self) -> str:
+    """One sentence on the names only the forward uses (found at run time,
+    by tracing it), and what their rules do; '' if there are none."""
+    if not self.forward_names:
+      return ''
+    names = '; '.join(
+      f'{name!r} -> ' + ', '.join(_specs.format_entry(t) for t in targets)
+      for name, targets in self.forward_names.items()
+    )
+    return (
+      "Logical names found only at run time, in the forward's activation "
+      f'constraints (traced on {self.traced_on}), not on any variable: '
+      f'{names}. Each ends in a rule to None (replicated); a batch name '
+      'goes on the fsdp-like axis first (data parallelism).'
+    )
 
   def write(self, path: str | os.PathLike[str]) -> pathlib.Path:
     """Writes `to_yaml` to `path` and returns the path.
@@ -215,6 +256,10 @@ class RulesSuggestion:
         )
         + '.'
       )
+    if self.forward_names:
+      lines.append(self.forward_text())
+    elif self.traced_on is None and self.logical_names:
+      lines.append(_UNTRACED_TEXT)
     lines += [
       self.budget_text(),
     ]
@@ -780,6 +825,113 @@ def _saving(
   return saved
 
 
+_UNTRACED_TEXT = (
+  'The forward was not traced (no inputs given), so the logical names it '
+  "constrains activations with (such as 'batch') have no rules here: "
+  'pass inputs= (the command line: --input-shape) to trace it, or add a '
+  "rule for each, e.g. ['batch', 'data']."
+)
+
+
+def _batch_like(name: str) -> bool:
+  """Whether a logical name is a batch dimension's ('batch',
+  'activation_batch', 'batch_size')."""
+  return 'batch' in name.lower()
+
+
+def _forward_targets(
+  name: str, roles: dict[str, str | None]
+) -> tuple[Any, ...]:
+  """A name only the forward uses: a batch name on the fsdp-like axis (data
+  parallelism), then None; any other name None."""
+  if _batch_like(name) and roles['fsdp'] is not None:
+    return (roles['fsdp'], None)
+  return (None,)
+
+
+def _as_inputs(inputs: Any) -> tuple[Any, ...]:
+  """`inputs` as abstract arguments: ``jax.ShapeDtypeStruct`` for anything
+  with a shape and a dtype (nothing is computed), None kept.
+
+  Raises:
+    LogicalRulesError: For anything else.
+  """
+  items = (inputs,) if hasattr(inputs, 'shape') else inputs
+  if not isinstance(items, tuple | list):
+    raise _errors.LogicalRulesError(
+      '`inputs` must be the positional arguments of the forward: a list of '
+      'jax.ShapeDtypeStruct (or arrays, or None), e.g. '
+      '[jax.ShapeDtypeStruct((16, 128), jnp.int32)]; got '
+      f'{type(inputs).__name__} {inputs!r:.80}.'
+    )
+  out = []
+  for i, x in enumerate(items):
+    if x is None:
+      out.append(None)
+    elif hasattr(x, 'shape') and hasattr(x, 'dtype'):
+      out.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype))
+    else:
+      raise _errors.LogicalRulesError(
+        f'`inputs[{i}]` must be a jax.ShapeDtypeStruct, an array or None '
+        f'(an argument of the forward); got {type(x).__name__} {x!r:.80}.'
+      )
+  return tuple(out)
+
+
+def _inputs_text(inputs: Sequence[Any]) -> str:
+  """'int32[16,128]' for the inputs' shapes and dtypes."""
+  return ', '.join(
+    'None' if x is None else f'{x.dtype}[{",".join(str(d) for d in x.shape)}]'
+    for x in inputs
+  )
+
+
+def _forward_names(
+  model: Any, inputs: Sequence[Any], method: str, mesh: Any
+) -> list[str]:
+  """The logical names `method` of the abstract `model` resolves (its
+  activations' ``with_logical_constraint``), in order: traced on `inputs`
+  under a mesh and lenient rules, nothing computed.
+
+  Raises:
+    LogicalRulesError: If the model has no such method, or tracing it on
+      the inputs fails (the message gives the inputs and the error).
+  """
+  forward = getattr(model, method, None)
+  if not callable(forward):
+    raise _errors.LogicalRulesError(
+      f'`method` must name a method of the model that takes `inputs`; '
+      f'{type(model).__name__} has no method {method!r}.'
+    )
+  abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+  lenient = _logical.LogicalRules([], unknown='replicate')
+
+  def call(m: Any, *xs: Any) -> Any:
+    return getattr(m, method)(*xs)
+
+  try:
+    with (
+      jax.sharding.use_abstract_mesh(abstract),
+      _logical.logical_axis_rules(lenient),
+      _missing_axes.reported_elsewhere(),
+      _resolution.recorded() as found,
+    ):
+      nnx.eval_shape(call, model, *inputs)
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:
+    raise _errors.LogicalRulesError(
+      f'Tracing {type(model).__name__}.{method} on the inputs given '
+      f'({_inputs_text(inputs)}) failed with {type(e).__name__}: '
+      f'{" ".join(str(e).split())[:300]}. Pass `inputs` as the forward '
+      'takes them: one jax.ShapeDtypeStruct per positional argument, in '
+      'order, batch dimension first (the command line: one --input-shape '
+      'NAME:DIMS:DTYPE each).'
+    ) from e
+  names = (n for axes, _ in found for n in axes if isinstance(n, str))
+  return list(dict.fromkeys(names))
+
+
 def suggest_rules(
   model_or_factory: Any,
   mesh: Mesh | AbstractMesh,
@@ -788,6 +940,8 @@ def suggest_rules(
   optimizer: Any = None,
   style: str | None = None,
   min_bytes: int = DEFAULT_MIN_BYTES,
+  inputs: Any = None,
+  method: str = '__call__',
 ) -> RulesSuggestion:
   """Proposes rules for a model, from what it says, with the reasons.
 
@@ -800,6 +954,15 @@ def suggest_rules(
     most bytes first, the order holding the fewest bytes per device is
     kept; with a budget not met, both axes on one dimension too, and the
     names of small arrays last. `RulesSuggestion.logical_names` lists them.
+  - **The logical names of its forward**, given `inputs`: the forward is
+    traced on them (abstractly, under the mesh), and every name it
+    constrains an activation with (``with_logical_constraint``) that no
+    variable has gets rules of its own, listed first: a batch name
+    (``'batch'``, ``'activation_batch'``) on the fsdp-like axis (data
+    parallelism), then None; any other name None (replicated).
+    `RulesSuggestion.forward_names` lists them, and the written file says
+    so in a comment. Without `inputs` such names have no rules (the
+    report and the file say so).
 
   The variables without logical names are read by their paths and shapes:
 
@@ -843,6 +1006,10 @@ def suggest_rules(
       whatever the paths; ``'generic'`` for the generic proposal.
     min_bytes: Variables below this size stay replicated (unless the
       budget needs them sharded).
+    inputs: The forward's positional arguments, as ``jax.ShapeDtypeStruct``
+      (or arrays, or None), e.g. ``[jax.ShapeDtypeStruct((16, 128),
+      jnp.int32)]``; nothing is computed. None not to trace it.
+    method: The method of the model that `inputs` are for.
 
   Returns:
     The `RulesSuggestion`: ``.rules`` for `plan`, `init`, `check` and the
@@ -851,7 +1018,8 @@ def suggest_rules(
 
   Raises:
     MeshError: If `mesh` is not a mesh.
-    LogicalRulesError: If `budget`, `min_bytes` or `style` is invalid.
+    LogicalRulesError: If `budget`, `min_bytes`, `style`, `inputs` or
+      `method` is invalid, or the forward fails on `inputs`.
     NotAModelError: If `model_or_factory` or `optimizer` is not what it
       should be.
 
@@ -872,9 +1040,19 @@ def suggest_rules(
       f'jax.sharding.AbstractMesh), got {type(mesh).__name__} {mesh!r:.80}.'
     )
   _options(budget, min_bytes, style)
+  abstract_inputs = None if inputs is None else _as_inputs(inputs)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
   roles = _roles(sizes)
   target, opt = _abstract(model_or_factory, mesh, optimizer)
+  forward: list[str] = []
+  if abstract_inputs is not None:
+    if not isinstance(target, nnx.Module):
+      raise _errors.LogicalRulesError(
+        "`inputs` are for tracing a model's forward; got "
+        f'{type(target).__name__}, which has none. Pass the model (or its '
+        'factory), or leave `inputs` out.'
+      )
+    forward = _forward_names(target, abstract_inputs, method, mesh)
   lenient = _logical.LogicalRules([], unknown='replicate')
   entries = _plan.plan(target, mesh=mesh, rules=lenient, optimizer=opt).entries
   variables = [
@@ -972,6 +1150,15 @@ def suggest_rules(
       f'min_bytes lowered from {min_bytes} to {proposal.threshold()}: '
       'arrays below the threshold are sharded too, for the budget.'
     )
+  # The names only the forward uses, first: in an activation a batch name
+  # takes the fsdp-like axis before the names the variables share with it.
+  known = set(rules.names)
+  forward_names = {
+    n: _forward_targets(n, roles) for n in forward if n not in known
+  }
+  rules = rules.prepend(
+    [(n, t) for n, targets in forward_names.items() for t in targets]
+  )
   return RulesSuggestion(
     rules=rules,
     plan=result,
@@ -986,4 +1173,8 @@ def suggest_rules(
     budget=budget,
     notes=tuple(notes),
     logical_names=names.targets(),
+    forward_names=forward_names,
+    traced_on=(
+      None if abstract_inputs is None else _inputs_text(abstract_inputs)
+    ),
   )

@@ -156,8 +156,11 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> Any:
 
   JAX moves a typed key array laid out over several processes' devices
   only as its key data: `jax.device_put` refuses the key itself there
-  (it is not a plain array), where it moves the key data.
+  (it is not a plain array), where it moves the key data. An array already
+  laid out so is returned as it is, without a dispatch.
   """
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
   if (
     isinstance(x, jax.Array)
     and not x.is_fully_addressable

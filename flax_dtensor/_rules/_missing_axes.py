@@ -1,11 +1,13 @@
-"""Rules naming mesh axes a mesh lacks: intended fallbacks and likely typos.
+"""Names the rules or the mesh lack: intended fallbacks and likely typos.
 
 `missing_axes` lists every rule (logical rules, and path rules' mesh axes)
 naming an axis the mesh lacks, each with the mesh axis it likely meant
 (`likely_meant`, the similarity rule). `check_on_mesh` is what resolution
 calls when rules meet a mesh: it raises under ``missing_mesh_axes='error'``
 and warns `LikelyTypoWarning` once per rules and mesh otherwise, unless
-the caller reports the typos itself (`reported_elsewhere`).
+the caller reports the typos itself (`reported_elsewhere`). The same rule
+finds the logical name an unknown one likely meant (`meant_hint`), which
+`check_unknown_names` warns of once per rules and name.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import collections
 import contextlib
 import dataclasses
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from flax_dtensor import _errors
+from flax_dtensor import _errors, _output
 from flax_dtensor._rules import _logical, _path_rules, _specs
 
 TYPO_REASON = 'a likely typo of'
@@ -212,4 +213,45 @@ def check_on_mesh(rules: _logical.LogicalRules, sizes: dict[str, int]) -> None:
     if not typos or _state.quiet or key in _warned:
       return
     _warned.add(key)
-  warnings.warn(warning_message(typos), _errors.LikelyTypoWarning, stacklevel=3)
+  _output.warn(warning_message(typos), _errors.LikelyTypoWarning)
+
+
+def meant_hint(name: str, known: Sequence[str]) -> str:
+  """ " (did you mean 'embed'?)" for a logical name that no rule mentions,
+  spelled like one of `known` (`likely_meant`'s rule); else ''."""
+  meant = likely_meant(name, [k for k in known if k != name])
+  return f' (did you mean {meant!r}?)' if meant is not None else ''
+
+
+# {(id(rules), name): rules} warned of: the rules kept alive, so that an id
+# is not reused while its entry lives. The oldest go first.
+_warned_names: collections.OrderedDict[tuple[int, str], Any] = (
+  collections.OrderedDict()
+)
+
+
+def check_unknown_names(
+  rules: _logical.LogicalRules, names: Sequence[str]
+) -> None:
+  """Warns `LikelyTypoWarning` once per rules and name for each of `names`
+  (in no rule, so replicated under ``unknown='replicate'``) spelled like a
+  name the rules have, unless the caller reports it itself."""
+  known = rules.names
+  found = []
+  with _lock:
+    for name in names:
+      hint = meant_hint(name, known)
+      key = (id(rules), name)
+      if not hint or _state.quiet or _warned_names.get(key) is rules:
+        continue
+      _warned_names[key] = rules
+      while len(_warned_names) > _KEEP:
+        _warned_names.popitem(last=False)
+      found.append(f'{name!r}{hint}')
+  if found:
+    _output.warn(
+      f'Likely typo: the logical axis name(s) {", ".join(found)} are in no '
+      "rule, so the rules' unknown='replicate' replicates them. Fix the "
+      'name, or add a rule for it.',
+      _errors.LikelyTypoWarning,
+    )

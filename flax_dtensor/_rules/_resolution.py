@@ -12,9 +12,11 @@ checks, replicating a dimension whose axes do not fit.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flax.core import spmd as core_spmd
@@ -121,6 +123,29 @@ def _check_axes(
     )
 
 
+class _Recording(threading.local):
+  def __init__(self) -> None:
+    self.found: list[tuple[tuple[Any, ...], tuple[int, ...] | None]] | None = (
+      None
+    )
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list[tuple[tuple[Any, ...], Any]]]:
+  """Within the block (this thread), every resolution of logical axes under
+  `LogicalRules` is recorded: yields the list of (logical axes, shape) it
+  fills, e.g. for the names a traced forward constrains activations with."""
+  previous = _recording.found
+  _recording.found = found = []
+  try:
+    yield found
+  finally:
+    _recording.found = previous
+
+
 def resolve_dims(
   logical_axes: _logical.LogicalAxes | PartitionSpec,
   shape: Sequence[int] | None = None,
@@ -149,6 +174,8 @@ def resolve_dims(
       ``rules.unknown == 'error'``.
   """
   axes = tuple(logical_axes)
+  if _recording.found is not None:
+    _recording.found.append((axes, None if shape is None else tuple(shape)))
   where_ = where(path)
   _check_axes(axes, shape, where_)
   for a in axes:
@@ -172,11 +199,19 @@ def resolve_dims(
     )
   known = set(rules.names)
   unknown = [a for a in axes if isinstance(a, str) and a not in known]
+  if unknown and rules.unknown == 'replicate':
+    _missing_axes.check_unknown_names(rules, unknown)
   if unknown and rules.unknown == 'error':
     suggestions = ', '.join(f'({a!r}, None)' for a in unknown)
+    hints = ''.join(
+      f' {a!r}: did you mean {meant!r}?'
+      for a in unknown
+      for meant in [_missing_axes.likely_meant(a, rules.names)]
+      if meant is not None
+    )
     problem = (
       f'Logical axis name(s) {unknown} are not mentioned by any rule{where_} '
-      f'{_context_text(axes, shape, rules, mesh)}.'
+      f'{_context_text(axes, shape, rules, mesh)}.{hints}'
     )
     raise _errors.UnknownLogicalAxisError(
       f'{problem} Add a rule for each, e.g. {suggestions} to replicate, or '

@@ -246,13 +246,36 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
   return InputSpec(name, tuple(dims), dtype)
 
 
-def check_out(out: pathlib.Path) -> None:
-  """Checks that `out` is, or can be made, a directory; before any work.
+def check_out(
+  out: pathlib.Path,
+  *,
+  overwrite: bool,
+  flag: bool,
+  reads: pathlib.Path | None = None,
+) -> bool:
+  """Checks, before any work, that a run may write `out` as a whole.
+
+  `out`, or the nearest of its parents that exists, must be a directory;
+  an existing `out` is replaced as a whole (`_run_folder.writing`), so it
+  may hold only an earlier run's output.
+
+  Args:
+    out: The output folder (``--out``).
+    overwrite: Whether the user asked to replace an earlier run's output.
+    flag: Whether the command has ``--overwrite`` (else it always may).
+    reads: The input the run reads (``--checkpoint``), never inside `out`.
+
+  Returns:
+    Whether `out` exists and holds something (to be replaced).
 
   Raises:
-    BadInputError: If `out`, or the nearest of its parents that exists, is
-      not a directory.
+    BadInputError: If `out` or its nearest existing parent is not a
+      directory, `out` holds files no run wrote, or an earlier run's output
+      and `overwrite` is false, or `reads` or the current directory is
+      inside it.
   """
+  from flax_dtensor.dtensor._files import _run_folder
+
   existing = out
   while not existing.exists() and existing.parent != existing:
     existing = existing.parent
@@ -262,6 +285,58 @@ def check_out(out: pathlib.Path) -> None:
       f'--out {str(out)!r} is not a directory{where}. Pass a directory, '
       'existing or to be created.'
     )
+  # Where the run creates its folder (`out`'s parent) or, for the current
+  # directory, writes inside it: refused now rather than after training.
+  here = out.is_dir() and _run_folder.holds_cwd(out)
+  writes_in = existing if here or existing != out else existing.parent
+  if writes_in.is_dir() and not os.access(writes_in, os.W_OK | os.X_OK):
+    from flax_dtensor.dtensor._files import _atomic
+
+    raise BadInputError(
+      f'--out {str(out)!r} cannot be written: {str(writes_in)!r} is not '
+      f'writable ({_atomic._who_may_write(str(writes_in))}). Pass a '
+      'directory you may write in.'
+    )
+  if not out.is_dir():
+    return False
+  if here:
+    entries = [e for e in os.listdir(out) if not _run_folder.ours(e)]
+    if entries or out.resolve() != pathlib.Path.cwd().resolve():
+      raise BadInputError(
+        f'--out {str(out)!r} is the current directory or holds it, and '
+        'is not empty; a run replaces its output folder as a whole, which '
+        'it cannot do to the directory it runs in. Pass a directory inside '
+        'it, e.g. --out flax_dtensor_out (an empty current directory will '
+        'do too).'
+      )
+    return False
+  if reads is not None and reads.resolve().is_relative_to(out.resolve()):
+    raise BadInputError(
+      f'--checkpoint {str(reads)!r} is inside --out {str(out)!r}, which the '
+      'run replaces as a whole. Choose another --out.'
+    )
+  if out.is_symlink():
+    raise BadInputError(
+      f'--out {str(out)!r} is a symbolic link; the output folder is replaced '
+      'as a whole. Pass the directory it points to, or a new one.'
+    )
+  others = _run_folder.foreign(out)
+  if others:
+    shown = ', '.join(repr(n) for n in others[:5])
+    more = f' and {len(others) - 5} more' if len(others) > 5 else ''
+    raise BadInputError(
+      f'--out {str(out)!r} holds {shown}{more}, which no flax-dtensor run '
+      'wrote. A run replaces its output folder as a whole: pass a new or '
+      'empty directory, or an earlier output of demo or export.'
+    )
+  if not os.listdir(out):
+    return False
+  if flag and not overwrite:
+    raise BadInputError(
+      f"{str(out)!r} already exists (an earlier run's output). Pass "
+      '--overwrite to replace it as a whole, or choose another --out.'
+    )
+  return True
 
 
 def load_rules(
@@ -534,8 +609,8 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
           model = _init.build_abstract(factory)
       else:
         model = _init.build_abstract(factory)
-  except _errors.NotAModelError:
-    model = None
+  except _errors.NotAModelError as e:
+    raise BadInputError(f'TARGET {target!r}: {e}') from e
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:
@@ -660,20 +735,56 @@ def check_served_inputs(
     ) from e
 
 
+def traced_inputs(texts: Sequence[str], target: str) -> list[Any] | None:
+  """The abstract inputs ``plan --suggest`` traces the forward on: each
+  ``--input-shape`` (sizes only), or for the demo model its own; None for
+  another TARGET without any.
+
+  Raises:
+    BadInputError: If an entry is malformed or has a dimension that is not
+      a size.
+  """
+  if not texts:
+    if target != DEMO_TARGET:
+      return None
+    from flax_dtensor.demo import model
+
+    return model.example_inputs()
+  import jax
+
+  out = []
+  for text in texts:
+    spec = parse_input_shape(text, static_batch=True)
+    if spec.dims is None:
+      out.append(None)
+      continue
+    if not all(isinstance(d, int) for d in spec.dims):
+      raise BadInputError(
+        f'--input-shape {text!r}: tracing the forward for --suggest needs '
+        'sizes, not named or ? dimensions. Pass sizes, e.g. '
+        'tokens:16,128:int32.'
+      )
+    out.append(jax.ShapeDtypeStruct(spec.dims, jax.numpy.dtype(spec.dtype)))
+  return out
+
+
 _UNITS = {'': 1, 'B': 1, 'KIB': 2**10, 'MIB': 2**20, 'GIB': 2**30, 'TIB': 2**40}
 
 
-def parse_size(text: str, flag: str) -> int:
-  """Bytes from '16GiB', '512 MiB' or '1000' (IEC units).
+def parse_size(text: str, flag: str, *, minimum: int = 0) -> int:
+  """Bytes from '16GiB', '512 MiB' or '1000' (IEC units), at least `minimum`.
 
   Raises:
-    BadInputError: If the text is not a size.
+    BadInputError: If the text is not a size, or is below `minimum`: one
+      wording for every such value (``0``, ``-5KiB``, ``lots``).
   """
   m = re.fullmatch(r'\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*', text)
   unit = m.group(2).upper() if m else None
-  if m is None or unit not in _UNITS:
+  size = None if m is None or unit not in _UNITS else m.group(1)
+  if size is None or int(float(size) * _UNITS[unit]) < minimum:
+    least = f' of at least {minimum} byte{"s" * (minimum != 1)}' * (minimum > 0)
     raise BadInputError(
-      f'Malformed {flag} {text!r}: expected a size in bytes, or with an IEC '
-      'unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
+      f'Malformed {flag} {text!r}: expected a size{least} in bytes, or with '
+      'an IEC unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
     )
-  return int(float(m.group(1)) * _UNITS[unit])
+  return int(float(size) * _UNITS[unit])

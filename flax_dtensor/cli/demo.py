@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs, _runs
+from flax_dtensor.cli import _command, _inputs
 
 DEFAULT_OUT = 'flax_dtensor_out'
 
@@ -48,7 +48,10 @@ def demo(
     typer.Option(
       '--quiet',
       '-q',
-      help='No training progress (a line every few seconds when piped).',
+      help=(
+        "No progress: neither the training's (a line every few seconds "
+        "when piped) nor the writes' (a line as each starts)."
+      ),
     ),
   ] = False,
   debug: _command.DebugOption = False,
@@ -65,8 +68,7 @@ def demo(
     axes = _inputs.parse_mesh(mesh)
     rules_ = _inputs.load_rules(rules)
     _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
-    _inputs.check_out(out)
-    _runs.check_out(out, overwrite=True, flag=False)
+    _inputs.check_out(out, overwrite=True, flag=False)
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs, _runs
+from flax_dtensor.cli import _command, _inputs
 
 
 def export(
@@ -126,8 +126,7 @@ def export(
 
     source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
-    _inputs.check_out(out)
-    _runs.check_out(out, overwrite=overwrite, flag=True, reads=source)
+    _inputs.check_out(out, overwrite=overwrite, flag=True, reads=source)
     outputs = {'checkpoint': out / 'checkpoint'}
     if saved_model:
       outputs['saved_model'] = out / 'saved_model'
@@ -138,9 +137,11 @@ def export(
         math.prod(s for _, s in axes), only_cpu=False
       )
     import jax
+    from flax import nnx
 
     import flax_dtensor as fdt
     from flax_dtensor import _text
+    from flax_dtensor.dtensor._files import _run_folder
 
     mesh_ = _inputs.make_mesh(axes, mesh)
     start = time.perf_counter()
@@ -159,8 +160,10 @@ def export(
         _inputs.check_served_inputs(abstract, method, specs)
       model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
-    run = _runs.Run.new('export', list(outputs))
-    with _runs.writing(out) as tmp:  # Swapped in whole at the end.
+    run = _run_folder.Run.new('export', list(outputs))
+    needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    # Swapped in whole at the end.
+    with _run_folder.writing(out, needed=needed) as tmp:
       relaid = None
       if single_mesh:
         _, relaid = dtensor.save_checkpoint(

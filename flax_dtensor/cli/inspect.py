@@ -17,7 +17,8 @@ import typer
 
 from flax_dtensor import _text
 from flax_dtensor._rules import _specs
-from flax_dtensor.cli import _command, _runs
+from flax_dtensor.cli import _command
+from flax_dtensor.dtensor._files import _run_folder
 
 
 def sharding_texts(record: Any) -> tuple[str, str]:
@@ -440,12 +441,14 @@ def inspect(
           console.print(item, highlight=False)
       if any(path != directory for _, path in found):
         # An output folder of demo or export: are its parts one run's?
-        mixed = _runs.problems(directory)
+        mixed = _run_folder.problems(directory)
         for item in _title('Output folder', directory, console.width):
           console.print(item, highlight=False)
         console.print(
           '\n'.join(mixed) or 'one run: every part carries the same identifier'
-          if any(_runs.run_of(directory / p) for p in os.listdir(directory))
+          if any(
+            _run_folder.run_of(directory / p) for p in os.listdir(directory)
+          )
           else 'no run identifiers (written by an older flax-dtensor)',
           highlight=False,
           markup=False,

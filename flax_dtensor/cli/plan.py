@@ -122,7 +122,9 @@ def plan(
       '--suggest',
       help=(
         'Propose the rules (fdt.suggest_rules): logical rules for the '
-        "names the model's annotations carry; for variables without them, a "
+        "names the model's annotations carry (and, traced on --input-shape, "
+        'the names its forward constrains activations with); for variables '
+        'without them, a '
         'preset recognised from the paths (Hugging Face, Gemma or GPT-2 '
         'names), else the largest dimension on the fsdp-like axis and the '
         'next on the model axis; print why for every variable, then the '
@@ -130,6 +132,27 @@ def plan(
       ),
     ),
   ] = False,
+  input_shape: Annotated[
+    list[str] | None,
+    typer.Option(
+      '--input-shape',
+      metavar='NAME:DIMS:DTYPE',
+      help=(
+        'With --suggest: a positional input of the forward, e.g. '
+        'tokens:16,128:int32 (repeat for each, in order; NAME:none passes '
+        'None). The forward is traced on them (nothing is computed) and the '
+        'logical names it constrains activations with (such as batch) get '
+        f'rules too. For {_inputs.DEMO_TARGET}, its own inputs by default.'
+      ),
+      show_default=False,
+    ),
+  ] = None,
+  method: Annotated[
+    str,
+    typer.Option(
+      metavar='NAME', help='With --input-shape: the method they are for.'
+    ),
+  ] = '__call__',
   write: Annotated[
     pathlib.Path | None,
     typer.Option(
@@ -213,8 +236,16 @@ def plan(
         f'--write {str(write)!r} writes the rules --suggest proposes: add '
         '--suggest.'
       )
+    if input_shape and not suggest:
+      raise _command.BadInputError(
+        '--input-shape gives the inputs --suggest traces the forward on: add '
+        '--suggest.'
+      )
+    traced_on = _inputs.traced_inputs(input_shape or [], target)
     axes = _inputs.parse_mesh(mesh)
-    budget_ = None if budget is None else _inputs.parse_size(budget, '--budget')
+    budget_ = None
+    if budget is not None:  # One wording for 0, -5KiB and lots.
+      budget_ = _inputs.parse_size(budget, '--budget', minimum=1)
     min_bytes_ = None
     if min_bytes is not None:
       min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')
@@ -255,6 +286,8 @@ def plan(
         mesh_,
         budget=budget_,
         optimizer=tx,
+        inputs=traced_on,
+        method=method,
         **({} if min_bytes_ is None else {'min_bytes': min_bytes_}),
       )
       rules_ = suggestion.rules

@@ -192,6 +192,27 @@ class TransformerLM(nnx.Module):
     return fdt.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 
+BATCH_SIZE = 16
+"""Sequences per step in the demo's training (``flax-dtensor demo``)."""
+
+
+def example_inputs(
+  batch_size: int = BATCH_SIZE, config: Config | None = None
+) -> list[jax.ShapeDtypeStruct]:
+  """The forward's inputs, abstractly: int32 tokens ``(batch, length)``.
+
+  What ``flax-dtensor plan --suggest`` traces the demo model's forward on
+  (the logical names of its activations, such as ``'batch'``).
+
+  Example:
+    >>> from flax_dtensor.demo import model
+    >>> model.example_inputs()
+    [ShapeDtypeStruct(shape=(16, 128), dtype=int32)]
+  """
+  length = (config or Config()).max_length
+  return [jax.ShapeDtypeStruct((batch_size, length), jnp.int32)]
+
+
 def make_model(
   config: Config | None = None, *, seed: int = 0, **overrides: int
 ) -> TransformerLM:

@@ -18,8 +18,8 @@ import rich.console
 import rich.progress
 import rich.text
 
-from flax_dtensor import _interrupts, _text
-from flax_dtensor.cli import _runs
+from flax_dtensor import _interrupts, _output, _text
+from flax_dtensor.dtensor._files import _run_folder
 
 
 def _disk_usage(path: pathlib.Path) -> int:
@@ -159,13 +159,15 @@ def run(
     rules: The `flax_dtensor.LogicalRules`.
     rules_text: The rules as YAML, copied to `out/rules.yaml`.
     out: The output directory: created, or replaced as a whole (written
-      aside and swapped in; run `_runs.check_out` on it first).
+      aside and swapped in; check it first, as the command line's
+      `_inputs.check_out` does).
     steps: Training steps.
     seed: Seed of init and data.
     batch_size: Sequences per step.
     console: Where to print (default: stdout).
-    progress: Whether to show the training's progress (a bar on a
-      terminal, a line every few seconds otherwise).
+    progress: Whether to show progress: the training's (a bar on a
+      terminal, a line every few seconds otherwise), and each write's and
+      the verification's while it runs (a spinner, or a line as it starts).
 
   Returns:
     The summary, also written to `out/summary.json`.
@@ -235,19 +237,29 @@ def run(
   # constraints and runs on one TF device. The whole folder is written
   # aside and swapped in: interrupted, `out` keeps the previous run's.
   names = ('orbax', 'checkpoint', 'saved_model')
-  run_ = _runs.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
-  with _runs.writing(out) as tmp:
+  run_ = _run_folder.Run.new('demo', (*names, 'rules.yaml', 'summary.json'))
+  needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+
+  # Each phase is timed and, unless quiet, shown while it runs (a spinner
+  # on a terminal, a line when piped): together they take ~12 s.
+  def phase(name: str) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(timer(name))
+    stack.enter_context(_output.step(name, show=progress, console=console))
+    return stack
+
+  with _run_folder.writing(out, needed=needed) as tmp:
     paths = {name: tmp / name for name in names}
     # Orbax writes on threads of its own: an interrupt waits for them (the
     # watchdog's 1.5 s at the most) rather than remove the folder while
     # they write into it.
-    with timer('write Orbax checkpoint'), _interrupts.deferred():
+    with phase('write Orbax checkpoint'), _interrupts.deferred():
       checkpointer = ocp.StandardCheckpointer()
       checkpointer.save(paths['orbax'].absolute(), nnx.state(model))
       checkpointer.wait_until_finished()
-    with timer('write DTensor checkpoint'):
+    with phase('write DTensor checkpoint'):
       dtensor.save_checkpoint(model, paths['checkpoint'])
-    with timer('write SavedModel'):
+    with phase('write SavedModel'):
       tf = sys.modules['tensorflow']
       dtensor.save_saved_model(
         model,
@@ -258,7 +270,7 @@ def run(
       )
     end = '' if rules_text.endswith('\n') or not rules_text else '\n'
     (tmp / 'rules.yaml').write_text(rules_text + end + run_.text_stamp())
-    with timer('verify in TF-only subprocess'):
+    with phase('verify in TF-only subprocess'):
       tf_logits, report = verify.verify_saved_model(
         paths['saved_model'], held_out
       )

@@ -5,6 +5,7 @@ troubleshooting page), and checks that the matrix covers every error class
 and every public entry point.
 """
 
+import fault_runs
 import pytest
 from bad_input_cases import CASES, Context
 
@@ -12,8 +13,11 @@ import flax_dtensor as fdt
 
 
 @pytest.fixture(scope='module')
-def ctx(tmp_path_factory):
-  return Context(tmp_path_factory.mktemp('bad_input'))
+def ctx(tmp_path_factory, request):
+  return Context(
+    tmp_path_factory.mktemp('bad_input'),
+    pool=lambda: request.getfixturevalue('warm_pool'),
+  )
 
 
 @pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
@@ -23,13 +27,40 @@ def test_bad_input(case, ctx, monkeypatch):
   Slow: the cases of a killed peer, a full disk or a file-size limit read
   what a multi-process fault run recorded (fault_runs, scale_runs: run once
   a session, shared with faults_test.py and multiprocess_scale_test.py);
-  those of TensorFlow missing or not initialized start a fresh process.
+  those of TensorFlow missing or not initialized start a fresh process;
+  the command line's writes under a fault (the demo trains a step before
+  it writes) run in forks of the warm pool, once a session.
   """
   if case.tf:
     pytest.importorskip('tensorflow')
   monkeypatch.chdir(ctx.tmp)
   with pytest.raises(case.error, match=case.match):
     case.run(ctx)
+
+
+@pytest.mark.parametrize('fault', fault_runs.WRITE_FAULTS)
+def test_a_write_fault_of_the_command_line_exits_2_leaving_nothing(ctx, fault):
+  """`demo` and `export` under a real fault (the matrix's cases above):
+  exit status 2 with our one `error:` line naming the user's --out (not the
+  run's temporary, nor "unexpected failure ... a bug"), and nothing of the
+  run left beside what the test put there.
+
+  Slow: the first run of each fault here (a fork of the warm pool; the
+  demo trains a step before it writes) is shared with the cases above.
+  """
+  from flax_dtensor.cli import _command
+
+  run = fault_runs.write_fault(ctx.pool, fault)
+  kind, text = run['error']
+  assert kind in ('DiskFullError', 'ExportError', 'BadInputError'), run
+  assert "'/" in text or "'ro/" in text, text
+  assert '.tmp-' not in text and 'staging' not in text, text
+  inputs = {'export-full': 'orbax', 'demo-unwritable': 'ro'}.get(fault)
+  assert {p.split('/')[0] for p in run['after']} <= {inputs}, run['after']
+  if fault != 'orbax-denied':  # The command line's own line and status.
+    assert run['status'] == 2, run['stderr'][-3000:]
+    assert run['line'] == f'error: {_command.one_line(text)}', run['line']
+    assert 'unexpected failure' not in run['stderr']
 
 
 def test_every_error_class_appears():
@@ -71,6 +102,7 @@ def test_every_public_entry_point_appears():
     'fdt.set_logical_axis_rules',
     'fdt.propagate',
     'fdt.with_logical_constraint',
+    'fdt.clear_init_cache',  # Takes nothing.
     'flax_dtensor.dtensor.is_initialized',
     'flax_dtensor.dtensor.nnx_path',
     # Reports returned by the export functions, not called by users.

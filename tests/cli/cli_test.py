@@ -96,6 +96,14 @@ def not_a_module() -> int:
   return 3
 
 
+def a_string() -> str:
+  return 'str'
+
+
+def a_tuple() -> tuple:
+  return (user_model(), 'v1')
+
+
 class UserLM(nnx.Module):
   """A user's LLM in another library's style: `(tokens, positions, cache,
   attention_mask) -> (logits, cache)`, served with the cache None."""
@@ -316,6 +324,20 @@ def test_parse_mesh():
 def test_parse_mesh_errors(text, match):
   with pytest.raises(_command.BadInputError, match=match):
     _inputs.parse_mesh(text)
+
+
+@pytest.mark.parametrize(
+  'flags', [['--suggest'], ['--check']], ids=['suggest', 'check']
+)
+@pytest.mark.parametrize('budget', ['0', '-5KiB', 'lots', '0.5', '12XB'])
+def test_a_bad_budget_has_one_wording(flags, budget):
+  """Zero, negative, fractional and unreadable sizes alike, in the command
+  line's words (not the Python API's "`budget` must be an int")."""
+  line = bad_input(run_cli('plan', DEMO_TARGET, *flags, '--budget', budget))
+  assert line == (
+    f'error: Malformed --budget {budget!r}: expected a size of at least 1 '
+    'byte in bytes, or with an IEC unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
+  )
 
 
 def test_parse_input_shape():
@@ -644,6 +666,43 @@ def test_plan_suggest_writes_rules_that_plan_and_check_read(tmp_path):
   bad_input(run_cli('plan', target, '--write', written), 'add --suggest')
 
 
+def test_plan_suggest_traces_a_users_forward_on_input_shapes(tmp_path):
+  target = f'{SUPPORT_DIR / "suggest_models.py"}:make_constrained_mlp'
+  written = tmp_path / 'rules.yaml'
+  stdout = ok(
+    run_cli(
+      'plan',
+      target,
+      '--suggest',
+      '--input-shape',
+      'x:8,96:float32',
+      '--write',
+      written,
+    )
+  )
+  said = ' '.join(stdout.split())
+  assert '(traced on float32[8,96])' in said
+  assert "'act_batch' -> 'data', None; 'act_hidden' -> None" in said
+  assert "['act_batch', 'data']" in written.read_text()
+  # Without inputs, the report says the forward was not traced.
+  stdout = ok(run_cli('plan', target, '--suggest'))
+  assert 'The forward was not traced' in ' '.join(stdout.split())
+  bad_input(
+    run_cli('plan', target, '--input-shape', 'x:8,96:float32'),
+    '--input-shape gives the inputs --suggest traces the forward on',
+  )
+  bad_input(
+    run_cli('plan', target, '--suggest', '--input-shape', 'x:b,96:float32'),
+    "--input-shape 'x:b,96:float32': tracing the forward for --suggest "
+    'needs sizes',
+  )
+  bad_input(
+    run_cli('plan', target, '--suggest', '--input-shape', 'x:8,95:float32'),
+    'Tracing ConstrainedMlp.__call__ on the inputs given (float32[8,95]) '
+    'failed',
+  )
+
+
 def test_plan_demo_json():
   result = json.loads(ok(run_cli('plan', DEMO_TARGET, '--json')))
   assert result['mesh'] == {'data': 2, 'model': 4}
@@ -765,7 +824,9 @@ def test_plan_malformed_mesh(args, fragments):
       f'{pathlib.Path(THIS_FILE).parents[2] / "README.md"}:make',
       ['README.md', 'is not a Python source file Python can import'],
     ),
-    (f'{THIS_FILE}:not_a_module', ['expected an nnx.Module']),
+    (f'{THIS_FILE}:not_a_module', ["'not_a_module' to return", 'got int: 3']),
+    (f'{THIS_FILE}:a_string', ["'a_string' to return", "got str: 'str'"]),
+    (f'{THIS_FILE}:a_tuple', ["'a_tuple' to return", 'got tuple: (UserMLP']),
     (f'{THIS_FILE}:USER_RULES', ['is a str, not a callable']),
   ],
   ids=[
@@ -774,12 +835,17 @@ def test_plan_malformed_mesh(args, fragments):
     'no-attribute',
     'no-file',
     'not-python',
-    'not-a-module',
+    'returns-an-int',
+    'returns-a-str',
+    'returns-a-tuple',
     'not-callable',
   ],
 )
 def test_plan_bad_target(target, fragments):
-  bad_input(run_cli('plan', target), 'TARGET', *fragments)
+  """Each in our words; a factory's result is named by its type before JAX
+  traces it (not JAX's "returned a value of type <class 'str'>")."""
+  line = bad_input(run_cli('plan', target), 'TARGET', *fragments)
+  assert 'traced for jit' not in line and 'NoneType' not in line
 
 
 @pytest.mark.parametrize(
@@ -828,6 +894,26 @@ def test_plan_rules_missing_a_name(tmp_path):
   )
   assert 'unknown="replicate"' not in message  # Python's fix, not ours.
   assert 'Error' not in message  # No class names (they are in --debug).
+
+
+def test_plan_says_what_an_unknown_name_likely_meant(tmp_path):
+  """The rules spell 'embed' 'embedd': the error says so, in the command
+  line's words."""
+  rules = tmp_path / 'rules.yaml'
+  text = train_rules_text().replace("['embed',", "['embedd',")
+  rules.write_text(text)
+  bad_input(
+    run_cli('plan', DEMO_TARGET, '--rules', rules),
+    "['embed'] are not mentioned by any rule at ",
+    "'embed': did you mean 'embedd'?",
+    'to the rules file (--rules)',
+  )
+
+
+def train_rules_text() -> str:
+  from flax_dtensor.demo import train
+
+  return train.rules_text()
 
 
 def test_debug_shows_traceback():
@@ -1331,6 +1417,30 @@ def test_export_and_inspect_user_factory(user_checkpoint, tmp_path):
   assert 'JAX mesh data=2,model=4; DTensor mesh data=2,model=4' in stdout
 
 
+def test_export_into_an_empty_current_directory(
+  user_checkpoint, tmp_path, monkeypatch
+):
+  """`--out .` in an empty directory writes the run there (its parts moved
+  in from a hidden folder inside it, the directory itself kept); once it
+  holds a run, `--out .` is refused before any work."""
+  orbax, expected = user_checkpoint
+  here = tmp_path / 'here'
+  here.mkdir()
+  monkeypatch.chdir(here)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  args = ['export', USER_TARGET, '--checkpoint', orbax, '--rules', rules]
+  args += ['--out', '.']
+  ok(run_cli(*args))
+  assert sorted(os.listdir(here)) == ['checkpoint']
+  report = check_checkpoint(here / 'checkpoint', expected)
+  assert report['max_abs_diff'] == 0.0 and report['missing'] == []
+  assert pathlib.Path.cwd() == here
+  line = bad_input(run_cli(*args, '--overwrite'), "--out '.' is the current")
+  assert 'and is not empty' in line
+  assert sorted(os.listdir(here)) == ['checkpoint']
+
+
 def test_export_single_mesh(user_checkpoint, tmp_path):
   """--single-mesh: one DTensor mesh, what moved printed, values exact."""
   orbax, expected = user_checkpoint
@@ -1755,14 +1865,42 @@ def test_inspect_malformed_metadata(fused_export, tmp_path, text):
 
 
 def test_demo_trains_exports_and_verifies(tmp_path):
-  """The demo end to end, as a user runs it.
+  """The demo end to end, as a user runs it, under the rules that `plan
+  --suggest` proposes for it: the suggestion -> training round trip
+  (`plan ... --suggest --budget 300KiB --write sug.yaml && demo --rules
+  sug.yaml`). The forward's 'batch', traced on the demo's own inputs, has
+  rules; without them the demo stopped at it.
 
   Slow: it trains 40 steps, exports a checkpoint and a SavedModel, and
   serves it in the TensorFlow-only process the demo itself starts.
   """
+  suggested = tmp_path / 'sug.yaml'
+  said = ok(
+    run_cli(
+      'plan',
+      DEMO_TARGET,
+      '--suggest',
+      '--budget',
+      '300KiB',
+      '--write',
+      suggested,
+    )
+  )
+  said = ' '.join(said.split())
+  assert '(traced on int32[16,128])' in said
+  assert "'batch' -> 'data', None" in said
+  assert 'per device fits the budget of 300.0 KiB' in said
+  assert _inputs.load_rules(str(suggested)).candidates('batch') == (
+    'data',
+    None,
+  )
   out = tmp_path / 'demo'
   narrow = {'COLUMNS': '80'}  # Piped, as in a CI log.
-  stdout = ok(run_cli('demo', '--steps', '40', '--out', out, env=narrow))
+  stdout = ok(
+    run_cli(
+      'demo', '--rules', suggested, '--steps', '40', '--out', out, env=narrow
+    )
+  )
   # Piped: plain progress lines, nothing animated; 80 columns, no line
   # ending in spaces, paths whole or broken after a '/'.
   assert_fits(stdout, 80, [out / 'saved_model', out / 'summary.json'])
@@ -1772,6 +1910,19 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   )
   steps = re.findall(r'^train step (\d+)/40  loss \d\.\d{3}  ', stdout, re.M)
   assert steps[0] == '1' and steps[-1] == '40', stdout
+  # The writes and the verification (~12 s) each say so as they start.
+  phases = [
+    'write Orbax checkpoint…',
+    'write DTensor checkpoint…',
+    'write SavedModel…',
+    'verify in TF-only subprocess…',
+  ]
+  lines = stdout.splitlines()
+  trained = max(
+    i for i, x in enumerate(lines) if x.startswith('train step 40/')
+  )
+  at = [lines.index(p) for p in phases]
+  assert trained < at[0] and at == sorted(at), stdout
   summary = json.loads((out / 'summary.json').read_text())
   assert summary['steps'] == 40 and len(summary['losses']) == 40
   assert summary['loss_first'] > 5.0  # ~ln(256): uniform over bytes.
@@ -1783,7 +1934,9 @@ def test_demo_trains_exports_and_verifies(tmp_path):
     assert summary['bytes'][name] > 1_000_000
   for text in ('Sharding plan', 'Files written', 'Timings', 'Results'):
     assert text in stdout
-  assert (out / 'rules.yaml').read_text().startswith('# Default')
+  copied = (out / 'rules.yaml').read_text()
+  assert copied.startswith(suggested.read_text())
+  assert copied.startswith('# Rules proposed by flax_dtensor.suggest_rules')
 
 
 @pytest.mark.parametrize(

@@ -182,3 +182,29 @@ def test_summary_at_80_columns_keeps_paths_whole():
   assert 'rules (YAML, for --rules)' in text
   assert '1.2 MiB' in text and '61.5' in text
   assert '5.50 5.07 4.65 4.22 3.79 3.36 2.94 2.51' in text  # Eight, spread.
+
+
+def test_a_write_shows_while_it_runs_unless_quiet():
+  """Piped, a line as it starts; on a terminal, rich's spinner with the
+  seconds elapsed, gone when done; quiet, nothing."""
+  import io
+
+  import rich.console
+
+  from flax_dtensor import _output
+
+  def shown(terminal, show):
+    buffer = io.StringIO()
+    console = rich.console.Console(
+      file=buffer, width=80, force_terminal=terminal
+    )
+    with _output.step('write SavedModel', show=show, console=console):
+      console.print('inside', highlight=False)
+    return buffer.getvalue()
+
+  assert shown(False, True) == 'write SavedModel…\ninside\n'
+  assert shown(False, False) == 'inside\n'
+  live = shown(True, True)
+  assert 'write SavedModel' in live and '0:00:0' in live
+  assert live != 'inside\n'
+  assert shown(True, False) == 'inside\n'

@@ -218,6 +218,16 @@ NET = textwrap.dedent("""\
 
   def make_with_head():
     return Net(head=True)
+
+
+  class Stack(nnx.Module):
+    def __init__(self):
+      rngs = nnx.Rngs(0)
+      self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(10)])
+
+
+  def make_stack():
+    return Stack()
   """)
 NET_RULES = "logical_axis_rules: [['embed', null]]\n"
 
@@ -266,14 +276,25 @@ def net_checkpoints(tmp_path_factory):
     (
       'make_with_head',
       'plain',
-      "error: The Orbax checkpoint '{ckpt}' has no variable 'head/bias', "
-      'which the target needs. It holds 4 variables: down/bias, '
+      "error: The Orbax checkpoint '{ckpt}' lacks 2 variables the target "
+      'needs: head/bias, head/kernel. It holds 4 variables: down/bias, '
       'down/kernel, up/bias, up/kernel. Expected an Orbax checkpoint saved '
       'from this model. Pass a TARGET that builds the model that was saved '
       '(the same configuration).\n',
     ),
+    (
+      'make_stack',
+      'with_head',
+      "error: The Orbax checkpoint '{ckpt}' holds 6 variable(s) the target "
+      'does not have: down/bias, down/kernel, head/bias, head/kernel, '
+      "up/bias, up/kernel; and it lacks 20 of the target's variables: "
+      'layers/0/bias, layers/0/kernel, layers/1/bias, layers/1/kernel, '
+      'layers/2/bias, layers/2/kernel, layers/3/bias, layers/3/kernel and '
+      '12 more. Expected an Orbax checkpoint of this model: pass a TARGET '
+      'that builds the model that was saved (the same configuration).\n',
+    ),
   ],
-  ids=['shape', 'extra-variable', 'missing-variable'],
+  ids=['shape', 'extra-variable', 'missing-variables', 'another-model'],
 )
 def test_export_names_the_variable_that_does_not_fit(
   cli, net_checkpoints, monkeypatch, factory, checkpoint, message

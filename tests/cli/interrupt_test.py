@@ -338,16 +338,17 @@ def test_demo_refuses_an_out_holding_other_files(warm_pool, tmp_path):
     'empty directory, or an earlier output of demo or export.'
   )
   assert os.listdir(out) == ['notes.txt']
-  # The current directory is never replaced: refused before any work.
-  (out / 'notes.txt').unlink()
+  # The current directory holding anything is never replaced: refused
+  # before any work (an empty one is written in: cli_test.py).
   proc = warm_pool.run(signal_sweep.CLI_MAIN, 'demo', '--out', '.', cwd=out)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.splitlines()[-1] == (
-    "error: --out '.' is the current directory or holds it; a run replaces "
-    'its output folder as a whole. Pass a directory inside it, e.g. --out '
-    'flax_dtensor_out.'
+    "error: --out '.' is the current directory or holds it, and is not "
+    'empty; a run replaces its output folder as a whole, which it cannot do '
+    'to the directory it runs in. Pass a directory inside it, e.g. --out '
+    'flax_dtensor_out (an empty current directory will do too).'
   )
-  assert os.listdir(out) == []
+  assert os.listdir(out) == ['notes.txt']
 
 
 def test_export_refuses_a_checkpoint_inside_out(swept, warm_pool, tmp_path):

@@ -241,16 +241,18 @@ def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
 # The layers, lowest first: a module imports only from its own layer or
 # below (outside `if TYPE_CHECKING:`). Below them all, the package's own
 # utilities (`_errors`, `_compat`, `_interrupts`, `_output`, `_text`).
-# Above them all, the
-# lazy namespaces (the packages' `__init__` and `_lazy`, which installs the
-# hook when a name is first used).
+# The demo sits below the command line that runs it: what both use (a run's
+# output folder) lives in the bridge. Above them all, the lazy namespaces
+# (the packages' `__init__` and `_lazy`, which installs the hook when a name
+# is first used).
 NAMESPACE = {'flax_dtensor', 'flax_dtensor._lazy'}
 LAYERS = (
   ('flax_dtensor._rules',),
   ('flax_dtensor._placement',),
   ('flax_dtensor._planning',),
   ('flax_dtensor.dtensor',),
-  ('flax_dtensor.cli', 'flax_dtensor.demo', 'flax_dtensor.__main__'),
+  ('flax_dtensor.demo',),
+  ('flax_dtensor.cli', 'flax_dtensor.__main__'),
 )
 UTILITIES = {
   'flax_dtensor._errors',

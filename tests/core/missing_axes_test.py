@@ -207,3 +207,112 @@ def test_the_demo_rules_have_no_typo_on_the_demo_meshes(shape, names):
       fdt.logical_to_mesh_axes(('embed', 'mlp'), mesh=mesh)
   assert plan.likely_typos == ()
   assert [w for w in caught if w.category is fdt.LikelyTypoWarning] == []
+
+
+# Logical names no rule mentions, spelled like one: "did you mean"
+# ------------------------------------------------------------------------------
+
+NAMES = [('embed', 'data'), ('mlp', 'model')]
+
+
+def _make_embedd():
+  init = nnx.with_partitioning(nnx.initializers.ones, ('embedd', 'mlp'))
+  return nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+
+
+def test_an_unknown_logical_name_is_told_what_it_likely_meant():
+  """'embedd' in an annotation, 'embed' in the rules: the error, the plan's
+  headline, `check`'s findings and the warning each say "did you mean
+  'embed'?"."""
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError,
+    match=r"\['embedd'\] are not mentioned by any rule .*"
+    r"'embedd': did you mean 'embed'\?",
+  ):
+    fdt.plan(_make_embedd, mesh=ABSTRACT, rules=NAMES)
+  lenient = fdt.LogicalRules(NAMES, unknown='replicate')
+  plan = fdt.plan(_make_embedd, mesh=ABSTRACT, rules=lenient)
+  assert plan.likely_typos == (
+    "'embedd' (at kernel) is in no rule, so it is replicated (did you mean "
+    "'embed'?)",
+  )
+  assert plan['kernel'].spec == P(None, 'model')  # Replicated indeed.
+  assert str(plan).splitlines()[1].startswith("Likely typo: 'embedd' (at ")
+  report = fdt.check(_make_embedd, NAMES, ABSTRACT)
+  by_code = {f.code: f for f in report.findings}
+  assert by_code['unknown-logical-name'].subject == "'embedd'"
+  assert by_code['unknown-logical-name'].message.startswith(
+    "1 variable (e.g. kernel) has the logical axis 'embedd', which no rule "
+    "mentions, so creating it fails (did you mean 'embed'?)."
+  )
+  assert "(did you mean 'embedd'?)" in by_code['unused-rule'].message
+  # Replicated on creation: warned once per rules and name.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(lenient):
+    with pytest.warns(fdt.LikelyTypoWarning) as caught:
+      model = _make_embedd()
+    with warnings.catch_warnings(record=True) as again:
+      warnings.simplefilter('always')
+      _make_embedd()
+  (warning,) = [w for w in caught if w.category is fdt.LikelyTypoWarning]
+  assert str(warning.message).startswith(
+    "Likely typo: the logical axis name(s) 'embedd' (did you mean 'embed'?) "
+    'are in no rule'
+  )
+  assert [w for w in again if w.category is fdt.LikelyTypoWarning] == []
+  assert model.kernel.sharding.spec == P(None, 'model')
+  # A name like none of the rules' stays quiet (replicated as asked).
+  init = nnx.with_partitioning(nnx.initializers.ones, ('vocab', 'mlp'))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(lenient):
+    with warnings.catch_warnings(record=True) as quiet:
+      warnings.simplefilter('always')
+      nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+  assert [w for w in quiet if w.category is fdt.LikelyTypoWarning] == []
+
+
+class _UsersBlock(nnx.Module):
+  """A user's module: the line creating the layer is what a warning names."""
+
+  def __init__(self, axes):
+    init = nnx.with_partitioning(nnx.initializers.ones, axes)
+    self.up = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))  # here
+
+
+def _line_of(marker, function):
+  import inspect
+
+  lines, start = inspect.getsourcelines(function)
+  (offset,) = [i for i, line in enumerate(lines) if line.endswith(marker)]
+  return start + offset
+
+
+@pytest.mark.parametrize(
+  'rules, axes',
+  [
+    (TYPO, ('embed', 'mlp')),
+    (fdt.LogicalRules(NAMES, unknown='replicate'), ('embedd', 'mlp')),
+  ],
+  ids=['mesh-axis-typo', 'logical-name-typo'],
+)
+def test_a_warning_points_at_the_users_line(rules, axes):
+  """Not at flax_dtensor's or Flax's frames, however deep the resolution
+  ran: at the user's module, and at the user's call of `fdt.init`."""
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  rules = fdt.LogicalRules(list(rules), unknown=getattr(rules, 'unknown', None))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    with pytest.warns(fdt.LikelyTypoWarning) as caught:
+      _UsersBlock(axes)
+  (warning,) = [w for w in caught if w.category is fdt.LikelyTypoWarning]
+  assert (warning.filename, warning.lineno) == (
+    __file__,
+    _line_of('# here\n', _UsersBlock.__init__),
+  )
+  again = fdt.LogicalRules(list(rules), unknown=rules.unknown)
+  with pytest.warns(fdt.LikelyTypoWarning) as caught:
+    fdt.init(_UsersBlock, axes, mesh=mesh, rules=again)  # call
+  (warning,) = [w for w in caught if w.category is fdt.LikelyTypoWarning]
+  assert warning.filename == __file__
+  assert warning.lineno in (
+    _line_of('# here\n', _UsersBlock.__init__),
+    _line_of('# call\n', test_a_warning_points_at_the_users_line),
+  )

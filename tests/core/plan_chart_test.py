@@ -292,3 +292,61 @@ def test_the_big_plan_in_a_notebook(big_plan):
     big_model.PARAMS_PER_DEVICE
   }
   assert big_model.PARAMS_PER_DEVICE == big_plan.bytes_per_device
+
+
+def test_the_mesh_grid_says_what_its_colours_mean(demo_with_adamw, big_plan):
+  """A legend below the grid: a swatch per load from none to the scale (the
+  heaviest device, or the budget), in the colours the cells take, the bytes
+  at either end, and the red outline of a device over the budget."""
+  root = _svg(_plan_chart.mesh_svg(demo_with_adamw))
+  legend = root.find(f'{SVG}g[@class="legend"]')
+  swatches = legend.findall(f'{SVG}rect[@class="swatch"]')
+  assert [float(s.get('data-fraction')) for s in swatches] == list(
+    _plan_chart.LEGEND_STEPS
+  )
+  cells = root.findall(f'{SVG}rect[@class="device"]')
+  heaviest = max(int(c.get('data-bytes')) for c in cells)
+  # Every device holds as much here: each cell is the full swatch's colour.
+  assert {c.get('fill') for c in cells} == {swatches[-1].get('fill')}
+  assert int(swatches[-1].get('data-bytes')) == heaviest
+  assert int(swatches[0].get('data-bytes')) == 0
+  text = ' '.join(t.text for t in legend.iter(f'{SVG}text'))
+  assert text == (
+    f'load: 0 {_text.human_bytes(heaviest)} (the heaviest device)'
+  )
+  assert legend.find(f'{SVG}rect[@class="over"]') is None
+  # Against a budget: the swatches' scale is the budget, and the outline
+  # of a device over it is explained.
+  budget = 2**30
+  root = _svg(_plan_chart.mesh_svg(big_plan, budget=budget))
+  legend = root.find(f'{SVG}g[@class="legend"]')
+  swatches = legend.findall(f'{SVG}rect[@class="swatch"]')
+  assert int(swatches[-1].get('data-bytes')) == budget
+  over = legend.find(f'{SVG}rect[@class="over"]')
+  assert over.get('stroke') == '#c00'
+  text = ' '.join(t.text for t in legend.iter(f'{SVG}text'))
+  assert text == 'load: 0 1.0 GiB (the budget) over the budget'
+  # The legend lies below the grid, inside the picture.
+  bottom = max(
+    float(c.get('y')) + float(c.get('height'))
+    for c in root.findall(f'{SVG}rect[@class="device"]')
+  )
+  ys = [float(s.get('y')) for s in swatches]
+  assert min(ys) > bottom
+  assert max(ys) + 12 <= float(root.get('viewBox').split()[3])
+  width = float(root.get('viewBox').split()[2])
+  assert float(over.get('x')) + 100 <= width  # Its words fit too.
+
+
+def test_the_chart_takes_the_width_of_its_page(demo_with_adamw):
+  """At any page width (800 or 1,400 px) the bars span the container: the
+  picture has no width of its own, only its proportions (viewBox)."""
+  root = _svg(_plan_chart.memory_svg(demo_with_adamw))
+  assert root.get('width') == '100%'
+  assert 'width:100%' in root.get('style') and 'height:auto' in root.get(
+    'style'
+  )
+  assert root.get('viewBox') == (
+    f'0 0 {_plan_chart.WIDTH} {_plan_chart.HEIGHT}'
+  )
+  assert root.get('height') is None

@@ -253,7 +253,7 @@ def test_plan_of_a_factory_builds_it_abstractly():
 def test_plan_of_a_factory_that_builds_no_model_is_an_error():
   with pytest.raises(
     fdt.NotAModelError,
-    match=r'Expected the factory to return an NNX module.*int',
+    match=r"Expected the factory '.*<lambda>' to return an NNX module.*got int: 3",
   ):
     fdt.plan(lambda: 3, mesh=MESH, rules=RULES)
 

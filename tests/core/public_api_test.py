@@ -31,6 +31,7 @@ EXPECTED = (
   'ShardingResolutionError',
   'UnknownLogicalAxisError',
   'check',
+  'clear_init_cache',
   'gather_tree',
   'get_logical_axis_rules',
   'init',

@@ -483,3 +483,122 @@ def test_the_demo_fits_300_kib_on_the_command_line(capfd, monkeypatch):
   assert 'per device fits the budget of 300.0 KiB' in out
   assert "Logical names from the model's annotations: 'embed' -> " in out
   assert 'add rules for those names' not in out
+
+
+# The forward's names: activations, found by tracing it on inputs
+# ------------------------------------------------------------------------------
+
+MLP_INPUTS = [jax.ShapeDtypeStruct((8, 96), jax.numpy.float32)]
+
+
+def _train(model, rules, mesh, steps=3):
+  """`steps` of plain SGD on a regression, under `mesh` and `rules` (as a
+  user trains with suggested rules): the losses, and the output's spec."""
+  x = jax.random.normal(jax.random.key(1), (8, 96))
+  y = jax.random.normal(jax.random.key(2), (8, 96))
+
+  @nnx.jit
+  def step(model, x, y):
+    def loss(model):
+      return ((model(x) - y) ** 2).mean()
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.05 * g, params, grads))
+    return value, model(x)
+
+  losses = []
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    for _ in range(steps):
+      value, out = step(model, x, y)
+      losses.append(float(value))
+  return losses, out.sharding.spec
+
+
+def test_the_forwards_names_get_rules_and_the_model_trains(tmp_path):
+  """A model constraining activations with names no variable has
+  (`act_batch`, `act_hidden`): traced on its inputs, they get rules (the
+  batch name data-parallel, the other replicated), said in the written
+  file; the file read back trains the model, where the rules for its
+  variables' names alone fail on the first activation."""
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  s = _suggest(sm.make_constrained_mlp, inputs=MLP_INPUTS)
+  assert s.traced_on == 'float32[8,96]'
+  assert s.forward_names == {
+    'act_batch': ('data', None),
+    'act_hidden': (None,),
+  }
+  assert list(s.rules)[:3] == [
+    ('act_batch', 'data'),
+    ('act_batch', None),
+    ('act_hidden', None),
+  ]
+  assert set(s.logical_names) == {'features', 'hidden'}
+  text = s.to_yaml()
+  comment = text.split('logical_axis_rules:\n')[1].split('  - [')[0]
+  assert "Logical names found only at run time, in the forward's" in ' '.join(
+    line.strip(' #') for line in comment.splitlines()
+  )
+  assert "'act_hidden' -> None" in ' '.join(comment.split())
+  assert s.forward_text() in s.summary()
+  path = s.write(tmp_path / 'rules.yaml')
+  rules = fdt.LogicalRules.from_yaml(path)
+  assert list(rules) == list(s.rules)  # The file keeps every rule.
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    model = sm.make_constrained_mlp()
+  losses, spec = _train(model, rules, mesh)
+  assert losses[-1] < losses[0], losses
+  # act_batch data-parallel; 'features' takes its first rule left free.
+  features = next(t for t in s.logical_names['features'] if t != 'data')
+  assert spec == P('data', features)
+  # The rules of the variables' names alone cannot run the forward.
+  names_only = fdt.LogicalRules(
+    [p for p in s.rules if not p[0].startswith('act_')],
+    min_bytes=s.rules.min_bytes,
+  )
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(names_only):
+    model = sm.make_constrained_mlp()
+  with pytest.raises(
+    fdt.UnknownLogicalAxisError, match=r"\['act_batch'\] are not mentioned"
+  ):
+    _train(model, names_only, mesh, steps=1)
+
+
+def test_without_inputs_the_forward_is_not_traced_and_it_says_so():
+  s = _suggest(sm.make_constrained_mlp)
+  assert s.traced_on is None and s.forward_names == {}
+  assert 'act_batch' not in s.rules.names
+  said = 'The forward was not traced (no inputs given)'
+  assert said in s.summary()
+  assert said in ' '.join(
+    line.lstrip('# ') for line in s.to_yaml().splitlines()
+  )
+
+
+def test_bad_inputs_are_told_in_our_words():
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r'`inputs` must be the positional arguments'
+  ):
+    _suggest(sm.make_constrained_mlp, inputs=42)
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r'`inputs\[0\]` must be a jax.ShapeDtypeStruct'
+  ):
+    _suggest(sm.make_constrained_mlp, inputs=['tokens'])
+  with pytest.raises(
+    fdt.LogicalRulesError,
+    match=r'Tracing ConstrainedMlp.__call__ on the inputs given '
+    r'\(float32\[8,95\]\) failed with TypeError: .*one jax.ShapeDtypeStruct '
+    r'per positional argument',
+  ):
+    _suggest(
+      sm.make_constrained_mlp,
+      inputs=[jax.ShapeDtypeStruct((8, 95), jax.numpy.float32)],
+    )
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r"ConstrainedMlp has no method 'predict'"
+  ):
+    _suggest(sm.make_constrained_mlp, inputs=MLP_INPUTS, method='predict')
+  with pytest.raises(
+    fdt.LogicalRulesError, match=r"`inputs` are for tracing a model's forward"
+  ):
+    _suggest({'w': np.zeros((4, 4))}, inputs=MLP_INPUTS)

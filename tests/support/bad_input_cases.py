@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
+from flax_dtensor.cli import _command
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +66,22 @@ class Case:
 class Context:
   """What the cases need: meshes, a scratch directory, models, TF."""
 
-  def __init__(self, tmp_path):
+  def __init__(self, tmp_path, pool=None):
     self.tmp = tmp_path
+    self._pool = pool
     types = (AxisType.Explicit, AxisType.Explicit)
     self.mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=types)
     self.mixed = jax.make_mesh(
       (2, 4), ('data', 'model'), axis_types=(AxisType.Explicit, AxisType.Auto)
     )
     self.rules = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
+
+  @functools.cached_property
+  def pool(self):
+    """The session's warm pool (`warm.Pool`), for faults in forks."""
+    if self._pool is None:
+      raise AssertionError('Context(pool=...) is needed for this case')
+    return self._pool()
 
   @functools.cached_property
   def tf(self):
@@ -484,6 +493,24 @@ def _topology():
   return _topology
 
 
+def _a_string():
+  return 'str'
+
+
+def _a_number():
+  return 42
+
+
+def _a_tuple():
+  return (nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 'v1')
+
+
+# Function names as users write them (no leading underscore in messages).
+_a_string.__qualname__ = 'a_string'
+_a_number.__qualname__ = 'a_number'
+_a_tuple.__qualname__ = 'a_tuple'
+
+
 def _recorded_text(result: dict[str, Any]) -> None:
   """Re-raises the error a multi-process run recorded as its 'kind' (the
   class name) and 'error' (the text)."""
@@ -496,8 +523,18 @@ def _recorded(error: list[str] | None) -> None:
   """Re-raises an error a fault run (fault_runs.py) recorded as [type, text]."""
   if error is None:
     raise AssertionError('the fault run raised nothing')
-  kind = getattr(fdt, error[0], None) or getattr(fdt_tf, error[0], None)
+  kind = (
+    getattr(fdt, error[0], None)
+    or getattr(fdt_tf, error[0], None)
+    or getattr(_command, error[0], None)
+  )
   raise (kind or RuntimeError)(error[1])
+
+
+def _write_fault(ctx, fault: str) -> None:
+  """The error of a write of the command line under a real fault (a fork
+  of the warm pool: workers/write_faults.py), as it was raised."""
+  _recorded(fault_runs.write_fault(ctx.pool, fault)['error'])
 
 
 def _no_space(ctx):
@@ -847,6 +884,40 @@ CASES = [
   ),
   Case(
     'fdt.init',
+    'a factory that returns a string, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_string' to return an NNX module \(or another "
+    r"NNX graph node\), got str: 'str'",
+    'Return the model from the factory.',
+    lambda ctx: fdt.init(_a_string, mesh=ctx.mesh, rules=ctx.rules),
+  ),
+  Case(
+    'fdt.plan',
+    'a factory that returns a number, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_number' to return an NNX module .*got int: 42",
+    'Return the model from the factory.',
+    lambda ctx: fdt.plan(_a_number, mesh=ctx.mesh, rules=ctx.rules),
+  ),
+  Case(
+    'fdt.check',
+    'a factory that returns a tuple, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_tuple' to return an NNX module .*got tuple: "
+    r'\(Linear',
+    'Return the model alone from the factory.',
+    lambda ctx: fdt.check(_a_tuple, ctx.rules, ctx.mesh),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'a factory that returns a string, not a module',
+    fdt.NotAModelError,
+    r"Expected the factory 'a_string' to return an NNX module .*got str",
+    'Return the model from the factory.',
+    lambda ctx: fdt.suggest_rules(_a_string, ctx.mesh),
+  ),
+  Case(
+    'fdt.init',
     'no mesh',
     fdt.MeshError,
     r'Expected a concrete mesh for `fdt\.init`, but no mesh is set',
@@ -942,6 +1013,27 @@ CASES = [
     r"`budget` must be an int >= 1 \(bytes per device\); got '8GiB'",
     'Pass bytes: 8 * 2**30 for 8 GiB (the command line reads --budget 8GiB).',
     lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, budget='8GiB'),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'inputs the forward does not take (its traced names)',
+    fdt.LogicalRulesError,
+    r'Tracing Linear.__call__ on the inputs given \(float32\[4,7\]\) failed '
+    r'with TypeError: .*one jax.ShapeDtypeStruct per positional argument',
+    'Give one jax.ShapeDtypeStruct per positional argument of the forward.',
+    lambda ctx: fdt.suggest_rules(
+      ctx.model(),
+      ctx.mesh,
+      inputs=[jax.ShapeDtypeStruct((4, 7), jnp.float32)],
+    ),
+  ),
+  Case(
+    'fdt.suggest_rules',
+    'inputs that are not shapes (a string)',
+    fdt.LogicalRulesError,
+    r'`inputs\[0\]` must be a jax.ShapeDtypeStruct, an array or None',
+    'Pass jax.ShapeDtypeStruct((16, 128), jnp.int32) and the like.',
+    lambda ctx: fdt.suggest_rules(ctx.model(), ctx.mesh, inputs=['tokens']),
   ),
   Case(
     'fdt.suggest_rules',
@@ -1752,6 +1844,46 @@ CASES = [
     'Set it to a number of seconds, e.g. 60, or unset it.',
     _bad_peer_timeout,
     tf=True,
+  ),
+  # The command line's writes (its --out folder)
+  Case(
+    'flax-dtensor demo',
+    "a file-size limit or a full disk during the Orbax checkpoint's write "
+    '(TensorStore: OUT_OF_RANGE, RESOURCE_EXHAUSTED)',
+    fdt_tf.DiskFullError,
+    r"Writing '/\S+/out' failed: File too large: this process may write "
+    r'files of at most .*RLIMIT_FSIZE.*The previous export at '
+    r"'/\S+/out', if any, is unchanged, and the partial one was removed",
+    'Free space or raise the limit, or pass another --out; exit status 2.',
+    lambda ctx: _write_fault(ctx, 'demo-full'),
+  ),
+  Case(
+    'flax-dtensor export',
+    'a file-size limit or a full disk during the checkpoint',
+    fdt_tf.DiskFullError,
+    r"Writing '/\S+/out/checkpoint' failed: File too large: .*The "
+    r"previous export at '/\S+/out/checkpoint', if any, is unchanged",
+    'Free space or raise the limit, or pass another --out; exit status 2.',
+    lambda ctx: _write_fault(ctx, 'export-full'),
+  ),
+  Case(
+    'flax-dtensor demo',
+    '--out in a directory this user may not write in (or read-only)',
+    _command.BadInputError,
+    r"--out 'ro/sub/out' cannot be written: 'ro' is not writable \(this "
+    r'process \(uid \d+\) may not write in it',
+    'Pass a directory you may write in; said before the model is built.',
+    lambda ctx: _write_fault(ctx, 'demo-unwritable'),
+  ),
+  Case(
+    'flax-dtensor demo',
+    "the OS refusing a part's write (permission, read-only filesystem, "
+    'I/O error)',
+    fdt.ExportError,
+    r"Writing the output folder '/\S+/out' failed \(its part 'orbax'\): "
+    r'Permission denied\. The previous output there, if any, is unchanged',
+    'Choose a --out you may write in (or on a writable filesystem).',
+    lambda ctx: _write_fault(ctx, 'orbax-denied'),
   ),
   # SavedModels
   Case(

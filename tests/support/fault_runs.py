@@ -17,6 +17,10 @@
 - `lagging_peer`: three processes with TF DTensor set up; process 1 is
   killed, and process 2 reaches the wait only after process 0 has failed
   and would have exited at once.
+- `write_fault`: the command line's writes (`demo`'s, `export`'s run
+  folder) under a file-size limit, into a read-only directory, and with
+  Orbax refused by the OS, in forks of the warm pool
+  (workers/write_faults.py).
 
 Each returns what the processes reported; `faults_test.py` and
 `multiprocess_faults_test.py` check what each fault left on disk, and
@@ -31,6 +35,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import re
 import shutil
 import stat
 import subprocess
@@ -491,3 +496,52 @@ def lagging_peer() -> list[dict[str, Any]]:
   return [
     processes.result(outputs[i], context=f'(process {i})') for i in (0, 2)
   ]
+
+
+# The command line's writes
+# ------------------------------------------------------------------------------
+
+WRITE_FAULTS = ('demo-full', 'export-full', 'demo-unwritable', 'orbax-denied')
+_write_faults: dict[str, dict[str, Any]] = {}
+_TRACEBACK_ERROR = re.compile(r'^(?:[\w.]+\.)?(\w+Error): (.*)$', re.M)
+
+
+def write_fault(pool: Any, fault: str) -> dict[str, Any]:
+  """One fault of workers/write_faults.py, run once a process (a fork of
+  `pool`): {'status', 'error': [type, text], 'line': the `error:` line,
+  'stderr', 'root', 'after': the tree left}.
+
+  The command line's error is the last exception of its traceback
+  (``--debug``) and its `error:` line; `orbax-denied` reports its own.
+  """
+  if fault in _write_faults:
+    return _write_faults[fault]
+  root = pathlib.Path(_scratch(f'fdt_{fault}_'))
+  proc = pool.run(
+    processes.WORKERS_DIR / 'write_faults.py',
+    fault,
+    str(root),
+    timeout=TIMEOUT,
+  )
+  found = {
+    'status': proc.returncode,
+    'stderr': proc.stderr,
+    'root': root,
+    'after': snapshot(str(root)),
+  }
+  if fault == 'orbax-denied':
+    found['error'] = processes.checked_result(proc)['error']
+    found['line'] = None
+  else:
+    lines = [x for x in proc.stderr.splitlines() if x.startswith('error: ')]
+    found['line'] = lines[-1] if lines else None
+    # The traceback's exception that the `error:` line tells (other
+    # libraries may print theirs as the process exits).
+    told = [
+      [kind, text]
+      for kind, text in _TRACEBACK_ERROR.findall(proc.stderr)
+      if found['line'] == 'error: ' + ' '.join(text.split())
+    ]
+    found['error'] = told[-1] if told else None
+  _write_faults[fault] = found
+  return found

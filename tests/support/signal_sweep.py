@@ -73,10 +73,9 @@ def leftovers(folder: pathlib.Path) -> list[str]:
 
 def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
   """What keeps `folder` from being one whole run that verifies."""
-  from flax_dtensor.cli import _runs
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._files import _manifest, _run_folder
 
-  problems = list(_runs.problems(folder))
+  problems = list(_run_folder.problems(folder))
   present = sorted(n for n in os.listdir(folder) if not n.startswith('.'))
   if present != sorted(parts):
     problems.append(f'holds {present}, not {sorted(parts)}')
@@ -91,7 +90,7 @@ def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
       problems += [
         f'{part}: {p}' for p in _manifest.problems_of(manifest, pool)
       ]
-  if len({_runs.run_of(folder / p) for p in present}) != 1:
+  if len({_run_folder.run_of(folder / p) for p in present}) != 1:
     problems.append('parts of several runs')
   return problems
 

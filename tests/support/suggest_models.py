@@ -19,7 +19,10 @@ their own, for proposals that start from what a model says:
 - `AnnotatedMlp`: names no preset knows (``features``, ``hidden``);
 - `AnnotatedDecoder`: a decoder's names (``vocab``, ``embed``,
   ``q_heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``norm``), with 2
-  key/value heads, which a model axis of 4 does not divide.
+  key/value heads, which a model axis of 4 does not divide;
+- `ConstrainedMlp`: `AnnotatedMlp`'s names, and a forward that constrains
+  its activations with names no variable has (``act_batch``,
+  ``act_hidden``) beside one they share (``features``).
 """
 
 from __future__ import annotations
@@ -333,6 +336,44 @@ class AnnotatedDecoder(nnx.Module):
         )
       )
       self.layers.append(layer)
+
+
+class ConstrainedMlp(nnx.Module):
+  """Two layers of 96 -> 384 -> 96, weights named as `AnnotatedMlp`'s; the
+  forward constrains each activation (``fdt.with_logical_constraint``)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.05)
+    self.layers = nnx.List(
+      [
+        nnx.Linear(
+          96,
+          384,
+          kernel_init=nnx.with_partitioning(init, ('features', 'hidden')),
+          rngs=rngs,
+        ),
+        nnx.Linear(
+          384,
+          96,
+          kernel_init=nnx.with_partitioning(init, ('hidden', 'features')),
+          rngs=rngs,
+        ),
+      ]
+    )
+
+  def __call__(self, x):
+    import flax_dtensor as fdt
+
+    up, down = self.layers
+    x = fdt.with_logical_constraint(x, ('act_batch', 'features'))
+    h = fdt.with_logical_constraint(
+      jax.nn.relu(up(x)), ('act_batch', 'act_hidden')
+    )
+    return fdt.with_logical_constraint(down(h), ('act_batch', 'features'))
+
+
+def make_constrained_mlp() -> ConstrainedMlp:
+  return ConstrainedMlp(nnx.Rngs(0))
 
 
 def make_annotated_mlp() -> AnnotatedMlp:

@@ -917,7 +917,8 @@ def test_restore_errors(auto_mesh, tmp_path):
   )
   with pytest.raises(
     fdt.ExportError,
-    match=r"no variable 'norm/mean'.*holds 6 variables.*`include=nnx.Param`",
+    match=r'lacks 2 variables the target needs: norm/mean \(key '
+    r"'state/norm/mean/.*holds 6 variables.*`include=nnx.Param`",
   ):
     fdt_tf.restore_checkpoint(params_only, _make_mlp(auto_mesh))
   wider = _make_mlp(auto_mesh, hidden=64)

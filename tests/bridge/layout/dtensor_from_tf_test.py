@@ -408,8 +408,8 @@ def test_errors(auto_mesh):
   params = nnx.state(model, nnx.Param)
   with pytest.raises(
     fdt.ExportError,
-    match=r"The tf\.Module has no variable 'norm/mean', which the target "
-    r'needs\. It holds 8 variables:.*narrower `include=`',
+    match=r'The tf\.Module lacks 2 variables the target needs: norm/mean, '
+    r'norm/var\. It holds 8 variables:.*narrower `include=`',
   ):
     fdt_tf.from_tf_module(tf_module, model)
   with pytest.raises(

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     EagerShardingOffWarning as EagerShardingOffWarning,
   )
   from flax_dtensor._errors import ExportError as ExportError
+  from flax_dtensor._errors import FactoryError as FactoryError
   from flax_dtensor._errors import (
     FlaxCompatibilityError as FlaxCompatibilityError,
   )
@@ -88,6 +89,7 @@ __all__ = (
   'DTensorInitializationError',
   'EagerShardingOffWarning',
   'ExportError',
+  'FactoryError',
   'Finding',
   'FlaxCompatibilityError',
   'FlaxDTensorError',
@@ -135,6 +137,7 @@ _MODULES = {
   'DTensorInitializationError': '_errors',
   'EagerShardingOffWarning': '_errors',
   'ExportError': '_errors',
+  'FactoryError': '_errors',
   'FlaxCompatibilityError': '_errors',
   'FlaxDTensorError': '_errors',
   'LayoutFileError': '_errors',

@@ -7,9 +7,6 @@ Messages say what was expected, what arrived, where (the variable path when
 there is one), and how to fix it.
 """
 
-import os
-import sys
-
 
 class FlaxDTensorError(Exception):
   """Base class of every error raised by flax_dtensor."""
@@ -67,6 +64,16 @@ class NotAModelError(FlaxDTensorError, TypeError):
 
   For example a factory (``lambda: Model(...)``) where a built model is
   expected, or a plain dict of arrays.
+  """
+
+
+class FactoryError(FlaxDTensorError, ValueError):
+  """A factory given to `flax_dtensor.init` cannot be built as it is written.
+
+  For example one that draws from an ``nnx.Rngs`` it was not passed (one
+  captured from the enclosing scope): `init` traces the factory, and Flax
+  refuses a graph node of the caller's mutated inside that trace. Pass
+  the ``nnx.Rngs`` as an argument (``fdt.init(Model, rngs=rngs)``).
   """
 
 
@@ -238,18 +245,3 @@ class ServedShapeWarning(UserWarning):
   `polymorphic_shapes=` says so and silences it; constraining the dimension
   on Auto axes (``with_sharding_constraint``) serves every size.
   """
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def caller_stacklevel() -> int:
-  """`stacklevel` for a warning that names the first frame outside the package.
-
-  Called in the function that calls `warnings.warn`: frames of
-  flax_dtensor are skipped, so the warning points at the user's line.
-  """
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-    frame, level = frame.f_back, level + 1
-  return level

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import flax
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -240,9 +241,18 @@ def init(
         return built
     builds['traced'] += 1
     compiled = None if known is None else known.compiled
-    return _traced_build(
-      factory, rules_, mesh_, leaves, treedef, dynamic, compiled, key
-    )
+    try:
+      return _traced_build(
+        factory, rules_, mesh_, leaves, treedef, dynamic, compiled, key
+      )
+    except flax.errors.TraceContextError as e:
+      raise _errors.FactoryError(
+        f'fdt.init could not trace {factory_name(factory)!r}: it changes a Flax '
+        'graph node (an nnx.Rngs, say) that it was not passed, one captured '
+        'from the enclosing scope, and Flax refuses that inside a trace '
+        f'({e}). Pass it as an argument, e.g. `fdt.init(Model, ..., '
+        'rngs=rngs)` or `fdt.init(make, rngs)` with `def make(rngs): ...`.'
+      ) from e
 
 
 def _builds_in_shards(

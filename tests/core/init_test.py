@@ -224,6 +224,43 @@ def test_init_keeps_a_sharded_input_array_where_it_is():
   assert not plan['x'].misplaced
 
 
+@pytest.mark.parametrize('types', list(TYPES))
+def test_init_of_a_factory_capturing_its_rngs_names_the_fix(types):
+  """An nnx.Rngs from the enclosing scope, not passed: Flax refuses it in
+  the trace (TraceContextError); ours names the argument to pass, and
+  passing it builds."""
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=TYPES[types])
+  rngs = nnx.Rngs(0)
+
+  def make():
+    return nnx.Linear(
+      16, 32, kernel_init=_annotated(('embed', 'mlp')), rngs=rngs
+    )
+
+  with pytest.raises(
+    fdt.FactoryError,
+    match=r"could not trace '[^']*make'.*captured from the enclosing scope.*"
+    r'RngCount.*`fdt\.init\(make, rngs\)`',
+  ):
+    fdt.init(make, mesh=mesh, rules=RULES)
+  built = fdt.init(
+    lambda rngs: nnx.Linear(
+      16, 32, kernel_init=_annotated(('embed', 'mlp')), rngs=rngs
+    ),
+    rngs,
+    mesh=mesh,
+    rules=RULES,
+  )
+  assert built.kernel.sharding.spec == P('data', 'model')
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    eager = nnx.Linear(
+      16, 32, kernel_init=_annotated(('embed', 'mlp')), rngs=nnx.Rngs(0)
+    )
+  np.testing.assert_array_equal(
+    np.asarray(built.kernel[...]), np.asarray(eager.kernel[...])
+  )
+
+
 def test_init_without_a_mesh_raises():
   with pytest.raises(
     fdt.MeshError, match=r'Expected a concrete mesh for `fdt\.init`'

@@ -12,6 +12,7 @@ EXPECTED = (
   'ExportError',
   'FlaxCompatibilityError',
   'Finding',
+  'FactoryError',
   'FlaxDTensorError',
   'LayoutFileError',
   'LikelyTypoWarning',

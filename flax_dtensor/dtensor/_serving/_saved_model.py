@@ -17,7 +17,6 @@ import dataclasses
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -301,12 +300,11 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     traced = _traced(serving, served.inputs, where, mesh)
     _serialization.check_readable(traced.concrete, 'save_saved_model')
     if traced.inputs.multiples:
-      warnings.warn(
+      _output.warn(
         _signature.narrowed_warning(
           traced.inputs, where, traced.refused_serving_mesh
         ),
         _errors.ServedShapeWarning,
-        stacklevel=_errors.caller_stacklevel(),
       )
     tf_module.serve = traced.function
     with _mesh_set(traced.mesh):  # TF traces again while it saves.

@@ -88,6 +88,70 @@ RulesOption = Annotated[
 MeshAxisNamesOption = Annotated[
   bool, typer.Option('--mesh-axis-names', help=MESH_AXIS_NAMES_HELP)
 ]
+AXIS_TYPES_HELP = (
+  "The mesh axes' types: auto (the default: JAX's compiler places "
+  'activations, as `with_sharding_constraint` asks), explicit (as '
+  '`jax.make_mesh` gives: for models whose forward says where results go, '
+  '`out_sharding=`, `jax.sharding.reshard`), or NAME=TYPE pairs, e.g. '
+  'data=explicit,model=auto (an axis not named is auto).'
+)
+AxisTypesOption = Annotated[
+  str,
+  typer.Option(
+    '--axis-types', metavar='auto|explicit|NAME=TYPE,...', help=AXIS_TYPES_HELP
+  ),
+]
+_AXIS_TYPE_NAMES = ('auto', 'explicit')
+
+
+def parse_axis_types(text: str, axes: Sequence[tuple[str, int]]) -> tuple:
+  """Parses ``--axis-types`` against the axes of ``--mesh``.
+
+  Returns:
+    One `jax.sharding.AxisType` per axis of `axes`, in order.
+
+  Raises:
+    BadInputError: If a type is not auto or explicit, or a NAME is not an
+      axis of the mesh.
+  """
+  import jax
+
+  kinds = {
+    'auto': jax.sharding.AxisType.Auto,
+    'explicit': jax.sharding.AxisType.Explicit,
+  }
+  names = [n for n, _ in axes]
+  fix = (
+    'Pass --axis-types auto, explicit, or NAME=TYPE pairs naming axes of '
+    f'--mesh ({", ".join(names)}), each type auto or explicit.'
+  )
+  whole = text.strip().lower()
+  if whole in kinds:
+    return (kinds[whole],) * len(axes)
+  chosen: dict[str, Any] = {}
+  for item in text.split(','):
+    name, eq, kind = (part.strip() for part in item.partition('='))
+    if not eq or not name:
+      raise BadInputError(
+        f'Malformed --axis-types {text!r}: expected auto, explicit or '
+        f'NAME=TYPE, got {item.strip()!r}. {fix}'
+      )
+    if name not in names:
+      raise BadInputError(
+        f'Malformed --axis-types {text!r}: {name!r} is not an axis of '
+        f'--mesh (its axes: {", ".join(names)}). {fix}'
+      )
+    if kind.lower() not in kinds:
+      raise BadInputError(
+        f'Malformed --axis-types {text!r}: axis {name!r} has type {kind!r}; '
+        f'expected one of {", ".join(_AXIS_TYPE_NAMES)}. {fix}'
+      )
+    if name in chosen:
+      raise BadInputError(
+        f'Malformed --axis-types {text!r}: axis {name!r} is named twice. {fix}'
+      )
+    chosen[name] = kinds[kind.lower()]
+  return tuple(chosen.get(n, kinds['auto']) for n in names)
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -539,8 +603,14 @@ def configure_cpu_devices(count: int, *, only_cpu: bool = True) -> None:
     pass
 
 
-def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
-  """Builds a mesh of Auto axes over all devices, checking the count.
+def make_mesh(
+  axes: Sequence[tuple[str, int]],
+  mesh_text: str,
+  axis_types: tuple | None = None,
+) -> Any:
+  """Builds a mesh over all devices, checking the count.
+
+  Its axes are `axis_types` (`parse_axis_types`), Auto if not given.
 
   Raises:
     BadInputError: If the mesh size differs from the device count.
@@ -561,17 +631,19 @@ def make_mesh(axes: Sequence[tuple[str, int]], mesh_text: str) -> Any:
   return jax.make_mesh(
     tuple(s for _, s in axes),
     tuple(n for n, _ in axes),
-    axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+    axis_types=axis_types or (jax.sharding.AxisType.Auto,) * len(axes),
   )
 
 
-def abstract_mesh(axes: Sequence[tuple[str, int]]) -> Any:
+def abstract_mesh(
+  axes: Sequence[tuple[str, int]], axis_types: tuple | None = None
+) -> Any:
   import jax
 
   return jax.sharding.AbstractMesh(
     tuple(s for _, s in axes),
     tuple(n for n, _ in axes),
-    axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+    axis_types=axis_types or (jax.sharding.AxisType.Auto,) * len(axes),
   )
 
 
@@ -726,6 +798,14 @@ def check_served_inputs(
         f'dimension is a size of its own (to JAX: {symbols}), which JAX '
         'cannot know to equal another: name the dimensions that are always '
         f'equal alike, e.g. {", or ".join(which)}.'
+      ) from e
+    if re.search(r'of type:? (AxisType\.)?Auto', str(e)):
+      raise BadInputError(
+        f'{where} is written for Explicit mesh axes (it says where results '
+        "go, with out_sharding= or jax.sharding.reshard), but the mesh's "
+        f'axes are Auto: JAX refuses it ({_signature.summary(e)}). Pass '
+        '--axis-types explicit (every axis, as jax.make_mesh gives), or '
+        'NAME=explicit for the axes it names.'
       ) from e
     raise BadInputError(
       f'--input-shape {given} does not fit {where}: calling it on inputs of '

@@ -36,6 +36,7 @@ def export(
   mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
   rules: _inputs.RulesOption = None,
   mesh_axis_names: _inputs.MeshAxisNamesOption = False,
+  axis_types: _inputs.AxisTypesOption = 'auto',
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -105,6 +106,7 @@ def export(
   with _command.handle_errors(debug):
     console = _command.console()
     axes = _inputs.parse_mesh(mesh)
+    types = _inputs.parse_axis_types(axis_types, axes)
     rules_ = _inputs.load_rules(
       rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
     )
@@ -143,7 +145,7 @@ def export(
     from flax_dtensor import _text
     from flax_dtensor.dtensor._files import _run_folder
 
-    mesh_ = _inputs.make_mesh(axes, mesh)
+    mesh_ = _inputs.make_mesh(axes, mesh, types)
     start = time.perf_counter()
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       abstract = _inputs.build_abstract(factory, target)

@@ -26,6 +26,7 @@ def plan(
   mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
   rules: _inputs.RulesOption = None,
   mesh_axis_names: _inputs.MeshAxisNamesOption = False,
+  axis_types: _inputs.AxisTypesOption = 'auto',
   missing_mesh_axes: Annotated[
     str | None,
     typer.Option(
@@ -243,6 +244,7 @@ def plan(
       )
     traced_on = _inputs.traced_inputs(input_shape or [], target)
     axes = _inputs.parse_mesh(mesh)
+    types = _inputs.parse_axis_types(axis_types, axes)
     budget_ = None
     if budget is not None:  # One wording for 0, -5KiB and lots.
       budget_ = _inputs.parse_size(budget, '--budget', minimum=1)
@@ -270,7 +272,7 @@ def plan(
 
     import flax_dtensor as fdt
 
-    mesh_ = _inputs.abstract_mesh(axes)
+    mesh_ = _inputs.abstract_mesh(axes, types)
     # The user's code may print; --json keeps stdout for the JSON alone.
     with _command.user_prints_to_stderr(json_output):
       factory = _inputs.load_target(target)

@@ -803,8 +803,20 @@ def test_plan_allocates_nothing(tmp_path):
     (['--mesh', 'data2,model=4'], ['Malformed --mesh', 'NAME=SIZE']),
     (['--mesh', 'data=2;model=4'], ['Malformed --mesh']),
     (['--mesh', 'data=0'], ['sizes must be positive']),
+    (
+      ['--axis-types', 'manual'],
+      ["Malformed --axis-types 'manual'", 'expected auto, explicit or'],
+    ),
+    (
+      ['--axis-types', 'data=explicit,model=fast'],
+      ["axis 'model' has type 'fast'", 'expected one of auto, explicit'],
+    ),
+    (
+      ['--axis-types', 'data=explicit,data=auto'],
+      ["axis 'data' is named twice"],
+    ),
   ],
-  ids=['no-equals', 'bad-separator', 'zero'],
+  ids=['no-equals', 'bad-separator', 'zero', 'type', 'axis-type', 'twice'],
 )
 def test_plan_malformed_mesh(args, fragments):
   bad_input(run_cli('plan', DEMO_TARGET, *args), *fragments)
@@ -1336,6 +1348,87 @@ def test_export_bad_served_inputs_write_nothing(demo_export, args, fragments):
   )
   bad_input(proc, *fragments)
   assert not out.exists()
+
+
+EXPLICIT_NET = """
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+
+class ExplicitNet(nnx.Module):
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(
+      16, 32, kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
+      rngs=rngs,
+    )
+    self.down = nnx.Linear(
+      32, 8, kernel_init=nnx.with_partitioning(init, ('mlp', 'embed')),
+      rngs=rngs,
+    )
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.up(x, out_sharding=P(None, 'model')))
+    return self.down(h, out_sharding=P())  # Contracts over sharded 'mlp'.
+
+
+def make():
+  return ExplicitNet(nnx.Rngs(0))
+"""
+
+
+def test_export_on_explicit_axes_serves_a_forward_written_for_them(tmp_path):
+  """--axis-types explicit: a forward with out_sharding= exports with a
+  polymorphic batch and serves every batch size with JAX's values; on the
+  default Auto axes the refusal names the option."""
+  import warnings
+
+  import jax
+  import orbax.checkpoint as ocp
+  import tensorflow as tf
+
+  (tmp_path / 'explicit_net.py').write_text(EXPLICIT_NET)
+  (tmp_path / 'rules.yaml').write_text(
+    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
+  )
+  target = f'{tmp_path / "explicit_net.py"}:make'
+  namespace: dict = {}
+  exec(compile(EXPLICIT_NET, 'explicit_net.py', 'exec'), namespace)
+  with nnx.use_eager_sharding(False):
+    model = namespace['make']()
+  with warnings.catch_warnings(), ocp.StandardCheckpointer() as checkpointer:
+    warnings.simplefilter('ignore')  # Orbax's own deprecations.
+    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
+    checkpointer.wait_until_finished()
+  common = (
+    *('--checkpoint', tmp_path / 'orbax', '--rules', tmp_path / 'rules.yaml'),
+    *('--saved-model', '--input-shape', 'x:1,16:float32'),
+  )
+  bad_input(
+    run_cli('export', target, '--out', tmp_path / 'auto', *common),
+    'ExplicitNet.__call__ is written for Explicit mesh axes',
+    'Pass --axis-types explicit',
+  )
+  assert not (tmp_path / 'auto').exists()
+  bad_input(
+    run_cli('plan', target, '--axis-types', 'dta=explicit'),
+    "'dta' is not an axis of --mesh (its axes: data, model)",
+  )
+  out = tmp_path / 'explicit'
+  ok(
+    run_cli('export', target, '--out', out, '--axis-types', 'explicit', *common)
+  )
+  served = tf.saved_model.load(str(out / 'saved_model'))
+  mesh = jax.make_mesh((1, 1), ('data', 'model'), devices=jax.devices()[:1])
+  for rows in (1, 3, 8):
+    x = np.random.default_rng(rows).standard_normal((rows, 16), np.float32)
+    (got,) = served.serve(tf.constant(x)).values()
+    with jax.set_mesh(mesh):
+      want = model(jax.numpy.asarray(x))
+    np.testing.assert_allclose(
+      got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_export_refuses_to_overwrite(demo_export):

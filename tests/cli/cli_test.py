@@ -2176,12 +2176,12 @@ def test_inspect_verify_exit_statuses_without_jax_or_tensorflow(
   code, text = got['intact']
   assert code == 0, text
   assert text.count('\nintact: ') == 2
-  assert 'intact: 11 files, 1.8 MiB, checked against flax_dtensor.json' in text
+  assert 'intact: 3 files, 1.8 MiB, checked against flax_dtensor.json' in text
   assert '12 files, 1.9 MiB, checked against assets/flax_dtensor.json' in text
   code, text = got['flipped']
   assert code == 1, text
   assert re.search(
-    r'- ckpt\.data-00000-of-00009 bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, '
+    r'- ckpt\.data-00000-of-00001 bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, '
     r'recorded [0-9a-f]{8}\)',
     ' '.join(text.split()),
   ), text

@@ -106,6 +106,18 @@ class Context:
     return self.dt.save_checkpoint(self.model(), self.tmp / 'ckpt')
 
 
+def _captures_its_rngs():
+  """A factory whose nnx.Rngs comes from the enclosing scope."""
+  rngs = nnx.Rngs(0)
+
+  def make():
+    return nnx.Linear(
+      8, 16, kernel_init=_annotated(('embed', 'mlp')), rngs=rngs
+    )
+
+  return make
+
+
 def _annotated(axes):
   return nnx.with_partitioning(nnx.initializers.ones, axes)
 
@@ -915,6 +927,15 @@ CASES = [
     r"Expected the factory 'a_string' to return an NNX module .*got str",
     'Return the model from the factory.',
     lambda ctx: fdt.suggest_rules(_a_string, ctx.mesh),
+  ),
+  Case(
+    'fdt.init',
+    'a factory drawing from an nnx.Rngs it was not passed (a closure)',
+    fdt.FactoryError,
+    r"fdt\.init could not trace '_captures_its_rngs\.make': it changes a "
+    r'Flax graph node .*captured from the enclosing scope',
+    'Pass the nnx.Rngs as an argument: fdt.init(Model, rngs=rngs).',
+    lambda ctx: fdt.init(_captures_its_rngs(), mesh=ctx.mesh, rules=ctx.rules),
   ),
   Case(
     'fdt.init',

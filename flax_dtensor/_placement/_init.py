@@ -151,10 +151,12 @@ def init(
   the mesh and the rules name it, and the compiled build (or the abstract
   pass's verdict) is reused; a changed seed passed in ``nnx.Rngs`` is a
   changed value, not a new build. A call whose configuration cannot be
-  pinned down (a closure or argument holding an array, a list, an
-  object), or whose trace captured an array, is built anew each time.
-  Nothing of the caller's (arrays, modules) is kept; `clear_init_cache`
-  forgets the builds.
+  pinned down (a closure or argument holding an array where a value is
+  compiled in, or another object), or whose trace captured an array, is
+  built anew each time. What the factory reads beyond its own code (a
+  module global a class's ``__init__`` reads) is fixed at the first call,
+  as ``jax.jit`` fixes it. Nothing of the caller's (arrays, modules) is
+  kept; `clear_init_cache` forgets the builds.
 
   Args:
     factory: A callable returning an NNX module (or another graph node),
@@ -172,6 +174,8 @@ def init(
     MeshError: If there is no concrete mesh (the message says how to get
       the devices a bigger mesh needs), or a variable names another mesh in
       its metadata.
+    FactoryError: If the factory draws from an ``nnx.Rngs`` (or changes
+      another graph node) it was not passed, one from its enclosing scope.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
     ShardingResolutionError: If a variable's axes cannot be resolved.
     NotAModelError: If `factory` returns no NNX module or graph node.

@@ -98,7 +98,7 @@ AXIS_TYPES_HELP = (
 AxisTypesOption = Annotated[
   str,
   typer.Option(
-    '--axis-types', metavar='auto|explicit|NAME=TYPE,...', help=AXIS_TYPES_HELP
+    '--axis-types', metavar='auto|explicit|NAME=TYPE', help=AXIS_TYPES_HELP
   ),
 ]
 _AXIS_TYPE_NAMES = ('auto', 'explicit')

@@ -31,6 +31,7 @@ nothing here imports pytest.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import os
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import multiprocess_util
@@ -506,6 +508,31 @@ _write_faults: dict[str, dict[str, Any]] = {}
 _TRACEBACK_ERROR = re.compile(r'^(?:[\w.]+\.)?(\w+Error): (.*)$', re.M)
 
 
+@contextlib.contextmanager
+def _enterable_by_others() -> Iterator[None]:
+  """Lets another user enter the folders above this checkout and its
+  Python (a clone in a folder only its owner may enter, as `mktemp -d`
+  makes), while a fault run acts as that user; the modes come back after.
+  Only as root, who alone becomes another user there."""
+  if os.geteuid() != 0:
+    yield
+    return
+  import flax_dtensor
+
+  changed = {}
+  for start in (pathlib.Path(flax_dtensor.__file__), pathlib.Path(sys.prefix)):
+    for folder in start.resolve().parents:
+      mode = folder.stat().st_mode
+      if not mode & stat.S_IXOTH and folder not in changed:
+        changed[folder] = stat.S_IMODE(mode)
+        os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+  try:
+    yield
+  finally:
+    for folder, mode in changed.items():
+      os.chmod(folder, mode)
+
+
 def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   """One fault of workers/write_faults.py, run once a process (a fork of
   `pool`): {'status', 'error': [type, text], 'line': the `error:` line,
@@ -517,12 +544,13 @@ def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   if fault in _write_faults:
     return _write_faults[fault]
   root = pathlib.Path(_scratch(f'fdt_{fault}_'))
-  proc = pool.run(
-    processes.WORKERS_DIR / 'write_faults.py',
-    fault,
-    str(root),
-    timeout=TIMEOUT,
-  )
+  with _enterable_by_others():
+    proc = pool.run(
+      processes.WORKERS_DIR / 'write_faults.py',
+      fault,
+      str(root),
+      timeout=TIMEOUT,
+    )
   found = {
     'status': proc.returncode,
     'stderr': proc.stderr,

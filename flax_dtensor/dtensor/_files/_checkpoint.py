@@ -533,21 +533,20 @@ def _write_merged(
     _write_state_file(tmp)
     # The disk flushes what TF wrote while the CRCs read it back from the
     # page cache; the directory's final flush then finds little to do.
-    with concurrent.futures.ThreadPoolExecutor(1) as flusher:
-      flushed = flusher.submit(_atomic.flush_files, tmp)
-      try:
-        write_manifest(
-          tmp,
-          _manifest.CHECKPOINT_FORMAT,
-          PREFIX,
-          records(entries, shardings, layouts, shards),
-          pool,
-        )
-      finally:
-        concurrent.futures.wait(
-          [flushed]
-        )  # Done with `tmp`, whatever happened.
-      flushed.result()
+    # On one of `pool`'s threads (the CRCs take the others): a background
+    # save at the interpreter's exit may start no thread (Python 3.12).
+    flushed = pool.submit(_atomic.flush_files, tmp)
+    try:
+      write_manifest(
+        tmp,
+        _manifest.CHECKPOINT_FORMAT,
+        PREFIX,
+        records(entries, shardings, layouts, shards),
+        pool,
+      )
+    finally:
+      concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
+    flushed.result()
   else:
     scratch = os.path.join(tmp, _SCRATCH)
     os.makedirs(scratch, exist_ok=True)

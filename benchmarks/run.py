@@ -644,20 +644,26 @@ def _growth(results):
             )
           )
     for key, points in by_role.items():
-      points.sort()
-      steps = [
-        {
-          'from': a[0],
-          'to': b[0],
-          'time_x': b[1] / a[1] if a[1] else None,
-          'memory_x': b[2] / a[2] if a[2] > 0 else None,
-          'size_x': b[0] / a[0],
-        }
-        for a, b in itertools.pairwise(points)
-      ]
+      steps = _steps(points)
       if steps:
         out[f'{group}/{key}'] = steps
   return out
+
+
+def _steps(points):
+  """Each step between (size, seconds, MiB) points, sorted by size: how
+  much time and memory grow against the size."""
+  points = sorted(points)
+  return [
+    {
+      'from': a[0],
+      'to': b[0],
+      'time_x': b[1] / a[1] if a[1] else None,
+      'memory_x': b[2] / a[2] if a[2] > 0 else None,
+      'size_x': b[0] / a[0],
+    }
+    for a, b in itertools.pairwise(points)
+  ]
 
 
 def _device_growth(results):
@@ -684,17 +690,7 @@ def _device_growth(results):
         )
   out = {}
   for key, points in series.items():
-    points.sort()
-    steps = [
-      {
-        'from': a[0],
-        'to': b[0],
-        'time_x': b[1] / a[1] if a[1] else None,
-        'memory_x': b[2] / a[2] if a[2] > 0 else None,
-        'size_x': b[0] / a[0],
-      }
-      for a, b in itertools.pairwise(points)
-    ]
+    steps = _steps(points)
     if steps:
       out[key] = steps
   return out

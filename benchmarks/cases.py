@@ -1021,6 +1021,21 @@ def _launch(method: str, params: dict, step: str = '_mp_step') -> list[dict]:
   return outs
 
 
+def _jax_of_process(devices: int, processes: int, process: int, port: int):
+  """JAX with `devices` CPU devices, in process `process` of `processes`
+  (a coordinator on 127.0.0.1:`port` when there are several)."""
+  jax = _jax()
+  jax.config.update('jax_num_cpu_devices', devices)
+  if processes > 1:
+    jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}',
+      coordinator_bind_address=f'127.0.0.1:{port}',
+      num_processes=processes,
+      process_id=process,
+    )
+  return jax
+
+
 def _mp_step(
   method: str,
   arrays: int,
@@ -1031,15 +1046,7 @@ def _mp_step(
   port: int,
 ) -> dict:
   """`multiprocess`'s step in one of its processes (or `prepare` its file)."""
-  jax = _jax()
-  jax.config.update('jax_num_cpu_devices', 8 // processes)
-  if processes > 1:
-    jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}',
-      coordinator_bind_address=f'127.0.0.1:{port}',
-      num_processes=processes,
-      process_id=process,
-    )
+  jax = _jax_of_process(8 // processes, processes, process, port)
   from flax import nnx
   from jax.experimental import multihost_utils
 
@@ -1192,15 +1199,7 @@ def _scale_step(
   """`checkpoint_scale`'s measurement in one of its processes."""
   import shutil
 
-  jax = _jax()
-  jax.config.update('jax_num_cpu_devices', devices // processes)
-  if processes > 1:
-    jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}',
-      coordinator_bind_address=f'127.0.0.1:{port}',
-      num_processes=processes,
-      process_id=process,
-    )
+  jax = _jax_of_process(devices // processes, processes, process, port)
   from flax import nnx
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding

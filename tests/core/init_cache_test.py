@@ -267,35 +267,22 @@ def test_an_annotated_initializer_passed_in_is_part_of_the_key(mesh):
   def kernel(names):
     return nnx.with_partitioning(_user_init, names)
 
+  def build(axes):
+    return fdt.init(
+      nnx.Linear,
+      8,
+      16,
+      kernel_init=kernel(axes),
+      rngs=nnx.Rngs(0),
+      mesh=mesh,
+      rules=RULES,
+    )
+
   compiled, reused = _counts()
-  fdt.init(
-    nnx.Linear,
-    8,
-    16,
-    kernel_init=kernel(('embed', 'mlp')),
-    rngs=nnx.Rngs(0),
-    mesh=mesh,
-    rules=RULES,
-  )
-  same = fdt.init(
-    nnx.Linear,
-    8,
-    16,
-    kernel_init=kernel(('embed', 'mlp')),
-    rngs=nnx.Rngs(0),
-    mesh=mesh,
-    rules=RULES,
-  )
+  build(('embed', 'mlp'))
+  same = build(('embed', 'mlp'))
   assert _counts() == (compiled + 1, reused + 1)
-  other = fdt.init(
-    nnx.Linear,
-    8,
-    16,
-    kernel_init=kernel(('mlp', 'embed')),
-    rngs=nnx.Rngs(0),
-    mesh=mesh,
-    rules=RULES,
-  )
+  other = build(('mlp', 'embed'))
   assert _counts() == (compiled + 2, reused + 1)
   assert same.kernel.sharding.spec == P('data', 'model')
   assert other.kernel.sharding.spec == P('model', 'data')

@@ -42,6 +42,9 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 
 NUM_DEVICES = 8
 
+# What each test costs, for tools/suite_profile.py (`--suite-profile`).
+pytest_plugins = ('suite_cost',)
+
 
 def pytest_configure(config):
   del config

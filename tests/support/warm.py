@@ -202,6 +202,7 @@ class Pool:
         file, binary), `subprocess.DEVNULL`, `subprocess.STDOUT` (stderr
         only), an open file, or None (the pool's log).
     """
+    sys.audit('flax_dtensor.tests.warm_fork', str(script))
     case = Case(self, [str(script), *args])
     theirs, ours = [], []
     for i, how in enumerate((stdin, stdout, stderr)):

@@ -1,0 +1,158 @@
+"""What each test costs: a pytest plugin that records it, one line a test.
+
+For every test it records the seconds of its setup (the module's and the
+session's fixtures are paid by the first test that needs them), its call
+and its teardown; how many fresh processes it started (`subprocess.Popen`,
+seen through Python's audit hook, `python` and other programs alike); how
+many scripts it ran in the warm pool's forks (`warm.FORK_EVENT`); how many
+XLA compilations the test's own process ran (JAX's
+`/jax/core/compile/backend_compile_duration` event; those of the processes
+it started are theirs); how many compilations the persistent cache served
+instead; and whether TensorFlow was first imported by it.
+
+The figures travel on the reports' `user_properties`, so pytest-xdist's
+workers send them to the main process, which writes them as JSON lines to
+`--suite-profile PATH` (or $FDT_SUITE_PROFILE). `tools/suite_profile.py`
+turns that file into the per-file table of `tests/README.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+# A warm pool's script is no `subprocess.Popen`: warm.py says so itself.
+FORK_EVENT = 'flax_dtensor.tests.warm_fork'
+_PROPERTY = 'suite_cost'
+
+_counts = {'processes': 0, 'forks': 0, 'compiles': 0, 'cache_hits': 0}
+_listening = False
+
+
+def _audit(event: str, args) -> None:
+  del args
+  if event == 'subprocess.Popen':
+    _counts['processes'] += 1
+  elif event == FORK_EVENT:
+    _counts['forks'] += 1
+
+
+def _listen() -> None:
+  """Counts compilations once JAX is imported (conftest.py imports it)."""
+  global _listening
+  if _listening:
+    return
+  _listening = True
+  sys.addaudithook(_audit)
+  from jax import monitoring  # noqa: PLC0415
+
+  def on_duration(event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == '/jax/core/compile/backend_compile_duration':
+      _counts['compiles'] += 1
+
+  def on_event(event: str, **kwargs) -> None:
+    del kwargs
+    if event == '/jax/compilation_cache/cache_hits':
+      _counts['cache_hits'] += 1
+
+  monitoring.register_event_duration_secs_listener(on_duration)
+  monitoring.register_event_listener(on_event)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    '--suite-profile',
+    default=os.environ.get('FDT_SUITE_PROFILE') or None,
+    metavar='PATH',
+    help='write what each test cost (seconds, processes, compilations, '
+    'TensorFlow imports) to PATH as JSON lines; tools/suite_profile.py '
+    'turns it into a table ($FDT_SUITE_PROFILE)',
+  )
+
+
+def pytest_configure(config):
+  _listen()
+  config._suite_cost_rows = []  # noqa: SLF001
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  item._suite_cost_start = (  # noqa: SLF001
+    dict(_counts),
+    'tensorflow' in sys.modules,
+  )
+  yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  if call.when != 'teardown':
+    return
+  before, had_tf = getattr(item, '_suite_cost_start', (dict(_counts), True))
+  cost = {name: _counts[name] - before[name] for name in _counts}
+  cost['tf_import'] = int(not had_tf and 'tensorflow' in sys.modules)
+  outcome.get_result().user_properties.append((_PROPERTY, cost))
+
+
+def pytest_runtest_logreport(report):
+  config = _CONFIG.get('config')
+  if (
+    config is None
+    or hasattr(config, 'workerinput')
+    or not config.getoption('suite_profile')
+  ):
+    return
+  rows = config._suite_cost_rows  # noqa: SLF001
+  node = getattr(report, 'node', None)
+  worker = getattr(getattr(node, 'gateway', None), 'id', None) or 'main'
+  if report.when == 'setup':
+    rows.append({
+      'nodeid': report.nodeid,
+      'file': report.nodeid.split('::', 1)[0],
+      'worker': worker,
+      'setup': report.duration,
+      'call': 0.0,
+      'teardown': 0.0,
+      'outcome': report.outcome,
+    })
+    return
+  row = next(
+    (r for r in reversed(rows) if r['nodeid'] == report.nodeid), None
+  )
+  if row is None:
+    return
+  row[report.when] = report.duration
+  if report.outcome != 'passed':
+    row['outcome'] = report.outcome
+  for name, value in report.user_properties:
+    if name == _PROPERTY:
+      row.update(value)
+
+
+_CONFIG: dict[str, pytest.Config] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+  _CONFIG['config'] = session.config
+  session.config._suite_cost_t0 = time.time()  # noqa: SLF001
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  path = config.getoption('suite_profile')
+  # Only the main process writes (xdist's workers have `workerinput`).
+  if not path or hasattr(config, 'workerinput'):
+    return
+  wall = time.time() - config._suite_cost_t0  # noqa: SLF001
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(json.dumps({'wall_seconds': wall, 'argv': sys.argv[1:]}) + '\n')
+    for row in config._suite_cost_rows:  # noqa: SLF001
+      f.write(json.dumps(row) + '\n')

@@ -1,0 +1,140 @@
+"""The suite's cost per test file, from one run's `--suite-profile` file.
+
+    python -m pytest -n auto --suite-profile run.jsonl
+    python tools/suite_profile.py run.jsonl [--top 40] [--limit 180]
+
+Prints a Markdown table, most expensive file first: its tests, the worker
+seconds it held (setup + call + teardown), how much of that was fixture
+set-up, its slowest test, the fresh processes it started, the scripts it
+ran in the warm pool's forks, the XLA compilations in the test process
+(and those the persistent cache served), and whether it imported
+TensorFlow. Then the totals, and a warning line for each file over
+`--limit` seconds of one worker's time (a warning, never a failure: these
+machines are shared, and timing fails no test). `tests/README.md` keeps
+the tables of measured runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+
+COLUMNS = (
+  'file',
+  'tests',
+  'seconds',
+  'setup s',
+  'slowest test s',
+  'processes',
+  'forks',
+  'compiles',
+  'cache hits',
+  'TF imports',
+)
+
+
+def read(path: pathlib.Path) -> tuple[dict, list[dict]]:
+  """The run's header and its rows (one a test)."""
+  lines = path.read_text(encoding='utf-8').splitlines()
+  if not lines:
+    raise SystemExit(f'{path}: empty; was the run given --suite-profile?')
+  header = json.loads(lines[0])
+  return header, [json.loads(line) for line in lines[1:] if line.strip()]
+
+
+def by_file(rows: list[dict]) -> list[dict]:
+  """One summary a test file, most worker seconds first."""
+  files: dict[str, dict] = collections.defaultdict(
+    lambda: dict.fromkeys(COLUMNS[1:], 0)
+  )
+  for row in rows:
+    f = files[row['file']]
+    seconds = row['setup'] + row['call'] + row['teardown']
+    f['tests'] += 1
+    f['seconds'] += seconds
+    f['setup s'] += row['setup']
+    f['slowest test s'] = max(f['slowest test s'], seconds)
+    f['processes'] += row.get('processes', 0)
+    f['forks'] += row.get('forks', 0)
+    f['compiles'] += row.get('compiles', 0)
+    f['cache hits'] += row.get('cache_hits', 0)
+    f['TF imports'] += row.get('tf_import', 0)
+  table = [{'file': name, **f} for name, f in files.items()]
+  return sorted(table, key=lambda f: -f['seconds'])
+
+
+def markdown(table: list[dict], *, top: int | None = None) -> str:
+  def cell(value) -> str:
+    text = f'{value:.1f}' if isinstance(value, float) else str(value)
+    return text.replace('|', '/')
+
+  shown = table if top is None else table[:top]
+  lines = [
+    '| ' + ' | '.join(COLUMNS) + ' |',
+    '|' + '|'.join('---' if c == 'file' else '---:' for c in COLUMNS) + '|',
+  ]
+  for f in shown:
+    lines.append(
+      '| ' + ' | '.join(cell(f[c]) for c in COLUMNS) + ' |'
+    )
+  if top is not None and len(table) > top:
+    rest = table[top:]
+    lines.append(
+      f'| ({len(rest)} more files) | {sum(f["tests"] for f in rest)} | '
+      f'{sum(f["seconds"] for f in rest):.1f} |' + ' |' * 7
+    )
+  return '\n'.join(lines)
+
+
+def totals(header: dict, rows: list[dict], table: list[dict]) -> str:
+  workers = collections.Counter()
+  for row in rows:
+    workers[row.get('worker', 'main')] += (
+      row['setup'] + row['call'] + row['teardown']
+    )
+  busy = ', '.join(f'{w} {s:.0f} s' for w, s in sorted(workers.items()))
+  failed = sum(1 for r in rows if r.get('outcome') not in ('passed', None))
+  return (
+    f'{len(rows)} tests in {len(table)} files, {failed} not passed; '
+    f'{sum(f["seconds"] for f in table):.0f} worker seconds '
+    f'({busy}); {header.get("wall_seconds", 0):.0f} s of wall time; '
+    f'{sum(f["processes"] for f in table)} processes, '
+    f'{sum(f["forks"] for f in table)} forks, '
+    f'{sum(f["compiles"] for f in table)} compilations '
+    f'({sum(f["cache hits"] for f in table)} from the persistent cache), '
+    f'{sum(f["TF imports"] for f in table)} TensorFlow imports'
+  )
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('profile', type=pathlib.Path)
+  parser.add_argument('--top', type=int, default=None, metavar='N')
+  parser.add_argument(
+    '--limit',
+    type=float,
+    default=180.0,
+    metavar='SECONDS',
+    help='warn of any file over this many seconds of one worker (180)',
+  )
+  args = parser.parse_args(argv)
+  header, rows = read(args.profile)
+  table = by_file(rows)
+  print(markdown(table, top=args.top))
+  print()
+  print(totals(header, rows, table))
+  for f in table:
+    if f['seconds'] > args.limit:
+      print(
+        f'warning: {f["file"]} held a worker {f["seconds"]:.0f} s '
+        f'(over {args.limit:.0f} s): split it or make it cheaper',
+        file=sys.stderr,
+      )
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -177,5 +177,19 @@ def retype(x: Any, mesh: Mesh) -> Any:
     return x
   sharding = x.sharding
   if isinstance(sharding, NamedSharding) and same_devices(sharding.mesh, mesh):
-    return put(x, NamedSharding(mesh, sharding.spec))
+    return put(x, NamedSharding(mesh, _spec_of_rank(sharding.spec, x.ndim)))
   return put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def _spec_of_rank(spec: PartitionSpec, ndim: int) -> PartitionSpec:
+  """`spec` for an array of `ndim` dimensions.
+
+  JAX 0.10 gives a typed key on a mesh of one device its key data's spec
+  (`P(None,)` for a scalar key); the entries past the key's own rank name
+  nothing, and are dropped.
+  """
+  if len(spec) <= ndim:
+    return spec
+  if any(entry is not None for entry in spec[ndim:]):
+    return PartitionSpec()
+  return PartitionSpec(*spec[:ndim])

@@ -171,12 +171,12 @@ def test_a_started_script_is_talked_to_through_pipes(tmp_path, warm_pool):
     """,
   )
   case = warm_pool.start(script, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-  case.stdin.write(b'hello\n')
-  assert case.stdout.readline() == b'HELLO\n'
-  case.stdin.close()
-  assert case.wait(60) == 0
-  assert case.stdout.read() == b''
-  case.stdout.close()
+  with case.stdout:  # Closed whatever fails: no pipe left to the collector.
+    with case.stdin:
+      case.stdin.write(b'hello\n')
+      assert case.stdout.readline() == b'HELLO\n'
+    assert case.wait(60) == 0
+    assert case.stdout.read() == b''
 
 
 def test_a_signal_during_the_fork_reaches_the_script(tmp_path):
@@ -184,11 +184,21 @@ def test_a_signal_during_the_fork_reaches_the_script(tmp_path):
 
   Raised in a hook, Python would print it and go on (the script then ran
   to its end, exit 0); held, it comes as the script starts, as to a fresh
-  `python`: KeyboardInterrupt, death by SIGINT, the script not run.
+  `python`: KeyboardInterrupt, death by SIGINT, the script not run. The
+  hook waits for the test (no timing): it says it is in, and stays until
+  the signal has been sent.
   """
-  (tmp_path / 'slow_fork.py').write_text(
-    'import os, time\n'
-    'os.register_at_fork(after_in_child=lambda: time.sleep(2))\n'
+  inside, sent = tmp_path / 'inside', tmp_path / 'sent'
+  (tmp_path / 'held_fork.py').write_text(
+    'import os, pathlib, time\n'
+    'def _hold():\n'
+    f'  pathlib.Path({str(inside)!r}).touch()\n'
+    '  deadline = time.monotonic() + 120\n'
+    f'  while not os.path.exists({str(sent)!r}):\n'
+    '    if time.monotonic() > deadline:\n'
+    '      os._exit(3)\n'
+    '    time.sleep(0.01)\n'
+    'os.register_at_fork(after_in_child=_hold)\n'
   )
   script = _script(tmp_path, 'ran.py', "print('ran')\n")
   env = processes.clean_env(
@@ -196,15 +206,21 @@ def test_a_signal_during_the_fork_reaches_the_script(tmp_path):
     OPENBLAS_NUM_THREADS='1',
     PYTHONPATH=f'{tmp_path}{os.pathsep}{processes.REPO_ROOT}',
   )
-  pool = warm.Pool(['slow_fork'], env=env)
+  pool = warm.Pool(['held_fork'], env=env)
   try:
     case = pool.start(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    case.send_signal(signal.SIGINT)  # The child is in its 2 s hook.
-    assert case.wait(60) == -signal.SIGINT
-    out = case.stdout.read().decode()
-    case.stdout.close()
+    with case.stdout:
+      deadline = time.monotonic() + 120
+      while not inside.exists():  # The child is in its hook.
+        assert case.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+      case.send_signal(signal.SIGINT)
+      sent.touch()
+      status = case.wait(60)
+      out = case.stdout.read().decode()
   finally:
     pool.close()
+  assert status == -signal.SIGINT, out
   assert 'ran' not in out.split(), out
   assert out.rstrip().endswith('KeyboardInterrupt'), out
 

@@ -24,6 +24,10 @@ def test_readme_blocks_run_alone(tmp_path, warm_pool):
     quickstart.code
     + "\nprint('QUICKSTART DONE')\n"
     + export.code
+    # A reader runs it again, in the same folder: what the first run wrote
+    # is replaced, not refused.
+    + '\n'
+    + export.code
     + '\nimport tensorflow as tf\n'
     + "reader = tf.train.load_checkpoint('ckpt')\n"
     + 'names = sorted(reader.get_variable_to_shape_map())\n'

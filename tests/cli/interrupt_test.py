@@ -2,14 +2,18 @@
 
 SIGINT goes to the process group of `demo` and `export` (forks of the warm
 pool, running the entry point's call) at seeded random moments spread over
-the whole run (tests/support/signal_sweep.py); SIGTERM goes to a fresh
-``python -m flax_dtensor export``, the installed entry point. Each leaves
-exactly the old run or one whole new run, and exits 130 (143). The longer
-sweep on the demo's defaults: ``python tests/support/signal_sweep.py``.
+the whole run (tests/support/signal_sweep.py), each moment a test of its
+own over a copy of the old run; SIGTERM goes to a fresh ``python -m
+flax_dtensor export``, the installed entry point. Each leaves exactly the
+old run or one whole new run, and exits 130 (143). The longer sweep on the
+demo's defaults: ``python tests/support/signal_sweep.py``.
 """
 
+import dataclasses
+import functools
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -23,44 +27,80 @@ import signal_sweep
 # The exit-time bound asserted here is loose (shared machines); the 2 s
 # promise is measured by the longer sweep.
 LOOSE_EXIT_SECONDS = 20
-DEMO_MOMENTS = 4
-EXPORT_MOMENTS = 16
+MOMENTS = {'demo': 4, 'export': 16}
 SEED = int(os.environ.get('FDT_SIGNAL_SEED', time.time_ns() % 100_000))
 
 
+@dataclasses.dataclass(eq=False)  # Hashed by identity: `moment`'s cache.
+class OldRuns:
+  """The old runs of both commands on small inputs, and their moments."""
+
+  root: pathlib.Path
+  pool: object
+  commands: dict = dataclasses.field(default_factory=dict)
+  lengths: dict = dataclasses.field(default_factory=dict)
+  snapshots: dict = dataclasses.field(default_factory=dict)
+
+  def at(self, name: str) -> list[float]:
+    """The seeded moments of `name`'s sweep, over its old run's length."""
+    seed = SEED + list(MOMENTS).index(name)
+    return signal_sweep.moments(seed, MOMENTS[name], self.lengths[name])
+
+  @functools.cache  # noqa: B019 (one instance a module)
+  def moment(self, name: str, index: int) -> signal_sweep.Moment:
+    """Moment `index` of `name`, run once (tests that read it share it)."""
+    moment = signal_sweep.interrupt_over_a_copy(
+      self.pool,
+      self.commands[name],
+      self.root / f'{name}-old',
+      self.root,
+      self.at(name)[index],
+      index=index,
+      old=self.snapshots[name],
+    )
+    print(f'seed {SEED} (FDT_SIGNAL_SEED={SEED} repeats it): {moment.line()}')
+    return moment
+
+
 @pytest.fixture(scope='module')
-def swept(warm_pool, tmp_path_factory):
-  """Both sweeps on small inputs: (moments, root with the old runs)."""
-  root = tmp_path_factory.mktemp('signals')
-  print(f'signal sweep seed {SEED} (FDT_SIGNAL_SEED={SEED} repeats it)')
-  demo = signal_sweep.demo_command(*signal_sweep.SMALL_DEMO)
-  done = signal_sweep.sweep(warm_pool, demo, root, seed=SEED, n=DEMO_MOMENTS)
-  export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
-  done += signal_sweep.sweep(
-    warm_pool, export, root, seed=SEED + 1, n=EXPORT_MOMENTS
+def old_runs(warm_pool, tmp_path_factory):
+  """Each command run once to its end, on small inputs: the old runs."""
+  runs = OldRuns(tmp_path_factory.mktemp('signals'), warm_pool)
+  runs.commands['demo'] = signal_sweep.demo_command(*signal_sweep.SMALL_DEMO)
+  runs.commands['export'] = signal_sweep.export_command(
+    runs.root / 'demo-old' / 'orbax'
   )
-  print(signal_sweep.summary(done))
-  return done, root
+  for name, command in runs.commands.items():
+    reference = runs.root / f'{name}-old'
+    runs.lengths[name] = signal_sweep.run_once(warm_pool, command, reference)
+    runs.snapshots[name] = signal_sweep.snapshot(reference)
+  return runs
 
 
-@pytest.mark.parametrize('command', ['demo', 'export'])
-def test_sigint_to_the_group_at_random_moments(swept, command):
-  done, _ = swept
-  moments = [m for m in done if m.command == command]
-  assert (
-    len(moments) == {'demo': DEMO_MOMENTS, 'export': EXPORT_MOMENTS}[command]
-  )
+@pytest.mark.parametrize(
+  'name, index',
+  [(name, i) for name, n in MOMENTS.items() for i in range(n)],
+  ids=[f'{name}-{i:02d}' for name, n in MOMENTS.items() for i in range(n)],
+)
+def test_sigint_to_the_group_at_a_random_moment(old_runs, name, index):
+  m = old_runs.moment(name, index)
+  why = signal_sweep.acceptable(m)
+  assert why is None, f'seed {SEED}: {m.line()}: {why}'
+  assert m.seconds_to_exit <= LOOSE_EXIT_SECONDS, f'seed {SEED}: {m.line()}'
+
+
+@pytest.mark.parametrize('name', list(MOMENTS))
+def test_some_moments_stop_the_run(old_runs, name):
+  """Stopped runs: at least one moment fell before the swap (the moments
+  the tests above ran are read back; any not run yet run here)."""
+  moments = [old_runs.moment(name, i) for i in range(MOMENTS[name])]
   lines = '\n'.join(m.line() for m in moments)
-  for m in moments:
-    why = signal_sweep.acceptable(m)
-    assert why is None, f'seed {SEED}: {m.line()}: {why}\n{lines}'
-    assert m.seconds_to_exit <= LOOSE_EXIT_SECONDS, f'seed {SEED}\n{lines}'
-  # Stopped runs: at least one moment fell before the swap.
+  print(signal_sweep.summary(moments))
   assert any(m.outcome == 'old' and m.status == 130 for m in moments), lines
 
 
-def test_the_old_runs_verify_and_carry_one_identifier(swept):
-  _, root = swept
+def test_the_old_runs_verify_and_carry_one_identifier(old_runs):
+  root = old_runs.root
   for name, parts in (
     ('demo', ('orbax', 'checkpoint', 'saved_model', 'rules.yaml')),
     ('export', ('checkpoint', 'saved_model')),
@@ -83,9 +123,9 @@ def test_the_old_runs_verify_and_carry_one_identifier(swept):
 
 
 def test_inspect_verify_reports_a_folder_mixed_by_hand(
-  swept, warm_pool, tmp_path
+  old_runs, warm_pool, tmp_path
 ):
-  _, root = swept
+  root = old_runs.root
   mixed = tmp_path / 'mixed'
   shutil.copytree(root / 'demo-old', mixed)
   shutil.rmtree(mixed / 'checkpoint')
@@ -118,14 +158,25 @@ def test_inspect_verify_reports_a_folder_mixed_by_hand(
   assert 'one run: every part carries the same identifier' in proc.stdout
 
 
-def test_sigterm_to_the_entry_point_while_it_writes(swept, tmp_path):
+def test_sigterm_to_the_entry_point_while_it_writes(old_runs, tmp_path):
   """`python -m flax_dtensor export`, SIGTERM to its group mid-write."""
-  _, root = swept
+  root = old_runs.root
   export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
   out = tmp_path / 'out'
   shutil.copytree(root / 'export-old', out)
   old = signal_sweep.snapshot(out)
   proc = signal_sweep.start(None, export.args(out), tmp_path, real=True)
+  with proc.stdout, proc.stderr:  # Closed whatever fails.
+    status, seconds, stderr = _sigterm_once_writing(proc, tmp_path)
+  assert status == 143, stderr
+  assert seconds <= LOOSE_EXIT_SECONDS
+  assert stderr.splitlines()[-1] == 'interrupted'
+  assert signal_sweep.snapshot(out) == old
+  assert signal_sweep.leftovers(out) == []
+
+
+def _sigterm_once_writing(proc, tmp_path):
+  """SIGTERM to `proc`'s group once it writes: (status, seconds, stderr)."""
   try:
     deadline = time.monotonic() + processes.TIMEOUT
     # The moment the new folder is being written beside the old one.
@@ -140,26 +191,29 @@ def test_sigterm_to_the_entry_point_while_it_writes(swept, tmp_path):
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
       proc.wait()
-  seconds = time.monotonic() - sent
-  stderr = proc.stderr.read().decode()
-  proc.stdout.close()
-  proc.stderr.close()
-  assert status == 143, stderr
+  return status, time.monotonic() - sent, proc.stderr.read().decode()
+
+
+@pytest.mark.parametrize('phase', ['restore', 'write'])
+def test_sigint_to_the_process_alone(old_runs, warm_pool, tmp_path, phase):
+  """Not the group (`kill -INT PID`): the same stop, the same folder."""
+  root = old_runs.root
+  export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
+  out = tmp_path / 'out'
+  shutil.copytree(root / 'export-old', out)
+  old = signal_sweep.snapshot(out)
+  case = signal_sweep.start(warm_pool, export.args(out), tmp_path, real=False)
+  with case.stdout, case.stderr:  # Closed whatever fails.
+    status, seconds, stderr = _sigint_to_the_process(case, tmp_path, phase)
+  assert status == 130, stderr
   assert seconds <= LOOSE_EXIT_SECONDS
   assert stderr.splitlines()[-1] == 'interrupted'
   assert signal_sweep.snapshot(out) == old
   assert signal_sweep.leftovers(out) == []
 
 
-@pytest.mark.parametrize('phase', ['restore', 'write'])
-def test_sigint_to_the_process_alone(swept, warm_pool, tmp_path, phase):
-  """Not the group (`kill -INT PID`): the same stop, the same folder."""
-  _, root = swept
-  export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
-  out = tmp_path / 'out'
-  shutil.copytree(root / 'export-old', out)
-  old = signal_sweep.snapshot(out)
-  case = signal_sweep.start(warm_pool, export.args(out), tmp_path, real=False)
+def _sigint_to_the_process(case, tmp_path, phase):
+  """SIGINT to the case's process alone: (status, seconds, stderr)."""
   try:
     deadline = time.monotonic() + processes.TIMEOUT
     if phase == 'write':  # The new folder is being written beside the old.
@@ -173,14 +227,7 @@ def test_sigint_to_the_process_alone(swept, warm_pool, tmp_path, phase):
     status = case.wait(processes.TIMEOUT)
   finally:
     case.kill()
-  stderr = case.stderr.read().decode()
-  case.stdout.close()
-  case.stderr.close()
-  assert status == 130, stderr
-  assert time.monotonic() - sent <= LOOSE_EXIT_SECONDS
-  assert stderr.splitlines()[-1] == 'interrupted'
-  assert signal_sweep.snapshot(out) == old
-  assert signal_sweep.leftovers(out) == []
+  return status, time.monotonic() - sent, case.stderr.read().decode()
 
 
 # The interrupt machinery itself, in forks (no command around it).
@@ -255,15 +302,15 @@ def _signal_while_writing(warm_pool, tmp_path, text, sig):
   case = warm_pool.start(
     script, str(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE
   )
-  try:
-    assert case.stdout.readline() == b'WRITING\n'
-    sent = time.monotonic()
-    case.send_signal(sig)
-    status = case.wait(processes.TIMEOUT)
-  finally:
-    case.kill()
-  seconds = time.monotonic() - sent
-  with case.stdout, case.stderr:
+  with case.stdout, case.stderr:  # Closed whatever fails.
+    try:
+      assert case.stdout.readline() == b'WRITING\n'
+      sent = time.monotonic()
+      case.send_signal(sig)
+      status = case.wait(processes.TIMEOUT)
+    finally:
+      case.kill()
+    seconds = time.monotonic() - sent
     return status, seconds, case.stdout.read(), case.stderr.read().decode()
 
 
@@ -351,8 +398,8 @@ def test_demo_refuses_an_out_holding_other_files(warm_pool, tmp_path):
   assert os.listdir(out) == ['notes.txt']
 
 
-def test_export_refuses_a_checkpoint_inside_out(swept, warm_pool, tmp_path):
-  _, root = swept
+def test_export_refuses_a_checkpoint_inside_out(old_runs, warm_pool, tmp_path):
+  root = old_runs.root
   out = tmp_path / 'out'
   shutil.copytree(root / 'demo-old', out)
   proc = warm_pool.run(

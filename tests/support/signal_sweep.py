@@ -325,14 +325,33 @@ def sweep(
   )
   done = []
   for i, at in enumerate(ats):
-    out = root / f'{command.name}-{i:02d}' / 'out'
-    out.parent.mkdir()
-    shutil.copytree(reference, out)
-    moment = interrupt(pool, command, out, at, index=i, old=old)
+    moment = interrupt_over_a_copy(
+      pool, command, reference, root, at, index=i, old=old
+    )
     report(moment.line())
     done.append(moment)
-    shutil.rmtree(out.parent, ignore_errors=True)
   return done
+
+
+def interrupt_over_a_copy(
+  pool,
+  command: Command,
+  reference: pathlib.Path,
+  root: pathlib.Path,
+  at: float,
+  *,
+  index: int,
+  old: dict[str, str] | None,
+) -> Moment:
+  """Reruns `command` over a copy of the old run `reference`, signalled at
+  `at` s (see `interrupt`); the copy is removed afterwards."""
+  out = root / f'{command.name}-{index:02d}' / 'out'
+  out.parent.mkdir()
+  try:
+    shutil.copytree(reference, out)
+    return interrupt(pool, command, out, at, index=index, old=old)
+  finally:
+    shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def summary(done: Sequence[Moment]) -> str:

@@ -239,26 +239,29 @@ def _run(chain: list[script_util.Block], tmp: pathlib.Path, pool):
 
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory, warm_pool):
-  """Every chain's (exit status, stdout, stderr), two at a time."""
-  dirs = [tmp_path_factory.mktemp('block') for _ in CHAINS]
-  outcomes = script_util.run_all(
-    [
-      (lambda chain=chain, tmp=tmp: _run(chain, tmp, warm_pool))
-      for chain, tmp in zip(CHAINS, dirs, strict=True)
-    ]
-  )
-  return {
-    chain[-1].name: outcome
-    for chain, outcome in zip(CHAINS, outcomes, strict=True)
-  }
+def run_chain(tmp_path_factory, warm_pool):
+  """Runs a chain once, in a fresh directory: (exit status, stdout, stderr).
+
+  Each chain is a test of its own (a slow machine slows one test, and the
+  chains spread over pytest-xdist's workers); a test that reads another
+  chain's outcome gets the one already run.
+  """
+  done = {}
+
+  def run(chain):
+    name = chain[-1].name
+    if name not in done:
+      done[name] = _run(chain, tmp_path_factory.mktemp('block'), warm_pool)
+    return done[name]
+
+  return run
 
 
 @pytest.mark.parametrize(
   'chain', CHAINS, ids=[' <- '.join(b.name for b in c[::-1]) for c in CHAINS]
 )
-def test_block_runs_alone(results, chain):
-  code, stdout, stderr = results[chain[-1].name]
+def test_block_runs_alone(run_chain, chain):
+  code, stdout, stderr = run_chain(chain)
   assert code == 0, f'{chain[-1].name}:\n{stderr[-4000:]}'
   if chain[-1].processes == 1:
     assert stdout.rstrip().endswith(DONE), stdout[-2000:]
@@ -267,8 +270,9 @@ def test_block_runs_alone(results, chain):
     assert stdout.count(DONE) == chain[-1].processes, stdout[-2000:]
 
 
-def test_multi_host_block_runs_in_two_processes(results):
-  _, stdout, _ = results['export_guide.md:multi-host']
+def test_multi_host_block_runs_in_two_processes(run_chain):
+  (chain,) = [c for c in CHAINS if c[-1].name == 'export_guide.md:multi-host']
+  _, stdout, _ = run_chain(chain)
   assert 'PROCESS 0 8' in stdout and 'PROCESS 1 8' in stdout, stdout
 
 

@@ -22,14 +22,13 @@ markers a page may use:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import pathlib
 import re
 import subprocess
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import multiprocess_util
 import processes
@@ -189,11 +188,3 @@ def run_processes(
     '\n'.join(outputs),
     outputs_note + report if status else '',
   )
-
-
-def run_all(
-  jobs: Sequence[Callable[[], subprocess.CompletedProcess]], workers: int = 2
-) -> list[subprocess.CompletedProcess]:
-  """Runs independent scripts `workers` at a time; results in order."""
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return list(pool.map(lambda job: job(), jobs))

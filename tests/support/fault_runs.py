@@ -443,6 +443,7 @@ def absent_peer() -> dict[str, Any]:
     timeout=TIMEOUT,
     env={'FLAX_DTENSOR_PEER_TIMEOUT': str(ABSENT_PEER_TIMEOUT)},
     dtensor_env=False,
+    fresh=True,  # What it imports is tested: no TensorFlow yet.
   )
   return processes.result(outputs[0], context='(process 0)')
 

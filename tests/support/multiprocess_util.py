@@ -140,8 +140,14 @@ def run_workers(
   env: Mapping[str, str] | None = None,
   may_die: Collection[int] = (),
   dtensor_env: bool = True,
+  fresh: bool = False,
 ) -> list[str]:
   """Runs `script_path` in `num_processes` local processes; returns outputs.
+
+  Each process is a fork of this process's warm pool (`warm.shared()`: JAX,
+  Flax and TensorFlow imported once, neither's runtime started), which is
+  a fresh process to the script in all it can see; with `fresh`, a new
+  ``python`` each (for a test whose subject is what a start-up does).
 
   Args:
     script_path: The worker script. It calls `initialize_jax()` first.
@@ -155,6 +161,7 @@ def run_workers(
       run: a test kills them on purpose, and the others go on.
     dtensor_env: Set the `DTENSOR_*` variables; if false, the workers'
       `flax_dtensor.dtensor.initialize()` sets them from JAX.
+    fresh: Start each process as a new ``python``, not a fork.
 
   Returns:
     Each process's combined stdout and stderr, by process id.
@@ -172,12 +179,8 @@ def run_workers(
       for i in range(num_processes):
         with open(logs[i], 'wb') as log:
           procs.append(
-            subprocess.Popen(
-              [
-                sys.executable,
-                str(script_path),
-                *(args(i) if callable(args) else args),
-              ],
+            _start(
+              [str(script_path), *(args(i) if callable(args) else args)],
               env=worker_env(
                 i,
                 num_processes,
@@ -187,10 +190,8 @@ def run_workers(
                 extra=env,
                 dtensor_env=dtensor_env,
               ),
-              cwd=processes.REPO_ROOT,
-              stdout=log,
-              stderr=subprocess.STDOUT,
-              stdin=subprocess.DEVNULL,
+              log=log,
+              fresh=fresh,
             )
           )
       failure = _wait(procs, timeout, may_die)
@@ -210,6 +211,28 @@ def run_workers(
     )
     raise WorkerError(f'{failure}\n{report}')
   return outputs
+
+
+def _start(argv: list[str], *, env: dict[str, str], log, fresh: bool):
+  """`python ARGV` writing to `log`: a `Popen`, or a warm fork (a `Case`)."""
+  if fresh:
+    return subprocess.Popen(
+      [sys.executable, *argv],
+      env=env,
+      cwd=processes.REPO_ROOT,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      stdin=subprocess.DEVNULL,
+    )
+  import warm
+
+  return warm.shared().start(
+    *argv,
+    cwd=processes.REPO_ROOT,
+    env=env,
+    stdout=log,
+    stderr=subprocess.STDOUT,
+  )
 
 
 def _wait(

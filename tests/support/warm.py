@@ -33,6 +33,7 @@ included), and with numpy's BLAS on one thread, as forking needs.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -64,6 +65,22 @@ PRELOAD = (
   'flax_dtensor.demo.train',
 )
 STARTUP_TIMEOUT = 600
+
+
+_shared: Pool | None = None
+
+
+def shared() -> Pool:
+  """This process's pool: started at its first use, closed at exit.
+
+  The test session's `warm_pool` fixture is this pool, so a helper that
+  starts processes (multiprocess_util) and the tests share one server.
+  """
+  global _shared
+  if _shared is None:
+    _shared = Pool()
+    atexit.register(_shared.close)
+  return _shared
 
 
 class PoolError(RuntimeError):
@@ -284,6 +301,9 @@ class Pool:
 
   def close(self) -> None:
     """Kills the scripts still running, then the server."""
+    global _shared
+    if _shared is self:
+      _shared = None
     with contextlib.suppress(OSError):
       self._sock.shutdown(socket.SHUT_RDWR)
     try:

@@ -116,6 +116,9 @@ def _run(request):
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])
+  if os.environ.get('PYTHONUNBUFFERED'):  # As `python -u` would write.
+    for stream in (sys.stdout, sys.stderr):
+      stream.reconfigure(line_buffering=True, write_through=True)
   if 'numpy' in sys.modules:  # Seeded from the OS in a fresh process.
     sys.modules['numpy'].random.seed()
   script = request['script']

@@ -10,9 +10,12 @@ case tables, and workers/, the scripts run in processes of their own), on
 sys.path here so that tests import them by bare name.
 """
 
+import fnmatch
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 SUPPORT_DIR = pathlib.Path(__file__).resolve().parent / 'support'
 if str(SUPPORT_DIR) not in sys.path:
@@ -29,6 +32,25 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Keep TensorFlow's C++ logging out of test output.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+# JAX's persistent compilation cache, in one fresh folder per run (the
+# cache holds compiled code, so never a shared or a user's folder): the
+# program one test compiled, another test, worker or started process reads
+# back. The run's first process (pytest's, before pytest-xdist starts its
+# workers, which inherit the environment) makes the folder and removes it
+# at the end; a run given $FDT_TEST_RUN_DIR uses that one.
+_RUN_DIR_OWNED = 'FDT_TEST_RUN_DIR' not in os.environ
+if _RUN_DIR_OWNED:
+  os.environ['FDT_TEST_RUN_DIR'] = tempfile.mkdtemp(prefix='fdt-tests-')
+os.environ.update(
+  {
+    'JAX_COMPILATION_CACHE_DIR': os.path.join(
+      os.environ['FDT_TEST_RUN_DIR'], 'xla-cache'
+    ),
+    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
+  }
+)
+
 import jax  # noqa: E402
 import profiles  # noqa: E402
 import pytest  # noqa: E402
@@ -44,6 +66,12 @@ NUM_DEVICES = 8
 
 # What each test costs, for tools/suite_profile.py (`--suite-profile`).
 pytest_plugins = ('suite_cost',)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _RUN_DIR_OWNED:
+    shutil.rmtree(os.environ['FDT_TEST_RUN_DIR'], ignore_errors=True)
 
 
 def pytest_configure(config):
@@ -103,11 +131,12 @@ def warm_pool():
   """The session's `warm.Pool`: fresh processes without the imports' cost.
 
   Started at its first use (JAX, Flax and TensorFlow imported once), killed
-  with every script still running at the session's end.
+  with every script still running at the session's end; the pool that
+  multiprocess_util's workers are forked from, too (`warm.shared()`).
   """
   import warm
 
-  pool = warm.Pool()
+  pool = warm.shared()
   yield pool
   pool.close()
 
@@ -164,6 +193,16 @@ def pytest_xdist_auto_num_workers(config):
   return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Under `--dist loadfile` (the suite's): whole files, dearest first."""
+  if config.getoption('dist') != 'loadfile':
+    return None
+  import scheduling
+
+  return scheduling.CostFirstScheduling(config, log)
+
+
 def pytest_terminal_summary(terminalreporter):
   if not _unexplained:
     return
@@ -176,3 +215,73 @@ def pytest_terminal_summary(terminalreporter):
   )
   for nodeid, seconds in sorted(_unexplained, key=lambda x: -x[1]):
     terminalreporter.line(f'{seconds:7.1f} s  {nodeid}')
+
+
+# What a test needs, by its path: markers for tiers
+# ------------------------------------------------------------------------------
+
+# Paths under tests/ (fnmatch patterns) whose tests need TensorFlow, in this
+# process or in the processes they start; a test that uses the warm pool
+# (which imports TensorFlow) is marked too. The quick tier,
+# `pytest -m "not tf and not multiprocess"`, runs without TensorFlow: a test
+# outside these paths that imports it fails (`_tensorflow_only_where_marked`),
+# so the list stays true.
+TF_PATHS = (
+  'bridge/*',
+  'cli/*',
+  'core/architecture_test.py',
+  'core/other_library_test.py',
+  'core/public_api_test.py',
+  'core/sharding_metadata_test.py',
+  'docs/*',
+)
+# Files whose tests start several processes joined by `jax.distributed`.
+MULTIPROCESS_PATHS = ('*/multiprocess_*_test.py',)
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _matches(item, patterns) -> bool:
+  try:
+    path = pathlib.Path(str(item.path)).resolve().relative_to(TESTS_DIR)
+  except ValueError:
+    return False
+  return any(fnmatch.fnmatch(path.as_posix(), p) for p in patterns)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if _matches(item, TF_PATHS) or 'warm_pool' in item.fixturenames:
+      item.add_marker(pytest.mark.tf)
+    if _matches(item, MULTIPROCESS_PATHS):
+      item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture(autouse=True)
+def _tensorflow_only_where_marked(request):
+  """A test not marked `tf` that imports TensorFlow fails, naming TF_PATHS."""
+  had = 'tensorflow' in sys.modules
+  yield
+  if (
+    not had
+    and 'tensorflow' in sys.modules
+    and request.node.get_closest_marker('tf') is None
+  ):
+    pytest.fail(
+      f'{request.node.nodeid} imported TensorFlow but is not marked `tf`: '
+      'add its path to TF_PATHS in tests/conftest.py, or move it to a file '
+      'of tests that need TensorFlow',
+      pytrace=False,
+    )
+
+
+@pytest.fixture(scope='session')
+def dtensor():
+  """`flax_dtensor.dtensor`, DTensor set up on the 8 devices, once a session.
+
+  DTensor must be set up before any other TensorFlow operation of the
+  process; tests/bridge/conftest.py asks for it for every bridge test.
+  """
+  fdt_dt = pytest.importorskip('flax_dtensor.dtensor')
+  fdt_dt.initialize()
+  return fdt_dt

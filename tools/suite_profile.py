@@ -2,6 +2,8 @@
 
     python -m pytest -n auto --suite-profile run.jsonl
     python tools/suite_profile.py run.jsonl [--top 40] [--limit 180]
+    python tools/suite_profile.py run.jsonl [more.jsonl ...] --write-costs
+
 
 Prints a Markdown table, most expensive file first: its tests, the worker
 seconds it held (setup + call + teardown), how much of that was fixture
@@ -12,14 +14,20 @@ TensorFlow. Then the totals, and a warning line for each file over
 `--limit` seconds of one worker's time (a warning, never a failure: these
 machines are shared, and timing fails no test). `tests/README.md` keeps
 the tables of measured runs.
+
+`--write-costs` writes each file's seconds (the mean over the runs given)
+to tests/support/costs.json, which pytest-xdist's scheduling reads to hand
+out the dearest files first (tests/support/scheduling.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import pathlib
+import platform
 import sys
 
 COLUMNS = (
@@ -59,7 +67,8 @@ def by_file(rows: list[dict]) -> list[dict]:
     f['slowest test s'] = max(f['slowest test s'], seconds)
     f['processes'] += row.get('processes', 0)
     f['forks'] += row.get('forks', 0)
-    f['compiles'] += row.get('compiles', 0)
+    # JAX's compile event wraps the persistent cache's look-up too.
+    f['compiles'] += row.get('compiles', 0) - row.get('cache_hits', 0)
     f['cache hits'] += row.get('cache_hits', 0)
     f['TF imports'] += row.get('tf_import', 0)
   table = [{'file': name, **f} for name, f in files.items()]
@@ -77,9 +86,7 @@ def markdown(table: list[dict], *, top: int | None = None) -> str:
     '|' + '|'.join('---' if c == 'file' else '---:' for c in COLUMNS) + '|',
   ]
   for f in shown:
-    lines.append(
-      '| ' + ' | '.join(cell(f[c]) for c in COLUMNS) + ' |'
-    )
+    lines.append('| ' + ' | '.join(cell(f[c]) for c in COLUMNS) + ' |')
   if top is not None and len(table) > top:
     rest = table[top:]
     lines.append(
@@ -109,9 +116,42 @@ def totals(header: dict, rows: list[dict], table: list[dict]) -> str:
   )
 
 
+COSTS_FILE = (
+  pathlib.Path(__file__).resolve().parents[1]
+  / 'tests'
+  / 'support'
+  / 'costs.json'
+)
+
+
+def write_costs(tables: list[list[dict]], path: pathlib.Path) -> None:
+  """Each file's mean seconds over `tables`, for tests/support/scheduling."""
+  seconds: dict[str, list[float]] = collections.defaultdict(list)
+  for table in tables:
+    for f in table:
+      seconds[f['file']].append(f['seconds'])
+  costs = {
+    name: round(sum(values) / len(values), 1)
+    for name, values in sorted(seconds.items())
+  }
+  path.write_text(
+    json.dumps(
+      {
+        'measured': datetime.date.today().isoformat(),
+        'python': platform.python_version(),
+        'runs': len(tables),
+        'seconds_by_file': costs,
+      },
+      indent=1,
+    )
+    + '\n',
+    encoding='utf-8',
+  )
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('profile', type=pathlib.Path)
+  parser.add_argument('profile', type=pathlib.Path, nargs='+')
   parser.add_argument('--top', type=int, default=None, metavar='N')
   parser.add_argument(
     '--limit',
@@ -120,8 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     metavar='SECONDS',
     help='warn of any file over this many seconds of one worker (180)',
   )
+  parser.add_argument(
+    '--write-costs',
+    action='store_true',
+    help=f"write the files' seconds to {COSTS_FILE.name} (mean of the runs)",
+  )
   args = parser.parse_args(argv)
-  header, rows = read(args.profile)
+  runs = [read(path) for path in args.profile]
+  if args.write_costs:
+    write_costs([by_file(rows) for _, rows in runs], COSTS_FILE)
+  header, rows = runs[-1]
   table = by_file(rows)
   print(markdown(table, top=args.top))
   print()

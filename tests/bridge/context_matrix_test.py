@@ -40,12 +40,6 @@ X = np.random.default_rng(7).standard_normal((max(cm.SERVED_BATCHES), cm.EMBED))
 X = X.astype(np.float32)
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  """DTensor must be set up before any other TF op in the process."""
-  fdt_tf.initialize()
-
-
 def test_maxtext_style_check_predicts_eager_sharding_off_of_a_factory():
   """Before anything is built: the factory's own abstract build tells.
 

@@ -288,10 +288,8 @@ def check_checkpoint(directory: pathlib.Path, expected: dict) -> dict:
   }
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  """TF DTensor on the suite's 8 devices, before any other TF operation."""
-  fdt_tf.initialize()
+# TF DTensor on the suite's 8 devices, before any other TF operation.
+pytestmark = pytest.mark.usefixtures('dtensor')
 
 
 @pytest.fixture(scope='module')

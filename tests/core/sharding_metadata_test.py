@@ -29,9 +29,8 @@ VALUES = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
 ROW_MAJOR, COLUMN_MAJOR = (0, 1), (1, 0)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor():
-  fdt_tf.initialize()
+# Restores go through TensorFlow DTensor, set up once a session.
+pytestmark = pytest.mark.usefixtures('dtensor')
 
 
 def _mesh(kind):

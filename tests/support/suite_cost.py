@@ -48,7 +48,7 @@ def _listen() -> None:
     return
   _listening = True
   sys.addaudithook(_audit)
-  from jax import monitoring  # noqa: PLC0415
+  from jax import monitoring
 
   def on_duration(event: str, duration: float, **kwargs) -> None:
     del duration, kwargs
@@ -77,13 +77,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   _listen()
-  config._suite_cost_rows = []  # noqa: SLF001
+  config._suite_cost_rows = []
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
   del nextitem
-  item._suite_cost_start = (  # noqa: SLF001
+  item._suite_cost_start = (
     dict(_counts),
     'tensorflow' in sys.modules,
   )
@@ -109,23 +109,23 @@ def pytest_runtest_logreport(report):
     or not config.getoption('suite_profile')
   ):
     return
-  rows = config._suite_cost_rows  # noqa: SLF001
+  rows = config._suite_cost_rows
   node = getattr(report, 'node', None)
   worker = getattr(getattr(node, 'gateway', None), 'id', None) or 'main'
   if report.when == 'setup':
-    rows.append({
-      'nodeid': report.nodeid,
-      'file': report.nodeid.split('::', 1)[0],
-      'worker': worker,
-      'setup': report.duration,
-      'call': 0.0,
-      'teardown': 0.0,
-      'outcome': report.outcome,
-    })
+    rows.append(
+      {
+        'nodeid': report.nodeid,
+        'file': report.nodeid.split('::', 1)[0],
+        'worker': worker,
+        'setup': report.duration,
+        'call': 0.0,
+        'teardown': 0.0,
+        'outcome': report.outcome,
+      }
+    )
     return
-  row = next(
-    (r for r in reversed(rows) if r['nodeid'] == report.nodeid), None
-  )
+  row = next((r for r in reversed(rows) if r['nodeid'] == report.nodeid), None)
   if row is None:
     return
   row[report.when] = report.duration
@@ -142,7 +142,7 @@ _CONFIG: dict[str, pytest.Config] = {}
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
   _CONFIG['config'] = session.config
-  session.config._suite_cost_t0 = time.time()  # noqa: SLF001
+  session.config._suite_cost_t0 = time.time()
 
 
 def pytest_sessionfinish(session):
@@ -151,8 +151,8 @@ def pytest_sessionfinish(session):
   # Only the main process writes (xdist's workers have `workerinput`).
   if not path or hasattr(config, 'workerinput'):
     return
-  wall = time.time() - config._suite_cost_t0  # noqa: SLF001
+  wall = time.time() - config._suite_cost_t0
   with open(path, 'w', encoding='utf-8') as f:
     f.write(json.dumps({'wall_seconds': wall, 'argv': sys.argv[1:]}) + '\n')
-    for row in config._suite_cost_rows:  # noqa: SLF001
+    for row in config._suite_cost_rows:
       f.write(json.dumps(row) + '\n')

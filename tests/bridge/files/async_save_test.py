@@ -30,11 +30,6 @@ import processes  # noqa: E402
 TIMEOUT = 300
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 class Stack(nnx.Module):
   """Plain NNX, not the demo's style: a list of layers and a BatchNorm."""
 

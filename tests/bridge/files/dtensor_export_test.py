@@ -65,12 +65,6 @@ REFUSED_DTYPES = ['uint64']
 _X64_DTYPES = {'int64', 'uint64', 'float64', 'complex128'}
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  """DTensor must be set up before any other TF op in the process."""
-  fdt_tf.initialize()
-
-
 @pytest.fixture
 def transposed_mesh():
   """A (2, 4) Auto mesh whose devices are not in id order."""

@@ -33,12 +33,6 @@ from flax_dtensor.dtensor import _tf_errors  # noqa: E402
 from flax_dtensor.dtensor._files import _grid as _grid_module  # noqa: E402
 from flax_dtensor.dtensor._files import _host_read, _manifest, _restore  # noqa: E402
 
-
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 # A full disk
 # ------------------------------------------------------------------------------
 

@@ -55,11 +55,6 @@ CPU_SECONDS = 1.0
 MEMORY_BYTES = 64 * 2**20
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 @pytest.fixture(scope='module')
 def export(tmp_path_factory):
   """(parent, the export, its version 4 manifest, as version 3 wrote it)."""

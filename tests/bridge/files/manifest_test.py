@@ -42,11 +42,6 @@ VERSION = _manifest.VERSION
 CHECKSUM = _manifest.READABLE[VERSION]  # The key of per-entry checksums.
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 def _model(mesh, seed):
   """A plain dict of layers: a sharded kernel, a bias, a BatchNorm."""
   key = jax.random.key(seed)

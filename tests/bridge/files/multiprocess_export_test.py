@@ -21,7 +21,6 @@ import pytest
 
 pytest.importorskip('tensorflow')
 
-pytestmark = pytest.mark.multiprocess
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4

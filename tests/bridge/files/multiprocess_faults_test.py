@@ -23,7 +23,6 @@ import scale_runs
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-pytestmark = pytest.mark.multiprocess
 
 # Either moment: process 0 meets process 1's silence at our barrier (a save
 # runs no collective, so nothing of TF waits for it).

@@ -23,13 +23,6 @@ from flax import nnx
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-pytestmark = pytest.mark.multiprocess
-
-
-@pytest.fixture(scope='module', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()  # Before this process's first TensorFlow operation.
-
 
 MIB = 2**20
 # Bytes TF may read beyond what it is asked for, in one read of a variable:

@@ -36,11 +36,6 @@ from flax_dtensor.dtensor._files import _atomic, _manifest  # noqa: E402
 from flax_dtensor.dtensor._layout import _names  # noqa: E402
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 def _model(mesh, seed=0, width=16):
   """Two sharded params and a replicated one, by seed."""
   key = jax.random.key(seed)

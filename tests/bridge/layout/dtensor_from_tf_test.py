@@ -24,12 +24,6 @@ dtensor = tf.experimental.dtensor
 RULES = [('embed', 'data'), ('mlp', 'model')]
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  """DTensor must be set up before any other TF op in the process."""
-  fdt_tf.initialize()
-
-
 def _part(names, init=None):
   return nnx.with_partitioning(init or nnx.initializers.lecun_normal(), names)
 

@@ -33,13 +33,6 @@ NamedSharding = jax.sharding.NamedSharding
 AxisType = jax.sharding.AxisType
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  """Initializes DTensor once, before any other TF op of the session."""
-  fdt_dtensor.initialize()
-  assert fdt_dtensor.is_initialized()
-
-
 # ---------------------------------------------------------------------------
 # Helpers.
 # ---------------------------------------------------------------------------

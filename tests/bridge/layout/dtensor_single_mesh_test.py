@@ -28,11 +28,6 @@ dtensor = tf.experimental.dtensor
 RULES = [('vocab', ('data', 'model')), ('embed', 'data'), ('mlp', 'model')]
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  fdt_tf.initialize()
-
-
 def _part(names):
   return nnx.with_partitioning(nnx.initializers.normal(1.0), names)
 

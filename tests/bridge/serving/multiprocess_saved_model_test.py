@@ -23,7 +23,6 @@ import pytest
 
 pytest.importorskip('tensorflow')
 
-pytestmark = pytest.mark.multiprocess
 
 WORKER = processes.WORKERS_DIR / '_mp_worker_saved_model.py'
 TIMEOUT = 400

@@ -68,12 +68,6 @@ _SERVE_SCRIPT = processes.NO_JAX + textwrap.dedent(
 )
 
 
-@pytest.fixture(scope='session', autouse=True)
-def _dtensor_initialized():
-  """DTensor must be set up before any other TF op in the process."""
-  fdt_tf.initialize()
-
-
 def _part(names):
   return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
 

@@ -1,0 +1,79 @@
+"""How pytest-xdist hands the suite to its workers: dearest work first.
+
+pytest-xdist's `loadfile` gives each worker whole test files, in the order
+they were collected (or by their number of tests). A file that costs
+minutes but holds few tests then starts last, and one worker finishes
+alone while the other waits. `CostFirstScheduling` (tests/conftest.py asks
+for it under `--dist loadfile`, the suite's default) keeps files whole,
+and gives a free worker the dearest file left, by the seconds that a
+measured run recorded (`COSTS_FILE`, written by `tools/suite_profile.py
+--write-costs`); a file not in it counts by its number of tests.
+
+A file listed in `SPLIT` is handed out a test at a time instead, so that
+its cases spread over the workers: its tests must share nothing costly
+(each worker that runs any of them builds its module fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from xdist.scheduler import LoadScopeScheduling
+
+COSTS_FILE = pathlib.Path(__file__).resolve().parent / 'costs.json'
+# A test of a file not measured yet: about what an average test costs.
+SECONDS_PER_UNMEASURED_TEST = 1.0
+# Files whose tests go out one at a time (their module fixtures are cheap,
+# or a test's own work is what costs).
+SPLIT = (
+  'tests/docs/docs_snippets_test.py',
+  'tests/core/init_test.py',
+)
+
+
+def load_costs(path: pathlib.Path = COSTS_FILE) -> dict[str, float]:
+  """{test file: seconds of a worker}, or {} without a readable table."""
+  try:
+    table = json.loads(path.read_text(encoding='utf-8'))
+  except (OSError, ValueError):
+    return {}
+  files = table.get('seconds_by_file', {}) if isinstance(table, dict) else {}
+  return {
+    str(k): float(v) for k, v in files.items() if isinstance(v, int | float)
+  }
+
+
+def file_of(nodeid: str) -> str:
+  return nodeid.split('::', 1)[0]
+
+
+class CostFirstScheduling(LoadScopeScheduling):
+  """`loadfile`, but the dearest file (or split-off test) goes out first."""
+
+  def __init__(self, config, log=None):
+    super().__init__(config, log)
+    self._costs = load_costs()
+
+  def _split_scope(self, nodeid: str) -> str:
+    path = file_of(nodeid)
+    return nodeid if path in SPLIT else path
+
+  def _cost(self, scope: str) -> float:
+    path = file_of(scope)
+    if path not in self._costs:
+      return len(self.workqueue[scope]) * SECONDS_PER_UNMEASURED_TEST
+    if path in SPLIT:  # The file's seconds, shared by its tests.
+      return self._costs[path] / self._split_tests[path]
+    return self._costs[path]
+
+  def _assign_work_unit(self, node) -> None:
+    if not hasattr(self, '_split_tests'):  # The first call: all queued.
+      self._split_tests = {}
+      for scope in self.workqueue:
+        path = file_of(scope)
+        if path in SPLIT:
+          self._split_tests[path] = self._split_tests.get(path, 0) + 1
+    dearest = max(self.workqueue, key=self._cost)
+    self.workqueue.move_to_end(dearest, last=False)
+    super()._assign_work_unit(node)

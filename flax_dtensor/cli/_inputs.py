@@ -207,11 +207,13 @@ class InputSpec:
       size), or None (a size of its own). None for an argument passed as
       None.
     dtype: The dtype's name; None for an argument passed as None.
+    given: The entry as the user wrote it (messages echo it so), or None.
   """
 
   name: str
   dims: tuple[int | str | None, ...] | None
   dtype: str | None
+  given: str | None = dataclasses.field(default=None, compare=False)
 
   @property
   def shape(self) -> tuple[int | None, ...] | None:
@@ -238,7 +240,10 @@ class InputSpec:
     return _signature.shape_text(_signature.symbolic_dims(self.dims, index))
 
   def text(self, dims: Sequence[int | str | None] | None = None) -> str:
-    """The entry as it is written, with `dims` instead of its own if given."""
+    """The entry as the user wrote it; with `dims` instead of its own if
+    given (a suggestion)."""
+    if dims is None and self.given is not None:
+      return self.given
     dims = self.dims if dims is None else dims
     if dims is None:
       return f'{self.name}:none'
@@ -280,7 +285,7 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
   """
   parts = text.split(':')
   if len(parts) == 2 and parts[0] and parts[1].lower() == 'none':
-    return InputSpec(parts[0], None, None)
+    return InputSpec(parts[0], None, None, given=text)
   if len(parts) != 3 or not parts[0] or not parts[1]:
     raise BadInputError(f'Malformed --input-shape {text!r}. {INPUT_SHAPE_FIX}')
   name, dims_text, dtype = parts
@@ -307,7 +312,7 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
       )
   if not static_batch and isinstance(dims[0], int):
     dims[0] = 'b'  # The batch symbol, `_signature.BATCH`.
-  return InputSpec(name, tuple(dims), dtype)
+  return InputSpec(name, tuple(dims), dtype, given=text)
 
 
 def check_out(

@@ -343,6 +343,9 @@ def test_parse_input_shape():
   assert spec == _inputs.InputSpec('x', ('b', 128), 'int32')
   assert spec.shape == (None, 128)
   assert spec.polymorphic_shape(0) == '(b, 128)'
+  # Echoed as given, the example batch size too (its symbol is b).
+  assert spec.text() == 'x:1,128:int32'
+  assert spec.text(spec.dims) == 'x:b,128:int32'
   spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=True)
   assert spec.shape == (1, 128)
   assert spec.polymorphic_shape(0) is None
@@ -1322,7 +1325,8 @@ def test_export_demo_saved_model_logits(demo_export):
   [
     (
       ['--input-shape', 'tokens:128:int32'],  # The batch dim forgotten.
-      ['--input-shape tokens:b:int32', 'does not fit TransformerLM.__call__'],
+      # Echoed as given: the size written, not the batch symbol.
+      ['--input-shape tokens:128:int32', 'does not fit TransformerLM.__call__'],
     ),
     (
       ['--input-shape', 'tokens:1,128:int32', '--method', 'nope'],

@@ -178,7 +178,8 @@ def init(
       another graph node) it was not passed, one from its enclosing scope.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
     ShardingResolutionError: If a variable's axes cannot be resolved.
-    NotAModelError: If `factory` returns no NNX module or graph node.
+    NotAModelError: If `factory` is not callable, or returns no NNX module
+      or graph node.
 
   Example:
     >>> import jax, flax_dtensor as fdt
@@ -191,6 +192,13 @@ def init(
     >>> model.kernel.sharding.spec
     P('data', 'model')
   """
+  if not callable(factory):
+    raise _errors.NotAModelError(
+      f'Expected `fdt.init` to be given a factory (a callable that builds '
+      f'the model), got {type(factory).__name__}: {factory!r:.100}. Pass '
+      'e.g. lambda: Model(rngs=nnx.Rngs(0)); to shard a model already '
+      'built, use `fdt.shard_module`.'
+    )
   if mesh is not None and not isinstance(mesh, Mesh):
     raise _errors.MeshError(
       f'Expected a concrete mesh for `fdt.init`, got the abstract {mesh}. '

@@ -52,7 +52,8 @@ def iter_variables(node: Any) -> list[tuple[Path, nnx.Variable]]:
   elif isinstance(node, nnx.Variable):
     return [((), node)]
   else:
-    if not nnx.graph.is_node(node):
+    # None is a pytree (of nothing) to JAX; to the caller it is no model.
+    if node is None or not nnx.graph.is_node(node):
       raise _errors.NotAModelError(_not_a_node(node))
     try:
       state = nnx.state(node)

@@ -140,6 +140,7 @@ def _own_messages_only(debug: bool) -> Iterator[str | None]:
 def _message(e: BaseException) -> tuple[str, int]:
   """The ``error:`` line's text and the exit status for `e`."""
   from flax_dtensor import _errors
+  from flax_dtensor.dtensor import _tf
 
   if isinstance(e, BadInputError):
     return str(e), EXIT_BAD_INPUT
@@ -154,6 +155,9 @@ def _message(e: BaseException) -> tuple[str, int]:
       EXIT_BAD_INPUT,
     )
   if isinstance(e, _errors.FlaxDTensorError):
+    return str(e), EXIT_BAD_INPUT
+  if isinstance(e, ImportError) and _tf.INSTALL_HINT in str(e):
+    # An optional extra the user has not installed: theirs to install.
     return str(e), EXIT_BAD_INPUT
   text = str(e).strip() or 'no message'
   return f'unexpected failure: {text}', EXIT_FAILURE

@@ -2250,6 +2250,28 @@ def test_exit_statuses_by_kind_of_failure():
   assert _status_of(KeyboardInterrupt())[0] == 130
 
 
+def test_demo_without_tensorflow_names_the_extra(warm_pool, tmp_path):
+  """Where TensorFlow is not installed (a GPU machine's image): exit 2 and
+  the extra to install, before any work; not a bug to report."""
+  script = tmp_path / 'no_tf.py'
+  script.write_text(
+    'import sys\n'
+    "sys.modules['tensorflow'] = None  # Not installed, to every import.\n"
+    'from flax_dtensor.cli import main\n'
+    "sys.argv = ['flax-dtensor', 'demo', '--steps', '1', '--out', sys.argv[1]]\n"
+    'main()\n'
+  )
+  proc = warm_pool.run(script, str(tmp_path / 'out'))
+  assert proc.returncode == 2, proc.stderr
+  line = proc.stderr.splitlines()[-1]
+  assert line.startswith(
+    'error: flax_dtensor.dtensor needs TensorFlow, which could not be '
+    'imported. Install it with: pip install "flax-dtensor[tf]"'
+  ), line
+  assert 'report' not in line, line
+  assert not (tmp_path / 'out').exists()
+
+
 def test_exit_statuses_of_every_command(demo_export, tmp_path):
   """0 ok, 1 findings or differences, 2 bad input: each command, for real."""
   _, out, _, proc = demo_export

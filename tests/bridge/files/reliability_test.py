@@ -603,6 +603,18 @@ def test_remote_paths_are_refused_up_front(
   assert os.listdir(tmp_path / 'gs:') == []
 
 
+@pytest.mark.parametrize('value', [None, 42], ids=repr)
+def test_saves_refuse_what_is_no_model(tmp_path, value):
+  """Not "no variable matched `include=`": what arrived, named."""
+  match = (
+    r'Expected an NNX module, another NNX graph node \(e\.g\. '
+    rf'nnx\.Optimizer\) or an nnx\.State; got {type(value).__name__}'
+  )
+  with pytest.raises(fdt.NotAModelError, match=match):
+    fdt_tf.save_checkpoint(value, tmp_path / 'c')
+  assert not (tmp_path / 'c').exists()
+
+
 def test_file_urls_are_local_paths(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(_model(explicit_mesh), f'file://{tmp_path}/c')
   assert path == str(tmp_path / 'c')

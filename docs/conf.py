@@ -50,10 +50,8 @@ extensions = [
   'sphinx.ext.doctest',
   'sphinx.ext.viewcode',
   'myst_nb',
-  'cli_help',
   'coverage_check',
   'docstring_fixes',
-  'troubleshooting',
   'benchmarks',
   'sphinxcontrib.mermaid',
 ]

@@ -3,7 +3,7 @@
 `CASES` lists, for each, the documented exception type, a pattern of its
 message, and the fix. `bad_input_test.py` runs every case; the docs'
 troubleshooting page is generated from this list
-(docs/ext/troubleshooting.py), which is why it imports nothing of pytest.
+(tools/generate_docs.py), which is why it imports nothing of pytest.
 Cases that need a fresh process (TensorFlow missing, DTensor not or wrongly
 initialized) run in one; those that leave TensorFlow as they found it share
 theirs.

@@ -189,9 +189,20 @@ class RulesSuggestion:
     where = ', '.join(
       f'{k}={v}' for k, v in (self.plan.mesh_axes or {}).items()
     )
+    # The file says what its rules are for; why no preset applied (each
+    # preset's missing names) is the report's, not the rules file's.
+    source = (
+      self.recognition
+      if self.preset is not None
+      else (
+        "from the model's own annotations"
+        if self.logical_names
+        else 'the generic proposal (no naming preset applies)'
+      )
+    )
     lines = [
       '# Rules proposed by flax_dtensor.suggest_rules: edit them freely.',
-      f'# Mesh {where}; {self.recognition}.',
+      f'# Mesh {where}; {source}.',
       f'# {self.budget_text()}',
     ]
     if self.traced_on is None and self.logical_names:

@@ -535,6 +535,13 @@ def test_the_forwards_names_get_rules_and_the_model_trains(tmp_path):
   ]
   assert set(s.logical_names) == {'features', 'hidden'}
   text = s.to_yaml()
+  # The file's head says where the rules come from, and nothing of the
+  # naming presets that did not apply (those are the report's).
+  assert s.preset is None and 'no preset recognised' in s.recognition
+  assert text.splitlines()[1] == (
+    "# Mesh data=2, model=4; from the model's own annotations."
+  )
+  assert 'preset' not in text and 'needs' not in text
   comment = text.split('logical_axis_rules:\n')[1].split('  - [')[0]
   assert "Logical names found only at run time, in the forward's" in ' '.join(
     line.strip(' #') for line in comment.splitlines()

@@ -27,7 +27,6 @@ import collections
 import datetime
 import json
 import pathlib
-import platform
 import sys
 
 COLUMNS = (
@@ -124,10 +123,13 @@ COSTS_FILE = (
 )
 
 
-def write_costs(tables: list[list[dict]], path: pathlib.Path) -> None:
-  """Each file's mean seconds over `tables`, for tests/support/scheduling."""
+def write_costs(
+  runs: list[tuple[dict, list[dict]]], path: pathlib.Path
+) -> None:
+  """Each file's mean seconds over `runs`, for tests/support/scheduling."""
   seconds: dict[str, list[float]] = collections.defaultdict(list)
-  for table in tables:
+  for _, rows in runs:
+    table = by_file(rows)
     for f in table:
       seconds[f['file']].append(f['seconds'])
   costs = {
@@ -138,8 +140,10 @@ def write_costs(tables: list[list[dict]], path: pathlib.Path) -> None:
     json.dumps(
       {
         'measured': datetime.date.today().isoformat(),
-        'python': platform.python_version(),
-        'runs': len(tables),
+        'runs': [
+          {k: header.get(k) for k in ('python', 'jax', 'flax', 'wall_seconds')}
+          for header, _ in runs
+        ],
         'seconds_by_file': costs,
       },
       indent=1,
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   runs = [read(path) for path in args.profile]
   if args.write_costs:
-    write_costs([by_file(rows) for _, rows in runs], COSTS_FILE)
+    write_costs(runs, COSTS_FILE)
   header, rows = runs[-1]
   table = by_file(rows)
   print(markdown(table, top=args.top))

@@ -4,11 +4,12 @@ For every test it records the seconds of its setup (the module's and the
 session's fixtures are paid by the first test that needs them), its call
 and its teardown; how many fresh processes it started (`subprocess.Popen`,
 seen through Python's audit hook, `python` and other programs alike); how
-many scripts it ran in the warm pool's forks (`warm.FORK_EVENT`); how many
-XLA compilations the test's own process ran (JAX's
-`/jax/core/compile/backend_compile_duration` event; those of the processes
-it started are theirs); how many compilations the persistent cache served
-instead; and whether TensorFlow was first imported by it.
+many scripts it ran in the warm pool's forks (`warm.FORK_EVENT`); how
+many compilations its own process asked for (JAX's
+`/jax/core/compile/backend_compile_duration` event, which wraps the
+persistent cache's look-up; those of the processes it started are theirs)
+and how many of them the persistent cache served; and whether TensorFlow
+was first imported in its worker by it (or by its file's import, at collection).
 
 The figures travel on the reports' `user_properties`, so pytest-xdist's
 workers send them to the main process, which writes them as JSON lines to
@@ -18,8 +19,10 @@ turns that file into the per-file table of `tests/README.md`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 import sys
 import time
 
@@ -80,6 +83,19 @@ def pytest_configure(config):
   config._suite_cost_rows = []
 
 
+# Test files whose import (at collection) imported TensorFlow first in this
+# process: their first test reports it.
+_tf_at_collection: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+  had = 'tensorflow' in sys.modules
+  yield
+  if not had and 'tensorflow' in sys.modules and hasattr(collector, 'path'):
+    _tf_at_collection.add(str(collector.path))
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
   del nextitem
@@ -98,6 +114,9 @@ def pytest_runtest_makereport(item, call):
   before, had_tf = getattr(item, '_suite_cost_start', (dict(_counts), True))
   cost = {name: _counts[name] - before[name] for name in _counts}
   cost['tf_import'] = int(not had_tf and 'tensorflow' in sys.modules)
+  if str(item.path) in _tf_at_collection:  # Its file's import did.
+    _tf_at_collection.discard(str(item.path))
+    cost['tf_import'] = 1
   outcome.get_result().user_properties.append((_PROPERTY, cost))
 
 
@@ -153,6 +172,21 @@ def pytest_sessionfinish(session):
     return
   wall = time.time() - config._suite_cost_t0
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(json.dumps({'wall_seconds': wall, 'argv': sys.argv[1:]}) + '\n')
+    header = {
+      'wall_seconds': wall,
+      'argv': sys.argv[1:],
+      'python': platform.python_version(),
+      'jax': _version('jax'),
+      'flax': _version('flax'),
+      'load_average': os.getloadavg(),
+    }
+    f.write(json.dumps(header) + '\n')
     for row in config._suite_cost_rows:
       f.write(json.dumps(row) + '\n')
+
+
+def _version(name: str) -> str | None:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None

@@ -248,6 +248,35 @@ def _matches(item, patterns) -> bool:
   return any(fnmatch.fnmatch(path.as_posix(), p) for p in patterns)
 
 
+def _excludes(markexpr: str, marker: str) -> bool:
+  """Whether `-m markexpr` deselects every test marked `marker`, whatever
+  its other markers."""
+  from _pytest.mark.expression import Expression
+
+  expression = Expression.compile(markexpr)
+  return not any(
+    expression.evaluate(lambda name, /, **kw: name == marker or others)
+    for others in (False, True)
+  )
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Under `-m "not tf ..."`, the files of TF_PATHS are not even imported:
+  the quick tier runs without TensorFlow in the process."""
+  markexpr = config.getoption('markexpr')
+  if not markexpr or collection_path.suffix != '.py':
+    return None
+  try:
+    path = collection_path.resolve().relative_to(TESTS_DIR).as_posix()
+  except ValueError:
+    return None
+  if _excludes(markexpr, 'tf') and any(
+    fnmatch.fnmatch(path, p) for p in TF_PATHS
+  ):
+    return True
+  return None
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:

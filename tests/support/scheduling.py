@@ -9,27 +9,42 @@ and gives a free worker the dearest file left, by the seconds that a
 measured run recorded (`COSTS_FILE`, written by `tools/suite_profile.py
 --write-costs`); a file not in it counts by its number of tests.
 
-A file listed in `SPLIT` is handed out a test at a time instead, so that
-its cases spread over the workers: its tests must share nothing costly
-(each worker that runs any of them builds its module fixtures).
+A file listed in `SPLIT` is handed out in parts instead, so that its cases
+spread over the workers: a test at a time, or in the groups its function
+names (tests of a group share their module fixtures' costly work; a worker
+that runs any test of a file builds that file's module fixtures).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
 
 from xdist.scheduler import LoadScopeScheduling
 
 COSTS_FILE = pathlib.Path(__file__).resolve().parent / 'costs.json'
 # A test of a file not measured yet: about what an average test costs.
 SECONDS_PER_UNMEASURED_TEST = 1.0
-# Files whose tests go out one at a time (their module fixtures are cheap,
-# or a test's own work is what costs).
-SPLIT = (
-  'tests/docs/docs_snippets_test.py',
-  'tests/core/init_test.py',
-)
+
+
+def _each_test(nodeid: str) -> str:
+  return nodeid
+
+
+def _served_or_not(nodeid: str) -> str:
+  """The context matrix: its SavedModel cells (which share one export and
+  serving step) apart from the rest."""
+  served = 'save_saved_model' in nodeid or '_is_served_' in nodeid
+  return f'{file_of(nodeid)}::{"served" if served else "rest"}'
+
+
+# Files handed out in parts: {file: its part of a test's node id}.
+SPLIT: dict[str, Callable[[str], str]] = {
+  'tests/bridge/context_matrix_test.py': _served_or_not,
+  'tests/cli/interrupt_test.py': _each_test,
+  'tests/docs/docs_snippets_test.py': _each_test,
+}
 
 
 def load_costs(path: pathlib.Path = COSTS_FILE) -> dict[str, float]:
@@ -57,23 +72,22 @@ class CostFirstScheduling(LoadScopeScheduling):
 
   def _split_scope(self, nodeid: str) -> str:
     path = file_of(nodeid)
-    return nodeid if path in SPLIT else path
+    return SPLIT[path](nodeid) if path in SPLIT else path
 
   def _cost(self, scope: str) -> float:
     path = file_of(scope)
     if path not in self._costs:
       return len(self.workqueue[scope]) * SECONDS_PER_UNMEASURED_TEST
     if path in SPLIT:  # The file's seconds, shared by its tests.
-      return self._costs[path] / self._split_tests[path]
+      return self._costs[path] * len(self.workqueue[scope]) / self._tests[path]
     return self._costs[path]
 
   def _assign_work_unit(self, node) -> None:
-    if not hasattr(self, '_split_tests'):  # The first call: all queued.
-      self._split_tests = {}
-      for scope in self.workqueue:
+    if not hasattr(self, '_tests'):  # The first call: all is queued.
+      self._tests: dict[str, int] = {}
+      for scope, tests in self.workqueue.items():
         path = file_of(scope)
-        if path in SPLIT:
-          self._split_tests[path] = self._split_tests.get(path, 0) + 1
+        self._tests[path] = self._tests.get(path, 0) + len(tests)
     dearest = max(self.workqueue, key=self._cost)
     self.workqueue.move_to_end(dearest, last=False)
     super()._assign_work_unit(node)

@@ -607,9 +607,12 @@ class LogicalRules(tuple):
           if key in document:
             options[key] = document[key]
       document = document.get('logical_axis_rules', [])
-    if not isinstance(document, list):
+    # A list of pairs, or a mapping of each name to its one target: the
+    # same two spellings `LogicalRules` takes in Python.
+    if not isinstance(document, list | Mapping):
       raise _errors.LogicalRulesError(
-        f'{source}: expected a list of [logical_name, target] pairs; got '
+        f'{source}: expected a list of [logical_name, target] pairs (or a '
+        f'mapping of logical names to targets); got '
         f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
       )
     try:

@@ -167,6 +167,26 @@ def test_from_yaml_text_and_file(tmp_path):
   assert rules.unknown == 'replicate'
 
 
+def test_python_and_yaml_take_the_same_mapping():
+  """A mapping of each logical name to its one target, in either spelling."""
+  mapping = {'embed': 'data', 'mlp': ['model', 'data'], 'vocab': None}
+  python = fdt.LogicalRules(mapping)
+  yaml_rules = fdt.LogicalRules.from_yaml_text(
+    'logical_axis_rules: {embed: data, mlp: [model, data], vocab: null}\n'
+  )
+  assert yaml_rules == python
+  assert list(python) == [
+    ('embed', 'data'),
+    ('mlp', ('model', 'data')),
+    ('vocab', None),
+  ]
+  # A scalar is refused by both, each naming what it got.
+  with pytest.raises(fdt.LogicalRulesError, match=r'got str .*embed'):
+    fdt.LogicalRules('embed')
+  with pytest.raises(fdt.LogicalRulesError, match=r'got str .*embed'):
+    fdt.LogicalRules.from_yaml_text('logical_axis_rules: embed\n')
+
+
 def test_from_yaml_uses_the_safe_loader():
   with pytest.raises(fdt.LogicalRulesError, match='not valid YAML'):
     fdt.LogicalRules.from_yaml_text(

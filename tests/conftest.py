@@ -255,7 +255,9 @@ def _excludes(markexpr: str, marker: str) -> bool:
 
   expression = Expression.compile(markexpr)
   return not any(
-    expression.evaluate(lambda name, /, **kw: name == marker or others)
+    expression.evaluate(
+      lambda name, /, others=others, **kw: name == marker or others
+    )
     for others in (False, True)
   )
 

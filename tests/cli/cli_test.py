@@ -1726,8 +1726,9 @@ def test_export_llm_style_saved_model(lm_checkpoint):
     (
       [*LM_SHAPES[:4], *LM_SHAPES[6:]],  # No cache:none.
       [
-        '--input-shape tokens:b,t:int32, positions:b,t:int32, '
-        'mask:b,t,t:bool gives 3 arguments, but UserLM.__call__(tokens, '
+        # Echoed as given.
+        '--input-shape tokens:1,t:int32, positions:1,t:int32, '
+        'mask:1,t,t:bool gives 3 arguments, but UserLM.__call__(tokens, '
         'positions, cache, attention_mask) takes 4 positional arguments',
         'NAME:none for an argument passed as None (e.g. --input-shape '
         'cache:none)',
@@ -1759,7 +1760,10 @@ def test_export_llm_style_saved_model(lm_checkpoint):
     ),
     (
       [*LM_SHAPES[:-1], 'mask:1,max,t:bool'],
-      ['Malformed --input-shape mask:b,max,t:bool: JAX cannot read'],
+      [
+        'Malformed --input-shape mask:1,max,t:bool: JAX cannot read its '
+        'dimensions (b, max, t)'
+      ],
     ),
   ],
   ids=['no-cache', 'lengths-of-their-own', 'not-an-array', 'jax-name'],

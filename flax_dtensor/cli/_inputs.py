@@ -731,7 +731,7 @@ def check_served_inputs(
   from flax import nnx
 
   from flax_dtensor import _errors, _text
-  from flax_dtensor.dtensor._serving import _signature
+  from flax_dtensor.dtensor._serving import _saved_model, _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
@@ -774,8 +774,24 @@ def check_served_inputs(
     arguments = [None if i is None else arrays[i] for i in slots]
     return _signature.named_outputs(getattr(model, method)(*arguments), where)
 
+  # The exported function gets the variables as plain arrays, on no mesh.
+  graphdef, state = nnx.split(abstract)
+  plain = nnx.merge(
+    graphdef,
+    jax.tree.map(
+      lambda a: (
+        jax.ShapeDtypeStruct(a.shape, a.dtype)
+        if isinstance(a, jax.ShapeDtypeStruct | jax.Array)
+        else a
+      ),
+      state,
+    ),
+  )
   try:
-    nnx.eval_shape(call, abstract, *examples)
+    _saved_model.traced_where_served(
+      lambda: nnx.eval_shape(call, plain, *examples),
+      lambda: nnx.eval_shape(call, abstract, *examples),
+    )
   except _errors.FlaxDTensorError:
     raise
   except Exception as e:

@@ -1433,6 +1433,56 @@ def test_export_on_explicit_axes_serves_a_forward_written_for_them(tmp_path):
     )
 
 
+BATCH_SHARDED_NET = EXPLICIT_NET.replace(
+  '  def __call__(self, x):\n',
+  "  def __call__(self, x):\n    x = jax.sharding.reshard(x, P('data', None))\n",
+)
+
+
+def test_export_traces_its_inputs_where_save_saved_model_does(tmp_path):
+  """A forward that splits its batch over an Explicit axis (as bonsai's
+  models do): the command line's check of --input-shape traces it on the
+  serving mesh, as `save_saved_model` does, and the export serves every
+  batch size (it blamed the right input shape: 'does not evenly divide
+  the dimension size b')."""
+  import jax
+  import orbax.checkpoint as ocp
+  import tensorflow as tf
+
+  assert 'reshard(x' in BATCH_SHARDED_NET
+  (tmp_path / 'batch_net.py').write_text(BATCH_SHARDED_NET)
+  (tmp_path / 'rules.yaml').write_text(
+    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
+  )
+  namespace: dict = {}
+  exec(compile(BATCH_SHARDED_NET, 'batch_net.py', 'exec'), namespace)
+  with nnx.use_eager_sharding(False):
+    model = namespace['make']()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
+    checkpointer.wait_until_finished()
+  out = tmp_path / 'out'
+  ok(
+    run_cli(
+      'export',
+      f'{tmp_path / "batch_net.py"}:make',
+      *('--checkpoint', tmp_path / 'orbax', '--out', out),
+      *('--rules', tmp_path / 'rules.yaml', '--axis-types', 'explicit'),
+      *('--saved-model', '--input-shape', 'x:1,16:float32'),
+    )
+  )
+  served = tf.saved_model.load(str(out / 'saved_model'))
+  mesh = jax.make_mesh((1, 1), ('data', 'model'), devices=jax.devices()[:1])
+  for rows in (1, 3, 8):
+    x = np.random.default_rng(rows).standard_normal((rows, 16), np.float32)
+    (got,) = served.serve(tf.constant(x)).values()
+    with jax.set_mesh(mesh):
+      want = model(jax.numpy.asarray(x))
+    np.testing.assert_allclose(
+      got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_export_refuses_to_overwrite(demo_export):
   tmp, out, _, proc = demo_export
   ok(proc)

@@ -368,6 +368,28 @@ def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
   )
 
 
+def traced_where_served(
+  on_serving_mesh: Callable[[], Any], in_context: Callable[[], Any]
+) -> Any:
+  """A trace of the forward where `save_saved_model` traces it: under the
+  `serving_mesh` of the mesh in context (when it has an Explicit axis),
+  with the variables as plain arrays (`on_serving_mesh`), as the exported
+  function receives them; else, or if it fails there, as the caller has
+  it (`in_context`).
+
+  The command line's check of its inputs, before any work, so that it
+  refuses what the export would, and only that.
+  """
+  served_on = serving_mesh(_meshes.current_mesh())
+  if served_on is not None:
+    try:
+      with jax.set_mesh(served_on):
+        return on_serving_mesh()
+    except Exception:  # As `_traced` does: traced again in the context.
+      pass
+  return in_context()
+
+
 def _traced(
   serving: Callable[[_signature.Inputs], Any],
   inputs: _signature.Inputs,

@@ -127,15 +127,29 @@ def write_costs(
   runs: list[tuple[dict, list[dict]]], path: pathlib.Path
 ) -> None:
   """Each file's mean seconds over `runs`, for tests/support/scheduling."""
+  sys.path.insert(0, str(COSTS_FILE.parent))
+  import scheduling  # tests/support: how the scheduler splits files.
+
   seconds: dict[str, list[float]] = collections.defaultdict(list)
+  parts: dict[str, list[float]] = collections.defaultdict(list)
   for _, rows in runs:
-    table = by_file(rows)
-    for f in table:
+    for f in by_file(rows):
       seconds[f['file']].append(f['seconds'])
-  costs = {
-    name: round(sum(values) / len(values), 1)
-    for name, values in sorted(seconds.items())
-  }
+    split: dict[str, float] = collections.defaultdict(float)
+    for row in rows:
+      if row['file'] in scheduling.SPLIT:
+        scope = scheduling.SPLIT[row['file']](row['nodeid'])
+        split[scope] += row['setup'] + row['call'] + row['teardown']
+    for scope, value in split.items():
+      parts[scope].append(value)
+
+  def mean(table: dict[str, list[float]]) -> dict[str, float]:
+    return {
+      name: round(sum(values) / len(values), 1)
+      for name, values in sorted(table.items())
+    }
+
+  costs = mean(seconds)
   path.write_text(
     json.dumps(
       {
@@ -145,6 +159,8 @@ def write_costs(
           for header, _ in runs
         ],
         'seconds_by_file': costs,
+        # The parts of the files the scheduler hands out apart.
+        'seconds_by_part': mean(parts),
       },
       indent=1,
     )

@@ -137,10 +137,12 @@ def _own_messages_only(debug: bool) -> Iterator[str | None]:
       own.close()
 
 
+_INSTALL_EXTRA = 'pip install "flax-dtensor['
+
+
 def _message(e: BaseException) -> tuple[str, int]:
   """The ``error:`` line's text and the exit status for `e`."""
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor import _tf
 
   if isinstance(e, BadInputError):
     return str(e), EXIT_BAD_INPUT
@@ -156,8 +158,10 @@ def _message(e: BaseException) -> tuple[str, int]:
     )
   if isinstance(e, _errors.FlaxDTensorError):
     return str(e), EXIT_BAD_INPUT
-  if isinstance(e, ImportError) and _tf.INSTALL_HINT in str(e):
-    # An optional extra the user has not installed: theirs to install.
+  if isinstance(e, ImportError) and _INSTALL_EXTRA in str(e):
+    # An optional extra the user has not installed (`_tf.INSTALL_HINT`):
+    # theirs to install. Nothing more is imported on this path, which may
+    # run where the interpreter can import nothing new.
     return str(e), EXIT_BAD_INPUT
   text = str(e).strip() or 'no message'
   return f'unexpected failure: {text}', EXIT_FAILURE

@@ -83,6 +83,8 @@ def old_runs(warm_pool, tmp_path_factory):
   ids=[f'{name}-{i:02d}' for name, n in MOMENTS.items() for i in range(n)],
 )
 def test_sigint_to_the_group_at_a_random_moment(old_runs, name, index):
+  """Slow: one run of the command, signalled (and the module's old runs,
+  on the worker's first moment)."""
   m = old_runs.moment(name, index)
   why = signal_sweep.acceptable(m)
   assert why is None, f'seed {SEED}: {m.line()}: {why}'
@@ -92,7 +94,11 @@ def test_sigint_to_the_group_at_a_random_moment(old_runs, name, index):
 @pytest.mark.parametrize('name', list(MOMENTS))
 def test_some_moments_stop_the_run(old_runs, name):
   """Stopped runs: at least one moment fell before the swap (the moments
-  the tests above ran are read back; any not run yet run here)."""
+  the tests above ran are read back; any not run yet run here).
+
+  Slow: where pytest-xdist gave the moments to another worker, this one
+  runs them again.
+  """
   moments = [old_runs.moment(name, i) for i in range(MOMENTS[name])]
   lines = '\n'.join(m.line() for m in moments)
   print(signal_sweep.summary(moments))

@@ -48,15 +48,24 @@ SPLIT: dict[str, Callable[[str], str]] = {
 
 
 def load_costs(path: pathlib.Path = COSTS_FILE) -> dict[str, float]:
-  """{test file: seconds of a worker}, or {} without a readable table."""
+  """{test file, or part of a split file: seconds of a worker}, or {}
+  without a readable table."""
   try:
     table = json.loads(path.read_text(encoding='utf-8'))
   except (OSError, ValueError):
     return {}
-  files = table.get('seconds_by_file', {}) if isinstance(table, dict) else {}
-  return {
-    str(k): float(v) for k, v in files.items() if isinstance(v, int | float)
-  }
+  if not isinstance(table, dict):
+    return {}
+  costs = {}
+  for key in ('seconds_by_file', 'seconds_by_part'):
+    entries = table.get(key, {})
+    if isinstance(entries, dict):
+      costs.update(
+        (str(k), float(v))
+        for k, v in entries.items()
+        if isinstance(v, int | float)
+      )
+  return costs
 
 
 def file_of(nodeid: str) -> str:
@@ -75,6 +84,8 @@ class CostFirstScheduling(LoadScopeScheduling):
     return SPLIT[path](nodeid) if path in SPLIT else path
 
   def _cost(self, scope: str) -> float:
+    if scope in self._costs:  # A file, or a part measured apart.
+      return self._costs[scope]
     path = file_of(scope)
     if path not in self._costs:
       return len(self.workqueue[scope]) * SECONDS_PER_UNMEASURED_TEST

@@ -1386,9 +1386,7 @@ def test_export_on_explicit_axes_serves_a_forward_written_for_them(tmp_path):
   default Auto axes the refusal names the option."""
   import warnings
 
-  import jax
   import orbax.checkpoint as ocp
-  import tensorflow as tf
 
   (tmp_path / 'explicit_net.py').write_text(EXPLICIT_NET)
   (tmp_path / 'rules.yaml').write_text(
@@ -1421,7 +1419,16 @@ def test_export_on_explicit_axes_serves_a_forward_written_for_them(tmp_path):
   ok(
     run_cli('export', target, '--out', out, '--axis-types', 'explicit', *common)
   )
-  served = tf.saved_model.load(str(out / 'saved_model'))
+  _serves_rows_as_jax_runs_them(out / 'saved_model', model)
+
+
+def _serves_rows_as_jax_runs_them(path, model):
+  """The SavedModel at `path` serves 1, 3 and 8 rows as `model` computes
+  them on one device (a mesh of its axes, each of size 1)."""
+  import jax
+  import tensorflow as tf
+
+  served = tf.saved_model.load(str(path))
   mesh = jax.make_mesh((1, 1), ('data', 'model'), devices=jax.devices()[:1])
   for rows in (1, 3, 8):
     x = np.random.default_rng(rows).standard_normal((rows, 16), np.float32)
@@ -1445,9 +1452,7 @@ def test_export_traces_its_inputs_where_save_saved_model_does(tmp_path):
   serving mesh, as `save_saved_model` does, and the export serves every
   batch size (it blamed the right input shape: 'does not evenly divide
   the dimension size b')."""
-  import jax
   import orbax.checkpoint as ocp
-  import tensorflow as tf
 
   assert 'reshard(x' in BATCH_SHARDED_NET
   (tmp_path / 'batch_net.py').write_text(BATCH_SHARDED_NET)
@@ -1471,16 +1476,7 @@ def test_export_traces_its_inputs_where_save_saved_model_does(tmp_path):
       *('--saved-model', '--input-shape', 'x:1,16:float32'),
     )
   )
-  served = tf.saved_model.load(str(out / 'saved_model'))
-  mesh = jax.make_mesh((1, 1), ('data', 'model'), devices=jax.devices()[:1])
-  for rows in (1, 3, 8):
-    x = np.random.default_rng(rows).standard_normal((rows, 16), np.float32)
-    (got,) = served.serve(tf.constant(x)).values()
-    with jax.set_mesh(mesh):
-      want = model(jax.numpy.asarray(x))
-    np.testing.assert_allclose(
-      got.numpy(), np.asarray(want), rtol=1e-5, atol=1e-5
-    )
+  _serves_rows_as_jax_runs_them(out / 'saved_model', model)
 
 
 def test_export_refuses_to_overwrite(demo_export):

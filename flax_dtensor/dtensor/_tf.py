@@ -17,9 +17,12 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
+
+from flax_dtensor import _output
 
 INSTALL_HINT = (
   'flax_dtensor.dtensor needs TensorFlow, which could not be imported. '
@@ -35,7 +38,7 @@ def tf() -> types.ModuleType:
   logging is initialized: during the import itself, on CPUs where oneDNN
   is on, TF prints an INFO line about oneDNN and absl's "All log messages
   before absl::InitializeLog()" notice whatever the level. Those two are
-  dropped here (see `_start_up_noise_dropped`); oneDNN stays on, so TF
+  dropped here (see `cpp_noise_dropped`); oneDNN stays on, so TF
   keeps its speed. Anything else TF prints at import is passed on.
 
   Returns:
@@ -49,7 +52,7 @@ def tf() -> types.ModuleType:
     return module
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   try:
-    with _start_up_noise_dropped():
+    with cpp_noise_dropped():
       import tensorflow
   except ImportError as e:
     raise ImportError(f'{INSTALL_HINT} ({e})') from e
@@ -64,41 +67,94 @@ _NOISE = re.compile(
 )
 
 
+_captured = 0  # Blocks inside `cpp_noise_dropped` (of any thread).
+_capture_lock = threading.Lock()
+_capture: tuple[int, Any, Any] | None = None  # (saved fd 2, file, route)
+
+
+def _stderr_is_fd_2() -> bool:
+  try:
+    return sys.stderr.fileno() == 2
+  except (AttributeError, OSError, ValueError):  # A notebook's stream.
+    return False
+
+
+def _begin_capture() -> bool:
+  """Points descriptor 2 at a temporary file (the outermost block only)."""
+  global _captured, _capture
+  with _capture_lock:
+    _captured += 1
+    if _captured > 1:
+      return True
+    try:
+      sys.stderr.flush()
+      saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # No usable descriptor 2.
+      _captured -= 1
+      return False
+    capture = tempfile.TemporaryFile()
+    os.dup2(capture.fileno(), 2)
+    # Our own messages and progress bars stay live on the real stderr.
+    routed = None
+    if _output.stream() is sys.stderr and _stderr_is_fd_2():
+      own = os.fdopen(
+        os.dup(saved), 'w', buffering=1, encoding='utf-8', errors='replace'
+      )
+      routed = (own, _output.route(own))
+    _capture = (saved, capture, routed)
+    return True
+
+
+def _end_capture() -> None:
+  """Restores descriptor 2 (the outermost block) and passes on what was
+  written there, all but TF's glog-style INFO and WARNING lines."""
+  global _captured, _capture
+  with _capture_lock:
+    _captured -= 1
+    if _captured > 0 or _capture is None:
+      return
+    saved, capture, routed = _capture
+    _capture = None
+    try:
+      sys.stderr.flush()
+    except (OSError, ValueError):
+      pass
+    os.dup2(saved, 2)
+    os.close(saved)
+    if routed is not None:
+      own, previous = routed
+      _output.route(previous)
+      own.close()
+    with capture:
+      capture.seek(0)
+      text = capture.read().decode('utf-8', errors='replace')
+  kept = [
+    line for line in text.splitlines(keepends=True) if not _NOISE.match(line)
+  ]
+  if kept:
+    sys.stderr.write(''.join(kept))
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
-def _start_up_noise_dropped() -> Iterator[None]:
+def cpp_noise_dropped() -> Iterator[None]:
   """Captures file descriptor 2 in the block; re-emits all but TF's noise.
 
   TF's C++ code writes to the process's stderr directly, so redirecting
   `sys.stderr` is not enough: the descriptor itself points to a temporary
-  file while TF imports.
+  file within the block. What else was written there (Python's warnings,
+  TF's errors) is written to stderr when the outermost block ends; our own
+  messages and progress bars stay live. Used where TF logs through its own
+  copy of absl, which no log level reaches: at import, and around the reads
+  of a checkpoint (a damaged file's failed op logs a WARNING and an INFO
+  line before our error).
   """
+  began = _begin_capture()
   try:
-    sys.stderr.flush()
-    saved = os.dup(2)
-  except (OSError, ValueError, AttributeError):  # No usable descriptor 2.
     yield
-    return
-  with tempfile.TemporaryFile() as capture:
-    os.dup2(capture.fileno(), 2)
-    try:
-      yield
-    finally:
-      try:
-        sys.stderr.flush()
-      except (OSError, ValueError):
-        pass
-      os.dup2(saved, 2)
-      os.close(saved)
-      capture.seek(0)
-      text = capture.read().decode('utf-8', errors='replace')
-      kept = [
-        line
-        for line in text.splitlines(keepends=True)
-        if not _NOISE.match(line)
-      ]
-      if kept:
-        sys.stderr.write(''.join(kept))
-        sys.stderr.flush()
+  finally:
+    if began:
+      _end_capture()
 
 
 # absl's `SetMinLogLevel(absl::LogSeverityAtLeast)`, as TF's framework

@@ -18,7 +18,7 @@ ABSL = (
 
 
 def test_start_up_noise_is_dropped_and_the_rest_kept(capfd):
-  with _tf._start_up_noise_dropped():
+  with _tf.cpp_noise_dropped():
     os.write(2, ABSL.encode())
     os.write(2, ONEDNN.encode())
     os.write(2, b'E0000 00:00:1.0  1 x.cc:1] a real error\n')
@@ -26,6 +26,24 @@ def test_start_up_noise_is_dropped_and_the_rest_kept(capfd):
   err = capfd.readouterr().err
   assert 'oneDNN' not in err and 'absl::InitializeLog' not in err
   assert 'a real error' in err and 'python-level line' in err
+
+
+def test_our_messages_stay_live_and_nested_blocks_capture_once(capfd):
+  """Within a block our own output goes to the real stderr at once (a
+  restore's progress bar); what others wrote there comes after, once the
+  outermost block ends, and TF's noise never."""
+  from flax_dtensor import _output
+
+  with _tf.cpp_noise_dropped():
+    _output.stream().write('ours, live\n')
+    _output.stream().flush()
+    with _tf.cpp_noise_dropped():
+      os.write(2, ONEDNN.encode())
+      os.write(2, b'inner\n')
+    assert capfd.readouterr().err == 'ours, live\n'  # Not yet the others'.
+    os.write(2, b'outer\n')
+  assert _output.stream() is sys.stderr  # The routing is undone.
+  assert capfd.readouterr().err == 'inner\nouter\n'
 
 
 def test_importing_tensorflow_through_flax_dtensor_prints_nothing():

@@ -308,6 +308,21 @@ def read_checkpoint(
     _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
+  with _tf.cpp_noise_dropped():  # A damaged file's failed op logs first.
+    out = _read_whole(prefix, manifest)
+  _check_unchanged(prefix, before)
+  return _names.PathDict(
+    sorted(
+      out.items(),
+      key=lambda kv: _variables.natural_key(_names.path_text(kv[0])),
+    )
+  )
+
+
+def _read_whole(
+  prefix: str, manifest: _manifest.Manifest | None
+) -> dict[_names.Path, np.ndarray]:
+  """Every variable of the checkpoint at `prefix`, whole, on the host."""
   reader, shapes, _ = _reader(prefix, manifest)
   records = manifest.by_key if manifest is not None else {}
   out = {}
@@ -329,13 +344,7 @@ def read_checkpoint(
           manifest, record, {tuple((0, n) for n in value.shape): value}
         )
       out[nnx_path] = value
-  _check_unchanged(prefix, before)
-  return _names.PathDict(
-    sorted(
-      out.items(),
-      key=lambda kv: _variables.natural_key(_names.path_text(kv[0])),
-    )
-  )
+  return out
 
 
 # restore_checkpoint
@@ -499,6 +508,32 @@ def _read_all(
   _background.wait_for(path)  # A save of this process to it finishes first.
   _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
+  # A damaged file fails a TF op, which logs to stderr before our error.
+  with _tf.cpp_noise_dropped():
+    return _read_located(
+      prefix,
+      manifest,
+      target,
+      entries,
+      mesh,
+      rules,
+      allow_extra,
+      convert_dtypes,
+      progress,
+    )
+
+
+def _read_located(
+  prefix: str,
+  manifest: _manifest.Manifest | None,
+  target: Any,
+  entries: Sequence[_selection.Entry],
+  mesh: jax.sharding.Mesh | None,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
+  allow_extra: bool,
+  convert_dtypes: bool,
+  progress: bool | None,
+) -> list[jax.Array]:
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)
   held = _held(shapes, dtypes, manifest)

@@ -20,6 +20,7 @@ import fault_runs
 import jax
 import jax.numpy as jnp
 import numpy as np
+import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -770,3 +771,57 @@ def test_a_stop_another_process_saw_is_named_as_the_stop():
     r'too\. /c is whole\. Its error: KeyError: x',
     str(failed),
   ), str(failed)
+
+
+DAMAGED_RESTORE = """
+import os, sys
+import jax
+import flax_dtensor as fdt
+import flax_dtensor.dtensor as fdt_dt
+from flax import nnx
+
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+fdt_dt.initialize()
+rules = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
+init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ('embed', 'mlp'))
+with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+  saved = nnx.Linear(64, 128, kernel_init=init, rngs=nnx.Rngs(0))
+  target = nnx.Linear(64, 128, kernel_init=init, rngs=nnx.Rngs(1))
+path = fdt_dt.save_checkpoint(saved, sys.argv[1])
+(data,) = [n for n in os.listdir(path) if n.startswith('ckpt.data')]
+with open(os.path.join(path, data), 'r+b') as f:  # Its first value's byte.
+  byte = f.read(1)[0]
+  f.seek(0)
+  f.write(bytes([byte ^ 0xFF]))
+print('saved', flush=True)
+try:
+  fdt_dt.restore_checkpoint(path, target)
+except fdt_dt.DamagedExportError as e:
+  print('refused', str(e).split(' (expected')[0])
+"""
+
+
+def test_a_damaged_restore_prints_no_tensorflow_log_line(tmp_path):
+  """As a user's script meets it, in a fresh `python` (a fork of the warm
+  pool inherits a logging set up otherwise): TF's checksum fails its
+  restore op, which logs a WARNING (op_kernel.cc) and an INFO line
+  (local_rendezvous.cc), whatever the log level. Only our error is seen."""
+  script = tmp_path / 'damaged.py'
+  script.write_text(DAMAGED_RESTORE)
+  proc = processes.run_python(
+    script,
+    str(tmp_path / 'c'),
+    env=processes.reader_env(
+      XLA_FLAGS='--xla_force_host_platform_device_count=8'
+    ),
+  )
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0] == 'saved'
+  assert re.fullmatch(
+    r"refused The export at '.*c' is damaged: ckpt\.data-00000-of-00001 "
+    r'bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, recorded [0-9a-f]{8}\)',
+    lines[1],
+  )
+  assert not re.search(r'^[IW]\d{4} ', proc.stderr, re.M), proc.stderr
+  assert 'DATA_LOSS' not in proc.stderr, proc.stderr

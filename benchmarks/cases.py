@@ -123,10 +123,13 @@ def _mlp_stack(
   return VmapStack if vmap else Stack
 
 
-def init(method: str, layers: int, width: int, stack: str = 'list') -> dict:
+def init(
+  method: str, layers: int, width: int, stack: str = 'list', axes: str = ''
+) -> dict:
   """One build, timed: `method` of `layers` blocks (a list, or with `stack`
-  'vmap' stacked by ``nnx.vmap``). A method ending in ``_again`` is timed
-  on its second call of the same configuration (the first untimed)."""
+  'vmap' stacked by ``nnx.vmap``), on a (2, 4) mesh of Explicit axes (Auto
+  for 'vmap', or with `axes` 'auto'). A method ending in ``_again`` is
+  timed on its second call of the same configuration (the first untimed)."""
   jax = _jax()
   from flax import nnx
 
@@ -141,7 +144,7 @@ def init(method: str, layers: int, width: int, stack: str = 'list') -> dict:
     vmap=stack == 'vmap',
   )
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  if stack == 'vmap':  # Flax's idiom constrains under an Auto mesh.
+  if stack == 'vmap' or axes == 'auto':  # Flax's idiom: an Auto mesh.
     mesh = jax.make_mesh(
       (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
@@ -1566,7 +1569,255 @@ def export_memory(method: str, mib: int) -> dict:
   }
 
 
+# One accelerator: a Llama-like decoder
+# ------------------------------------------------------------------------------
+
+# Each block's logical axes, as a Llama port annotates them.
+GPU_RULES = [
+  ('embed', 'data'),
+  ('heads', 'model'),
+  ('mlp', 'model'),
+  ('vocab', 'model'),
+  ('batch', 'data'),
+]
+
+
+def _decoder(layers: int, dim: int, ffn: int, vocab: int, heads: int):
+  """A Llama-like decoder in bfloat16, annotated with logical axes: a
+  factory ``make(rngs)`` and a loss ``loss(model, tokens)``. Its forward
+  pins the activations' sharding with `fdt.with_logical_constraint` when
+  `constrained` (a no-op without rules)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import flax_dtensor as fdt
+
+  dtype = jnp.bfloat16
+
+  def ann(init, names):
+    return nnx.with_partitioning(init, names)
+
+  def linear(i, o, names, rngs):
+    return nnx.Linear(
+      i,
+      o,
+      use_bias=False,
+      dtype=dtype,
+      param_dtype=dtype,
+      kernel_init=ann(nnx.initializers.lecun_normal(), names),
+      rngs=rngs,
+    )
+
+  def norm(rngs):
+    return nnx.RMSNorm(
+      dim,
+      dtype=dtype,
+      param_dtype=dtype,
+      scale_init=ann(nnx.initializers.ones, ('embed',)),
+      rngs=rngs,
+    )
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.attn_norm = norm(rngs)
+      self.q = linear(dim, dim, ('embed', 'heads'), rngs)
+      self.k = linear(dim, dim, ('embed', 'heads'), rngs)
+      self.v = linear(dim, dim, ('embed', 'heads'), rngs)
+      self.o = linear(dim, dim, ('heads', 'embed'), rngs)
+      self.mlp_norm = norm(rngs)
+      self.gate = linear(dim, ffn, ('embed', 'mlp'), rngs)
+      self.up = linear(dim, ffn, ('embed', 'mlp'), rngs)
+      self.down = linear(ffn, dim, ('mlp', 'embed'), rngs)
+
+    def __call__(self, x, constrained):
+      def pin(y, names):
+        return fdt.with_logical_constraint(y, names) if constrained else y
+
+      b, t, _ = x.shape
+      h = self.attn_norm(x)
+      q, k, v = (
+        f(h).reshape(b, t, heads, dim // heads)
+        for f in (self.q, self.k, self.v)
+      )
+      att = jnp.einsum('bthd,bshd->bhts', q, k) / jnp.sqrt(dim // heads)
+      att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+      att = jax.nn.softmax(att.astype(jnp.float32), axis=-1).astype(dtype)
+      y = jnp.einsum('bhts,bshd->bthd', att, v).reshape(b, t, dim)
+      x = pin(x + self.o(y), ('batch', None, 'embed'))
+      h = self.mlp_norm(x)
+      h = pin(jax.nn.silu(self.gate(h)) * self.up(h), ('batch', None, 'mlp'))
+      return pin(x + self.down(h), ('batch', None, 'embed'))
+
+  class Decoder(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(
+        vocab,
+        dim,
+        dtype=dtype,
+        param_dtype=dtype,
+        embedding_init=ann(nnx.initializers.normal(0.02), ('vocab', 'embed')),
+        rngs=rngs,
+      )
+      self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+      self.norm = norm(rngs)
+      self.head = linear(dim, vocab, ('embed', 'vocab'), rngs)
+
+    def __call__(self, tokens, constrained=False):
+      x = self.embed(tokens)
+      for block in self.blocks:
+        x = block(x, constrained)
+      return self.head(self.norm(x)).astype(jnp.float32)
+
+  def loss(model, tokens, constrained):
+    logits = model(tokens[:, :-1], constrained)
+    labels = jax.nn.one_hot(tokens[:, 1:], vocab)
+    return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), axis=-1))
+
+  return Decoder, loss
+
+
+def _device_peak() -> int | None:
+  """The accelerator's peak bytes in use (None where it keeps no count,
+  e.g. CPU)."""
+  import jax
+
+  stats = jax.local_devices()[0].memory_stats()
+  return None if not stats else stats.get('peak_bytes_in_use')
+
+
+def gpu(
+  method: str,
+  layers: int,
+  dim: int,
+  ffn: int,
+  vocab: int,
+  heads: int,
+  batch: int = 1,
+  seq: int = 128,
+  steps: int = 5,
+) -> dict:
+  """One measurement on the first accelerator (or the CPU, `--quick`):
+  the decoder built, planned or trained, on ``jax.make_mesh``'s default
+  mesh (Explicit axes) over every local device. A method ending in
+  ``_again`` is timed on its second call of the same configuration.
+
+  `memory_stats` gives the peak device memory; a peak from before the
+  step is not reset (JAX cannot), so each measurement is its own process
+  and builds nothing before it.
+  """
+  import jax
+  from flax import nnx
+
+  import flax_dtensor as fdt
+
+  # The CPU's 8 devices come from XLA_FLAGS (set above). No TensorFlow here: the group runs where it is not installed.
+  tf_before = 'tensorflow' in sys.modules
+  Decoder, loss = _decoder(layers, dim, ffn, vocab, heads)
+  mesh = jax.make_mesh((len(jax.devices()), 1), ('data', 'model'))
+  rules = GPU_RULES
+  flax_rules = tuple(rules)
+  jax.block_until_ready(jax.numpy.zeros(8) + 1)  # Start the backend.
+
+  @nnx.jit
+  def jitted_factory():
+    """Flax's documented idiom, defined once: built under jit, the state
+    constrained to its partition specs."""
+    model = Decoder(nnx.Rngs(0))
+    state = nnx.state(model)
+    nnx.update(
+      model,
+      jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)),
+    )
+    return model
+
+  again = method.endswith('_again')
+  base = method.removesuffix('_again')
+
+  def build():
+    if base == 'fdt_init':
+      return fdt.init(Decoder, nnx.Rngs(0), mesh=mesh, rules=rules)
+    if base == 'flax_jit_factory':
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(flax_rules):
+        return jitted_factory()
+    if base == 'fdt_eager':
+      with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+        return Decoder(nnx.Rngs(0))
+    if base == 'flax_eager':
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(flax_rules):
+        return Decoder(nnx.Rngs(0))
+    if base == 'fdt_plan':
+      return fdt.plan(lambda: Decoder(nnx.Rngs(0)), mesh=mesh, rules=rules)
+    if base == 'flax_eval_shape':
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(flax_rules):
+        return nnx.eval_shape(lambda: Decoder(nnx.Rngs(0)))
+    raise ValueError(method)
+
+  def ready(x):
+    if isinstance(x, nnx.Module):
+      jax.block_until_ready(nnx.state(x))
+    return x
+
+  result: dict = {}
+  if base in ('step_constrained', 'step_plain'):
+    import optax
+
+    # The step on Auto axes: the decoder's forward is written for them (an
+    # FSDP rule's contracting dimensions would need out_sharding= on
+    # Explicit ones), and there the constraint is with_sharding_constraint.
+    mesh = jax.make_mesh(
+      mesh.axis_sizes,
+      mesh.axis_names,
+      axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+      model = fdt.init(Decoder, nnx.Rngs(0), mesh=mesh, rules=rules)
+      optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+      constrained = base == 'step_constrained'
+
+      @nnx.jit
+      def step(model, optimizer, tokens):
+        value, grads = nnx.value_and_grad(loss)(model, tokens, constrained)
+        optimizer.update(model, grads)
+        return value
+
+      tokens = jax.random.randint(
+        jax.random.key(1), (batch * len(jax.devices()), seq + 1), 0, vocab
+      )
+      tokens = jax.device_put(tokens, jax.NamedSharding(mesh, jax.P('data')))
+      jax.block_until_ready(step(model, optimizer, tokens))  # Compiled.
+      before = _reset_peak()
+      times = []
+      for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step(model, optimizer, tokens))
+        times.append(time.perf_counter() - start)
+      seconds = float(np.median(times))
+  else:
+    if again:  # The first call of this configuration, untimed.
+      ready(build())
+    before = _reset_peak()
+    start = time.perf_counter()
+    model = ready(build())
+    seconds = time.perf_counter() - start
+    if isinstance(model, nnx.Module):
+      params = nnx.state(model, nnx.Param)
+      result['param_bytes'] = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(params)
+      )
+  result.update(
+    seconds=seconds,
+    rss_before_mib=before,
+    rss_peak_mib=_rss_mib(),
+    device_peak_bytes=_device_peak(),
+    device=jax.devices()[0].device_kind,
+    tensorflow_imported=tf_before or 'tensorflow' in sys.modules,
+  )
+  return result
+
+
 CASES = {
+  'gpu': gpu,
   'export_memory': export_memory,
   'init': init,
   'plan': plan,

@@ -245,8 +245,74 @@ _INIT_AGAIN = _case(
 )
 
 
+# One accelerator (`--only gpu`; no TensorFlow needed): a Llama-like decoder
+# in bfloat16 on jax.make_mesh's default mesh over the local devices. The
+# first and second build against Flax's jitted factory, eager creation
+# against Flax's, the plan against nnx.eval_shape, and a jitted train step
+# pinning activations against the same step without; each with the peak
+# device memory (`memory_stats`) ÷ the parameter bytes.
+_GPU_BUILD = {
+  'ours': 'fdt_init',
+  'peer': 'flax_jit_factory',
+  'ours_again': 'fdt_init_again',
+  'peer_again': 'flax_jit_factory_again',
+  'ours_eager': 'fdt_eager',
+  'peer_eager': 'flax_eager',
+  'ours_plan': 'fdt_plan',
+  'peer_plan': 'flax_eval_shape',
+  'ours_step': 'step_constrained',
+  'peer_step': 'step_plain',
+}
+_GPU_RATIOS = [
+  ('ours', 'peer'),
+  ('ours_again', 'peer_again'),
+  ('ours_eager', 'peer_eager'),
+  ('ours_plan', 'peer_plan'),
+  ('ours_step', 'peer_step'),
+]
+
+
+def _gpu(layers, dim, ffn, vocab, heads, methods=None):
+  methods = _GPU_BUILD if methods is None else methods
+  return _case(
+    'gpu',
+    {'layers': layers, 'dim': dim, 'ffn': ffn, 'vocab': vocab, 'heads': heads},
+    methods,
+    [r for r in _GPU_RATIOS if r[0] in methods and r[1] in methods],
+    note=f'Llama-like decoder, {layers} blocks, bfloat16, on '
+    'jax.make_mesh((devices, 1)) (Explicit axes); peak device memory ÷ '
+    'param_bytes',
+  )
+
+
+# The second build where the variables are many and small (200: 50 blocks
+# of two Linear layers, width 16), where work per variable shows.
+_INIT_AGAIN_SMALL = _case(
+  'init',
+  {'layers': 50, 'width': 16, 'axes': 'auto'},
+  _INIT_AGAIN['methods'],
+  [('ours', 'peer'), ('ours_again', 'peer_again')],
+  note='200 small variables (50 blocks of Linear(16, 64) + Linear(64, 16)) '
+  "on a (2, 4) Auto mesh: first and second call against Flax's jitted "
+  'factory',
+)
+
+
 def _full():
   return {
+    'gpu': [
+      _gpu(16, 2048, 5632, 32000, 16),
+      _gpu(
+        32,
+        2048,
+        5632,
+        32000,
+        16,
+        {
+          k: _GPU_BUILD[k] for k in ('ours', 'peer', 'ours_again', 'peer_again')
+        },
+      ),
+    ],
     'init': [
       _case(
         'init',
@@ -263,6 +329,7 @@ def _full():
         note="Flax's eager sharding inside nnx.jit, at 1/4 the size",
       ),
       _INIT_AGAIN,
+      _INIT_AGAIN_SMALL,
     ],
     'init_scaling': [
       _case(
@@ -440,6 +507,7 @@ def _full():
 
 def _quick():
   return {
+    'gpu': [_gpu(2, 64, 128, 256, 4)],
     'init': [
       _case('init', {'layers': 2, 'width': 256}, _INIT, _INIT_RATIOS),
       {**_INIT_AGAIN, 'params': {'layers': 2, 'width': 256, 'stack': 'vmap'}},
@@ -552,6 +620,8 @@ def _summary(runs):
     'shard_bytes',
     'variables',
     'shard_shape',
+    'device',
+    'tensorflow_imported',
   ):
     if key in ok[0]:
       out[key] = ok[0][key]
@@ -568,6 +638,11 @@ def _summary(runs):
   for key in ('ours_share', 'ours_calls'):
     if key in ok[0]:
       out[key] = _spread([r[key] for r in ok])
+  if ok[0].get('device_peak_bytes') is not None and ok[0].get('param_bytes'):
+    # The accelerator's peak bytes in use ÷ the parameter bytes.
+    out['device_peak_per_param'] = _spread(
+      [r['device_peak_bytes'] / r['param_bytes'] for r in ok]
+    )
   if 'import_seconds' in ok[0]:
     out['import_seconds'] = _spread([r['import_seconds'] for r in ok])
     out['heavy_imports'] = sorted({m for r in ok for m in r['heavy_imports']})
@@ -778,7 +853,12 @@ def _print_line(group, params, role, summary):
   print(
     f'{group:<13} {text:<48} {role:<11} {summary["method"]:<16} '
     f'{s["min"]:8.2f} {s["median"]:8.2f} {s["max"]:8.2f} s  '
-    f'+{mem:7.0f} MiB',
+    f'+{mem:7.0f} MiB'
+    + (
+      f'  device peak {summary["device_peak_per_param"]["median"]:.2f}x params'
+      if 'device_peak_per_param' in summary
+      else ''
+    ),
     flush=True,
   )
 

@@ -29,6 +29,7 @@ import maxtext_style
 import numpy as np
 import processes
 import pytest
+import scheduling
 from flax import nnx
 
 import flax_dtensor as fdt
@@ -364,11 +365,32 @@ _SERVE = processes.NO_JAX + textwrap.dedent(
 
 @pytest.fixture(scope='module')
 def served(world, tmp_path_factory):
-  """Exports every SavedModel cell's model, then serves them all at once."""
+  """`of(cell)`: the report of the SavedModel cells of `cell`'s part
+  (`scheduling.served_part`), each part exported, then served by one TF
+  process, at its first cell (the parts go to different workers)."""
+  parts = {}
+
+  def of(cell):
+    part = scheduling.served_part(cell.id)
+    if part not in parts:
+      parts[part] = _serve(
+        world,
+        tmp_path_factory,
+        [
+          c
+          for c in ALL_CELLS
+          if c.entry == cm.SAVED_MODEL and scheduling.served_part(c.id) == part
+        ],
+      )
+    return parts[part]
+
+  return of
+
+
+def _serve(world, tmp_path_factory, cells):
+  """Exports `cells`' models, then serves them all in one TF process."""
   paths = []
-  for cell in ALL_CELLS:
-    if cell.entry != cm.SAVED_MODEL:
-      continue
+  for cell in cells:
     try:
       paths.append(world.export(cell))
     except Exception:
@@ -586,7 +608,9 @@ def test_every_list_element_is_in_a_cell():
 @pytest.mark.parametrize('cell', ALL_CELLS, ids=lambda c: c.id)
 def test_cell(cell, world, request):
   if cell.entry == cm.SAVED_MODEL:
-    run = lambda: _saved_model(world, cell, request.getfixturevalue('served'))  # noqa: E731
+    run = lambda: _saved_model(  # noqa: E731
+      world, cell, request.getfixturevalue('served')(cell)
+    )
   else:
     run = lambda: RUNNERS[cell.entry](world, cell)  # noqa: E731
   refusal = cm.refusal(cell)

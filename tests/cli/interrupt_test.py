@@ -46,7 +46,7 @@ class OldRuns:
     seed = SEED + list(MOMENTS).index(name)
     return signal_sweep.moments(seed, MOMENTS[name], self.lengths[name])
 
-  @functools.cache  # noqa: B019 (one instance a module)
+  @functools.cache  # noqa: B019 (one instance a worker)
   def moment(self, name: str, index: int) -> signal_sweep.Moment:
     """Moment `index` of `name`, run once (tests that read it share it)."""
     moment = signal_sweep.interrupt_over_a_copy(
@@ -62,9 +62,15 @@ class OldRuns:
     return moment
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def old_runs(warm_pool, tmp_path_factory):
-  """Each command run once to its end, on small inputs: the old runs."""
+  """Each command run once to its end, on small inputs: the old runs.
+
+  Once a worker: the moments are handed out one test at a time
+  (tests/support/scheduling.py), between other files' tests, and a module's
+  fixture would be built again after each of those (it was, 15 times a
+  run: 430 s of the file's 560).
+  """
   runs = OldRuns(tmp_path_factory.mktemp('signals'), warm_pool)
   runs.commands['demo'] = signal_sweep.demo_command(*signal_sweep.SMALL_DEMO)
   runs.commands['export'] = signal_sweep.export_command(

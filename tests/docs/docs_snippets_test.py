@@ -238,13 +238,14 @@ def _run(chain: list[script_util.Block], tmp: pathlib.Path, pool):
   return run.returncode, run.stdout, run.stderr
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def run_chain(tmp_path_factory, warm_pool):
   """Runs a chain once, in a fresh directory: (exit status, stdout, stderr).
 
   Each chain is a test of its own (a slow machine slows one test, and the
   chains spread over pytest-xdist's workers); a test that reads another
-  chain's outcome gets the one already run.
+  chain's outcome gets the one already run on its worker. Once a worker,
+  not a module: between two of these tests a worker runs other files'.
   """
   done = {}
 

@@ -32,11 +32,23 @@ def _each_test(nodeid: str) -> str:
   return nodeid
 
 
+def served_part(cell_id: str) -> str | None:
+  """The part of the context matrix's SavedModel cells that cell `cell_id`
+  (its test id) is in, or None for another cell. Each part shares one
+  export and serving step; two parts, split by the mesh the cell exports
+  from, so that no worker holds all 30 exports (210 s)."""
+  if not cell_id.startswith('save_saved_model'):
+    return None
+  explicit = '-Explicit-' in cell_id or '-size_1_axes-' in cell_id
+  return 'served-explicit' if explicit else 'served-other'
+
+
 def _served_or_not(nodeid: str) -> str:
-  """The context matrix: its SavedModel cells (which share one export and
-  serving step) apart from the rest."""
-  served = 'save_saved_model' in nodeid or '_is_served_' in nodeid
-  return f'{file_of(nodeid)}::{"served" if served else "rest"}'
+  """The context matrix: its SavedModel cells, in their `served_part`s,
+  apart from the rest."""
+  cell_id = nodeid.partition('[')[2].removesuffix(']')
+  part = served_part(cell_id) if '::test_cell[' in nodeid else None
+  return f'{file_of(nodeid)}::{part or "rest"}'
 
 
 # Files handed out in parts: {file: its part of a test's node id}.

@@ -197,6 +197,22 @@ def export_error_named(name: str) -> type[ExportError]:
   return _EXPORT_ERRORS.get(name, ExportError)
 
 
+class CheckpointManagerError(FlaxDTensorError, ValueError):
+  """A `CheckpointManager` was given what it cannot use: a setting out of
+  range, a step that is not a non-negative int or not above the latest
+  saved one, metrics that are not finite numbers."""
+
+
+class CheckpointStepWarning(UserWarning):
+  """A step the caller asked about was not saved, or not the one restored.
+
+  Warned by `CheckpointManager` when a save is skipped because the one
+  before is still being written (``when_busy='skip'``), and when
+  ``restore()`` with no step passes over a damaged latest step to restore
+  the newest good one.
+  """
+
+
 class EagerShardingOffWarning(UserWarning):
   """Variables were created unplaced: Flax's eager sharding was off.
 

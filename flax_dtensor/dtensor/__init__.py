@@ -18,6 +18,12 @@ from flax_dtensor import _lazy
 
 if TYPE_CHECKING:
   from flax_dtensor.dtensor._errors import (
+    CheckpointManagerError as CheckpointManagerError,
+  )
+  from flax_dtensor.dtensor._errors import (
+    CheckpointStepWarning as CheckpointStepWarning,
+  )
+  from flax_dtensor.dtensor._errors import (
     DamagedExportError as DamagedExportError,
   )
   from flax_dtensor.dtensor._errors import DiskFullError as DiskFullError
@@ -37,6 +43,9 @@ if TYPE_CHECKING:
   from flax_dtensor.dtensor._files._background import SaveHandle as SaveHandle
   from flax_dtensor.dtensor._files._checkpoint import (
     save_checkpoint as save_checkpoint,
+  )
+  from flax_dtensor.dtensor._files._manager import (
+    CheckpointManager as CheckpointManager,
   )
   from flax_dtensor.dtensor._files._restore import (
     read_checkpoint as read_checkpoint,
@@ -81,6 +90,9 @@ if TYPE_CHECKING:
   )
 
 __all__ = (
+  'CheckpointManager',
+  'CheckpointManagerError',
+  'CheckpointStepWarning',
   'DamagedExportError',
   'DiskFullError',
   'ExportNotFoundError',
@@ -114,6 +126,9 @@ _MODULES = {
   'array_to_dtensor': '_layout._arrays',
   'dtensor_to_array': '_layout._arrays',
   'SaveHandle': '_files._background',
+  'CheckpointManager': '_files._manager',
+  'CheckpointManagerError': '_errors',
+  'CheckpointStepWarning': '_errors',
   'save_checkpoint': '_files._checkpoint',
   'flat_variables': '_layout._convert',
   'to_tf_module': '_layout._convert',

@@ -4,6 +4,12 @@ Defined with the package's other errors (`flax_dtensor._errors`), handed
 out here, by `flax_dtensor.dtensor`.
 """
 
+from flax_dtensor._errors import (
+  CheckpointManagerError as CheckpointManagerError,
+)
+from flax_dtensor._errors import (
+  CheckpointStepWarning as CheckpointStepWarning,
+)
 from flax_dtensor._errors import DamagedExportError as DamagedExportError
 from flax_dtensor._errors import DiskFullError as DiskFullError
 from flax_dtensor._errors import ExportNotFoundError as ExportNotFoundError
@@ -13,6 +19,8 @@ from flax_dtensor._errors import SaveInProgressError as SaveInProgressError
 from flax_dtensor._errors import ServedShapeWarning as ServedShapeWarning
 
 __all__ = (
+  'CheckpointManagerError',
+  'CheckpointStepWarning',
   'DamagedExportError',
   'DiskFullError',
   'ExportNotFoundError',

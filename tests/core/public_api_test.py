@@ -52,6 +52,9 @@ EXPECTED = (
 
 # flax_dtensor.dtensor, the TensorFlow bridge.
 EXPECTED_DTENSOR = (
+  'CheckpointManager',
+  'CheckpointManagerError',
+  'CheckpointStepWarning',
   'DamagedExportError',
   'DiskFullError',
   'ExportNotFoundError',

@@ -20,8 +20,11 @@ import math
 import os
 import re
 import shutil
+import signal
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -186,6 +189,16 @@ class CheckpointManager:
       being written.
     include: NNX filter of the variables saved and restored.
     exclude: NNX filter of the variables left out (default: RNG state).
+    save_on_preemption: Watch for a preemption notice (SIGTERM): from then
+      on `reached_preemption` is true and `save` saves its step whatever the
+      interval, and waits until it is whole. In a multi-process run JAX's
+      preemption service decides the step all processes save at
+      (``multihost_utils.reached_preemption_sync_point``); in one process,
+      the manager's own SIGTERM handler.
+    preemption_seconds: With `save_on_preemption` in one process: the
+      process ends (exit status 143) this many seconds after the notice at
+      the latest, if the loop has not ended it by then (None: no bound).
+      The latest whole step stays restorable either way.
 
   Example:
     >>> manager = CheckpointManager('/tmp/run', max_to_keep=3)  # doctest: +SKIP
@@ -210,6 +223,8 @@ class CheckpointManager:
     when_busy: Literal['wait', 'skip'] = 'wait',
     include: filterlib.Filter = ...,
     exclude: filterlib.Filter = nnx.RngState,
+    save_on_preemption: bool = False,
+    preemption_seconds: float | None = 30.0,
   ) -> None:
     from flax_dtensor.dtensor._files import _paths
 
@@ -244,6 +259,11 @@ class CheckpointManager:
       raise _errors.CheckpointManagerError(
         f"when_busy must be 'wait' or 'skip'; got {when_busy!r}."
       )
+    if preemption_seconds is not None and not preemption_seconds > 0:
+      raise _errors.CheckpointManagerError(
+        f'preemption_seconds must be a positive number or None; got '
+        f'{preemption_seconds!r}.'
+      )
     self.directory = _paths.local(directory, 'checkpoint manager directory')
     os.makedirs(self.directory, exist_ok=True)  # Each process: its view.
     self.save_interval_steps = save_interval_steps
@@ -260,6 +280,12 @@ class CheckpointManager:
     self._reading: dict[int, int] = {}  # {step: restores in progress}
     self._metrics = _read_metrics(self.directory) if _is_process_0() else {}
     self._pending: concurrent.futures.Future[Any] | None = None
+    self.save_on_preemption = save_on_preemption
+    self.preemption_seconds = preemption_seconds
+    self._preempted_at: float | None = None
+    self._previous_handler: Any = None
+    if save_on_preemption and jax.process_count() == 1:
+      self._watch_for_preemption()
     # Started here, on the caller's thread (see `_background.StartedPool`).
     self._finisher = _background.StartedPool(
       1, f'flax_dtensor manager of {self.directory}'
@@ -296,6 +322,54 @@ class CheckpointManager:
     """Whether `save(step, ...)` would save (every `save_interval_steps`)."""
     return _checked_step(step) % self.save_interval_steps == 0
 
+  # Preemption
+  # ----------------------------------------------------------------------
+
+  def _watch_for_preemption(self) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      raise _errors.CheckpointManagerError(
+        'save_on_preemption=True installs a SIGTERM handler, which Python '
+        'allows on the main thread only; make the manager there.'
+      )
+    self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum: int, frame: Any) -> None:
+    if self._preempted_at is not None:
+      return
+    self._preempted_at = time.monotonic()
+    if self.preemption_seconds is not None:
+      timer = threading.Timer(self.preemption_seconds, self._out_of_time)
+      timer.daemon = True
+      timer.start()
+
+  def _out_of_time(self) -> None:
+    latest = self.latest_step()
+    print(
+      f'flax_dtensor: preempted (SIGTERM) {self.preemption_seconds} s ago '
+      f'and not yet ended: exiting now. The latest whole step of '
+      f'{self.directory!r} is {latest}. Check reached_preemption(step) in '
+      'the loop to save the current step first, or raise '
+      'preemption_seconds.',
+      file=sys.stderr,
+      flush=True,
+    )
+    os._exit(128 + signal.SIGTERM)
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether the run was told it will be preempted, and `step` is the
+    step to save at (every process agrees on it).
+
+    Always false without ``save_on_preemption=True``.
+    """
+    step = _checked_step(step)
+    if not self.save_on_preemption:
+      return False
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    return self._preempted_at is not None
+
   # Saving
   # ----------------------------------------------------------------------
 
@@ -331,7 +405,8 @@ class CheckpointManager:
         background save, raised here if nobody waited for it.
     """
     step = _checked_step(step)
-    if not (force or self.should_save(step)):
+    preempted = self.reached_preemption(step)
+    if not (force or preempted or self.should_save(step)):
       return False
     checked = _checked_metrics(metrics)
     previous = self._pending
@@ -371,6 +446,8 @@ class CheckpointManager:
       self._pending = self._finisher.submit(
         self._finish_after, saved, step, checked
       )
+      if preempted:  # Whole before the loop goes on to end the process.
+        self.wait()
     return True
 
   def _finish_after(
@@ -471,6 +548,9 @@ class CheckpointManager:
       self.wait()
     finally:
       self._finisher.shutdown()
+      if self._previous_handler is not None:
+        signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
 
   def __enter__(self) -> CheckpointManager:
     return self

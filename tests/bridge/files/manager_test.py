@@ -235,6 +235,10 @@ def test_restores_refuse_what_is_not_there(explicit_mesh, tmp_path):
       {'when_busy': 'queue'},
       r"when_busy must be 'wait' or 'skip'; got 'queue'",
     ),
+    (
+      {'preemption_seconds': 0},
+      r'preemption_seconds must be a positive number or None; got 0',
+    ),
   ],
 )
 def test_settings_are_checked(tmp_path, kwargs, match):
@@ -523,3 +527,107 @@ def test_a_loop_killed_at_any_moment_resumes_from_its_latest_whole_step(
     final.get_tensor(fdt_dt.checkpoint_key('w')),
     np.full((8, 16), 40, np.float32),
   )
+
+
+PREEMPTED = """
+import sys, time
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+import flax_dtensor.dtensor as fdt_dt
+
+run, checks = sys.argv[1], sys.argv[2] == 'checks'
+fdt_dt.initialize()
+mesh = jax.make_mesh((2, 4), ('data', 'model'))
+model = nnx.Dict(
+  b=nnx.Param(jax.device_put(jnp.zeros((16,)), NamedSharding(mesh, P())))
+)
+manager = fdt_dt.CheckpointManager(
+  run, save_interval_steps=1000, save_on_preemption=True, preemption_seconds=2
+)
+for step in range(1, 100000):
+  model['b'].set_value(model['b'].get_value() + 1.0)
+  print('STEP', step, flush=True)
+  if not checks:  # A loop that never looks: the bound ends it.
+    time.sleep(0.05)
+    continue
+  if manager.reached_preemption(step):
+    manager.save(step, model)  # Off the interval: saved, and whole.
+    print('SAVED', step, manager.all_steps(), flush=True)
+    manager.close()
+    sys.exit(143)
+  manager.save(step, model)
+  time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize('loop', ['checks', 'never_checks'])
+def test_a_preempted_loop_saves_its_step_within_the_bound(
+  warm_pool, tmp_path, loop
+):
+  import signal
+  import time
+
+  script = tmp_path / 'preempted.py'
+  script.write_text(PREEMPTED)
+  run_dir = tmp_path / 'run'
+  env = processes.clean_env(
+    XLA_FLAGS='--xla_force_host_platform_device_count=8'
+  )
+  case = warm_pool.start(
+    script,
+    str(run_dir),
+    loop,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
+  with case.stdout, case.stderr:
+    try:
+      while case.stdout.readline() != b'STEP 5\n':
+        assert case.poll() is None, case.stderr.read().decode()
+      sent = time.monotonic()
+      case.send_signal(signal.SIGTERM)
+      status = case.wait(processes.TIMEOUT)
+      seconds = time.monotonic() - sent
+    finally:
+      case.kill()
+    out, err = case.stdout.read().decode(), case.stderr.read().decode()
+  assert status == 143, err
+  manager = fdt_dt.CheckpointManager(run_dir)
+  if loop == 'checks':
+    (saved,) = [line for line in out.splitlines() if line.startswith('SAVED')]
+    step = int(saved.split()[1])
+    assert step >= 5 and saved == f'SAVED {step} [{step}]'
+    assert manager.all_steps() == [step]
+    mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    target = nnx.Dict(
+      b=nnx.Param(jax.device_put(jnp.zeros((16,)), NamedSharding(mesh, P())))
+    )
+    manager.restore(target)
+    np.testing.assert_array_equal(
+      target['b'].get_value(), np.full((16,), step, np.float32)
+    )
+  else:
+    # No step was due; the bound (2 s) ended the process, and said so.
+    assert 1.5 < seconds < 20
+    assert manager.all_steps() == []
+    assert err.splitlines()[-1].startswith(
+      'flax_dtensor: preempted (SIGTERM) 2 s ago and not yet ended: exiting now.'
+    )
+
+
+def test_the_preemption_handler_is_the_managers_until_it_closes(tmp_path):
+  import signal
+
+  before = signal.getsignal(signal.SIGTERM)
+  manager = fdt_dt.CheckpointManager(tmp_path / 'run', save_on_preemption=True)
+  assert signal.getsignal(signal.SIGTERM) == manager._on_sigterm
+  assert not manager.reached_preemption(3)
+  manager.close()
+  assert signal.getsignal(signal.SIGTERM) == before
+  # Without it, no handler and never preempted.
+  plain = fdt_dt.CheckpointManager(tmp_path / 'run')
+  assert signal.getsignal(signal.SIGTERM) == before
+  assert not plain.reached_preemption(3)

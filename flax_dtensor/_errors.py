@@ -197,7 +197,7 @@ def export_error_named(name: str) -> type[ExportError]:
   return _EXPORT_ERRORS.get(name, ExportError)
 
 
-class CheckpointManagerError(FlaxDTensorError, ValueError):
+class CheckpointManagerError(ExportError):
   """A `CheckpointManager` was given what it cannot use: a setting out of
   range, a step that is not a non-negative int or not above the latest
   saved one, metrics that are not finite numbers."""

@@ -256,6 +256,61 @@ def verify_export(
   return [*title, *lines], False
 
 
+def inspect_steps(
+  directory: pathlib.Path, width: int, verify: bool
+) -> tuple[list[Any], bool]:
+  """(What to print, whether intact) for a `CheckpointManager`'s folder:
+  each step, its size, and whether it is whole; with `verify`, each whole
+  step checked against its manifest too."""
+  import rich.box
+  import rich.table
+  import rich.text
+
+  from flax_dtensor.dtensor._files import _steps
+
+  folders = _steps.folders(str(directory))
+  whole = [f for f in folders if f.whole]
+  named = _steps.latest_named(str(directory))
+  latest = whole[-1].step if whole else None
+  title = _title(
+    'Checkpoints by step',
+    directory,
+    width,
+    f'{_count(len(whole), "whole step")}'
+    + (f', latest {latest}' if latest is not None else ''),
+  )
+  table = rich.table.Table(box=rich.box.SIMPLE_HEAD, pad_edge=False)
+  for column in ('step', 'size', 'state'):
+    table.add_column(column, justify='right' if column != 'state' else 'left')
+  intact = True
+  lines: list[Any] = []
+  for folder in folders:
+    if not folder.whole:
+      state = (
+        'not whole: being written, or left by a save that was stopped '
+        '(the next save or restore of this step removes it)'
+      )
+    else:
+      notes = ['whole']
+      if folder.step == named:
+        notes.append("latest (TensorFlow's checkpoint file names it)")
+      state = ', '.join(notes)
+      if verify:
+        found, ok = verify_export('checkpoint', directory / folder.name, width)
+        intact = intact and ok
+        lines += found
+    table.add_row(folder.name, _text.human_bytes(folder.bytes), state)
+  if latest is not None and named != latest:
+    lines.append(
+      rich.text.Text(
+        f"TensorFlow's checkpoint file names step {named}, not the latest "
+        f'whole step {latest}: the manager writes it once a step is kept '
+        '(a save was stopped in between).'
+      )
+    )
+  return [*title, table, *lines], intact
+
+
 # Printing
 # ------------------------------------------------------------------------------
 
@@ -380,7 +435,8 @@ def inspect(
       metavar='DIR',
       help=(
         'A directory written by `export` or `demo` (holding checkpoint/ '
-        'and saved_model/), or one checkpoint or SavedModel directory.'
+        'and saved_model/), one checkpoint or SavedModel directory, or a '
+        "CheckpointManager's directory (one folder per step)."
       ),
       show_default=False,
     ),
@@ -402,6 +458,9 @@ def inspect(
 ) -> None:
   """List every variable's name, shape, dtype and DTensor layout.
 
+  A CheckpointManager's directory is listed by step instead: each step's
+  size and whether it is whole (with `--verify`, each checked too).
+
   Everything comes from the manifest (flax_dtensor.json) an export writes
   next to a checkpoint, or in a SavedModel's assets: the layouts (the JAX
   PartitionSpec and mesh, and the DTensor layout written, whose mesh axis
@@ -417,6 +476,16 @@ def inspect(
         f'{str(directory)!r} is not a directory. Pass a directory written '
         'by `flax-dtensor export` or `flax-dtensor demo`.'
       )
+    from flax_dtensor.dtensor._files import _steps
+
+    if _steps.is_manager_folder(str(directory)):
+      console = _command.console()
+      lines, intact = inspect_steps(directory, console.width, verify)
+      for item in lines:
+        console.print(item, highlight=False)
+      if not intact:
+        raise typer.Exit(_command.EXIT_FINDINGS)
+      return
     found: list[tuple[str, pathlib.Path]] = []
     for candidate in (directory, directory / 'checkpoint'):
       if (candidate / 'checkpoint').is_file() or any(candidate.glob('*.index')):

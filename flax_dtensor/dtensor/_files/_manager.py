@@ -34,14 +34,18 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import _peers
-from flax_dtensor.dtensor._files import _background, _checkpoint, _restore
+from flax_dtensor.dtensor._files import (
+  _background,
+  _checkpoint,
+  _restore,
+  _steps,
+)
 
-STATE_FILE = 'checkpoint'
-"""TensorFlow's name for the file naming a directory's latest checkpoint."""
-METRICS_FILE = 'flax_dtensor_steps.json'
+STATE_FILE = _steps.STATE_FILE
+METRICS_FILE = _steps.METRICS_FILE
 METRICS_MAX_BYTES = 16 << 20
 """The largest metrics file read (a run of a million steps fits)."""
-_STEP = re.compile(r'[0-9]{1,18}')  # A folder named by a step, and only it.
+_STEP = _steps.STEP
 _REMOVING = re.compile(r'\.[0-9]{1,18}\.removing-[0-9]+')
 
 
@@ -300,18 +304,7 @@ class CheckpointManager:
 
   def all_steps(self) -> list[int]:
     """The whole steps on disk, oldest first."""
-    try:
-      names = os.listdir(self.directory)
-    except FileNotFoundError:
-      return []
-    return sorted(
-      int(n)
-      for n in names
-      if _STEP.fullmatch(n)
-      and os.path.isfile(
-        os.path.join(self.directory, n, _checkpoint.PREFIX + '.index')
-      )
-    )
+    return _steps.whole_steps(self.directory)
 
   def latest_step(self) -> int | None:
     """The newest whole step, or None before the first."""

@@ -631,3 +631,41 @@ def test_the_preemption_handler_is_the_managers_until_it_closes(tmp_path):
   plain = fdt_dt.CheckpointManager(tmp_path / 'run')
   assert signal.getsignal(signal.SIGTERM) == before
   assert not plain.reached_preemption(3)
+
+
+def test_inspect_lists_the_steps_and_verifies_each(explicit_mesh, tmp_path):
+  manager = fdt_dt.CheckpointManager(tmp_path / 'run', max_to_keep=2)
+  run(manager, explicit_mesh, [1, 2, 3])
+  (tmp_path / 'run' / '.4.tmp-host-1-2').mkdir()  # A save stopped midway.
+  env = processes.clean_env(COLUMNS='200')
+  proc = processes.run_python(
+    '-m', 'flax_dtensor', 'inspect', str(tmp_path / 'run'), env=env
+  )
+  assert proc.returncode == 0, proc.stderr
+  lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+  assert (
+    lines[0]
+    == f'Checkpoints by step {tmp_path / "run"}: 2 whole steps, latest 3'
+  )
+  rows = [line.split(None, 3) for line in lines[3:]]
+  assert [r[0] for r in rows] == ['2', '3', '.4.tmp-host-1-2']
+  assert rows[0][3] == 'whole'
+  assert rows[1][3] == "whole, latest (TensorFlow's checkpoint file names it)"
+  assert rows[2][1:3] == ['0', 'B'] and rows[2][3].startswith(
+    'not whole: being written'
+  )
+  # Each whole step's size, as on disk.
+  size = sum(
+    p.stat().st_size for p in (tmp_path / 'run' / '2').rglob('*') if p.is_file()
+  )
+  assert rows[0][1:3] == [f'{size / 1024:.1f}', 'KiB']
+  # --verify checks each step: a damaged one is named, exit 1.
+  data = next((tmp_path / 'run' / '2').glob('ckpt.data-*'))
+  data.write_bytes(b'\0' * data.stat().st_size)
+  proc = processes.run_python(
+    '-m', 'flax_dtensor', 'inspect', '--verify', str(tmp_path / 'run'), env=env
+  )
+  assert proc.returncode == 1, proc.stderr
+  assert proc.stdout.count('intact:') == 1
+  assert 'damaged: 1 problem' in proc.stdout
+  assert f'{data.name} bytes 0..' in proc.stdout

@@ -25,7 +25,11 @@ def export(
     pathlib.Path,
     typer.Option(
       metavar='DIR',
-      help='Orbax checkpoint of nnx.state(model) to restore.',
+      help=(
+        'Checkpoint of nnx.state(model) to restore: an Orbax checkpoint, '
+        "or a CheckpointManager's directory (its latest whole step, or "
+        '--step).'
+      ),
       show_default=False,
     ),
   ],
@@ -33,6 +37,17 @@ def export(
     pathlib.Path,
     typer.Option(metavar='DIR', help='Output directory.', show_default=False),
   ],
+  step: Annotated[
+    int | None,
+    typer.Option(
+      min=0,
+      metavar='N',
+      help=(
+        "The step to export from a CheckpointManager's directory "
+        '(default: its latest whole step).'
+      ),
+    ),
+  ] = None,
   mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
   rules: _inputs.RulesOption = None,
   mesh_axis_names: _inputs.MeshAxisNamesOption = False,
@@ -125,8 +140,19 @@ def export(
         'or drop --input-shape.'
       )
     from flax_dtensor._placement import _orbax
+    from flax_dtensor.dtensor._files import _steps
 
-    source = _orbax.find_checkpoint(checkpoint)
+    ours = _steps.is_manager_folder(str(checkpoint))
+    if ours:
+      source = _manager_step(checkpoint, step)
+    elif step is not None:
+      raise _command.BadInputError(
+        f'--step applies to a CheckpointManager directory (one folder per '
+        f'step); {str(checkpoint)!r} is not one. Drop --step, or pass the '
+        "manager's directory."
+      )
+    else:
+      source = _orbax.find_checkpoint(checkpoint)
     factory = _inputs.load_target(target)
     _inputs.check_out(out, overwrite=overwrite, flag=True, reads=source)
     outputs = {'checkpoint': out / 'checkpoint'}
@@ -152,15 +178,22 @@ def export(
       # Every variable resolves under the rules (else an error naming it).
       planned = fdt.plan(abstract, mesh=mesh_, rules=rules_)
       # The checkpoint holds the model's variables and shapes (else an
-      # error naming the variable), before TensorFlow starts.
-      _orbax.check_matches(source, abstract)
+      # error naming the variable), before TensorFlow starts. (A step of
+      # ours is checked by its restore, against its manifest.)
+      if not ours:
+        _orbax.check_matches(source, abstract)
     for typo in planned.likely_typos:
       console.print(f'Likely typo: {typo}', highlight=False, markup=False)
     dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       if saved_model:
         _inputs.check_served_inputs(abstract, method, specs)
-      model = _orbax.restore(source, abstract, mesh_)
+      if ours:
+        model = dtensor.restore_checkpoint(
+          source, abstract, mesh=mesh_, rules=rules_
+        )
+      else:
+        model = _orbax.restore(source, abstract, mesh_)
     restored = time.perf_counter()
     run = _run_folder.Run.new('export', list(outputs))
     needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -206,3 +239,24 @@ def export(
     )
     if relaid is not None:
       console.print(str(relaid), highlight=False, markup=False, soft_wrap=True)
+
+
+def _manager_step(directory: pathlib.Path, step: int | None) -> pathlib.Path:
+  """The folder of `step` (None: the latest whole one) of a manager's run."""
+  from flax_dtensor.dtensor._files import _steps
+
+  steps = _steps.whole_steps(str(directory))
+  if not steps:
+    raise _command.BadInputError(
+      f'{str(directory)!r} holds no whole step yet: nothing to export. Wait '
+      'for the run to save one, or pass another --checkpoint.'
+    )
+  chosen = steps[-1] if step is None else step
+  if chosen not in steps:
+    held = ', '.join(map(str, steps[-8:]))
+    raise _command.BadInputError(
+      f'--step {chosen}: {str(directory)!r} holds no whole step {chosen}; '
+      f'its latest steps are {held}. Pass one of those, or no --step for '
+      'the latest.'
+    )
+  return directory / str(chosen)

@@ -1558,6 +1558,57 @@ def test_export_and_inspect_user_factory(user_checkpoint, tmp_path):
   assert 'JAX mesh data=2,model=4; DTensor mesh data=2,model=4' in stdout
 
 
+def test_export_takes_a_step_of_a_checkpoint_managers_run(tmp_path):
+  """A run saved by `CheckpointManager` (steps 1 to 3, each its own values)
+  exports its latest whole step, or the one `--step` names, onto the
+  command line's mesh; `--step` is refused where it cannot apply."""
+  import jax
+
+  import flax_dtensor as fdt
+
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  rules = fdt.LogicalRules.from_yaml_text(USER_RULES)
+  model = fdt.init(user_model, mesh=mesh, rules=rules)
+  run = tmp_path / 'run'
+  manager = fdt_tf.CheckpointManager(run)
+  values = {}
+  for step in (1, 2, 3):
+    kernel = model.hidden.kernel
+    kernel.set_value(kernel.get_value() + 1.0)
+    manager.save(step, model)
+    values[step] = np.asarray(kernel.get_value())
+  manager.close()
+  rules_file = tmp_path / 'rules.yaml'
+  rules_file.write_text(USER_RULES)
+  args = ['export', USER_TARGET, '--checkpoint', run, '--rules', rules_file]
+  for step in (None, 2):
+    out = tmp_path / f'out-{step}'
+    more = [] if step is None else ['--step', str(step)]
+    stdout = ok(run_cli(*args, *more, '--out', out))
+    assert str(run / str(step or 3)) in stdout  # What was restored.
+    saved = fdt_tf.read_checkpoint(out / 'checkpoint')
+    np.testing.assert_array_equal(saved['hidden/kernel'], values[step or 3])
+  bad_input(
+    run_cli(*args, '--step', '7', '--out', tmp_path / 'x'),
+    '--step 7:',
+    'holds no whole step 7; its latest steps are 1, 2, 3',
+  )
+  orbax = tmp_path / 'orbax'
+  bad_input(
+    run_cli(
+      *args[:3], str(orbax), *args[4:], '--step', '1', '--out', tmp_path / 'x'
+    ),
+    '--step applies to a CheckpointManager directory',
+  )
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  (empty / 'flax_dtensor_steps.json').write_text('{"steps": {}}')
+  bad_input(
+    run_cli(*args[:3], str(empty), *args[4:], '--out', tmp_path / 'x'),
+    'holds no whole step yet: nothing to export',
+  )
+
+
 def test_export_into_an_empty_current_directory(
   user_checkpoint, tmp_path, monkeypatch
 ):

@@ -1816,7 +1816,122 @@ def gpu(
   return result
 
 
+# A training loop that checkpoints
+# ------------------------------------------------------------------------------
+
+
+def manager(
+  method: str, arrays: int, mib: float, steps: int, every: int
+) -> dict:
+  """A loop of `steps` jitted steps over `arrays` sharded arrays of `mib`
+  MiB (the state), saving every `every` steps with a checkpoint manager
+  that keeps 2: ours (`ours`), orbax-checkpoint's (`orbax`), or none
+  (`plain`). `*_stall` reports the median seconds a save holds the loop,
+  `*_restore` the restore of the latest step after the loop; `host_copy`
+  the copy of the state to host memory (what a stall cannot go below).
+  """
+  jax = _jax()
+  from flax import nnx
+
+  kind, _, what = method.partition('_')
+  _, out = _arrays(jax, arrays, mib, 'mixed')
+  state = nnx.Dict({f'a{i}': nnx.Param(a) for i, (a, _) in enumerate(out)})
+  names = list(state.keys())
+  step = jax.jit(lambda xs: [x * 0.5 + 1.0 for x in xs], donate_argnums=0)
+
+  def train():
+    new = step([state[n].get_value() for n in names])
+    for n, v in zip(names, new, strict=True):
+      state[n].set_value(v)
+
+  train()  # Compiled.
+  jax.block_until_ready([state[n].get_value() for n in names])
+  root = tempfile.mkdtemp(prefix='fdt-bench-manager-')
+  if kind == 'host':  # The state copied to host memory, once.
+    before = _reset_peak()
+    start = time.perf_counter()
+    jax.device_get([state[n].get_value() for n in names])
+    return {
+      'seconds': time.perf_counter() - start,
+      'rss_before_mib': before,
+      'rss_peak_mib': _rss_mib(),
+    }
+  if kind == 'ours':
+    import flax_dtensor.dtensor as fdt_dt
+
+    fdt_dt.initialize()
+    mgr = fdt_dt.CheckpointManager(
+      os.path.join(root, 'run'), save_interval_steps=every, max_to_keep=2
+    )
+
+    def save(i):
+      return mgr.save(i, state)
+
+    wait = mgr.wait
+  elif kind == 'orbax':
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(
+      os.path.join(root, 'run'),
+      options=ocp.CheckpointManagerOptions(
+        save_interval_steps=every, max_to_keep=2
+      ),
+    )
+
+    def save(i):
+      tree = nnx.to_pure_dict(nnx.state(state))
+      return mgr.save(i, args=ocp.args.StandardSave(tree))
+
+    wait = mgr.wait_until_finished
+  elif kind == 'plain':
+
+    def save(i):
+      return False
+
+    def wait():
+      return None
+  else:
+    raise ValueError(method)
+  stalls = []
+  before = _reset_peak()
+  start = time.perf_counter()
+  for i in range(1, steps + 1):
+    train()
+    began = time.perf_counter()
+    if save(i):
+      stalls.append(time.perf_counter() - began)
+  wait()
+  jax.block_until_ready([state[n].get_value() for n in names])
+  seconds = time.perf_counter() - start
+  if what == 'stall':
+    seconds = float(np.median(stalls))
+  elif what == 'restore':
+    start = time.perf_counter()
+    if kind == 'ours':
+      mgr.restore(state)
+      jax.block_until_ready([state[n].get_value() for n in names])
+    else:
+      abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        nnx.to_pure_dict(nnx.state(state)),
+      )
+      restored = mgr.restore(
+        mgr.latest_step(), args=ocp.args.StandardRestore(abstract)
+      )
+      jax.block_until_ready(restored)
+    seconds = time.perf_counter() - start
+  if kind in ('ours', 'orbax'):
+    mgr.close()
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': _rss_mib(),
+    'saves': len(stalls),
+  }
+
+
 CASES = {
+  'manager': manager,
   'gpu': gpu,
   'export_memory': export_memory,
   'init': init,

@@ -298,8 +298,44 @@ _INIT_AGAIN_SMALL = _case(
 )
 
 
+# A training loop saving every few steps with a checkpoint manager, ours
+# and orbax-checkpoint's, against the same loop without: the loop's
+# slowdown, each save's stall against a host copy of the state, and the
+# restore of the latest step.
+_MANAGER = {
+  'limit': 'plain',
+  'ours': 'ours',
+  'peer': 'orbax',
+  'ours_stall': 'ours_stall',
+  'peer_stall': 'orbax_stall',
+  'limit_copy': 'host_copy',
+  'ours_restore': 'ours_restore',
+  'peer_restore': 'orbax_restore',
+}
+_MANAGER_RATIOS = [
+  ('ours', 'limit'),
+  ('peer', 'limit'),
+  ('ours', 'peer'),
+  ('ours_stall', 'limit_copy'),
+  ('peer_stall', 'limit_copy'),
+  ('ours_restore', 'peer_restore'),
+]
+
+
+def _manager(arrays, mib, steps, every):
+  return _case(
+    'manager',
+    {'arrays': arrays, 'mib': mib, 'steps': steps, 'every': every},
+    _MANAGER,
+    _MANAGER_RATIOS,
+    note=f'{steps} jitted steps over {arrays} arrays of {mib} MiB on a (2, 4) '
+    f'mesh, saving every {every} (2 kept); stall: the median save call',
+  )
+
+
 def _full():
   return {
+    'manager': [_manager(32, 16, 60, 10)],
     'gpu': [
       _gpu(16, 2048, 5632, 32000, 16),
       _gpu(
@@ -507,6 +543,7 @@ def _full():
 
 def _quick():
   return {
+    'manager': [_manager(8, 1, 12, 4)],
     'gpu': [_gpu(2, 64, 128, 256, 4)],
     'init': [
       _case('init', {'layers': 2, 'width': 256}, _INIT, _INIT_RATIOS),

@@ -57,6 +57,9 @@ _FULL_DISK = textwrap.dedent(
   import hashlib, json, os, resource, shutil, signal, sys
   import jax
   jax.config.update('jax_num_cpu_devices', 8)
+  # Under a file-size limit, an entry written to the run's shared
+  # compilation cache would be cut short, and break every later reader.
+  jax.config.update('jax_enable_compilation_cache', False)
   import jax.numpy as jnp
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P

@@ -246,6 +246,8 @@ _EXIT_FAILING = textwrap.dedent(
   import resource, signal, sys
   import jax
   jax.config.update('jax_num_cpu_devices', 8)
+  # Not the run's shared compilation cache: cut short under the limit.
+  jax.config.update('jax_enable_compilation_cache', False)
   import jax.numpy as jnp
   from flax import nnx
   from flax_dtensor import dtensor as fdt_tf

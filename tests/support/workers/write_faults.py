@@ -35,6 +35,13 @@ os.chdir(root)
 
 
 def limit_file_size() -> None:
+  # An entry written to the run's shared compilation cache under the limit
+  # would be cut short, and break every later reader.
+  import jax
+  from jax._src import compilation_cache
+
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()  # Its use is decided once, else.
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
 

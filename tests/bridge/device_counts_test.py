@@ -7,7 +7,9 @@ new user takes runs on it: eager creation and `fdt.init` under our rules
 (values against an unsharded build, placements against the plan), a jitted
 forward written for the mesh, a checkpoint written and restored (bit for
 bit), and a SavedModel served by a TensorFlow process without JAX (at 1, 3
-and 8 rows, against JAX's forward). A refusal anywhere is a failure: JAX
+and 8 rows, against JAX's forward); then the other entry points: a model
+placed by `shard_module`, its DVariables and the way back, a background
+save and a `CheckpointManager` step. A refusal anywhere is a failure: JAX
 runs every one of these cases.
 """
 
@@ -229,3 +231,52 @@ def test_the_savedmodel_serves_in_plain_tensorflow(case, served):
       atol=1e-5,
       err_msg=f'{rows} rows',
     )
+
+
+@pytest.mark.parametrize('case', MESHES, ids=IDS)
+def test_shard_module_the_tf_round_trip_and_background_saves(
+  case, reference, tmp_path
+):
+  """The other entry points on the mesh, by values: a model built whole
+  then placed (`shard_module`, bit for bit), its DVariables (gathered by
+  TF, against JAX's arrays) and the way back, a background save and a
+  `CheckpointManager` step restored."""
+  mesh = case.make()
+  with nnx.use_eager_sharding(False):
+    model = Block(nnx.Rngs(0))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    assert fdt.shard_module(model) is model
+  flat = _flat(model)
+  plan = fdt.plan(model, mesh=mesh, rules=RULES)
+  for path, value in flat.items():
+    np.testing.assert_array_equal(np.asarray(value), reference[path])
+    assert value.sharding.mesh.shape == mesh.shape, path
+    got = (tuple(value.sharding.spec) + (None,) * value.ndim)[: value.ndim]
+    want = (tuple(plan[path].spec) + (None,) * value.ndim)[: value.ndim]
+    assert got == want, (path, got, want)
+  variables = {
+    '/'.join(map(str, key)): v
+    for key, v in fdt_tf.flat_variables(fdt_tf.to_tf_module(model)).items()
+  }
+  assert set(variables) == set(flat)
+  for path, variable in variables.items():
+    gathered = fdt_tf.dtensor_to_array(variable.read_value())
+    np.testing.assert_array_equal(np.asarray(gathered), reference[path])
+  with nnx.use_eager_sharding(False):
+    target = Block(nnx.Rngs(5))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    fdt_tf.from_tf_module(fdt_tf.to_tf_module(model), target)
+  for path, value in _flat(target).items():
+    np.testing.assert_array_equal(np.asarray(value), reference[path])
+  handle = fdt_tf.save_checkpoint(model, tmp_path / 'bg', blocking=False)
+  saved = fdt_tf.read_checkpoint(handle.result())
+  for path, value in reference.items():
+    np.testing.assert_array_equal(saved[path], value)
+  manager = fdt_tf.CheckpointManager(tmp_path / 'run')
+  manager.save(1, model)
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    back = manager.restore(nnx.eval_shape(lambda: Block(nnx.Rngs(1))))
+  manager.close()
+  for path, value in _flat(back).items():
+    np.testing.assert_array_equal(np.asarray(value), reference[path])
+    assert value.sharding.is_equivalent_to(flat[path].sharding, value.ndim)

@@ -2166,7 +2166,44 @@ CASES = [
     ),
     tf=True,
   ),
+  Case(
+    'flax_dtensor.dtensor.CheckpointManager',
+    'a retention setting out of range (max_to_keep=0)',
+    fdt_tf.CheckpointManagerError,
+    r'max_to_keep must be a positive int; got 0\. Pass None for no such limit',
+    'Pass a positive number of steps to keep, or None to keep every step.',
+    lambda ctx: ctx.dt.CheckpointManager(ctx.tmp / 'run', max_to_keep=0),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.CheckpointManager',
+    'a step saved again, or one below the latest',
+    fdt_tf.CheckpointManagerError,
+    r'Step 3 is not above the latest saved step, 3, in .*Save a later step, '
+    r'or restore from 3',
+    'Save each step once, in increasing order; to go back, restore a step '
+    'and save the steps after it in a new directory.',
+    lambda ctx: _save_twice(ctx),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.CheckpointManager',
+    'restore() where no step was saved',
+    fdt_tf.ExportNotFoundError,
+    r'holds no whole step to restore',
+    'Start from a fresh model, or pass the directory the run wrote.',
+    lambda ctx: ctx.dt.CheckpointManager(ctx.tmp / 'empty-run').restore(
+      ctx.model()
+    ),
+    tf=True,
+  ),
 ]
+
+
+def _save_twice(ctx):
+  manager = ctx.dt.CheckpointManager(ctx.tmp / 'run-twice', blocking=True)
+  manager.save(3, ctx.model())
+  manager.save(3, ctx.model())
 
 
 def _with_flax_rules(rules, fn):

@@ -101,10 +101,13 @@ def test_sigint_to_the_group_at_a_random_moment(old_runs, name, index):
 def test_the_first_moment_stops_the_run_before_the_swap(old_runs, name):
   """A stopped run: the first moment falls in the first 1.1/n of the run,
   long before its last step (the swap), so the old run stays and the exit
-  is 130. (The moment's test above ran it, on this worker or another; run
+  is 130: by the command line's handler, or, for a moment before it is in
+  (a few ms into the run), by death from SIGINT, which a shell shows as
+  130 too. (The moment's test above ran it, on this worker or another; run
   here again only where it ran elsewhere.)"""
   m = old_runs.moment(name, 0)
-  assert m.outcome == 'old' and m.status == 130, f'seed {SEED}: {m.line()}'
+  assert m.outcome == 'old', f'seed {SEED}: {m.line()}'
+  assert m.status in (130, -signal.SIGINT), f'seed {SEED}: {m.line()}'
 
 
 def test_the_old_runs_verify_and_carry_one_identifier(old_runs):

@@ -637,10 +637,10 @@ def test_inspect_lists_the_steps_and_verifies_each(explicit_mesh, tmp_path):
   manager = fdt_dt.CheckpointManager(tmp_path / 'run', max_to_keep=2)
   run(manager, explicit_mesh, [1, 2, 3])
   (tmp_path / 'run' / '.4.tmp-host-1-2').mkdir()  # A save stopped midway.
-  env = processes.clean_env(COLUMNS='200')
-  proc = processes.run_python(
-    '-m', 'flax_dtensor', 'inspect', str(tmp_path / 'run'), env=env
-  )
+  import cli_runner  # The command line, in this process.
+
+  env = {'COLUMNS': '200'}
+  proc = cli_runner.run('inspect', str(tmp_path / 'run'), env=env)
   assert proc.returncode == 0, proc.stderr
   lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
   assert (
@@ -662,9 +662,7 @@ def test_inspect_lists_the_steps_and_verifies_each(explicit_mesh, tmp_path):
   # --verify checks each step: a damaged one is named, exit 1.
   data = next((tmp_path / 'run' / '2').glob('ckpt.data-*'))
   data.write_bytes(b'\0' * data.stat().st_size)
-  proc = processes.run_python(
-    '-m', 'flax_dtensor', 'inspect', '--verify', str(tmp_path / 'run'), env=env
-  )
+  proc = cli_runner.run('inspect', '--verify', str(tmp_path / 'run'), env=env)
   assert proc.returncode == 1, proc.stderr
   assert proc.stdout.count('intact:') == 1
   assert 'damaged: 1 problem' in proc.stdout

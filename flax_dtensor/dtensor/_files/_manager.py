@@ -35,6 +35,7 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import _peers
 from flax_dtensor.dtensor._files import (
+  _atomic,
   _background,
   _checkpoint,
   _restore,
@@ -53,14 +54,6 @@ def _is_process_0() -> bool:
   return jax.process_index() == 0
 
 
-def _fsync(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _replace_file(path: str, text: str) -> None:
   """Writes `text` to `path` atomically: a reader sees the old or the new."""
   folder = os.path.dirname(path)
@@ -77,7 +70,7 @@ def _replace_file(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
-  _fsync(folder)
+  _atomic._fsync_dir(folder)
 
 
 def _read_metrics(directory: str) -> dict[int, dict[str, float]]:

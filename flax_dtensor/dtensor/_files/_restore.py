@@ -494,6 +494,8 @@ def restore_checkpoint(
   return _target.fill(target, entries, arrays, rng_seed)
 
 
+# A damaged file fails a TF op, which logs to stderr before our error.
+@_tf.cpp_noise_dropped()
 def _read_all(
   path: str,
   target: Any,
@@ -508,32 +510,6 @@ def _read_all(
   _background.wait_for(path)  # A save of this process to it finishes first.
   _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
-  # A damaged file fails a TF op, which logs to stderr before our error.
-  with _tf.cpp_noise_dropped():
-    return _read_located(
-      prefix,
-      manifest,
-      target,
-      entries,
-      mesh,
-      rules,
-      allow_extra,
-      convert_dtypes,
-      progress,
-    )
-
-
-def _read_located(
-  prefix: str,
-  manifest: _manifest.Manifest | None,
-  target: Any,
-  entries: Sequence[_selection.Entry],
-  mesh: jax.sharding.Mesh | None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
-  allow_extra: bool,
-  convert_dtypes: bool,
-  progress: bool | None,
-) -> list[jax.Array]:
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)
   held = _held(shapes, dtypes, manifest)

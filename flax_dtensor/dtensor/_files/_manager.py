@@ -422,6 +422,9 @@ class CheckpointManager:
     saved = _checkpoint.save_checkpoint(
       module_or_state,
       self.step_directory(step),
+      # Above the latest whole step, a folder of this step is what a
+      # stopped save left (an export of ours, or refused as not one).
+      overwrite=True,
       include=self._include,
       exclude=self._exclude,
       blocking=self.blocking,

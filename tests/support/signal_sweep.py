@@ -224,13 +224,27 @@ def interrupt(
   sig: int = signal.SIGINT,
   real: bool = False,
   old: dict[str, str] | None,
+  writing: bool = False,
 ) -> Moment:
-  """Reruns `command` over `out` and signals its process group at `at` s."""
+  """Reruns `command` over `out` and signals its process group at `at` s.
+
+  With `writing`, the moment is instead the one its new folder appears
+  beside `out` (polled every 5 ms): a stop that must keep the old run,
+  however quick the rerun is against the old run's length.
+  """
   moment = Moment(command.name, index, at)
   began = time.monotonic()
   case = start(pool, command.args(out), out.parent, real=real)
   stdout, stderr = _Lines(case.stdout), _Lines(case.stderr)
-  time.sleep(max(0.0, began + at - time.monotonic()))
+  if writing:
+    deadline = began + EXIT_TIMEOUT * 10
+    while not (leftovers(out) or case.poll() is not None):
+      if time.monotonic() > deadline:
+        break
+      time.sleep(0.005)
+    moment.at = round(time.monotonic() - began, 3)
+  else:
+    time.sleep(max(0.0, began + at - time.monotonic()))
   moment.ended_before = case.poll() is not None
   sent = time.monotonic()
   try:
@@ -342,14 +356,18 @@ def interrupt_over_a_copy(
   *,
   index: int,
   old: dict[str, str] | None,
+  writing: bool = False,
 ) -> Moment:
   """Reruns `command` over a copy of the old run `reference`, signalled at
-  `at` s (see `interrupt`); the copy is removed afterwards."""
+  `at` s or as it begins writing (see `interrupt`); the copy is removed
+  afterwards."""
   out = root / f'{command.name}-{index:02d}' / 'out'
   out.parent.mkdir()
   try:
     shutil.copytree(reference, out)
-    return interrupt(pool, command, out, at, index=index, old=old)
+    return interrupt(
+      pool, command, out, at, index=index, old=old, writing=writing
+    )
   finally:
     shutil.rmtree(out.parent, ignore_errors=True)
 

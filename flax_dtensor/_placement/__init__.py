@@ -4,6 +4,7 @@
 go" (`spec_of_variable`) for every API; `_placing` places arrays by mesh
 axis type; `_hook` routes Flax's creation and queries through the rules;
 `_creation` and `_creation_order` compute variables in their shards;
-`_init` builds a model in shards (`fdt.init`); `_trees` places plain
+`_init` builds a model in shards (`fdt.init`), and `_replay` builds it
+again in one compiled call; `_trees` places plain
 pytrees; `_orbax` restores Orbax checkpoints onto a mesh.
 """

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flax_dtensor._placement import _replay
 from flax_dtensor._rules import _logical, _meshes, _resolution
 
 # Modules whose initializers are pure functions of their arguments.
@@ -236,7 +237,19 @@ def create(
   jitted = _compiled.get((call.key, spec, auto), make)
   with jax.set_mesh(auto):
     out = jitted(*[_meshes.retype(v, auto) for v in call.dynamic])
-  return jax.device_put(out, NamedSharding(mesh, spec))
+  out = jax.device_put(out, NamedSharding(mesh, spec))
+  # A call of one key, which `init`'s replay may redo.
+  if len(call.dynamic) == 1 and _replay.is_recording():
+    _replay.note(
+      _replay.Created(
+        (call.key, spec, auto),
+        lambda key: initializer(*call.merge((key,))),
+        spec,
+        call.dynamic[0],
+        out,
+      )
+    )
+  return out
 
 
 def would_create(

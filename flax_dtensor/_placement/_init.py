@@ -27,6 +27,7 @@ from flax_dtensor._placement import (
   _hook,
   _init_cache,
   _placing,
+  _replay,
   _variables,
 )
 from flax_dtensor._rules import _logical, _meshes
@@ -150,7 +151,10 @@ def init(
   arguments compiled in, the shapes, dtypes and shardings of those passed,
   the mesh and the rules name it, and the compiled build (or the abstract
   pass's verdict) is reused; a changed seed passed in ``nnx.Rngs`` is a
-  changed value, not a new build. A call whose configuration cannot be
+  changed value, not a new build. An eager build of at least 64 arrays is
+  then one compiled call, the factory not run again (its initializers'
+  calls and draws, recorded by the first call), as for a cached
+  ``nnx.jit`` factory. A call whose configuration cannot be
   pinned down (a closure or argument holding an array where a value is
   compiled in, or another object), or whose trace captured an array, is
   built anew each time. What the factory reads beyond its own code (a
@@ -230,6 +234,11 @@ def init(
       factory, leaves, treedef, dynamic, _is_node, rules_, mesh_
     )
     known = _init_cache.get(key)
+    if known is not None and known.replay is not None:
+      built = known.replay(nodes, mesh_)
+      if built is not None:
+        builds['replayed'] += 1
+        return built
     if known is not None:
       builds['reused'] += 1
       in_shards, order = known.in_shards, None
@@ -239,8 +248,23 @@ def init(
       in_shards, order = False, None
     if in_shards:
       saved = nnx.clone(nodes)
+      # A first build that only nodes are passed to (no array whose values
+      # the factory might read) is recorded, for a replay of later calls.
+      replayable = (
+        key is not None
+        and known is None
+        and order is None
+        and len(nodes) == len(dynamic)
+      )
       try:
-        with _hook.strictly_in_shards(), _hook.following(order):
+        recorder = (
+          _replay.recording() if replayable else contextlib.nullcontext([])
+        )
+        with (
+          _hook.strictly_in_shards(),
+          _hook.following(order),
+          recorder as records,
+        ):
           built = expect_module(factory(*args, **kwargs), factory)
       except _creation.NotInShards:  # Not foreseen by the abstract pass.
         nnx.update(nodes, nnx.state(saved))
@@ -249,7 +273,20 @@ def init(
         builds['in_shards'] += 1
         if order is None and known is None:
           # With path rules, the creation order is found anew each time.
-          _init_cache.put(key, _init_cache.Build(in_shards=True))
+          replay = (
+            _replay.record(
+              built,
+              records,
+              saved,
+              nodes,
+              mesh_,
+              _rerun(factory, leaves, treedef, dynamic),
+              _creation.COMPILER_OPTIONS,
+            )
+            if replayable
+            else None
+          )
+          _init_cache.put(key, _init_cache.Build(in_shards=True, replay=replay))
         return built
     builds['traced'] += 1
     compiled = None if known is None else known.compiled
@@ -265,6 +302,29 @@ def init(
         f'({e}). Pass it as an argument, e.g. `fdt.init(Model, ..., '
         'rngs=rngs)` or `fdt.init(make, rngs)` with `def make(rngs): ...`.'
       ) from e
+
+
+def _rerun(
+  factory: Callable[..., Any],
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+) -> Callable[[list[Any]], Any]:
+  """The factory called on other graph nodes in place of those passed
+  (traced, in a replay's program); it keeps only the arguments compiled
+  in, never those passed."""
+  passed = set(dynamic)
+  statics = [None if i in passed else x for i, x in enumerate(leaves)]
+
+  def rerun(nodes: list[Any]) -> Any:
+    full = list(statics)
+    for i, node in zip(dynamic, nodes, strict=True):
+      full[i] = node
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    with _hook.building():
+      return factory(*a, **k)
+
+  return rerun
 
 
 def _builds_in_shards(

@@ -65,10 +65,13 @@ class Build:
     in_shards: Whether the eager build computes every variable in its
       shards (else the traced build).
     compiled: The compiled traced build (None for an eager one).
+    replay: The eager build as one compiled call (`_replay`), where it
+      can be.
   """
 
   in_shards: bool
   compiled: Any = None
+  replay: Any = None
 
 
 _builds = _creation.LRU(CACHE_SIZE)

@@ -21,7 +21,8 @@ from the factory traced in the same program; the rest of that trace is
 dead code, which XLA drops.
 
 A build is replayed only where that is the whole story (`record` says):
-its state holds at least `MIN_ARRAYS` arrays; the arguments passed hold
+one process; its state holds at least `MIN_ARRAYS` arrays; the arguments
+passed hold
 graph nodes only (no arrays whose values the factory might read), whose
 state is their streams' keys and counts; each key an initializer was
 given is a draw ``fold_in(key, count)`` of such a stream; and the module
@@ -196,7 +197,9 @@ def record(
       (`_creation.COMPILER_OPTIONS`).
   """
   streams, old = _streams(nodes), _streams(before)
-  if not records or len(streams) != len(old):
+  # One process: the draws are compared by their values, which a key laid
+  # over several processes' devices does not give here.
+  if not records or len(streams) != len(old) or jax.process_count() > 1:
     return None
   graphdef, state = nnx.split(built)
   leaves, treedef = jax.tree_util.tree_flatten(state)

@@ -22,11 +22,10 @@ dead code, which XLA drops.
 
 A build is replayed only where that is the whole story (`record` says):
 one process; its state holds at least `MIN_ARRAYS` arrays; the arguments
-passed hold
-graph nodes only (no arrays whose values the factory might read), whose
-state is their streams' keys and counts; each key an initializer was
-given is a draw ``fold_in(key, count)`` of such a stream; and the module
-holds no node of the arguments. Anything else is built as before.
+passed hold graph nodes only (no arrays whose values the factory might
+read), whose state is their streams' keys and counts; each key an
+initializer was given is a draw ``fold_in(key, count)`` of such a stream;
+and the module holds no node of the arguments. Anything else is built as before.
 
 The program keeps no array: a changed seed is a changed input, not a new
 compile. Its values equal the eager build's: the same draws, the same

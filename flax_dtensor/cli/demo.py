@@ -43,6 +43,38 @@ def demo(
       help=_inputs.CPU_DEVICES_HELP + ' Default: the size of --mesh.',
     ),
   ] = None,
+  save_every: Annotated[
+    int,
+    typer.Option(
+      min=0,
+      metavar='N',
+      help=(
+        'Save the model and optimizer every N training steps, and the '
+        'last, into --steps-dir (the newest three kept; 0: none).'
+      ),
+    ),
+  ] = 100,
+  steps_dir: Annotated[
+    pathlib.Path | None,
+    typer.Option(
+      metavar='DIR',
+      help=(
+        "The training's checkpoints by step, each a TF checkpoint. "
+        'Default: the --out directory\'s name with "-steps", beside it.'
+      ),
+    ),
+  ] = None,
+  resume: Annotated[
+    bool,
+    typer.Option(
+      '--resume',
+      help=(
+        'Go on from the latest whole step in --steps-dir (given the flags '
+        'of the run that wrote it, the values equal an uninterrupted '
+        "run's). Without it, a run starts over, removing earlier steps."
+      ),
+    ),
+  ] = False,
   quiet: Annotated[
     bool,
     typer.Option(
@@ -62,13 +94,23 @@ def demo(
   the rules, trains it with optax on the shipped corpus, prints the plan,
   writes an Orbax checkpoint, a DTensor checkpoint and a SavedModel, then
   loads the SavedModel in a fresh TensorFlow-only process and compares its
-  logits on held-out text with JAX's.
+  logits on held-out text with JAX's. While it trains, it saves the model
+  and optimizer every --save-every steps into --steps-dir, from which
+  --resume goes on.
   """
   with _command.handle_errors(debug):
     axes = _inputs.parse_mesh(mesh)
     rules_ = _inputs.load_rules(rules)
     _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
     _inputs.check_out(out, overwrite=True, flag=False)
+    steps_dir_ = steps_dir or out.parent / f'{out.absolute().name}-steps'
+    if steps_dir_.exists() and not steps_dir_.is_dir():
+      raise _command.BadInputError(
+        f'--steps-dir {str(steps_dir_)!r} is a file; expected a folder of '
+        'training steps (or none yet). Pass another --steps-dir.'
+      )
+    if resume:  # Said before JAX starts.
+      _check_resumable(steps_dir_, steps)
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train
@@ -85,4 +127,26 @@ def demo(
       batch_size=batch_size,
       console=_command.console(),
       progress=not quiet,
+      steps_dir=steps_dir_,
+      save_every=save_every,
+      resume=resume,
+    )
+
+
+def _check_resumable(steps_dir: pathlib.Path, steps: int) -> None:
+  """Refuses a `--resume` with no whole step to go on from, or none left."""
+  from flax_dtensor.dtensor._files import _steps
+
+  done = _steps.whole_steps(str(steps_dir))
+  if not done:
+    raise _command.BadInputError(
+      f'--resume: {str(steps_dir)!r} holds no whole step to go on from. '
+      'Run without --resume to start the training, or pass --steps-dir the '
+      'folder a run saved its steps in.'
+    )
+  if done[-1] >= steps:
+    raise _command.BadInputError(
+      f'--resume: {str(steps_dir)!r} holds step {done[-1]}, and --steps is '
+      f'{steps}: nothing is left to train. Pass the --steps of the run that '
+      'wrote it (larger than its latest step).'
     )

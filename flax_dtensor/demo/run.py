@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -145,6 +146,9 @@ def run(
   batch_size: int = 16,
   console: rich.console.Console | None = None,
   progress: bool = True,
+  steps_dir: pathlib.Path | None = None,
+  save_every: int = 0,
+  resume: bool = False,
 ) -> dict[str, Any]:
   """Trains the demo model on `mesh`, exports it, and checks it in TF.
 
@@ -168,6 +172,13 @@ def run(
     progress: Whether to show progress: the training's (a bar on a
       terminal, a line every few seconds otherwise), and each write's and
       the verification's while it runs (a spinner, or a line as it starts).
+    steps_dir: Where the training's checkpoints go, by step (a
+      `flax_dtensor.dtensor.CheckpointManager` folder: the model and the
+      optimizer, each step a TF checkpoint). None: no checkpoints.
+    save_every: Save every this many steps, and the last (0: never).
+    resume: Go on from the latest whole step in `steps_dir` (the values
+      then equal an uninterrupted run's with the same arguments). Without
+      it, steps an earlier run left in `steps_dir` are removed first.
 
   Returns:
     The summary, also written to `out/summary.json`.
@@ -212,21 +223,44 @@ def run(
     with timer('build model + optimizer'):
       model = model_lib.make_model(seed=seed)
       optimizer = train.make_optimizer(model, steps=steps)
+      state = train.TrainState(model, optimizer)
+    manager, done = _steps_manager(
+      dtensor,
+      state,
+      steps_dir,
+      resume=resume,
+      steps=steps,
+      save_every=save_every,
+      console=console,
+    )
     console.print(fdt.plan(model))
     tokens_per_step = batch_size * length
+    for _ in range(done):  # The batches the steps done already took.
+      next(batches)
     with timer('train (incl. compile)'):
-      with _Progress(console, steps, show=progress) as bar:
+      with _Progress(console, steps - done, show=progress) as bar:
         last = time.perf_counter()
         rate = 0.0
-        for step in range(steps):
+        for step in range(done, steps):
           loss = float(train.train_step(model, optimizer, next_batch(batches)))
           now = time.perf_counter()
           losses.append(loss)
           current = tokens_per_step / max(now - last, 1e-9)
           # Smoothed; the first step (compilation) does not count.
-          rate = current if step == 1 else 0.9 * rate + 0.1 * current
-          bar.update(step, loss, rate)
+          rate = current if step == done + 1 else 0.9 * rate + 0.1 * current
+          bar.update(step - done, loss, rate)
           last = now
+          if manager is not None and save_every:
+            # In the background: training goes on while it is written.
+            manager.save(
+              step + 1,
+              state,
+              metrics={'loss': loss},
+              force=step + 1 == steps,
+            )
+      if manager is not None:
+        manager.wait()
+        manager.close()
     with timer('held-out logits (JAX)'):
       forward = nnx.jit(lambda m, x: m(x))
       jax_logits = np.asarray(
@@ -285,6 +319,9 @@ def run(
       'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)),
       'devices': jax.device_count(),
       'steps': steps,
+      'resumed_from': done if resume else None,
+      'steps_dir': None if manager is None else str(steps_dir),
+      'saved_steps': [] if manager is None else manager.all_steps(),
       'batch_size': batch_size,
       'seed': seed,
       'loss_first': losses[0],
@@ -303,6 +340,65 @@ def run(
     (tmp / 'summary.json').write_text(json.dumps(summary, indent=1) + '\n')
   _print_summary(console, summary, out)
   return summary
+
+
+def _steps_manager(
+  dtensor: Any,
+  state: Any,
+  steps_dir: pathlib.Path | None,
+  *,
+  resume: bool,
+  steps: int,
+  save_every: int,
+  console: rich.console.Console,
+) -> tuple[Any, int]:
+  """The checkpoint manager of `steps_dir` (None without one), and the
+  step the training starts from: the latest whole step restored into
+  `state` with `resume`, else 0 (an earlier run's steps removed)."""
+  from flax import nnx
+
+  if steps_dir is None:
+    return None, 0
+  if not resume and steps_dir.is_dir() and any(steps_dir.iterdir()):
+    console.print(
+      f'starting over: removing the steps an earlier run left in '
+      f'{steps_dir} (--resume goes on from them)',
+      highlight=False,
+      markup=False,
+    )
+    shutil.rmtree(steps_dir)
+  # Kept: the newest three steps. The RNG state is saved too, so that a
+  # resumed run draws what an uninterrupted one draws.
+  manager = dtensor.CheckpointManager(
+    steps_dir,
+    save_interval_steps=max(save_every, 1),
+    max_to_keep=3,
+    exclude=nnx.Nothing,
+  )
+  if not resume:
+    return manager, 0
+  latest = manager.latest_step()
+  if latest is None:
+    manager.close()
+    raise dtensor.ExportNotFoundError(
+      f'--resume: {str(steps_dir)!r} holds no whole step to go on from. '
+      'Run without --resume to start the training, or pass --steps-dir the '
+      'folder a run saved its steps in.'
+    )
+  if latest >= steps:
+    manager.close()
+    raise dtensor.CheckpointManagerError(
+      f'--resume: {str(steps_dir)!r} holds step {latest}, and --steps is '
+      f'{steps}: nothing is left to train. Pass the --steps of the run that '
+      'wrote it (larger than its latest step).'
+    )
+  manager.restore(state)
+  console.print(
+    f'resumed from step {latest} of {steps} ({steps_dir})',
+    highlight=False,
+    markup=False,
+  )
+  return manager, latest
 
 
 def next_batch(batches: Any) -> Any:
@@ -327,6 +423,17 @@ def _print_summary(
     )
     for key, label in labels.items()
   ]
+  if summary.get('steps_dir'):
+    saved = summary['saved_steps']
+    files.append(
+      (
+        f'training steps {", ".join(map(str, saved))} (TF checkpoints)'
+        if saved
+        else 'training steps (none saved)',
+        summary['steps_dir'],
+        _text.human_bytes(_disk_usage(pathlib.Path(summary['steps_dir']))),
+      )
+    )
   rules = out / 'rules.yaml'
   files.append(
     (

@@ -59,6 +59,14 @@ def make_optimizer(
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+class TrainState(nnx.Module):
+  """The model and its optimizer, saved and restored as one by step."""
+
+  def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
+    self.model = model
+    self.optimizer = optimizer
+
+
 def loss_fn(model: model_lib.TransformerLM, batch: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy (nats per byte) of a batch of windows."""
   logits = model(batch[:, :-1])

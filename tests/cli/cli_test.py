@@ -2067,8 +2067,13 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   sug.yaml`). The forward's 'batch', traced on the demo's own inputs, has
   rules; without them the demo stopped at it.
 
-  Slow: it trains 40 steps, exports a checkpoint and a SavedModel, and
-  serves it in the TensorFlow-only process the demo itself starts.
+  It saves its steps every 20; run again with `--resume` after its last
+  step is lost (as a run killed after step 20 left it), it trains steps
+  21 to 40 again into equal values, bit for bit.
+
+  Slow: it trains 40 steps (and 20 again), exports a checkpoint and a
+  SavedModel, and serves it in the TensorFlow-only process the demo itself
+  starts (twice).
   """
   suggested = tmp_path / 'sug.yaml'
   said = ok(
@@ -2094,7 +2099,16 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   narrow = {'COLUMNS': '80'}  # Piped, as in a CI log.
   stdout = ok(
     run_cli(
-      'demo', '--rules', suggested, '--steps', '40', '--out', out, env=narrow
+      'demo',
+      '--rules',
+      suggested,
+      '--steps',
+      '40',
+      '--save-every',
+      '20',
+      '--out',
+      out,
+      env=narrow,
     )
   )
   # Piped: plain progress lines, nothing animated; 80 columns, no line
@@ -2133,6 +2147,78 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   copied = (out / 'rules.yaml').read_text()
   assert copied.startswith(suggested.read_text())
   assert copied.startswith('# Rules proposed by flax_dtensor.suggest_rules')
+  _resumes_into_equal_values(out, suggested, summary)
+
+
+def _resumes_into_equal_values(out, rules, summary):
+  """The demo's steps: 20 and 40, each a whole TF checkpoint; step 40
+  lost, `--resume` trains 21 to 40 again into the same bits."""
+  from flax_dtensor.dtensor._files import _steps
+
+  steps_dir = out.parent / 'demo-steps'
+  assert summary['steps_dir'] == str(steps_dir)
+  assert summary['saved_steps'] == [20, 40] and summary['resumed_from'] is None
+  assert _steps.whole_steps(str(steps_dir)) == [20, 40]
+  # TensorFlow's own state file names the latest whole step.
+  state = (steps_dir / 'checkpoint').read_text()
+  assert state.splitlines()[0] == 'model_checkpoint_path: "40/ckpt"'
+  before = _checkpoint_bytes(steps_dir / '40')
+  shutil.rmtree(steps_dir / '40')
+  stdout = ok(
+    run_cli(
+      'demo',
+      '--rules',
+      rules,
+      '--steps',
+      '40',
+      '--save-every',
+      '20',
+      '--out',
+      out,
+      '--resume',
+      '-q',
+    )
+  )
+  assert f'resumed from step 20 of 40 ({steps_dir})' in ' '.join(stdout.split())
+  again = json.loads((out / 'summary.json').read_text())
+  assert again['resumed_from'] == 20 and again['saved_steps'] == [20, 40]
+  assert again['losses'] == summary['losses'][20:]
+  assert _checkpoint_bytes(steps_dir / '40') == before
+
+
+def _checkpoint_bytes(step_dir):
+  """Each tensor of a step's TF checkpoint, by name, as bytes (read by
+  plain TensorFlow, its manifest checked)."""
+  return {
+    name: np.asarray(value).tobytes()
+    for name, value in fdt_tf.read_checkpoint(step_dir).items()
+  }
+
+
+@pytest.mark.parametrize(
+  'make, args, fragments',
+  [
+    (
+      lambda d: d.mkdir(),
+      ['--resume'],
+      ['--resume', 'holds no whole step to go on from'],
+    ),
+    (
+      lambda d: d.write_text('x'),
+      [],
+      ['--steps-dir', 'is a file; expected a folder of training steps'],
+    ),
+  ],
+  ids=['resume-with-no-step', 'steps-dir-a-file'],
+)
+def test_demo_refuses_steps_it_cannot_use(tmp_path, make, args, fragments):
+  steps_dir = tmp_path / 'steps'
+  make(steps_dir)
+  proc = run_cli(
+    'demo', '--out', tmp_path / 'out', '--steps-dir', steps_dir, *args
+  )
+  bad_input(proc, *fragments)
+  assert not (tmp_path / 'out').exists()
 
 
 @pytest.mark.parametrize(

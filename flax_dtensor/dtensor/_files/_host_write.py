@@ -119,17 +119,43 @@ def snapshot(
   """Copies of the saved shards this process writes, complete on return.
 
   Each is copied once, with NumPy, into an aligned host buffer of the
-  stored dtype (widening exactly where the checkpoint widens). The caller
-  may then donate or overwrite the arrays.
+  stored dtype (widening exactly where the checkpoint widens), on
+  `COPY_THREADS` threads (NumPy lets go of the GIL while it copies): a
+  background save holds the caller only this long. The caller may then
+  donate or overwrite the arrays.
   """
-  pieces = []
+  pieces, copies = [], []
   for i, (entry, mine) in enumerate(zip(entries, own(values), strict=True)):
     for index, shard in sorted(mine.items()):
       source = np.asarray(shard.data)
       data = _pieces.aligned_empty(source.shape, entry.stored_dtype)
-      np.copyto(data, source, casting='unsafe')
+      copies.append((data, source))
       pieces.append(Piece(i, index, data, np.dtype(entry.dtype)))
+  total = sum(source.nbytes for _, source in copies)
+  threads = min(COPY_THREADS, len(copies), max(1, total // _COPY_TASK_BYTES))
+  if threads <= 1:
+    for data, source in copies:
+      np.copyto(data, source, casting='unsafe')
+    return pieces
+  # Largest first, so that the threads end together.
+  copies.sort(key=lambda c: -c[1].nbytes)
+  with concurrent.futures.ThreadPoolExecutor(
+    threads, thread_name_prefix='flax_dtensor copy'
+  ) as pool:
+    for done in [
+      pool.submit(np.copyto, data, source, casting='unsafe')
+      for data, source in copies
+    ]:
+      done.result()
   return pieces
+
+
+COPY_THREADS = min(8, os.cpu_count() or 1)
+"""Threads a background save copies the state to host memory on."""
+
+# Below this many bytes a copy is one thread's (threads cost more than they
+# save on a small state).
+_COPY_TASK_BYTES = 8 * 2**20
 
 
 def _tensor(data: np.ndarray | jax.Array) -> Any:

@@ -11,6 +11,7 @@ the first. The full disk (tests/bridge/files/faults_test.py) and the kills
 import os
 import re
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,8 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
 import processes  # noqa: E402
+
+from flax_dtensor.dtensor._files import _host_write  # noqa: E402
 
 TIMEOUT = 300
 
@@ -92,9 +95,22 @@ def test_holds_the_values_of_the_call_after_an_update(auto_mesh, tmp_path):
     np.testing.assert_array_equal(value, expected[key])
 
 
+@pytest.mark.parametrize('threads', [1, 4], ids=['one copy thread', 'four'])
 def test_holds_the_values_of_the_call_after_a_donating_step(
-  explicit_mesh, tmp_path
+  explicit_mesh, tmp_path, monkeypatch, threads
 ):
+  """The copy to host memory is done when the call returns, on one thread
+  or (a state this big split over 4: the bar lowered to 64 bytes) on
+  several."""
+  monkeypatch.setattr(_host_write, 'COPY_THREADS', threads)
+  monkeypatch.setattr(_host_write, '_COPY_TASK_BYTES', 64)
+  copied_on, copyto = set(), np.copyto
+
+  def counted(*args, **kwargs):
+    copied_on.add(threading.current_thread().name)
+    return copyto(*args, **kwargs)
+
+  monkeypatch.setattr(np, 'copyto', counted)
   model = nnx.Dict(
     w=nnx.Param(
       jax.device_put(
@@ -111,6 +127,12 @@ def test_holds_the_values_of_the_call_after_a_donating_step(
   expected = _values(model)
   graphdef, state = nnx.split(model)
   handle = fdt_tf.save_checkpoint(state, tmp_path / 'c', blocking=False)
+  monkeypatch.setattr(np, 'copyto', copyto)
+  if threads == 1:
+    assert copied_on == {threading.current_thread().name}
+  else:
+    assert len(copied_on) >= 2, copied_on
+    assert all(n.startswith('flax_dtensor copy') for n in copied_on)
 
   @jax.jit
   def step(state):

@@ -99,9 +99,8 @@ def test_holds_the_values_of_the_call_after_an_update(auto_mesh, tmp_path):
 def test_holds_the_values_of_the_call_after_a_donating_step(
   explicit_mesh, tmp_path, monkeypatch, threads
 ):
-  """The copy to host memory is done when the call returns, on one thread
-  or (a state this big split over 4: the bar lowered to 64 bytes) on
-  several."""
+  """The copy to host memory is done when the call returns, on the
+  caller's thread or (the bar lowered to 64 bytes) on a pool of 4."""
   monkeypatch.setattr(_host_write, 'COPY_THREADS', threads)
   monkeypatch.setattr(_host_write, '_COPY_TASK_BYTES', 64)
   copied_on, copyto = set(), np.copyto
@@ -130,8 +129,8 @@ def test_holds_the_values_of_the_call_after_a_donating_step(
   monkeypatch.setattr(np, 'copyto', copyto)
   if threads == 1:
     assert copied_on == {threading.current_thread().name}
-  else:
-    assert len(copied_on) >= 2, copied_on
+  else:  # The pool's (how many of its threads ran depends on timing).
+    assert copied_on, copied_on
     assert all(n.startswith('flax_dtensor copy') for n in copied_on)
 
   @jax.jit

@@ -111,6 +111,8 @@ def demo(
       )
     if resume:  # Said before JAX starts.
       _check_resumable(steps_dir_, steps)
+    elif not save_every:  # No steps to save or restore: no folder.
+      steps_dir_ = None
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train

@@ -2097,20 +2097,7 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   )
   out = tmp_path / 'demo'
   narrow = {'COLUMNS': '80'}  # Piped, as in a CI log.
-  stdout = ok(
-    run_cli(
-      'demo',
-      '--rules',
-      suggested,
-      '--steps',
-      '40',
-      '--save-every',
-      '20',
-      '--out',
-      out,
-      env=narrow,
-    )
-  )
+  stdout = ok(run_cli(*_demo_args(suggested, out), env=narrow))
   # Piped: plain progress lines, nothing animated; 80 columns, no line
   # ending in spaces, paths whole or broken after a '/'.
   assert_fits(stdout, 80, [out / 'saved_model', out / 'summary.json'])
@@ -2150,6 +2137,21 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   _resumes_into_equal_values(out, suggested, summary)
 
 
+def _demo_args(rules, out):
+  """The demo test's run: 40 steps under `rules`, saving every 20."""
+  return (
+    'demo',
+    '--rules',
+    rules,
+    '--steps',
+    '40',
+    '--save-every',
+    '20',
+    '--out',
+    out,
+  )
+
+
 def _resumes_into_equal_values(out, rules, summary):
   """The demo's steps: 20 and 40, each a whole TF checkpoint; step 40
   lost, `--resume` trains 21 to 40 again into the same bits."""
@@ -2164,21 +2166,7 @@ def _resumes_into_equal_values(out, rules, summary):
   assert state.splitlines()[0] == 'model_checkpoint_path: "40/ckpt"'
   before = _checkpoint_bytes(steps_dir / '40')
   shutil.rmtree(steps_dir / '40')
-  stdout = ok(
-    run_cli(
-      'demo',
-      '--rules',
-      rules,
-      '--steps',
-      '40',
-      '--save-every',
-      '20',
-      '--out',
-      out,
-      '--resume',
-      '-q',
-    )
-  )
+  stdout = ok(run_cli(*_demo_args(rules, out), '--resume', '-q'))
   assert f'resumed from step 20 of 40 ({steps_dir})' in ' '.join(stdout.split())
   again = json.loads((out / 'summary.json').read_text())
   assert again['resumed_from'] == 20 and again['saved_steps'] == [20, 40]

@@ -1696,11 +1696,13 @@ def gpu(
   batch: int = 1,
   seq: int = 128,
   steps: int = 5,
+  cpu_devices: int = 8,
 ) -> dict:
   """One measurement on the first accelerator (or the CPU, `--quick`):
   the decoder built, planned or trained, on ``jax.make_mesh``'s default
   mesh (Explicit axes) over every local device. A method ending in
   ``_again`` is timed on its second call of the same configuration.
+  `cpu_devices`: the CPU's device count, where there is no accelerator.
 
   `memory_stats` gives the peak device memory; a peak from before the
   step is not reset (JAX cannot), so each measurement is its own process
@@ -1711,7 +1713,8 @@ def gpu(
 
   import flax_dtensor as fdt
 
-  # The CPU's 8 devices come from XLA_FLAGS (set above). No TensorFlow here: the group runs where it is not installed.
+  # No TensorFlow here: the group runs where it is not installed.
+  jax.config.update('jax_num_cpu_devices', cpu_devices)
   tf_before = 'tensorflow' in sys.modules
   Decoder, loss = _decoder(layers, dim, ffn, vocab, heads)
   mesh = jax.make_mesh((len(jax.devices()), 1), ('data', 'model'))

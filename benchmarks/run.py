@@ -272,11 +272,18 @@ _GPU_RATIOS = [
 ]
 
 
-def _gpu(layers, dim, ffn, vocab, heads, methods=None):
+def _gpu(layers, dim, ffn, vocab, heads, methods=None, **more):
   methods = _GPU_BUILD if methods is None else methods
   return _case(
     'gpu',
-    {'layers': layers, 'dim': dim, 'ffn': ffn, 'vocab': vocab, 'heads': heads},
+    {
+      'layers': layers,
+      'dim': dim,
+      'ffn': ffn,
+      'vocab': vocab,
+      'heads': heads,
+      **more,
+    },
     methods,
     [r for r in _GPU_RATIOS if r[0] in methods and r[1] in methods],
     note=f'Llama-like decoder, {layers} blocks, bfloat16, on '
@@ -544,7 +551,9 @@ def _full():
 def _quick():
   return {
     'manager': [_manager(8, 1, 12, 4)],
-    'gpu': [_gpu(2, 64, 128, 256, 4)],
+    # On one CPU device, as on the one GPU (and without 8 devices' SPMD
+    # compiles, which the suite runs it for).
+    'gpu': [_gpu(2, 64, 128, 256, 4, cpu_devices=1)],
     'init': [
       _case('init', {'layers': 2, 'width': 256}, _INIT, _INIT_RATIOS),
       {**_INIT_AGAIN, 'params': {'layers': 2, 'width': 256, 'stack': 'vmap'}},

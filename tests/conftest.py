@@ -141,6 +141,18 @@ def warm_pool():
   pool.close()
 
 
+@pytest.fixture(scope='session')
+def tf_pool():
+  """The session's TensorFlow-only `warm.Pool` (`warm.tf_only()`): the
+  serving and reading scripts that block JAX (`processes.NO_JAX`) run in
+  its forks, TensorFlow imported once a worker."""
+  import warm
+
+  pool = warm.tf_only()
+  yield pool
+  pool.close()
+
+
 # Slow tests: each needs a reason
 # ------------------------------------------------------------------------------
 

@@ -364,10 +364,11 @@ _SERVE = processes.NO_JAX + textwrap.dedent(
 
 
 @pytest.fixture(scope='module')
-def served(world, tmp_path_factory):
+def served(world, tmp_path_factory, tf_pool):
   """`of(cell)`: the report of the SavedModel cells of `cell`'s part
   (`scheduling.served_part`), each part exported, then served by one TF
-  process, at its first cell (the parts go to different workers)."""
+  process (a fork of the TensorFlow-only pool), at its first cell (the
+  parts go to different workers)."""
   parts = {}
 
   def of(cell):
@@ -376,6 +377,7 @@ def served(world, tmp_path_factory):
       parts[part] = _serve(
         world,
         tmp_path_factory,
+        tf_pool,
         [
           c
           for c in ALL_CELLS
@@ -387,7 +389,7 @@ def served(world, tmp_path_factory):
   return of
 
 
-def _serve(world, tmp_path_factory, cells):
+def _serve(world, tmp_path_factory, pool, cells):
   """Exports `cells`' models, then serves them all in one TF process."""
   paths = []
   for cell in cells:
@@ -410,7 +412,7 @@ def _serve(world, tmp_path_factory, cells):
   )
   (work / 'serve.py').write_text(_SERVE)
   return processes.checked_result(
-    processes.run_python(work / 'serve.py', work / 'job.json')
+    pool.run(work / 'serve.py', work / 'job.json')
   )
 
 

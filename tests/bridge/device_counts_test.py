@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import processes
 import pytest
+import warm
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -215,7 +216,7 @@ def served(tmp_path_factory):
   )
   (work / 'serve.py').write_text(_SERVE)
   report = processes.checked_result(
-    processes.run_python(work / 'serve.py', work / 'job.json')
+    warm.tf_only().run(work / 'serve.py', work / 'job.json')
   )
   return {name: (report[name], want[name]) for name in paths}
 

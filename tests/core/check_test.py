@@ -2,11 +2,11 @@
 
 import json
 
+import cli_runner
 import flax
 import jax
 import jax.numpy as jnp
 import many_axes
-import processes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -161,9 +161,8 @@ def test_rules_from_the_context_and_errors():
 
 
 def _cli(*args):
-  return processes.run_python(
-    '-m', 'flax_dtensor', *args, env=processes.clean_env(COLUMNS='200')
-  )
+  """`flax-dtensor ARGS` in this process, as a shell sees it."""
+  return cli_runner.run(*args, env={'COLUMNS': '200'})
 
 
 def test_cli_check_exit_status_and_json(tmp_path):

@@ -1,8 +1,8 @@
 """The one-accelerator benchmark group, in its `--quick` form on the CPU.
 
 ``python benchmarks/run.py --only gpu`` runs on one CUDA device where
-TensorFlow is not installed; here the same group runs on 8 CPU devices,
-with TensorFlow made unimportable, so the core (the plan, `fdt.init`,
+TensorFlow is not installed; here the same group runs on one CPU device,
+as on the one GPU, with TensorFlow made unimportable, so the core (the plan, `fdt.init`,
 eager creation, `with_logical_constraint` in a jitted step) is shown to
 need none of it.
 """

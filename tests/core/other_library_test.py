@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import processes
 import pytest
+import warm
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -372,7 +373,9 @@ def _served_without_jax(path, batches, tmp_path):
   for i, inputs in enumerate(batches):
     np.savez(tmp_path / f'inputs_{i}.npz', **inputs)
     args += [tmp_path / f'inputs_{i}.npz', tmp_path / f'outputs_{i}.npz']
-  proc = processes.run_python('-c', _SERVE, path, *args)
+  script = tmp_path / 'serve.py'
+  script.write_text(_SERVE)
+  proc = warm.tf_only().run(script, path, *args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   outputs = []
   for i in range(len(batches)):

@@ -2,9 +2,9 @@
 
 import json
 
+import cli_runner
 import jax.numpy as jnp
 import many_axes
-import processes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -160,37 +160,30 @@ def test_malformed_layouts(text, match):
     fdt.ShardingPlan.from_json(text)
 
 
-def _cli(*args, cwd):
-  return processes.run_python(
-    '-m',
-    'flax_dtensor',
-    *args,
-    cwd=cwd,
-    env=processes.clean_env(COLUMNS='120'),
-  )
+def _cli(*args):
+  """`flax-dtensor ARGS` in this process, as a shell sees it."""
+  return cli_runner.run(*args, env={'COLUMNS': '120'})
 
 
 def test_cli_diff_exit_status_like_diff(tmp_path):
   target = 'flax_dtensor.demo.model:make_model'
   golden = tmp_path / 'layout.json'
-  proc = _cli('plan', target, '--json', cwd=tmp_path)
+  proc = _cli('plan', target, '--json')
   assert proc.returncode == 0, proc.stderr
   golden.write_text(proc.stdout)
-  same = _cli('plan', target, '--diff', golden, cwd=tmp_path)
+  same = _cli('plan', target, '--diff', golden)
   assert same.returncode == 0, same.stderr
   assert 'No change' in same.stdout
-  moved = _cli(
-    'plan', target, '--mesh', 'data=4,model=2', '--diff', golden, cwd=tmp_path
-  )
+  moved = _cli('plan', target, '--mesh', 'data=4,model=2', '--diff', golden)
   assert moved.returncode == 1, moved.stderr
   assert "mesh {'data': 2, 'model': 4} -> {'data': 4, 'model': 2}" in (
     moved.stdout
   )
-  missing = _cli('plan', target, '--diff', tmp_path / 'nope.json', cwd=tmp_path)
+  missing = _cli('plan', target, '--diff', tmp_path / 'nope.json')
   assert missing.returncode == 2
   assert 'cannot read the golden layout' in missing.stderr
   (tmp_path / 'bad.json').write_text('{}')
-  bad = _cli('plan', target, '--diff', tmp_path / 'bad.json', cwd=tmp_path)
+  bad = _cli('plan', target, '--diff', tmp_path / 'bad.json')
   assert bad.returncode == 2
   assert 'is not a plan' in bad.stderr and 'bad.json' in bad.stderr
   assert 'Error' not in bad.stderr  # No class names: they go to --debug.

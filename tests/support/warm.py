@@ -64,10 +64,15 @@ PRELOAD = (
   'flax_dtensor.demo.model',
   'flax_dtensor.demo.train',
 )
+# What a reader's pool imports: TensorFlow with JAX blocked first (TF
+# imports `jax.version` where JAX is installed), as `processes.NO_JAX` does
+# in the scripts: plain TensorFlow, as on a machine that serves with it.
+TF_ONLY = ('-jax', '-jaxlib', 'numpy', 'tensorflow')
 STARTUP_TIMEOUT = 600
 
 
 _shared: Pool | None = None
+_shared_tf: Pool | None = None
 
 
 def shared() -> Pool:
@@ -81,6 +86,20 @@ def shared() -> Pool:
     _shared = Pool()
     atexit.register(_shared.close)
   return _shared
+
+
+def tf_only() -> Pool:
+  """This process's TensorFlow-only pool (`TF_ONLY`), as `shared()`.
+
+  For the scripts that serve or read in plain TensorFlow with JAX blocked:
+  each a fork, so TensorFlow's ~6 s import is paid once a worker, not once
+  a script. The `tf_pool` fixture is this pool.
+  """
+  global _shared_tf
+  if _shared_tf is None:
+    _shared_tf = Pool(TF_ONLY)
+    atexit.register(_shared_tf.close)
+  return _shared_tf
 
 
 class PoolError(RuntimeError):
@@ -301,9 +320,11 @@ class Pool:
 
   def close(self) -> None:
     """Kills the scripts still running, then the server."""
-    global _shared
+    global _shared, _shared_tf
     if _shared is self:
       _shared = None
+    if _shared_tf is self:
+      _shared_tf = None
     with contextlib.suppress(OSError):
       self._sock.shutdown(socket.SHUT_RDWR)
     try:

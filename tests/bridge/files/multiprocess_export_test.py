@@ -18,6 +18,7 @@ import multiprocess_util
 import numpy as np
 import processes
 import pytest
+import warm
 
 pytest.importorskip('tensorflow')
 
@@ -66,7 +67,7 @@ def _plain_tf_read(checkpoint, out):
   script = os.path.join(os.path.dirname(out), 'read.py')
   with open(script, 'w') as f:
     f.write(_READ_SCRIPT)
-  done = processes.run_python(script, checkpoint, out, timeout=TIMEOUT)
+  done = warm.tf_only().run(script, checkpoint, out, timeout=TIMEOUT)
   assert done.returncode == 0, done.stderr[-4000:]
   dtypes = json.loads(done.stdout.strip().splitlines()[-1])
   with np.load(out) as data:

@@ -5,8 +5,8 @@ multiprocess_util) run jax.distributed on 127.0.0.1 with 4 CPU devices each
 and a DTensor client of their own, on a transposed (2, 4) mesh spanning both processes. In the
 same run they check that refusals and a failure on process 0 alone reach
 every process, and bring TF-changed DVariables back with from_tf_module. The
-parent then serves the SavedModel in a fresh process where JAX cannot be
-imported, compares with the JAX output the workers computed, and runs TF's
+parent then serves the SavedModel in a process where JAX cannot be
+imported (a fork of the TensorFlow-only pool), compares with the JAX output the workers computed, and runs TF's
 own `saved_model_cli show --all` on it.
 """
 
@@ -20,6 +20,7 @@ import multiprocess_util
 import numpy as np
 import processes
 import pytest
+import warm
 
 pytest.importorskip('tensorflow')
 
@@ -111,7 +112,7 @@ def test_two_processes_write_one_saved_model(tmp_path):
   # Served by plain TF, JAX blocked, in a process of its own.
   script = tmp_path / 'serve.py'
   script.write_text(_SERVE_SCRIPT)
-  served = processes.run_python(
+  served = warm.tf_only().run(
     script, sm, tmp_path / 'x.npy', tmp_path / 'got.npy', timeout=TIMEOUT
   )
   assert served.returncode == 0, served.stderr[-4000:]
@@ -141,7 +142,7 @@ def test_two_processes_write_one_saved_model(tmp_path):
   explicit_want = np.load(tmp_path / 'explicit_want.npy')
   for rows in (8, 3, 1):
     np.save(tmp_path / f'x{rows}rows.npy', x8[:rows])
-    served = processes.run_python(
+    served = warm.tf_only().run(
       script,
       tmp_path / 'explicit_sm',
       tmp_path / f'x{rows}rows.npy',

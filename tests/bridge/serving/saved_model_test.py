@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import processes
 import pytest
+import warm
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -188,7 +189,7 @@ def _serve_in_plain_tf(tmp_path, models, checkpoint=None):
   job_path.write_text(json.dumps(job))
   script = tmp_path / 'serve.py'
   script.write_text(_SERVE_SCRIPT)
-  out = processes.run_python(script, job_path)
+  out = warm.tf_only().run(script, job_path)
   assert out.returncode == 0, out.stderr[-4000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,7 +1,8 @@
 """A warm Python that forks one fresh process per script (tests/support/warm.py).
 
 Started with `CONTROL_FD MODULE...`: it imports the modules (in this order,
-without starting JAX's backend or TensorFlow's runtime), checks that it is
+without starting JAX's backend or TensorFlow's runtime; `-NAME` blocks
+module NAME instead, as `sys.modules[NAME] = None` does), checks that it is
 still one thread with neither started, says so on the control socket, then
 serves. Each request (a JSON message with three descriptors: the script's
 stdin, stdout and stderr) forks a child that runs the script as `python
@@ -33,7 +34,10 @@ def _send(sock, **message):
 def _preload(names):
   """Imports `names`; why forking would now be unsafe, or ''."""
   for name in names:
-    importlib.import_module(name)
+    if name.startswith('-'):
+      sys.modules[name[1:]] = None  # Blocked: importing it raises.
+    else:
+      importlib.import_module(name)
   problems = []
   threads = len(os.listdir('/proc/self/task'))
   if threads != 1:
@@ -41,7 +45,7 @@ def _preload(names):
       f'{threads} threads (an import started them; OpenBLAS does unless '
       'OPENBLAS_NUM_THREADS=1)'
     )
-  if 'jax' in sys.modules:
+  if sys.modules.get('jax') is not None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -422,9 +421,10 @@ def test_issue_example_runs_on_all_axis_types(any_mesh):
   assert 'up/kernel' in str(plan)
 
 
-def test_hook_semantics_do_not_depend_on_history():
+def test_hook_semantics_do_not_depend_on_history(warm_pool):
   """LogicalRules in Flax's own context mean flax_dtensor semantics, even
-  before any flax_dtensor context was ever entered in the process."""
+  before any flax_dtensor context was ever entered in the process (a fork
+  of the warm pool, which imported flax_dtensor and used nothing)."""
   code = '\n'.join(
     [
       'import jax',
@@ -440,7 +440,7 @@ def test_hook_semantics_do_not_depend_on_history():
       'print(p.get_value().sharding.spec)',
     ]
   )
-  out = processes.run_python('-c', code, timeout=120)
+  out = warm_pool.run_code(code, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   # Flax's last-write-wins dict would give P(None, 'data').
   assert out.stdout.strip() == "P(None, 'model')"

@@ -282,9 +282,12 @@ def _remove_tree(path: str) -> None:
 
 
 def _run(script: str, *args: str) -> tuple[dict[str, Any], str]:
-  """Runs `script`; returns its RESULT line's JSON and its whole stdout."""
-  proc = processes.run_python(
-    '-c', script, *args, timeout=TIMEOUT, cwd=processes.REPO_ROOT
+  """Runs `script` in a fork of the warm pool (its limits its own);
+  returns its RESULT line's JSON and its whole stdout."""
+  import warm
+
+  proc = warm.shared().run_code(
+    script, *args, timeout=TIMEOUT, cwd=processes.REPO_ROOT
   )
   return processes.checked_result(proc), proc.stdout
 
@@ -350,26 +353,39 @@ def unwritable() -> dict[str, Any]:
   'before' is the tree as the child left it after its setup, 'after' as it
   is once the child is gone.
   """
+  import warm
+
   base = _scratch('fdt_unwritable_')
+  script = pathlib.Path(_scratch('fdt_unwritable_script_'), 'unwritable.py')
+  script.write_text(_UNWRITABLE)
   before: dict[str, Any] = {}
-  proc = subprocess.Popen(
-    [sys.executable, '-c', _UNWRITABLE, base, str(NOBODY)],
-    stdin=subprocess.PIPE,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    env=processes.clean_env(),
-    cwd=base,
-  )
-  try:
-    line = proc.stdout.readline()
-    if line.strip() == 'READY':
-      before = snapshot(base)
-    out, err = proc.communicate('go\n', timeout=TIMEOUT)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait(timeout=60)
+  # A fork of the warm pool: it drops to `nobody` itself, after its setup.
+  with tempfile.TemporaryFile() as err_file:
+    proc = warm.shared().start(
+      script,
+      base,
+      str(NOBODY),
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=err_file,
+      env=processes.clean_env(),
+      cwd=base,
+    )
+    try:
+      with proc.stdout:
+        line = proc.stdout.readline().decode()
+        if line.strip() == 'READY':
+          before = snapshot(base)
+        with proc.stdin:
+          proc.stdin.write(b'go\n')
+        out = proc.stdout.read().decode()
+      proc.wait(TIMEOUT)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
+    err_file.seek(0)
+    err = err_file.read().decode(errors='replace')
   if proc.returncode != 0 or not before:
     raise RuntimeError(f'exit {proc.returncode}:\n{out[-3000:]}\n{err[-5000:]}')
   result = processes.result(out, context=err[-5000:])

@@ -318,6 +318,16 @@ class Pool:
         err.read().decode(errors='replace'),
       )
 
+  def run_code(
+    self, code: str, *args: str, **kwargs
+  ) -> subprocess.CompletedProcess[str]:
+    """`run` of the script `code` (as ``python -c CODE ARGS``, but with
+    `__file__` a temporary file's; `kwargs` as `run`'s)."""
+    with tempfile.TemporaryDirectory(prefix='fdt-warm-') as folder:
+      script = pathlib.Path(folder, 'script.py')
+      script.write_text(code)
+      return self.run(script, *args, **kwargs)
+
   def close(self) -> None:
     """Kills the scripts still running, then the server."""
     global _shared, _shared_tf

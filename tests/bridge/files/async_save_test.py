@@ -26,7 +26,6 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-import processes  # noqa: E402
 
 from flax_dtensor.dtensor._files import _host_write  # noqa: E402
 
@@ -252,9 +251,9 @@ _EXIT = textwrap.dedent(
 )
 
 
-def test_exit_waits_for_a_pending_save(tmp_path):
+def test_exit_waits_for_a_pending_save(warm_pool, tmp_path):
   path = tmp_path / 'c'
-  proc = processes.run_python('-c', _EXIT, path, timeout=TIMEOUT)
+  proc = warm_pool.run_code(_EXIT, path, timeout=TIMEOUT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'cannot schedule new futures' not in proc.stderr
   assert os.listdir(tmp_path) == ['c']
@@ -284,10 +283,10 @@ _EXIT_FAILING = textwrap.dedent(
 )
 
 
-def test_a_save_failing_at_exit_makes_the_exit_status_1(tmp_path):
+def test_a_save_failing_at_exit_makes_the_exit_status_1(warm_pool, tmp_path):
   """Nobody waited for the save: its failure is the process's exit status."""
   path = tmp_path / 'c'
-  proc = processes.run_python('-c', _EXIT_FAILING, path, timeout=TIMEOUT)
+  proc = warm_pool.run_code(_EXIT_FAILING, path, timeout=TIMEOUT)
   assert proc.stdout == 'returned\n'
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.search(

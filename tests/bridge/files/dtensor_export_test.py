@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
-import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -1153,12 +1152,14 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
   ],
   ids=['read', 'write'],
 )
-def test_tf_errors_name_the_variables(tmp_path, what, pattern, files):
+def test_tf_errors_name_the_variables(
+  warm_pool, tmp_path, what, pattern, files
+):
   script = tmp_path / 'script.py'
   script.write_text(_TF_FAILURE_SCRIPT)
   root = tmp_path / 'root'
   root.mkdir()
-  out = processes.run_python(script, what, root)
+  out = warm_pool.run(script, what, root)
   assert out.returncode == 0, out.stderr[-4000:]
   lines = dict(line.split(' ', 1) for line in out.stdout.strip().splitlines())
   with pytest.raises(fdt.ExportError, match=pattern):
@@ -1357,7 +1358,7 @@ _NO_DTENSOR_SCRIPT = textwrap.dedent(
 )
 
 
-def test_restore_needs_no_dtensor(explicit_mesh, tmp_path):
+def test_restore_needs_no_dtensor(warm_pool, explicit_mesh, tmp_path):
   """A restore into JAX reads with plain TF: no `initialize()` needed."""
   state = nnx.Dict(
     w=nnx.Param(
@@ -1370,7 +1371,7 @@ def test_restore_needs_no_dtensor(explicit_mesh, tmp_path):
   path = fdt_tf.save_checkpoint(state, tmp_path / 'ckpt')
   script = tmp_path / 'script.py'
   script.write_text(_NO_DTENSOR_SCRIPT)
-  out = processes.run_python(script, path)
+  out = warm_pool.run(script, path)
   assert out.returncode == 0, out.stderr[-4000:]
   lines = dict(line.split(' ', 1) for line in out.stdout.strip().splitlines())
   assert lines == {

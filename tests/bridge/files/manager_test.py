@@ -8,7 +8,6 @@ the values of that step, and TensorFlow's own readers with JAX's arrays.
 import json
 import os
 import subprocess
-import sys
 import threading
 import warnings
 
@@ -18,6 +17,7 @@ import numpy as np
 import processes
 import pytest
 import tensorflow as tf
+import warm
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -398,20 +398,24 @@ def test_a_tensorflow_process_follows_the_run(explicit_mesh, tmp_path):
   train_to(model, 1)
   manager.save(1, model)
   manager.wait()
-  follower = subprocess.Popen(
-    [sys.executable, str(script), str(run_dir), '12'],
-    env=processes.reader_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  with follower.stdout, follower.stderr:
+  # A fork of the TensorFlow-only pool: it follows from the loop's start,
+  # not after TensorFlow's import.
+  with (
+    open(tmp_path / 'out', 'w+') as out,
+    open(tmp_path / 'err', 'w+') as err,
+  ):
+    follower = warm.tf_only().start(
+      script, run_dir, '12', env=processes.reader_env(), stdout=out, stderr=err
+    )
     for step in range(2, 13):
       train_to(model, step)
       manager.save(step, model)
     manager.close()
-    out, err = follower.communicate(timeout=processes.TIMEOUT)
-  assert follower.returncode == 0, err
+    status = follower.wait(processes.TIMEOUT)
+    out.seek(0)
+    err.seek(0)
+    out, err = out.read(), err.read()
+  assert status == 0, err
   report = json.loads(out.strip().splitlines()[-1])
   assert report['jax'] is False
   seen = {int(k): v for k, v in report['seen'].items()}

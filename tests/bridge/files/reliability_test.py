@@ -279,10 +279,10 @@ _NOT_POISONED = textwrap.dedent(
 )
 
 
-def test_a_damaged_checkpoint_does_not_break_the_next_ones(tmp_path):
+def test_a_damaged_checkpoint_does_not_break_the_next_ones(warm_pool, tmp_path):
   script = tmp_path / 'script.py'
   script.write_text(_NOT_POISONED)
-  out = processes.run_python(script, tmp_path)
+  out = warm_pool.run(script, tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()
   assert lines == ['REFUSED True', 'GOOD 1.0', "SAVED [('w',)]"]

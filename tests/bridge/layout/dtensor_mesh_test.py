@@ -20,6 +20,7 @@ import numpy as np
 import processes
 import profiles
 import pytest
+import warm
 
 tf = pytest.importorskip('tensorflow')
 
@@ -214,20 +215,25 @@ def test_initialize_twice_is_a_no_op():
   assert dtensor.num_local_devices('CPU') == jax.local_device_count() == 8
 
 
-def _run_python(script: str, *, env: dict[str, str] | None = None):
-  """Runs `script` in a fresh Python with 8 CPU devices; returns stdout."""
+def _run_python(
+  script: str, *, env: dict[str, str] | None = None, imports: bool = False
+):
+  """Runs `script` in a fresh process with 8 CPU devices; returns stdout.
+
+  A fork of the warm pool (DTensor and TF's runtime not yet started), or,
+  where what importing does is the subject (`imports`), a new Python.
+  """
   child_env = processes.clean_env(
     XLA_FLAGS='--xla_force_host_platform_device_count=8',
     TF_CPP_MIN_LOG_LEVEL='2',
     **(env or {}),
   )
-  result = processes.run_python(
-    '-c',
-    _CHILD_PRELUDE + textwrap.dedent(script),
-    env=child_env,
-    cwd=processes.REPO_ROOT,
-    timeout=240,
-  )
+  code = _CHILD_PRELUDE + textwrap.dedent(script)
+  kwargs = {'env': child_env, 'cwd': processes.REPO_ROOT, 'timeout': 240}
+  if imports:
+    result = processes.run_python('-c', code, **kwargs)
+  else:
+    result = warm.shared().run_code(code, **kwargs)
   if result.returncode != 0 or 'CHILD OK' not in result.stdout:
     pytest.fail(
       f'child process failed (exit {result.returncode})\n'
@@ -266,7 +272,9 @@ _CHILD_PRELUDE = textwrap.dedent("""\
 
 def test_lifecycle_in_fresh_process():
   """No TF import on import; errors before init; init/shutdown/re-init."""
-  _run_python("""
+  _run_python(
+    imports=True,
+    script="""
     import flax_dtensor
     import flax_dtensor.dtensor as fdt_dtensor
     assert 'tensorflow' not in sys.modules
@@ -313,7 +321,8 @@ def test_lifecycle_in_fresh_process():
     fdt_dtensor.initialize()
     check_values(fdt_dtensor)
     print('CHILD OK')
-  """)
+  """,
+  )
 
 
 def test_initialize_after_tf_already_ran():

@@ -179,12 +179,19 @@ def _lengths_of_their_own(ctx):
 
 # The scripts of each group of `_in_a_fresh_process`, in the order given.
 _GROUPS: dict[str, list[str]] = {}
+# The groups whose subject is what importing does: each a new Python.
+_IMPORTING: set[str] = set()
 
 
 def _in_a_fresh_process(
-  script: str, *, group: str | None = None
+  script: str, *, group: str | None = None, imports: bool = False
 ) -> Callable[[Context], None]:
   """A case run by `script` in a fresh process; its error is re-raised.
+
+  The process is a fork of the warm pool (JAX, Flax, TensorFlow and
+  flax_dtensor imported; neither JAX's backend nor TensorFlow's runtime
+  started, DTensor not set up), or, where the subject is what an import
+  does (`imports`), a new Python.
 
   The scripts of one `group` run one after the other in the same process
   (one process start instead of several), each where the ones before left
@@ -193,6 +200,8 @@ def _in_a_fresh_process(
   """
   if group is None:
     group = f'alone {len(_GROUPS)}'
+  if imports:
+    _IMPORTING.add(group)
   scripts = _GROUPS.setdefault(group, [])
   index = len(scripts)
   scripts.append(script)
@@ -234,7 +243,12 @@ def _group_results(group: str) -> list[list[str] | None]:
       """
     )
   )
-  proc = processes.run_python('-c', program)
+  if group in _IMPORTING:
+    proc = processes.run_python('-c', program)
+  else:
+    import warm
+
+    proc = warm.shared().run_code(program)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -1241,7 +1255,8 @@ CASES = [
       flax.__version__ = '0.13.0'
       import flax_dtensor
       flax_dtensor.LogicalRules
-      """
+      """,
+      imports=True,
     ),
   ),
   # DTensor set-up
@@ -1256,7 +1271,8 @@ CASES = [
       sys.modules['tensorflow'] = None
       from flax_dtensor import dtensor
       dtensor.initialize()
-      """
+      """,
+      imports=True,
     ),
   ),
   Case(

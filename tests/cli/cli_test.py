@@ -2067,11 +2067,11 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   sug.yaml`). The forward's 'batch', traced on the demo's own inputs, has
   rules; without them the demo stopped at it.
 
-  It saves its steps every 20; run again with `--resume` after its last
-  step is lost (as a run killed after step 20 left it), it trains steps
-  21 to 40 again into equal values, bit for bit.
+  It saves its steps every 10; run again with `--resume` after its last
+  step is lost (as a run killed after step 10 left it), it trains steps
+  11 to 20 again into equal values, bit for bit.
 
-  Slow: it trains 40 steps (and 20 again), exports a checkpoint and a
+  Slow: it trains 20 steps (and 10 again), exports a checkpoint and a
   SavedModel, and serves it in the TensorFlow-only process the demo itself
   starts (twice).
   """
@@ -2103,10 +2103,10 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   assert_fits(stdout, 80, [out / 'saved_model', out / 'summary.json'])
   assert stdout.startswith(
     'flax-dtensor demo on 8 devices (cpu), mesh data=2,model=4\n'
-    '40 steps of 16 sequences, seed 0\n'
+    '20 steps of 16 sequences, seed 0\n'
   )
-  steps = re.findall(r'^train step (\d+)/40  loss \d\.\d{3}  ', stdout, re.M)
-  assert steps[0] == '1' and steps[-1] == '40', stdout
+  steps = re.findall(r'^train step (\d+)/20  loss \d\.\d{3}  ', stdout, re.M)
+  assert steps[0] == '1' and steps[-1] == '20', stdout
   # The writes and the verification (~12 s) each say so as they start.
   phases = [
     'write Orbax checkpoint…',
@@ -2116,12 +2116,12 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   ]
   lines = stdout.splitlines()
   trained = max(
-    i for i, x in enumerate(lines) if x.startswith('train step 40/')
+    i for i, x in enumerate(lines) if x.startswith('train step 20/')
   )
   at = [lines.index(p) for p in phases]
   assert trained < at[0] and at == sorted(at), stdout
   summary = json.loads((out / 'summary.json').read_text())
-  assert summary['steps'] == 40 and len(summary['losses']) == 40
+  assert summary['steps'] == 20 and len(summary['losses']) == 20
   assert summary['loss_first'] > 5.0  # ~ln(256): uniform over bytes.
   assert summary['loss_last'] < summary['loss_first'] - 2.0
   assert summary['max_abs_logits_diff'] < 1e-3
@@ -2138,40 +2138,40 @@ def test_demo_trains_exports_and_verifies(tmp_path):
 
 
 def _demo_args(rules, out):
-  """The demo test's run: 40 steps under `rules`, saving every 20."""
+  """The demo test's run: 20 steps under `rules`, saving every 10."""
   return (
     'demo',
     '--rules',
     rules,
     '--steps',
-    '40',
-    '--save-every',
     '20',
+    '--save-every',
+    '10',
     '--out',
     out,
   )
 
 
 def _resumes_into_equal_values(out, rules, summary):
-  """The demo's steps: 20 and 40, each a whole TF checkpoint; step 40
-  lost, `--resume` trains 21 to 40 again into the same bits."""
+  """The demo's steps: 10 and 20, each a whole TF checkpoint; step 20
+  lost, `--resume` trains 11 to 20 again into the same bits."""
   from flax_dtensor.dtensor._files import _steps
 
   steps_dir = out.parent / 'demo-steps'
   assert summary['steps_dir'] == str(steps_dir)
-  assert summary['saved_steps'] == [20, 40] and summary['resumed_from'] is None
-  assert _steps.whole_steps(str(steps_dir)) == [20, 40]
+  assert summary['saved_steps'] == [10, 20] and summary['resumed_from'] is None
+  assert _steps.whole_steps(str(steps_dir)) == [10, 20]
   # TensorFlow's own state file names the latest whole step.
   state = (steps_dir / 'checkpoint').read_text()
-  assert state.splitlines()[0] == 'model_checkpoint_path: "40/ckpt"'
-  before = _checkpoint_bytes(steps_dir / '40')
-  shutil.rmtree(steps_dir / '40')
+  assert state.splitlines()[0] == 'model_checkpoint_path: "20/ckpt"'
+  before = _checkpoint_bytes(steps_dir / '20')
+  shutil.rmtree(steps_dir / '20')
   stdout = ok(run_cli(*_demo_args(rules, out), '--resume', '-q'))
-  assert f'resumed from step 20 of 40 ({steps_dir})' in ' '.join(stdout.split())
+  assert f'resumed from step 10 of 20 ({steps_dir})' in ' '.join(stdout.split())
   again = json.loads((out / 'summary.json').read_text())
-  assert again['resumed_from'] == 20 and again['saved_steps'] == [20, 40]
-  assert again['losses'] == summary['losses'][20:]
-  assert _checkpoint_bytes(steps_dir / '40') == before
+  assert again['resumed_from'] == 10 and again['saved_steps'] == [10, 20]
+  assert again['losses'] == summary['losses'][10:]
+  assert _checkpoint_bytes(steps_dir / '20') == before
 
 
 def _checkpoint_bytes(step_dir):

@@ -783,8 +783,11 @@ def test_optimizer_state_round_trip(auto_mesh, tmp_path):
     def loss(m):
       return jnp.mean(m(x) ** 2)
 
-    grads = nnx.grad(loss)(model)
-    optimizer.update(model, grads)
+    @nnx.jit  # One compile, where the step op by op made 120.
+    def step(model, optimizer):
+      optimizer.update(model, nnx.grad(loss)(model))
+
+    step(model, optimizer)
   assert int(optimizer.step.get_value()) == 1
   path = fdt_tf.save_checkpoint(
     optimizer, tmp_path / 'opt', include=nnx.OptState

@@ -290,15 +290,17 @@ def test_saved_model_serves_in_plain_tf_without_jax(
   assert report['jax_modules'] == []
   assert not report['dtensor_initialized']
 
-  # Outputs match JAX's forward pass (batch sizes 1 and 7: polymorphic).
+  # Outputs match JAX's forward pass (batch sizes 1 and 7: polymorphic),
+  # jitted: a compile a model and shape, not one an op.
+  forward = nnx.jit(lambda m, *args: m(*args))
   assert report['net']['inputs'] == ['input_0']
   assert report['net']['outputs'] == {'output_0': [[1, 16], [7, 16]]}
   for i, x in enumerate(xs):
     got = np.load(tmp_path / f'net_{i}_output_0.npy')
-    want = np.asarray(net(x))
+    want = np.asarray(forward(net, x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert report['features']['inputs'] == ['input_0', 'scale']
-  feats = net.features(x5, scale)
+  feats = nnx.jit(lambda m, *args: m.features(*args))(net, x5, scale)
   for k in ('hidden', 'scaled'):
     got = np.load(tmp_path / f'features_0_{k}.npy')
     np.testing.assert_allclose(got, feats[k], rtol=1e-5, atol=1e-5)
@@ -309,12 +311,12 @@ def test_saved_model_serves_in_plain_tf_without_jax(
   assert report['mixed']['variables'] == ['b:0', 'v:0', 'w:0']
   got16 = np.load(tmp_path / 'net16_0_output_0.npy')
   assert got16.dtype == np.float16
-  want16 = np.asarray(net16(xs[1].astype(np.float16)))
+  want16 = np.asarray(forward(net16, xs[1].astype(np.float16)))
   np.testing.assert_allclose(got16, want16, rtol=2e-2, atol=2e-2)
   # float8 variables are stored as float32 and converted back inside the
   # served JAX function (TF has no float8_e8m0fnu at all).
   got8 = np.load(tmp_path / 'net8_0_output_0.npy')
-  np.testing.assert_allclose(got8, net8(xs[1]), rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(got8, forward(net8, xs[1]), rtol=1e-6, atol=1e-5)
   scale8 = np.load(tmp_path / 'net8_var_scale:0.npy')
   assert scale8.dtype == np.float32
   np.testing.assert_array_equal(
@@ -1061,9 +1063,13 @@ def test_llm_with_a_none_cache_serves_in_plain_tf(auto_mesh, tmp_path):
   report = _serve_in_plain_tf(tmp_path, models)
   assert report['jax_modules'] == []
 
-  def jax_outputs(method, x):
-    args = (x['tokens'], x['positions'], None, x['mask'])
+  # Jitted: a compile a method and shape, not one an op.
+  @nnx.jit(static_argnums=1)
+  def call(model, method, *args):
     return getattr(model, method)(*args)
+
+  def jax_outputs(method, x):
+    return call(model, method, x['tokens'], x['positions'], None, x['mask'])
 
   # The None argument is no input of the signature; `(logits, None)` is
   # served as output_0.

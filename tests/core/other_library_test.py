@@ -14,6 +14,7 @@ import warnings
 
 import creation_values
 import flax
+import forwards
 import jax
 import numpy as np
 import processes
@@ -431,11 +432,11 @@ def test_its_forward_serves_in_plain_tensorflow(gemma, initialized, tmp_path):
   batches = [_llm_inputs(gemma, batch, length) for batch, length in SIZES]
   names, served = _served_without_jax(path, batches, tmp_path)
   assert names == ['mask', 'positions', 'tokens']
-  forward = nnx.jit(lambda m, *args: m(*args))  # A compile a size, not an op.
+  forward = forwards.jitted(model)  # A compile a size, not one an op.
   for inputs, outputs in zip(batches, served, strict=True):
     assert list(outputs) == ['output_0']
     logits, cache = forward(
-      model, inputs['tokens'], inputs['positions'], None, inputs['mask']
+      inputs['tokens'], inputs['positions'], None, inputs['mask']
     )
     assert cache is None
     np.testing.assert_allclose(

@@ -7,6 +7,7 @@ import re
 import textwrap
 import threading
 
+import forwards
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,7 +293,9 @@ def test_saved_model_serves_in_plain_tf_without_jax(
 
   # Outputs match JAX's forward pass (batch sizes 1 and 7: polymorphic),
   # jitted: a compile a model and shape, not one an op.
-  forward = nnx.jit(lambda m, *args: m(*args))
+  def forward(model, x):
+    return forwards.jitted(model)(x)
+
   assert report['net']['inputs'] == ['input_0']
   assert report['net']['outputs'] == {'output_0': [[1, 16], [7, 16]]}
   for i, x in enumerate(xs):
@@ -300,7 +303,7 @@ def test_saved_model_serves_in_plain_tf_without_jax(
     want = np.asarray(forward(net, x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert report['features']['inputs'] == ['input_0', 'scale']
-  feats = nnx.jit(lambda m, *args: m.features(*args))(net, x5, scale)
+  feats = forwards.jitted(net, 'features')(x5, scale)
   for k in ('hidden', 'scaled'):
     got = np.load(tmp_path / f'features_0_{k}.npy')
     np.testing.assert_allclose(got, feats[k], rtol=1e-5, atol=1e-5)
@@ -1064,12 +1067,9 @@ def test_llm_with_a_none_cache_serves_in_plain_tf(auto_mesh, tmp_path):
   assert report['jax_modules'] == []
 
   # Jitted: a compile a method and shape, not one an op.
-  @nnx.jit(static_argnums=1)
-  def call(model, method, *args):
-    return getattr(model, method)(*args)
-
   def jax_outputs(method, x):
-    return call(model, method, x['tokens'], x['positions'], None, x['mask'])
+    call = forwards.jitted(model, method)
+    return call(x['tokens'], x['positions'], None, x['mask'])
 
   # The None argument is no input of the signature; `(logits, None)` is
   # served as output_0.

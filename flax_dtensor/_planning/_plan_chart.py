@@ -324,9 +324,9 @@ def page(
     _plan_view.totals_text(plan),
   ]
   if budget is not None:
+    loads = device_bytes(plan)  # Once: not once a device.
     worst = max(
-      (sum(v[i] for v in device_bytes(plan).values()))
-      for i in range(plan.num_devices)
+      sum(v[i] for v in loads.values()) for i in range(plan.num_devices)
     )
     verdict = 'fits' if worst <= budget else 'does not fit'
     head.append(

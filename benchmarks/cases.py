@@ -402,6 +402,14 @@ def to_tf(
   }
 
 
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _sorted_shards(arr):
   """The array's shards in the order of the layout's local device ids."""
   from flax_dtensor.dtensor._layout import _layouts
@@ -424,8 +432,13 @@ def checkpoint(
   cache: str = 'hot',
   layouts: str = 'mixed',
   target: str = 'saved',
+  again: int = 0,
 ) -> dict:
   """Writing and reading a checkpoint, and the raw bytes the same way.
+
+  `again`: for `save` and `raw_write`, that many writes of the same state
+  into new files first, in this process (as a training loop saves): the
+  one timed is the next.
 
   The limits write each distinct shard to its own file with NumPy (and
   fsync), read them back with NumPy, and for `raw_read_place` also place
@@ -477,6 +490,17 @@ def checkpoint(
     del state, values  # Only what the restore creates stays.
     if cache == 'cold':
       _evict(root)
+  if again and method not in ('save', 'raw_write'):
+    raise ValueError(f'again= is for save and raw_write, not {method}')
+  for k in range(again):  # Earlier writes, each into new files.
+    if method == 'save':
+      fdt_tf.save_checkpoint(state, os.path.join(root, f'earlier{k}'))
+    else:
+      earlier = os.path.join(root, f'earlier{k}')
+      os.mkdir(earlier)
+      for j, (_, _, shard) in enumerate(shards):
+        _write(os.path.join(earlier, f'raw{j}'), shard)
+      _fsync_dir(earlier)
   before = _reset_peak()
   start = time.perf_counter()
   if method == 'save':
@@ -486,9 +510,7 @@ def checkpoint(
   elif method == 'raw_write':
     for k, (_, _, shard) in enumerate(shards):
       _write(os.path.join(root, f'raw{k}'), shard)
-    fd = os.open(root, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    _fsync_dir(root)
   elif method == 'save_async_stall':
     handle = fdt_tf.save_checkpoint(state, path, blocking=False)
     seconds = time.perf_counter() - start

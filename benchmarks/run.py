@@ -506,6 +506,15 @@ def _full():
       ),
       _case(
         'checkpoint',
+        {'arrays': 32, 'mib': 16, 'layouts': 'mixed', 'again': 4},
+        {'ours': 'save', 'limit': 'raw_write'},
+        [('ours', 'limit')],
+        repeat=5,
+        note='the fifth successive save in one process, each into new '
+        'files, against the fifth write + fsync of the unique bytes',
+      ),
+      _case(
+        'checkpoint',
         {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
         _VS_ORBAX_STALL,
         [('ours', 'limit'), ('peer', 'limit')],
@@ -575,6 +584,14 @@ def _quick():
     'vs_orbax': [
       _case('checkpoint', {'arrays': 8, 'mib': 1}, methods, [('ours', 'limit')])
       for methods in (_VS_ORBAX_SAVE, _VS_ORBAX_STALL)
+    ]
+    + [
+      _case(
+        'checkpoint',
+        {'arrays': 8, 'mib': 1, 'again': 2},
+        {'ours': 'save', 'limit': 'raw_write'},
+        [('ours', 'limit')],
+      )
     ]
     + [
       _case(

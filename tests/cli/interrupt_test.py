@@ -259,14 +259,27 @@ def _sigint_to_the_process(case, tmp_path, phase):
       while not any(n.startswith('.out.tmp-') for n in os.listdir(tmp_path)):
         assert case.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
-    else:  # JAX and TensorFlow at work, nothing written yet; past the
-      time.sleep(2.5)  # start-up (its SIGINT handler) on a busy machine too.
+    else:  # Past the start-up (the command's handlers are in place), and
+      # nothing written yet: on any machine, however quick or busy.
+      while not _catches(case.pid, signal.SIGTERM):
+        assert case.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+      assert not any(n.startswith('.out.tmp-') for n in os.listdir(tmp_path))
     sent = time.monotonic()
     os.kill(case.pid, signal.SIGINT)
     status = case.wait(processes.TIMEOUT)
   finally:
     case.kill()
   return status, time.monotonic() - sent, case.stderr.read().decode()
+
+
+def _catches(pid: int, signum: int) -> bool:
+  """Whether process `pid` has a handler of its own for `signum` (Linux's
+  /proc/PID/status `SigCgt`): Python catches SIGINT from its start, SIGTERM
+  only once `flax_dtensor._interrupts.install()` has run."""
+  status = pathlib.Path(f'/proc/{pid}/status').read_text()
+  (line,) = [x for x in status.splitlines() if x.startswith('SigCgt:')]
+  return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
 
 
 # The interrupt machinery itself, in forks (no command around it).

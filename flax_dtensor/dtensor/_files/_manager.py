@@ -190,8 +190,10 @@ class CheckpointManager:
       on `reached_preemption` is true and `save` saves its step whatever the
       interval, and waits until it is whole. In a multi-process run JAX's
       preemption service decides the step all processes save at
-      (``multihost_utils.reached_preemption_sync_point``); in one process,
-      the manager's own SIGTERM handler.
+      (``multihost_utils.reached_preemption_sync_point``; a notice to any
+      one process reaches them all; `initialize()` keeps SIGTERM JAX's
+      after TensorFlow's set-up); in one process, the manager's own
+      SIGTERM handler.
     preemption_seconds: With `save_on_preemption` in one process: the
       process ends (exit status 143) this many seconds after the notice at
       the latest, if the loop has not ended it by then (None: no bound).

@@ -126,6 +126,25 @@ def initialize(*, reset_context: bool = False) -> None:
         reserved.close()
     _topology_checked = False
     _check_topology()
+    _rearm_jax_preemption_notice()
+
+
+def _rearm_jax_preemption_notice() -> None:
+  """Gives SIGTERM back to JAX's preemption service, in a multi-process run.
+
+  TF's multi-client set-up installs a SIGTERM handler of its own in C++,
+  replacing the one `jax.distributed.initialize` installed: JAX's
+  ``reached_preemption_sync_point`` (and so `CheckpointManager`'s
+  ``save_on_preemption``) would then never hear of a preemption. A new
+  preemption sync manager installs JAX's handler again. Nothing else runs
+  yet, so no notice or step count is lost.
+  """
+  state = distributed.global_state
+  if jax.process_count() == 1 or state.preemption_sync_manager is None:
+    return
+  state.preemption_sync_manager.shutdown()
+  state.preemption_sync_manager = None
+  state.initialize_preemption_sync_manager()
 
 
 def shutdown() -> None:

@@ -77,3 +77,51 @@ def test_a_run_saved_by_two_processes_resumes_on_four_and_on_one(tmp_path):
     reader.get_tensor(fdt_dt.checkpoint_key('b')),
     np.full((16,), 5.0, np.float32),
   )
+
+
+PREEMPTED = processes.WORKERS_DIR / '_mp_worker_preempted.py'
+
+
+@pytest.mark.multiprocess
+def test_a_preemption_notice_to_one_process_saves_one_step_on_all(tmp_path):
+  """SIGTERM reaches process 1 alone; both agree on a step, save it whole
+  and stop; one process then resumes there with the run's values."""
+  run_dir = tmp_path / 'run'
+  outputs = multiprocess_util.run_workers(
+    PREEMPTED, 2, args=[str(run_dir)], timeout=300, devices_per_process=4
+  )
+  results = [
+    processes.result(out, context=f'(worker {i})')
+    for i, out in enumerate(outputs)
+  ]
+  (step,) = {r['saved_at'] for r in results}
+  assert step is not None and step > 5
+  # Saved at the step they agreed on, and only there.
+  assert [(r['process'], r['steps']) for r in results] == [
+    (0, [step]),
+    (1, [step]),
+  ]
+  # Resumed on one process of 8 devices, on another layout.
+  mesh = jax.make_mesh((4, 2), ('data', 'model'))
+  target = nnx.Dict(
+    w=nnx.Param(
+      jax.device_put(
+        jnp.zeros((8, 16)), NamedSharding(mesh, P('model', 'data'))
+      )
+    ),
+    b=nnx.Param(jax.device_put(jnp.zeros((16,)), NamedSharding(mesh, P()))),
+  )
+  manager = fdt_dt.CheckpointManager(run_dir)
+  assert manager.latest_step() == step
+  manager.restore(target)
+  np.testing.assert_array_equal(
+    target['w'].get_value(), np.full((8, 16), step, np.float32)
+  )
+  np.testing.assert_array_equal(
+    target['b'].get_value(), np.full((16,), step, np.float32)
+  )
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(run_dir)))
+  np.testing.assert_array_equal(
+    reader.get_tensor(fdt_dt.checkpoint_key('w')),
+    np.full((8, 16), step, np.float32),
+  )

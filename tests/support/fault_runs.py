@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -553,6 +554,43 @@ def _enterable_by_others() -> Iterator[None]:
       os.chmod(folder, mode)
 
 
+def _run_piped(pool: Any, *args: Any) -> subprocess.CompletedProcess[str]:
+  """`pool.run(*args)`, its output read through pipes, not files.
+
+  A script under a file-size limit (`RLIMIT_FSIZE`) would cut its own
+  output short at the limit in a file (Orbax's threads alone can print
+  64 KiB of tracebacks as the write fails), and the `error:` line with it;
+  a pipe has no size.
+  """
+  case = pool.start(
+    *args,
+    stdin=subprocess.DEVNULL,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
+  read: dict[str, bytes] = {}
+  readers = [
+    threading.Thread(target=lambda n, f: read.setdefault(n, f.read()), args=a)
+    for a in (('out', case.stdout), ('err', case.stderr))
+  ]
+  for reader in readers:
+    reader.start()
+  try:
+    case.wait(TIMEOUT)
+  finally:
+    case.kill()
+    for reader in readers:
+      reader.join(60)
+    case.stdout.close()
+    case.stderr.close()
+  return subprocess.CompletedProcess(
+    case.args,
+    case.returncode,
+    read.get('out', b'').decode(errors='replace'),
+    read.get('err', b'').decode(errors='replace'),
+  )
+
+
 def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   """One fault of workers/write_faults.py, run once a process (a fork of
   `pool`): {'status', 'error': [type, text], 'line': the `error:` line,
@@ -565,11 +603,8 @@ def write_fault(pool: Any, fault: str) -> dict[str, Any]:
     return _write_faults[fault]
   root = pathlib.Path(_scratch(f'fdt_{fault}_'))
   with _enterable_by_others():
-    proc = pool.run(
-      processes.WORKERS_DIR / 'write_faults.py',
-      fault,
-      str(root),
-      timeout=TIMEOUT,
+    proc = _run_piped(
+      pool, processes.WORKERS_DIR / 'write_faults.py', fault, str(root)
     )
   found = {
     'status': proc.returncode,

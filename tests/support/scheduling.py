@@ -35,12 +35,18 @@ def _each_test(nodeid: str) -> str:
 def served_part(cell_id: str) -> str | None:
   """The part of the context matrix's SavedModel cells that cell `cell_id`
   (its test id) is in, or None for another cell. Each part shares one
-  export and serving step; two parts, split by the mesh the cell exports
-  from, so that no worker holds all 30 exports (210 s)."""
+  export and serving step; four parts of 12 to 20 cells (by the mesh the
+  cell exports from, Explicit axes or not, and whether it is a cell of the
+  whole model or of one feature), so that no worker holds all 64 exports,
+  and the parts even out over the workers."""
   if not cell_id.startswith('save_saved_model'):
     return None
   explicit = '-Explicit-' in cell_id or '-size_1_axes-' in cell_id
-  return 'served-explicit' if explicit else 'served-other'
+  whole = cell_id.endswith('-all')
+  return (
+    f'served-{"explicit" if explicit else "other"}-'
+    f'{"whole" if whole else "features"}'
+  )
 
 
 def _served_or_not(nodeid: str) -> str:

@@ -22,8 +22,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   """Runs the command line (the ``flax-dtensor`` entry point)."""
   from flax_dtensor import _interrupts
 
-  _interrupts.install()  # First: Ctrl-C stops any command (docs/cli.md).
   try:
+    # First: Ctrl-C stops any command (docs/cli.md). Inside the `try`: a
+    # signal that arrives while the handlers are being put in place is
+    # told as any other.
+    _interrupts.install()
     try:
       from flax_dtensor.cli import _app
     except ImportError as e:

@@ -308,6 +308,29 @@ except _interrupts.Interrupted as e:
 """
 
 
+DURING_INSTALL = """
+import os, signal, sys
+from flax_dtensor import cli
+# The signal arrives while the command's handlers are being put in place:
+# after SIGINT's handler, before the rest of `_interrupts.install()`.
+set_wakeup_fd = signal.set_wakeup_fd
+def arrives(*args, **kwargs):
+  os.kill(os.getpid(), signal.SIGINT)
+  return set_wakeup_fd(*args, **kwargs)
+signal.set_wakeup_fd = arrives
+cli.main(['inspect', '--help'])
+print('NOT INTERRUPTED')
+"""
+
+
+def test_a_signal_while_the_handlers_are_installed_is_told_as_any(warm_pool):
+  proc = warm_pool.run_code(DURING_INSTALL)
+  assert proc.returncode == 130, proc.stderr
+  assert proc.stderr.splitlines()[-1] == 'interrupted'
+  assert 'Traceback' not in proc.stderr
+  assert 'NOT INTERRUPTED' not in proc.stdout
+
+
 def test_an_interrupt_python_drops_is_raised_again(warm_pool, tmp_path):
   script = tmp_path / 'lost.py'
   script.write_text(LOST_IN_GC)

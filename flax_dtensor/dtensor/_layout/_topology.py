@@ -62,7 +62,9 @@ def initialize(*, reset_context: bool = False) -> None:
   named after `FLAX_DTENSOR_PEER_TIMEOUT` seconds). Variables that are set
   win, and must describe the same processes as JAX (client id ==
   `jax.process_index()`). TF's DTensor server listens on that port on
-  every interface of the host.
+  every interface of the host. SIGTERM stays with JAX's preemption service
+  (``multihost_utils.reached_preemption_sync_point``), which TF's set-up
+  would otherwise take over.
 
   Call it once per process, before any other TensorFlow operation (TF fixes
   its devices the first time it runs anything). Calling it again is a no-op.

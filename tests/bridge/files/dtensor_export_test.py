@@ -1382,3 +1382,24 @@ def test_restore_needs_no_dtensor(warm_pool, explicit_mesh, tmp_path):
     'EQUAL': 'True',
     'TF_CPUS': '1',  # TF ran without DTensor's 8 logical devices.
   }
+
+
+@pytest.mark.parametrize('entry', ['save_checkpoint', 'to_tf_module'])
+def test_an_abstract_model_is_refused_naming_its_variable(tmp_path, entry):
+  """A model of `nnx.eval_shape` has no values to write: our error, before
+  anything is written."""
+  abstract = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  call = {
+    'save_checkpoint': lambda: fdt_tf.save_checkpoint(
+      abstract, tmp_path / 'ckpt'
+    ),
+    'to_tf_module': lambda: fdt_tf.to_tf_module(abstract),
+  }[entry]
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"Expected a concrete array in the NNX variable 'bias', got an "
+    r'abstract ShapeDtypeStruct\(shape=\(3,\).*nnx\.eval_shape.*fill it '
+    'first with restore_checkpoint',
+  ):
+    call()
+  assert not (tmp_path / 'ckpt').exists()

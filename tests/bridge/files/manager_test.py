@@ -671,3 +671,41 @@ def test_inspect_lists_the_steps_and_verifies_each(explicit_mesh, tmp_path):
   assert proc.stdout.count('intact:') == 1
   assert 'damaged: 1 problem' in proc.stdout
   assert f'{data.name} bytes 0..' in proc.stdout
+
+
+def test_a_state_file_that_is_not_text_names_no_latest_step(
+  explicit_mesh, tmp_path
+):
+  """TensorFlow's `checkpoint` state file comes from elsewhere: bytes that
+  are not UTF-8 leave the steps readable, and `inspect` names no latest."""
+  import cli_runner  # The command line, in this process.
+
+  manager = fdt_dt.CheckpointManager(tmp_path / 'run')
+  run(manager, explicit_mesh, [1, 2])
+  (tmp_path / 'run' / 'checkpoint').write_bytes(b'\xff\xfe not text')
+  assert manager.all_steps() == [1, 2]
+  proc = cli_runner.run(
+    'inspect', str(tmp_path / 'run'), env={'COLUMNS': '200'}
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert '2 whole steps, latest 2' in proc.stdout
+  assert 'checkpoint file names it' not in proc.stdout
+
+
+def test_resume_from_a_steps_folder_that_is_not_there_is_refused(tmp_path):
+  import cli_runner  # The command line, in this process.
+
+  missing = tmp_path / 'no-such-run'
+  proc = cli_runner.run(
+    'demo',
+    '--resume',
+    '--steps-dir',
+    str(missing),
+    '--out',
+    str(tmp_path / 'o'),
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert f"--resume: '{missing}' holds no whole step to go on from" in (
+    proc.stderr
+  )
+  assert not missing.exists()

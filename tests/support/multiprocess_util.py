@@ -295,3 +295,27 @@ def die_when(pattern: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
   threading.Thread(target=watch, daemon=True).start()
+
+
+def zeros_model() -> object:
+  """In a worker: `nnx.Dict(w=(8, 16), b=(16,))` of zeros on a (2, N) mesh
+  of all processes' devices, `w` over ('data', 'model'), `b` replicated
+  (the checkpoint manager's workers)."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((2, jax.device_count() // 2), ('data', 'model'))
+
+  def placed(value, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(
+      value.shape, sharding, lambda i: value[i]
+    )
+
+  return nnx.Dict(
+    w=nnx.Param(placed(np.zeros((8, 16), np.float32), P('data', 'model'))),
+    b=nnx.Param(placed(np.zeros((16,), np.float32), P())),
+  )

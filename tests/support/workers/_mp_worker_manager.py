@@ -23,23 +23,9 @@ import flax_dtensor.dtensor as fdt_dt
 
 fdt_dt.initialize()  # Before any other TF op.
 
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 run_dir, last = sys.argv[1], int(sys.argv[2])
-mesh = jax.make_mesh((2, jax.device_count() // 2), ('data', 'model'))
-
-
-def placed(value, spec):
-  sharding = NamedSharding(mesh, spec)
-  return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
-
-
-model = nnx.Dict(
-  w=nnx.Param(placed(np.zeros((8, 16), np.float32), P('data', 'model'))),
-  b=nnx.Param(placed(np.zeros((16,), np.float32), P())),
-)
+model = multiprocess_util.zeros_model()
 manager = fdt_dt.CheckpointManager(run_dir, max_to_keep=2)
 start = (manager.latest_step() or 0) + 1
 if start > 1:

@@ -229,7 +229,7 @@ def exit_now(code: int, *, message: bool = False) -> None:
       break
   if message:
     with contextlib.suppress(Exception):
-      print('interrupted', file=_output.stream(), flush=True)
+      _output.say('interrupted')
   for stream in (sys.stdout, sys.stderr, _output.stream()):
     with contextlib.suppress(Exception):
       stream.flush()

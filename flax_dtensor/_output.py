@@ -30,6 +30,18 @@ def stream() -> TextIO:
   return _stream if _stream is not None else sys.stderr
 
 
+def say(line: str) -> None:
+  """Writes one line of ours to `stream()` in one write, then flushes.
+
+  One write, not `print`'s two (the text, then its newline): another
+  thread's output (a library printing a traceback as it fails) cannot
+  land inside the line, nor glue itself to its end.
+  """
+  out = stream()
+  out.write(f'{line}\n')
+  out.flush()
+
+
 def route(target: TextIO | None) -> TextIO | None:
   """Sends our messages to `target` (None: sys.stderr); returns the old."""
   global _stream

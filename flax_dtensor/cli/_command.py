@@ -184,13 +184,13 @@ def handle_errors(debug: bool) -> Iterator[None]:
       raise
     except KeyboardInterrupt:
       _interrupts.acknowledge()
-      print('interrupted', file=_output.stream(), flush=True)
+      _output.say('interrupted')
       raise typer.Exit(_interrupts.status()) from None
     except Exception as e:
       if _interrupts.received() is not None:
         # A failure the signal caused (a child process it stopped first).
         _interrupts.acknowledge()
-        print('interrupted', file=_output.stream(), flush=True)
+        _output.say('interrupted')
         raise typer.Exit(_interrupts.status()) from None
       message, status = _message(e)
       if status == EXIT_FAILURE:
@@ -200,7 +200,7 @@ def handle_errors(debug: bool) -> Iterator[None]:
           message += f" Other libraries' output is in {log}."
       if debug:
         traceback.print_exc()
-      print(f'error: {one_line(message)}', file=_output.stream(), flush=True)
+      _output.say(f'error: {one_line(message)}')
       raise typer.Exit(status) from None
     finally:
       if log is not None and not keep_log:

@@ -979,6 +979,45 @@ def test_debug_shows_other_libraries_output(tmp_path):
     assert noise in proc.stderr
 
 
+class _Writes(io.StringIO):
+  """A stream that keeps each write apart."""
+
+  def __init__(self):
+    super().__init__()
+    self.writes = []
+
+  def write(self, text):
+    self.writes.append(text)
+    return super().write(text)
+
+
+@pytest.mark.parametrize(
+  'raised, line',
+  [
+    (
+      fdt_tf.DiskFullError('Writing the export failed:\nthe disk is full.'),
+      'error: Writing the export failed: the disk is full.',
+    ),
+    (KeyboardInterrupt(), 'interrupted'),
+  ],
+  ids=['error', 'interrupted'],
+)
+def test_the_error_line_is_one_write(raised, line):
+  """Our last line goes out in one write, its newline with it: written in
+  two, another library's thread (Orbax prints tracebacks as a write fails)
+  could land between the text and its newline, in the middle of our
+  line, as it once did."""
+  from flax_dtensor import _interrupts, _output
+
+  stream = _Writes()
+  with _output.routed_to(stream), pytest.raises(typer.Exit) as exit_info:
+    with _command.handle_errors(debug=True):
+      raise raised
+  _interrupts.acknowledge()
+  assert stream.writes == [f'{line}\n']
+  assert exit_info.value.exit_code == (2 if line.startswith('error') else 130)
+
+
 # In this process, with typer's runner: what the user's code prints, eager
 # sharding off, a mesh of axes of size 1
 # ------------------------------------------------------------------------------

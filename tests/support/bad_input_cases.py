@@ -560,7 +560,13 @@ def _recorded(error: list[str] | None) -> None:
 def _write_fault(ctx, fault: str) -> None:
   """The error of a write of the command line under a real fault (a fork
   of the warm pool: workers/write_faults.py), as it was raised."""
-  _recorded(fault_runs.write_fault(ctx.pool, fault)['error'])
+  run = fault_runs.write_fault(ctx.pool, fault)
+  if run['error'] is None:
+    raise AssertionError(
+      f'the fault run raised nothing (exit {run["status"]}); its stderr ends:'
+      f'\n{run["stderr"][-3000:]}'
+    )
+  _recorded(run['error'])
 
 
 def _no_space(ctx):

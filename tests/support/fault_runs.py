@@ -526,7 +526,10 @@ def lagging_peer() -> list[dict[str, Any]]:
 
 WRITE_FAULTS = ('demo-full', 'export-full', 'demo-unwritable', 'orbax-denied')
 _write_faults: dict[str, dict[str, Any]] = {}
-_TRACEBACK_ERROR = re.compile(r'^(?:[\w.]+\.)?(\w+Error): (.*)$', re.M)
+# A traceback's last line, 'module.KindError: text'. Not anchored at the
+# line's start: another thread's unfinished output (a library printing its
+# own traceback, a piece at a time, as the write fails) may come before it.
+_TRACEBACK_ERROR = re.compile(r'(\w+Error): (.*)$', re.M)
 
 
 @contextlib.contextmanager
@@ -593,8 +596,8 @@ def _run_piped(pool: Any, *args: Any) -> subprocess.CompletedProcess[str]:
 
 def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   """One fault of workers/write_faults.py, run once a process (a fork of
-  `pool`): {'status', 'error': [type, text], 'line': the `error:` line,
-  'stderr', 'root', 'after': the tree left}.
+  `pool`): {'status', 'error': [type, text], 'stderr', 'root', 'after':
+  the tree left}.
 
   The command line's error is the last exception of its traceback
   (``--debug``) and its `error:` line; `orbax-denied` reports its own.
@@ -614,16 +617,14 @@ def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   }
   if fault == 'orbax-denied':
     found['error'] = processes.checked_result(proc)['error']
-    found['line'] = None
   else:
-    lines = [x for x in proc.stderr.splitlines() if x.startswith('error: ')]
-    found['line'] = lines[-1] if lines else None
-    # The traceback's exception that the `error:` line tells (other
-    # libraries may print theirs as the process exits).
+    # The traceback's exception that an `error:` line tells (other
+    # libraries print theirs as the write fails and as the process exits,
+    # from their own threads, so a line of theirs may begin before ours).
     told = [
       [kind, text]
       for kind, text in _TRACEBACK_ERROR.findall(proc.stderr)
-      if found['line'] == 'error: ' + ' '.join(text.split())
+      if f'error: {" ".join(text.split())}\n' in proc.stderr
     ]
     found['error'] = told[-1] if told else None
   _write_faults[fault] = found

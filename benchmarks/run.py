@@ -315,6 +315,8 @@ _MANAGER = {
   'peer': 'orbax',
   'ours_stall': 'ours_stall',
   'peer_stall': 'orbax_stall',
+  'ours_wait': 'ours_wait',
+  'peer_wait': 'orbax_wait',
   'limit_copy': 'host_copy',
   'ours_restore': 'ours_restore',
   'peer_restore': 'orbax_restore',
@@ -325,6 +327,7 @@ _MANAGER_RATIOS = [
   ('ours', 'peer'),
   ('ours_stall', 'limit_copy'),
   ('peer_stall', 'limit_copy'),
+  ('ours_wait', 'peer_wait'),
   ('ours_restore', 'peer_restore'),
 ]
 
@@ -336,7 +339,8 @@ def _manager(arrays, mib, steps, every):
     _MANAGER,
     _MANAGER_RATIOS,
     note=f'{steps} jitted steps over {arrays} arrays of {mib} MiB on a (2, 4) '
-    f'mesh, saving every {every} (2 kept); stall: the median save call',
+    f'mesh, saving every {every} (2 kept); stall: the median save call; '
+    'wait: the part of it spent on the save before',
   )
 
 

@@ -609,6 +609,12 @@ def test_every_list_element_is_in_a_cell():
 
 @pytest.mark.parametrize('cell', ALL_CELLS, ids=lambda c: c.id)
 def test_cell(cell, world, request):
+  """The cell does what JAX itself does there, or raises its refusal.
+
+  Slow: the first SavedModel cell of each part (`scheduling.served_part`)
+  exports all of that part's cells and serves them in one TensorFlow
+  process; the part's other cells read that report.
+  """
   if cell.entry == cm.SAVED_MODEL:
     run = lambda: _saved_model(  # noqa: E731
       world, cell, request.getfixturevalue('served')(cell)

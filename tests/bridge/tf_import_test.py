@@ -105,6 +105,8 @@ def _run_tf_first(**env):
 
 
 def test_initialize_quiets_tensorflow_imported_before_flax_dtensor():
+  """Slow: two fresh processes import TensorFlow first (what the test is
+  about: nothing imported before it), each writing a SavedModel."""
   after = _run_tf_first()
   for line in TF_LINES:
     assert line not in after, after

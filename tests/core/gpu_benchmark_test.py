@@ -21,6 +21,12 @@ PARAM_BYTES = 2 * (2 * BLOCK + 2 * 256 * 64 + 64)
 
 
 def test_the_gpu_group_runs_without_tensorflow(tmp_path):
+  """`benchmarks/run.py --quick --only gpu` runs where TensorFlow cannot
+  be imported.
+
+  Slow: the benchmark runs each of its cases in a fresh process (10), as
+  it measures each one's peak memory.
+  """
   # A `tensorflow` that cannot be imported, first on the path: as on a
   # machine where it is not installed.
   absent = tmp_path / 'absent'

@@ -227,6 +227,12 @@ def _kill_at(zygote, root, moment, version, mode, total):
 
 
 def test_sigkill_during_overwriting_saves(tmp_path, warm_pool):
+  """SIGKILL at each of many moments of a save over the last one leaves
+  the old version or the new one readable, and nothing else behind.
+
+  Slow: each moment is a save of its own in a fresh fork of the zygote (a
+  killed process cannot be reused).
+  """
   script = tmp_path / 'saver.py'
   script.write_text(SAVER)
   root = tmp_path / 'root'

@@ -1023,6 +1023,12 @@ def _served_inputs(tmp_path, name, batch, names):
 
 
 def test_llm_with_a_none_cache_serves_in_plain_tf(auto_mesh, tmp_path):
+  """A language model whose cache is None serves in plain TensorFlow, at
+  a fixed length and at any length, from each of its methods.
+
+  Slow: four SavedModels (one of a fixed length, three of any length, each
+  its own trace and export), all served in one TensorFlow process.
+  """
   model = _tiny_lm(auto_mesh)
   rng = np.random.default_rng(5)
   sm = fdt_tf.save_saved_model(

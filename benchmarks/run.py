@@ -317,6 +317,8 @@ _MANAGER = {
   'peer_stall': 'orbax_stall',
   'ours_wait': 'ours_wait',
   'peer_wait': 'orbax_wait',
+  'ours_nosync': 'oursnosync',
+  'ours_nosync_wait': 'oursnosync_wait',
   'limit_copy': 'host_copy',
   'ours_restore': 'ours_restore',
   'peer_restore': 'orbax_restore',
@@ -328,6 +330,8 @@ _MANAGER_RATIOS = [
   ('ours_stall', 'limit_copy'),
   ('peer_stall', 'limit_copy'),
   ('ours_wait', 'peer_wait'),
+  ('ours_nosync', 'peer'),
+  ('ours_nosync_wait', 'peer_wait'),
   ('ours_restore', 'peer_restore'),
 ]
 

@@ -208,3 +208,35 @@ def test_a_write_shows_while_it_runs_unless_quiet():
   assert 'write SavedModel' in live and '0:00:0' in live
   assert live != 'inside\n'
   assert shown(True, False) == 'inside\n'
+
+
+def test_a_failed_run_folder_stays_removed_after_late_writes(tmp_path):
+  """A write that fails while another library's thread still writes into
+  the run's temporary (Orbax's TensorStore writes go on after the first
+  fails, and make their folders again): the temporary is removed again
+  once that thread is done, and the previous output is left as it was."""
+  import errno
+  import os
+  import threading
+  import time
+
+  from flax_dtensor.dtensor._files import _run_folder
+
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'rules.yaml').write_text('previous\n')
+  late = threading.Event()
+
+  def write_late(folder):
+    time.sleep(0.3)  # After the failure, and after the first removal.
+    (folder / 'orbax' / 'ocdbt.process_0' / 'd').mkdir(parents=True)
+    late.set()
+
+  with pytest.raises(fdt.ExportError, match=r"'.*out'.*File too large"):
+    with _run_folder.writing(out, needed=1) as tmp:
+      threading.Thread(target=write_late, args=(tmp,), daemon=True).start()
+      raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+  assert late.is_set()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['out']
+  assert (out / 'rules.yaml').read_text() == 'previous\n'
+  assert [p.name for p in out.iterdir()] == ['rules.yaml']

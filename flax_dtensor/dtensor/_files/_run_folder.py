@@ -20,6 +20,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 
@@ -242,10 +243,42 @@ def writing(out: pathlib.Path, *, needed: int) -> Iterator[pathlib.Path]:
         tmp = pathlib.Path(staged)
         yield tmp
   except Exception as e:
+    if tmp is not None and _interrupts.received() is None:
+      # (Interrupted, the exit comes first: within its promised 2 s.)
+      _removed_after_late_writes(tmp)
     ours = _in_our_words(e, out, tmp, needed)
     if ours is None:
       raise
     raise ours from e
+
+
+# As a failed write surfaces, another library's threads may still be
+# writing into the run's temporary: Orbax's TensorStore writes go on after
+# the first one fails, and make their folders again after the temporary is
+# removed. It is removed again until it has stayed away this long.
+_LATE_WRITES_SECONDS = 1.0
+_LATE_WRITES_LIMIT_SECONDS = 10.0
+
+
+def _removed_after_late_writes(tmp: pathlib.Path) -> None:
+  """Removes `tmp` again as long as late writes bring it back (bounded)."""
+  start = quiet_since = time.monotonic()
+  while True:
+    now = time.monotonic()
+    if os.path.lexists(tmp):
+      quiet_since = now
+      try:
+        shutil.rmtree(tmp)
+      except (FileNotFoundError, NotADirectoryError):
+        pass
+      except OSError as e:
+        if e.errno != errno.ENOTEMPTY:  # Not a write racing the removal.
+          return
+    elif now - quiet_since >= _LATE_WRITES_SECONDS:
+      return
+    if now - start >= _LATE_WRITES_LIMIT_SECONDS:
+      return
+    time.sleep(0.05)
 
 
 def _move_parts(staged: pathlib.Path, out: pathlib.Path) -> None:

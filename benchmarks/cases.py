@@ -1851,12 +1851,13 @@ def manager(
   """A loop of `steps` jitted steps over `arrays` sharded arrays of `mib`
   MiB (the state), saving every `every` steps with a checkpoint manager
   that keeps 2: ours (`ours`; `oursnosync` with every fsync skipped, as
-  orbax-checkpoint writes, a measure of the flushes' share), orbax-checkpoint's
-  (`orbax`), or none (`plain`). `*_stall` reports the median seconds a save holds the loop,
-  `*_wait` the part of it spent waiting for the save before it to be
-  written (each manager waits so, before it copies), `*_restore` the
-  restore of the latest step after the loop; `host_copy` the copy of the
-  state to host memory (what the rest of a stall cannot go below).
+  orbax-checkpoint writes, a measure of the flushes' share),
+  orbax-checkpoint's (`orbax`), or none (`plain`). `*_stall` reports the
+  median seconds a save holds the loop, `*_wait` the part of it spent
+  waiting for the save before it to be written (each manager waits so,
+  before it copies), `*_restore` the restore of the latest step after the
+  loop; `host_copy` the copy of the state to host memory (what the rest of
+  a stall cannot go below).
   """
   jax = _jax()
   from flax import nnx

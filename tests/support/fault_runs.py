@@ -604,6 +604,8 @@ def write_fault(pool: Any, fault: str) -> dict[str, Any]:
   """
   if fault in _write_faults:
     return _write_faults[fault]
+  from flax_dtensor.cli import _command
+
   root = pathlib.Path(_scratch(f'fdt_{fault}_'))
   with _enterable_by_others():
     proc = _run_piped(
@@ -624,7 +626,7 @@ def write_fault(pool: Any, fault: str) -> dict[str, Any]:
     told = [
       [kind, text]
       for kind, text in _TRACEBACK_ERROR.findall(proc.stderr)
-      if f'error: {" ".join(text.split())}\n' in proc.stderr
+      if f'error: {_command.one_line(text)}\n' in proc.stderr
     ]
     found['error'] = told[-1] if told else None
   _write_faults[fault] = found

@@ -240,3 +240,50 @@ def test_a_failed_run_folder_stays_removed_after_late_writes(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ['out']
   assert (out / 'rules.yaml').read_text() == 'previous\n'
   assert [p.name for p in out.iterdir()] == ['rules.yaml']
+
+
+def test_a_run_folder_that_stays_after_a_failure_is_named(
+  tmp_path, monkeypatch
+):
+  """A writer that keeps writing into the run's temporary past the bound:
+  the error says where the partial output is left, not that it was
+  removed."""
+  import errno
+  import os
+  import re
+  import threading
+
+  from flax_dtensor.dtensor._files import _run_folder
+
+  monkeypatch.setattr(_run_folder, '_LATE_WRITES_LIMIT_SECONDS', 0.3)
+  out = tmp_path / 'out'
+  out.mkdir()
+  stop = threading.Event()
+
+  def keep_writing(folder):
+    while not stop.is_set():
+      try:  # Races the removal: either may win a step.
+        (folder / 'late').mkdir(parents=True, exist_ok=True)
+      except OSError:
+        pass
+
+  from flax_dtensor._errors import DiskFullError
+
+  with pytest.raises(
+    DiskFullError,
+    match=r"is unchanged, and the partial one may be left at '.*' \(some",
+  ) as info:
+    with _run_folder.writing(out, needed=1) as tmp:
+      writer = threading.Thread(target=keep_writing, args=(tmp,), daemon=True)
+      writer.start()
+      raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+  stop.set()
+  writer.join(10)
+  message = str(info.value)
+  assert 'was removed' not in message
+  assert re.search(
+    rf"and the partial one may be left at '{re.escape(str(tmp))}' \("
+    r'something kept writing there, or it could not be deleted\): delete it '
+    r'if it is there\.',
+    message,
+  ), message

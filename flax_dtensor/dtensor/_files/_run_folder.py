@@ -243,13 +243,34 @@ def writing(out: pathlib.Path, *, needed: int) -> Iterator[pathlib.Path]:
         tmp = pathlib.Path(staged)
         yield tmp
   except Exception as e:
+    left = None
     if tmp is not None and _interrupts.received() is None:
       # (Interrupted, the exit comes first: within its promised 2 s.)
-      _removed_after_late_writes(tmp)
+      if not _removed_after_late_writes(tmp):
+        left = tmp
     ours = _in_our_words(e, out, tmp, needed)
+    if left is not None:
+      if ours is None:
+        e.add_note(_left_behind('', left).strip())
+        raise
+      ours = type(ours)(_left_behind(str(ours), left))
     if ours is None:
       raise
     raise ours from e
+
+
+_REMOVED = 'and the partial one was removed.'
+
+
+def _left_behind(message: str, tmp: pathlib.Path) -> str:
+  """`message`, saying that the partial output `tmp` is still there."""
+  left = (
+    f'the partial one may be left at {str(tmp)!r} (something kept writing '
+    'there, or it could not be deleted): delete it if it is there.'
+  )
+  if _REMOVED in message:
+    return message.replace(_REMOVED, 'and ' + left)
+  return f'{message} The {left}'
 
 
 # As a failed write surfaces, another library's threads may still be
@@ -260,8 +281,13 @@ _LATE_WRITES_SECONDS = 1.0
 _LATE_WRITES_LIMIT_SECONDS = 10.0
 
 
-def _removed_after_late_writes(tmp: pathlib.Path) -> None:
-  """Removes `tmp` again as long as late writes bring it back (bounded)."""
+def _removed_after_late_writes(tmp: pathlib.Path) -> bool:
+  """Removes `tmp` again as long as late writes bring it back (bounded).
+
+  Returns whether it is gone for good: false when writes still came
+  after `_LATE_WRITES_LIMIT_SECONDS`, or when it cannot be deleted (a
+  permission error).
+  """
   start = quiet_since = time.monotonic()
   while True:
     now = time.monotonic()
@@ -273,11 +299,11 @@ def _removed_after_late_writes(tmp: pathlib.Path) -> None:
         pass
       except OSError as e:
         if e.errno != errno.ENOTEMPTY:  # Not a write racing the removal.
-          return
+          return not os.path.lexists(tmp)
     elif now - quiet_since >= _LATE_WRITES_SECONDS:
-      return
+      return True
     if now - start >= _LATE_WRITES_LIMIT_SECONDS:
-      return
+      return False  # Still written to within the last second.
     time.sleep(0.05)
 
 

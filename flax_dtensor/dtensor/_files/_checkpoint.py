@@ -512,10 +512,11 @@ def _write_merged(
   """Writes the checkpoint and its manifest into the temporary `tmp`.
 
   One process writes its shards straight into the checkpoint, with the
-  object graph, then hashes the files for the manifest while the disk
-  flushes them. Several write a TF bundle each (flushed before they meet),
-  and process 0 merges every bundle into the checkpoint and writes the
-  manifest. `pool` hashes while TF writes; `pieces` are dropped once
+  object graph, or, past `_host_write.PART_BYTES`, as several TF bundles
+  at once that it merges; then it hashes the files for the manifest while
+  the disk flushes them. Several processes write their bundles (flushed
+  before they meet), and process 0 merges every bundle into the checkpoint
+  and writes the manifest. `pool` hashes while TF writes; `pieces` are dropped once
   written.
   """
   nbytes = sum(e.nbytes for e in entries)
@@ -523,14 +524,28 @@ def _write_merged(
     show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
   )
   start = time.perf_counter()
+  # `pool` has `_manifest.THREADS` threads (both callers start it so).
+  count = _host_write.parts(pieces, _manifest.THREADS)
+  scratch = os.path.join(tmp, _SCRATCH)
   if jax.process_count() == 1:
-    prefix = os.path.join(tmp, PREFIX)
-    graph = _object_graph(entries, os.path.join(tmp, _SCRATCH))
-    shards = _host_write.write(
-      entries, pieces, prefix, pool, {_names.OBJECT_GRAPH_KEY: graph}
-    )
-    pieces.clear()
-    _write_state_file(tmp)
+    if count == 1:  # One bundle: the checkpoint itself, with the graph.
+      graph = _object_graph(entries, scratch)
+      shards = _host_write.write(
+        entries,
+        pieces,
+        os.path.join(tmp, PREFIX),
+        pool,
+        {_names.OBJECT_GRAPH_KEY: graph},
+      )
+      pieces.clear()
+      _write_state_file(tmp)
+    else:  # Several at once, merged (renamed: no byte copied).
+      os.makedirs(scratch, exist_ok=True)
+      shards, bundles = _host_write.write_parts(
+        entries, pieces, os.path.join(scratch, 'part'), pool, count
+      )
+      pieces.clear()
+      merge(entries, bundles, tmp)
     # The disk flushes what TF wrote while the CRCs read it back from the
     # page cache; the directory's final flush then finds little to do.
     # On one of `pool`'s threads (the CRCs take the others): a background
@@ -548,14 +563,13 @@ def _write_merged(
       concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
     flushed.result()
   else:
-    scratch = os.path.join(tmp, _SCRATCH)
     os.makedirs(scratch, exist_ok=True)
     prefix = os.path.join(scratch, f'process{jax.process_index()}')
-    shards = _host_write.write(entries, pieces, prefix, pool)
-    bundles = [prefix] if pieces else []
+    shards, bundles = _host_write.write_parts(
+      entries, pieces, prefix, pool, count
+    )
     pieces.clear()  # On disk: host copies go.
-    if bundles:
-      _host_write.flush(prefix)
+    _host_write.flush(bundles)
     gathered = gather_shards(shards, tmp, bundles)
     if gathered is not None:
       shards, bundles = gathered

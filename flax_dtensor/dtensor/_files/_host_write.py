@@ -9,8 +9,9 @@ TF as they are (a blocking save: TF reads the JAX buffers themselves,
 through DLPack, where the dtype is stored as it is), `snapshot` copies them
 into host buffers first (a background save, so that the caller may
 overwrite its arrays); and `write` writes them as one TF bundle of this
-process, hashing each shard meanwhile. Process 0 merges every process's
-bundle into the checkpoint (`_checkpoint`).
+process, hashing each shard meanwhile (`write_parts`: as several bundles
+at once, where there is more than `PART_BYTES` to write). Process 0 merges
+every bundle into the checkpoint (`_checkpoint`).
 """
 
 from __future__ import annotations
@@ -208,6 +209,40 @@ def _hashing(
   return tasks
 
 
+def _save(
+  entries: Sequence[_selection.Entry],
+  pieces: Sequence[Piece],
+  prefix: str,
+  extra: dict[str, Any],
+) -> None:
+  """One TF SaveV2 of `pieces` (and `extra`'s whole tensors) as `prefix`."""
+  tf = _tf.tf()
+  keys = [e.key for e in entries]
+  with tf.device('/CPU:0'):
+    tf.raw_ops.SaveV2(
+      prefix=prefix,
+      tensor_names=[keys[p.variable] for p in pieces] + list(extra),
+      shape_and_slices=[
+        _host_read.slice_spec(entries[p.variable].shape, p.index)
+        for p in pieces
+      ]
+      + [''] * len(extra),
+      tensors=[_tensor(p.data) for p in pieces] + list(extra.values()),
+    )
+
+
+def _by_variable(
+  entries: Sequence[_selection.Entry],
+  pieces: Sequence[Piece],
+  hashes: Sequence[concurrent.futures.Future],
+) -> list[list[tuple[_manifest.Index, int]]]:
+  out: list[list[tuple[_manifest.Index, int]]] = [[] for _ in entries]
+  crcs = (crc for h in hashes for crc in h.result())
+  for p, crc in zip(pieces, crcs, strict=True):
+    out[p.variable].append((p.index, crc))
+  return [sorted(shards) for shards in out]
+
+
 def write(
   entries: Sequence[_selection.Entry],
   pieces: Sequence[Piece],
@@ -223,35 +258,73 @@ def write(
   write writes no bundle.
   """
   hashes = _hashing(pieces, pool)
-  extra = extra or {}
   if pieces or extra:
-    tf = _tf.tf()
-    keys = [e.key for e in entries]
-    with tf.device('/CPU:0'):
-      tf.raw_ops.SaveV2(
-        prefix=prefix,
-        tensor_names=[keys[p.variable] for p in pieces] + list(extra),
-        shape_and_slices=[
-          _host_read.slice_spec(entries[p.variable].shape, p.index)
-          for p in pieces
-        ]
-        + [''] * len(extra),
-        tensors=[_tensor(p.data) for p in pieces] + list(extra.values()),
-      )
-  out: list[list[tuple[_manifest.Index, int]]] = [[] for _ in entries]
-  crcs = (crc for h in hashes for crc in h.result())
-  for p, crc in zip(pieces, crcs, strict=True):
-    out[p.variable].append((p.index, crc))
-  return [sorted(shards) for shards in out]
+    _save(entries, pieces, prefix, extra or {})
+  return _by_variable(entries, pieces, hashes)
 
 
-def flush(prefix: str) -> None:
-  """Flushes the files of the TF bundle `prefix` to disk."""
-  directory, base = os.path.split(prefix)
-  for name in os.listdir(directory):
-    if name.startswith(base + '.'):
-      fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
+PART_BYTES = 64 * 2**20
+"""The least a process writes per TF bundle: more bytes, more bundles.
+
+One SaveV2 writes on one thread. A process with more to write splits it
+into bundles of at least this many bytes, at most one per thread of the
+write's pool (`parts`), written at once; the checkpoint is their merge,
+TF's own sharded format (`ckpt.data-00000-of-0000N`).
+"""
+
+
+def parts(pieces: Sequence[Piece], threads: int) -> int:
+  """How many bundles a process writes `pieces` in, with `threads` threads."""
+  nbytes = sum(p.data.nbytes for p in pieces)
+  return max(1, min(threads, nbytes // PART_BYTES))
+
+
+def write_parts(
+  entries: Sequence[_selection.Entry],
+  pieces: Sequence[Piece],
+  prefix: str,
+  pool: concurrent.futures.Executor,
+  count: int,
+) -> tuple[list[list[tuple[_manifest.Index, int]]], list[str]]:
+  """Writes `pieces` as `count` TF bundles at once; CRCs and prefixes.
+
+  The bundles are `prefix-0`, `prefix-1`, ..., of about equal bytes: this
+  thread writes the first, `pool` the others and then the CRCs (no task
+  in `pool` waits for another, so any pool size will do; `count` at most
+  its threads keeps one for hashing while the bundles are written).
+  """
+  groups: list[list[Piece]] = [[] for _ in range(count)]
+  sizes = [0] * count
+  for p in sorted(pieces, key=lambda p: -p.data.nbytes):
+    k = sizes.index(min(sizes))
+    groups[k].append(p)
+    sizes[k] += p.data.nbytes
+  groups = [g for g in groups if g]
+  prefixes = [f'{prefix}-{k}' for k in range(len(groups))]
+  writes = [
+    pool.submit(_save, entries, g, f, {})
+    for g, f in zip(groups[1:], prefixes[1:], strict=True)
+  ]
+  ordered = [p for g in groups for p in g]
+  hashes = _hashing(ordered, pool)
+  try:
+    if groups:
+      _save(entries, groups[0], prefixes[0], {})
+  finally:
+    concurrent.futures.wait(writes)  # None left writing, whatever happened.
+  for w in writes:
+    w.result()
+  return _by_variable(entries, ordered, hashes), prefixes
+
+
+def flush(prefixes: Sequence[str]) -> None:
+  """Flushes the files of the TF bundles `prefixes` to disk."""
+  for prefix in prefixes:
+    directory, base = os.path.split(prefix)
+    for name in os.listdir(directory):
+      if name.startswith(base + '.'):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+          os.fsync(fd)
+        finally:
+          os.close(fd)

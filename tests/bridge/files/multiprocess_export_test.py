@@ -88,6 +88,12 @@ def test_two_processes_write_one_checkpoint(tmp_path, kind):
     assert r['leftovers'] == [], r
     assert "'w' lives on the devices of processes [" in r['local_error']
     assert 'checkpoint' in r['files']
+    data = [f for f in r['files'] if f.startswith('ckpt.data-')]
+    # A bundle per process, or (transposed: bundles of 256 bytes or more)
+    # at least 2 per process; and the object graph's.
+    count = len(data)
+    assert (count == 3) if kind == 'default' else (count >= 5), data
+    assert data == [f'ckpt.data-{k:05d}-of-{count:05d}' for k in range(count)]
     assert 'flax_dtensor.json' in r['files']
   assert sorted(os.listdir(tmp_path)) == [
     'ckpt',

@@ -129,7 +129,7 @@ def four(root):
   # Process DEAD dies once its part of the overwrite is written.
   if jax.process_index() == scale_runs.DEAD:
     multiprocess_util.die_when(
-      os.path.join(root, '.c4.tmp-*', '.parts', f'process{scale_runs.DEAD}.*')
+      os.path.join(root, '.c4.tmp-*', '.parts', f'process{scale_runs.DEAD}-*')
     )
   start = time.monotonic()
   handle = fdt_tf.save_checkpoint(

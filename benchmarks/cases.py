@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -61,10 +62,10 @@ def _rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _jax():
+def _jax(devices: int = 8):
   import jax
 
-  jax.config.update('jax_num_cpu_devices', 8)
+  jax.config.update('jax_num_cpu_devices', devices)
   return jax
 
 
@@ -298,12 +299,22 @@ _LAYOUTS = {
 
 
 def _arrays(jax, count: int, mib: float, layouts: str = 'mixed', fill=0):
-  """`count` float32 arrays of `mib` MiB each, in the given layouts."""
+  """`count` float32 arrays of `mib` MiB each, in the given layouts, on
+  a (2, n / 2) mesh of the n devices.
+
+  Their values are random normal (seeded by `fill` and the array's
+  position), as trained weights are: a constant array would let a writer
+  that compresses (orbax-checkpoint's zstd, on by default) write almost
+  nothing.
+  """
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  devices = jax.device_count()
   mesh = jax.make_mesh(
-    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    (2, devices // 2),
+    ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
   )
   rows = 256
   cols = int(mib * 2**20 / 4 / rows)
@@ -312,7 +323,8 @@ def _arrays(jax, count: int, mib: float, layouts: str = 'mixed', fill=0):
   out = []
   for i in range(count):
     spec = P(*specs[i % len(specs)])
-    value = np.full((rows, cols), i + fill, np.float32)
+    rng = np.random.default_rng(i + fill)
+    value = rng.standard_normal((rows, cols), dtype=np.float32)
     out.append((jax.device_put(value, NamedSharding(mesh, spec)), spec))
   jax.block_until_ready([a for a, _ in out])
   return mesh, out
@@ -551,7 +563,6 @@ def checkpoint(
     raise ValueError(method)
   if method not in ('save_async_stall', 'orbax_async_stall'):
     seconds = time.perf_counter() - start
-  import shutil
 
   shutil.rmtree(root, ignore_errors=True)
   return {
@@ -861,7 +872,6 @@ def cli(method: str) -> dict:
   start-up included, as a user waits for it), its peak RSS, and, from a
   second run under ``python -X importtime``, the seconds spent importing
   and which heavy packages it imported."""
-  import shutil
   import subprocess
 
   args = list(_COMMANDS[method])
@@ -940,7 +950,6 @@ def multiprocess(method: str, processes: int, arrays: int, mib: float) -> dict:
   baseline). The result is the slowest process's seconds and the largest
   peak of them, with every process's figures in `per_process`.
   """
-  import shutil
 
   if method not in _MP_METHODS:
     raise ValueError(method)
@@ -1190,7 +1199,6 @@ def checkpoint_scale(
   devices, across processes onto the whole mesh. The state is small: the
   cost measured is the one that grows with the shards.
   """
-  import shutil
 
   if method not in _SCALE_METHODS:
     raise ValueError(method)
@@ -1222,7 +1230,6 @@ def _scale_step(
   port: int,
 ) -> dict:
   """`checkpoint_scale`'s measurement in one of its processes."""
-  import shutil
 
   jax = _jax_of_process(devices // processes, processes, process, port)
   from flax import nnx
@@ -1240,13 +1247,16 @@ def _scale_step(
   )
   sharding = NamedSharding(mesh, P('x'))
   shape = (devices, 64)
+  # The same random values in every process (seeded), as trained weights.
+  full = [
+    np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
+    for i in range(arrays)
+  ]
   state = nnx.State(
     {
       f'v{i}': nnx.Param(
         jax.make_array_from_callback(
-          shape,
-          sharding,
-          lambda index, i=i: np.full(shape, i, np.float32)[index],
+          shape, sharding, lambda index, i=i: full[i][index]
         )
       )
       for i in range(arrays)
@@ -1414,7 +1424,6 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
   synthetic (`_synthetic_manifest`): no data files, only what describes
   them.
   """
-  import shutil
   import subprocess
 
   root = tempfile.mkdtemp(prefix='fdt_meta_', dir=os.environ.get('BENCH_DIR'))
@@ -1539,7 +1548,6 @@ def export_memory(method: str, mib: int) -> dict:
   first, so TensorFlow's one-time start-up is not counted. The peak RSS
   above the baseline, divided by `param_bytes`, is the figure.
   """
-  import shutil
 
   jax = _jax()
   from flax import nnx
@@ -1846,27 +1854,35 @@ def gpu(
 
 
 def manager(
-  method: str, arrays: int, mib: float, steps: int, every: int
+  method: str,
+  arrays: int,
+  mib: float,
+  steps: int,
+  every: int,
+  devices: int = 8,
 ) -> dict:
-  """A loop of `steps` jitted steps over `arrays` sharded arrays of `mib`
-  MiB (the state), saving every `every` steps with a checkpoint manager
+  """A loop of `steps` jitted steps over `arrays` arrays of `mib` MiB (the
+  state) sharded over `devices` devices, saving every `every` steps with a
+  checkpoint manager
   that keeps 2: ours (`ours`; `oursnosync` with every fsync skipped, as
   orbax-checkpoint writes, a measure of the flushes' share),
   orbax-checkpoint's (`orbax`), or none (`plain`). `*_stall` reports the
   median seconds a save holds the loop, `*_wait` the part of it spent
   waiting for the save before it to be written (each manager waits so,
-  before it copies), `*_restore` the restore of the latest step after the
+  before it copies), `*_hold` the rest (the copy), `*_restore` the restore of the latest step after the
   loop; `host_copy` the copy of the state to host memory (what the rest of
   a stall cannot go below).
   """
-  jax = _jax()
+  jax = _jax(devices)
   from flax import nnx
 
   kind, _, what = method.partition('_')
   _, out = _arrays(jax, arrays, mib, 'mixed')
   state = nnx.Dict({f'a{i}': nnx.Param(a) for i, (a, _) in enumerate(out)})
   names = list(state.keys())
-  step = jax.jit(lambda xs: [x * 0.5 + 1.0 for x in xs], donate_argnums=0)
+  # Values stay as random as the weights it starts from (x * 0.5 + 1
+  # would make every array 2.0, which compresses to nothing).
+  step = jax.jit(lambda xs: [0.5 - x for x in xs], donate_argnums=0)
 
   def train():
     new = step([state[n].get_value() for n in names])
@@ -1875,7 +1891,21 @@ def manager(
 
   train()  # Compiled.
   jax.block_until_ready([state[n].get_value() for n in names])
-  root = tempfile.mkdtemp(prefix='fdt-bench-manager-')
+  root = tempfile.mkdtemp(
+    prefix='fdt_bench_manager_', dir=os.environ.get('BENCH_DIR')
+  )
+  try:
+    return _manager_loop(
+      jax, kind, what, state, names, train, root, steps, every
+    )
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _manager_loop(jax, kind, what, state, names, train, root, steps, every):
+  """`manager`'s measure, its steps' checkpoints under `root`."""
+  from flax import nnx
+
   if kind == 'host':  # The state copied to host memory, once.
     before = _reset_peak()
     start = time.perf_counter()
@@ -1928,7 +1958,7 @@ def manager(
     def due(i):
       return False
   else:
-    raise ValueError(method)
+    raise ValueError(kind)
   stalls, waits = [], []
   before = _reset_peak()
   start = time.perf_counter()
@@ -1948,6 +1978,9 @@ def manager(
     seconds = float(np.median(stalls))
   elif what == 'wait':
     seconds = float(np.median(waits))
+  elif what == 'hold':  # The save call itself, the wait apart.
+    held = [s - w for s, w in zip(stalls, waits, strict=True)]
+    seconds = float(np.median(held))
   elif what == 'restore':
     start = time.perf_counter()
     if kind.startswith('ours'):

@@ -317,6 +317,8 @@ _MANAGER = {
   'peer_stall': 'orbax_stall',
   'ours_wait': 'ours_wait',
   'peer_wait': 'orbax_wait',
+  'ours_hold': 'ours_hold',
+  'peer_hold': 'orbax_hold',
   'ours_nosync': 'oursnosync',
   'ours_nosync_wait': 'oursnosync_wait',
   'limit_copy': 'host_copy',
@@ -330,6 +332,8 @@ _MANAGER_RATIOS = [
   ('ours_stall', 'limit_copy'),
   ('peer_stall', 'limit_copy'),
   ('ours_wait', 'peer_wait'),
+  ('ours_hold', 'limit_copy'),
+  ('peer_hold', 'limit_copy'),
   ('ours_nosync', 'peer'),
   ('ours_nosync_wait', 'peer_wait'),
   ('ours_restore', 'peer_restore'),
@@ -348,9 +352,40 @@ def _manager(arrays, mib, steps, every):
   )
 
 
+# The same loop as the devices grow (a 128 MiB state, so that 128 virtual
+# devices fit the machine): how a save's cost grows with the shards, ours
+# beside orbax-checkpoint's.
+_MANAGER_SCALE = {
+  k: _MANAGER[k] for k in ('limit', 'ours', 'peer', 'ours_wait', 'peer_wait')
+}
+
+_MANAGER_SCALE_RATIOS = [
+  ('ours', 'limit'),
+  ('peer', 'limit'),
+  ('ours', 'peer'),
+  ('ours_wait', 'peer_wait'),
+]
+
+
+def _manager_scale(devices, mib=4, steps=60, repeat=None):
+  return [
+    _case(
+      'manager',
+      {'arrays': 32, 'mib': mib, 'steps': steps, 'every': 10, 'devices': d},
+      _MANAGER_SCALE,
+      _MANAGER_SCALE_RATIOS,
+      repeat=repeat,
+      note=f'{steps} jitted steps over 32 arrays of {mib} MiB on a '
+      f'(2, {d // 2}) mesh, saving every 10 (2 kept)',
+    )
+    for d in devices
+  ]
+
+
 def _full():
   return {
     'manager': [_manager(32, 16, 60, 10)],
+    'manager_scale': _manager_scale((8, 32, 128)),
     'gpu': [
       _gpu(16, 2048, 5632, 32000, 16),
       _gpu(
@@ -568,6 +603,7 @@ def _full():
 def _quick():
   return {
     'manager': [_manager(8, 1, 12, 4)],
+    'manager_scale': _manager_scale((8, 32), mib=0.25, steps=20),
     # On one CPU device, as on the one GPU (and without 8 devices' SPMD
     # compiles, which the suite runs it for).
     'gpu': [_gpu(2, 64, 128, 256, 4, cpu_devices=1)],

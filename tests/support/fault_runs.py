@@ -134,6 +134,14 @@ _FULL_DISK = textwrap.dedent(
   attempt('saved_model', 4096, lambda: fdt_tf.save_saved_model(
       nnx.Linear(16, 16, rngs=nnx.Rngs(0)), os.path.join(root, 'sm'),
       input_signature=[tf.TensorSpec([None, 16])]))
+  # Written as several bundles at once (64 KiB in parts of 1 KiB or more),
+  # each past the limit: the failure of another thread's part is ours too.
+  from flax_dtensor.dtensor._files import _host_write
+  part_bytes = _host_write.PART_BYTES
+  _host_write.PART_BYTES = 1024
+  attempt('data_parts', 4096,
+          lambda: fdt_tf.save_checkpoint(model(2), path, overwrite=True))
+  _host_write.PART_BYTES = part_bytes
   # Last: TF DTensor cancels every later TF op of a process whose sharded
   # write failed.
   attempt('data', 4096,

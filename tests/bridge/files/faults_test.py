@@ -53,6 +53,7 @@ _EFBIG = (
     ('manifest', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
     ('manifest_async', 256 * 8 * 8 * 4, ['OSError', errno.EFBIG]),
     ('data', 256 * 8 * 8 * 4, ['OutOfRangeError', None]),
+    ('data_parts', 256 * 8 * 8 * 4, ['OutOfRangeError', None]),
     ('saved_model', 16 * 16 * 4 + 16 * 4, ['OutOfRangeError', None]),
   ],
 )

@@ -10,7 +10,7 @@ through DLPack, where the dtype is stored as it is), `snapshot` copies them
 into host buffers first (a background save, so that the caller may
 overwrite its arrays); and `write` writes them as one TF bundle of this
 process, hashing each shard meanwhile (`write_parts`: as several bundles
-at once, where there is more than `PART_BYTES` to write). Process 0 merges
+at once, where there is twice `PART_BYTES` or more to write). Process 0 merges
 every bundle into the checkpoint (`_checkpoint`).
 """
 

@@ -1,6 +1,6 @@
 """A process with much to write writes several TF bundles at once, merged.
 
-One SaveV2 writes on one thread; past `_host_write.PART_BYTES` a save
+One SaveV2 writes on one thread; from twice `_host_write.PART_BYTES` a save
 splits its shards into bundles written at once and merges them with TF's
 `MergeV2Checkpoints` (no byte copied). The result is TF's own sharded
 format, `ckpt.data-0000k-of-0000N`. These tests lower `PART_BYTES` so that

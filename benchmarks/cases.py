@@ -1869,9 +1869,9 @@ def manager(
   orbax-checkpoint's (`orbax`), or none (`plain`). `*_stall` reports the
   median seconds a save holds the loop, `*_wait` the part of it spent
   waiting for the save before it to be written (each manager waits so,
-  before it copies), `*_hold` the rest (the copy), `*_restore` the restore of the latest step after the
-  loop; `host_copy` the copy of the state to host memory (what the rest of
-  a stall cannot go below).
+  before it copies), `*_hold` the rest (the copy), `*_restore` the restore
+  of the latest step after the loop; `host_copy` the copy of the state to
+  host memory (what the rest of a stall cannot go below).
   """
   jax = _jax(devices)
   from flax import nnx

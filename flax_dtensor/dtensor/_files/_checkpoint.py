@@ -512,12 +512,12 @@ def _write_merged(
   """Writes the checkpoint and its manifest into the temporary `tmp`.
 
   One process writes its shards straight into the checkpoint, with the
-  object graph, or, from twice `_host_write.PART_BYTES`, as several TF bundles
-  at once that it merges; then it hashes the files for the manifest while
-  the disk flushes them. Several processes write their bundles (flushed
-  before they meet), and process 0 merges every bundle into the checkpoint
-  and writes the manifest. `pool` hashes while TF writes; `pieces` are dropped once
-  written.
+  object graph, or, from twice `_host_write.PART_BYTES`, as several TF
+  bundles at once that it merges; then it hashes the files for the
+  manifest while the disk flushes them. Several processes write their
+  bundles (flushed before they meet), and process 0 merges every bundle
+  into the checkpoint and writes the manifest. `pool` hashes while TF
+  writes; `pieces` are dropped once written.
   """
   nbytes = sum(e.nbytes for e in entries)
   _output.announce(

@@ -412,11 +412,15 @@ out = sys.argv[1]
 
 def library_writer(tmp):
   # As Orbax's threads do: files written until some time after the signal,
-  # into 0.15 s of the watchdog's cleanup, the folders made again.
+  # into 0.15 s of the watchdog's cleanup, the folders made again. Timed
+  # from when the signal was received, as the watchdog's deadline is (this
+  # thread may see it later on a loaded machine, and would write on past
+  # the cleanup's bound).
   stop = None
   while stop is None or time.monotonic() < stop:
     if stop is None and _interrupts.received() is not None:
-      stop = time.monotonic() + _interrupts.HARD_EXIT_SECONDS + 0.15
+      at = _interrupts._received_at or time.monotonic()
+      stop = at + _interrupts.HARD_EXIT_SECONDS + 0.15
     part = pathlib.Path(tmp, 'orbax', 'chunks')
     try:
       part.mkdir(parents=True, exist_ok=True)

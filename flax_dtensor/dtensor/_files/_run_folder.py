@@ -251,7 +251,7 @@ def writing(out: pathlib.Path, *, needed: int) -> Iterator[pathlib.Path]:
     ours = _in_our_words(e, out, tmp, needed)
     if left is not None:
       if ours is None:
-        e.add_note(_left_behind('', left).strip())
+        e.add_note(_left_behind('', left))
         raise
       ours = type(ours)(_left_behind(str(ours), left))
     if ours is None:
@@ -270,7 +270,7 @@ def _left_behind(message: str, tmp: pathlib.Path) -> str:
   )
   if _REMOVED in message:
     return message.replace(_REMOVED, 'and ' + left)
-  return f'{message} The {left}'
+  return f'{message} {left[0].upper()}{left[1:]}'.strip()
 
 
 # As a failed write surfaces, another library's threads may still be

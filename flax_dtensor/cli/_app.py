@@ -155,8 +155,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ctx = getattr(e, 'ctx', None)
     where = ctx.command_path if ctx is not None else 'flax-dtensor'
     message = e.format_message().rstrip('.')
+    if not message.endswith(('?', '!')):  # Click's 'Did you mean ...?'.
+      message += '.'
     print(
-      f"error: {message}. Run '{where} --help' for the usage.",
+      f"error: {message} Run '{where} --help' for the usage.",
       file=sys.stderr,
     )
     sys.exit(_command.EXIT_BAD_INPUT)

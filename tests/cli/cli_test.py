@@ -2254,8 +2254,20 @@ def test_demo_refuses_steps_it_cannot_use(tmp_path, make, args, fragments):
     (['plan'], ["Missing argument 'TARGET'", "'flax-dtensor plan --help'"]),
     (['plan', DEMO_TARGET, '--bogus'], ['No such option: --bogus']),
     (['nope'], ["No such command 'nope'", "'flax-dtensor --help'"]),
+    (
+      ['inpsect'],
+      [
+        "No such command 'inpsect'. Did you mean 'inspect'? Run "
+        "'flax-dtensor --help' for the usage."
+      ],
+    ),
   ],
-  ids=['missing-argument', 'unknown-option', 'unknown-command'],
+  ids=[
+    'missing-argument',
+    'unknown-option',
+    'unknown-command',
+    'unknown-command-close-to-one',
+  ],
 )
 def test_usage_errors_in_the_same_style(args, fragments):
   """Click's usage errors: one `error:` line and exit 2, no boxes."""

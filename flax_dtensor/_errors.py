@@ -53,9 +53,9 @@ class LayoutFileError(FlaxDTensorError, ValueError):
 class ShardingResolutionError(FlaxDTensorError, ValueError):
   """Logical axes cannot be resolved to a PartitionSpec.
 
-  Raised for a logical name repeated within one array, logical axes whose
-  length does not match the array's rank, and, in strict mode, a dimension
-  that no rule could shard.
+  Raised for a logical name repeated within one array, more logical axes
+  than the array has dimensions (fewer are fine: the missing trailing ones
+  are None), and, in strict mode, a dimension that no rule could shard.
   """
 
 

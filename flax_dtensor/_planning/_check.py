@@ -53,6 +53,10 @@ CODES = {
     'a variable the rules shard, created unplaced (or, built from a '
     'factory, to be created unplaced) because eager sharding is off'
   ),
+  'short-annotation': (
+    'an annotation with fewer logical names than dimensions (the missing '
+    'trailing ones are None)'
+  ),
 }
 """Every finding's code, and what it means."""
 
@@ -362,6 +366,35 @@ def _path_rule_findings(
   return out
 
 
+def _short_annotation_findings(target: Any) -> list[Finding]:
+  """A `short-annotation` for each annotation with fewer logical names than
+  its variables have dimensions, with how many variables have it: Flax's
+  reading (the missing trailing names are None) applies, and is said."""
+  if _trees.is_array_tree(target):
+    return []
+  where: dict[tuple[tuple[Any, ...], int], list[str]] = {}
+  for path, v in _variables.iter_variables(target):
+    axes = _variables.logical_axes_of(v)
+    rank = len(getattr(_variables.value_of(v), 'shape', ()))
+    if axes is not None and len(axes) < rank:
+      where.setdefault((axes, rank), []).append(_variables.path_str(path))
+  out = []
+  for (axes, rank), paths in where.items():
+    full = axes + (None,) * (rank - len(axes))
+    out.append(
+      Finding(
+        'short-annotation',
+        repr(axes),
+        f'{_text.count(len(paths), "variable")} of rank {rank} (e.g. '
+        f'{paths[0]}) {"is" if len(paths) == 1 else "are"} annotated with '
+        f'{_text.count(len(axes), "logical name")}, so the missing trailing '
+        f'names are None, as Flax reads it: {full!r}. Write them out to '
+        "say so, or allow 'short-annotation'.",
+      )
+    )
+  return out
+
+
 def _suggested_pattern(path: str) -> str:
   """'layers/\\d+/mlp/up/kernel$' for 'layers/3/mlp/up/kernel'."""
   parts = [r'\d+' if p.isdigit() else re.escape(p) for p in path.split('/')]
@@ -470,6 +503,9 @@ def check(
   - ``unannotated-replicated``: a variable of at least `min_bytes` that
     neither an annotation nor a path rule covers, so every device holds it
     whole, with a path rule that would cover it;
+  - ``short-annotation``: an annotation with fewer logical names than
+    its variable has dimensions, read as Flax reads it (the missing
+    trailing names are None);
   - ``eager-sharding-off``: a variable the rules shard that was created
     unplaced because Flax's eager sharding was off (another library may
     have turned ``flax_always_shard_variable`` off), with the fix. For a
@@ -559,6 +595,7 @@ def check(
         )
       )
   findings += _unplaced_when_built(target, result)
+  findings += _short_annotation_findings(target)
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
     if not (
       result.num_devices > 1

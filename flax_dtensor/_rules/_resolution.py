@@ -111,16 +111,30 @@ def _context_text(
   )
 
 
-def _check_axes(
-  axes: tuple[Any, ...], shape: Sequence[int] | None, where_: str
-) -> None:
-  if shape is not None and len(axes) != len(shape):
-    raise _errors.ShardingResolutionError(
-      f'Expected one logical axis per dimension{where_}: the array has shape '
-      f'{tuple(shape)} (rank {len(shape)}) but got {len(axes)} logical axes '
-      f'{axes!r}. Fix the annotation, e.g. nnx.with_partitioning(init, '
-      f'{tuple(["..."] * len(shape))!r}).'
-    )
+def padded(
+  axes: tuple[Any, ...], shape: Sequence[int] | None, where_: str = ''
+) -> tuple[Any, ...]:
+  """`axes`, one per dimension of `shape`: the missing trailing ones None.
+
+  Flax and JAX read an annotation shorter than the rank as a
+  PartitionSpec does (``('C',)`` on a matrix is ``P('C', None)``), and so
+  does resolution. More names than dimensions is an error.
+
+  Raises:
+    ShardingResolutionError: If there are more logical axes than
+      dimensions.
+  """
+  if shape is None or len(axes) == len(shape):
+    return axes
+  if len(axes) < len(shape):
+    return axes + (None,) * (len(shape) - len(axes))
+  raise _errors.ShardingResolutionError(
+    f'Expected at most one logical axis per dimension{where_}: the array '
+    f'has shape {tuple(shape)} (rank {len(shape)}) but got {len(axes)} '
+    f'logical axes {axes!r}. Fix the annotation, e.g. '
+    f'nnx.with_partitioning(init, {tuple(["..."] * len(shape))!r}) (names '
+    'left out at the end are None).'
+  )
 
 
 class _Recording(threading.local):
@@ -158,6 +172,7 @@ def resolve_dims(
 
   Args:
     logical_axes: One entry per array dimension: a logical name, or None.
+      Fewer entries than dimensions: the missing trailing ones are None.
     shape: The array's shape; enables the divisibility check.
     mesh: The mesh; enables the existence check. None skips it.
     rules: The rules.
@@ -167,8 +182,8 @@ def resolve_dims(
     The resolution, with every skipped candidate and its reason.
 
   Raises:
-    ShardingResolutionError: If a logical name repeats, the number of logical
-      axes does not match the rank, an entry is not a str or None, or (in
+    ShardingResolutionError: If a logical name repeats, there are more
+      logical axes than dimensions, an entry is not a str or None, or (in
       strict mode) a dimension has no fitting candidate.
     UnknownLogicalAxisError: If a logical name is in no rule and
       ``rules.unknown == 'error'``.
@@ -177,7 +192,7 @@ def resolve_dims(
   if _recording.found is not None:
     _recording.found.append((axes, None if shape is None else tuple(shape)))
   where_ = where(path)
-  _check_axes(axes, shape, where_)
+  axes = padded(axes, shape, where_)
   for a in axes:
     if not (
       a is None or isinstance(a, str) or a is PartitionSpec.UNCONSTRAINED
@@ -407,12 +422,13 @@ def resolve_flax(
   Raises:
     LogicalRulesError: If the context and the variable's rules disagree.
     UnknownLogicalAxisError: If the result names a mesh axis the mesh lacks.
-    ShardingResolutionError: If the rank does not match, or a mesh axis does
-      not divide its dimension or is used twice.
+    ShardingResolutionError: If there are more logical axes than
+      dimensions, or a mesh axis does not divide its dimension or is used
+      twice.
   """
   axes = tuple(logical_axes)
   where_ = where(path)
-  _check_axes(axes, shape, where_)
+  axes = padded(axes, shape, where_)
   context = tuple(rules.pairs)
   local = tuple(local_rules or ())
   if context or local:
@@ -541,8 +557,8 @@ def logical_to_mesh_axes(
 
   Raises:
     UnknownLogicalAxisError: If a name is in no rule (see `LogicalRules`).
-    ShardingResolutionError: If a name repeats, the rank does not match, or
-      in strict mode no rule fits a dimension.
+    ShardingResolutionError: If a name repeats, there are more names than
+      dimensions, or in strict mode no rule fits a dimension.
     MissingMeshAxisError: If the rules say ``missing_mesh_axes='error'``
       and one names a mesh axis the mesh lacks.
 

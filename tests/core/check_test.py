@@ -310,3 +310,24 @@ def test_a_factory_built_while_the_flag_is_off_is_reported(eager_flag_off):
   # Built with eager sharding turned back on, nothing is created unplaced.
   with nnx.use_eager_sharding(True):
     assert not fdt.check(_factory(), GOOD, MESH)
+
+
+def test_a_short_annotation_is_a_finding_not_an_error():
+  """('C',) on two matrices and a vector: one finding for the matrices,
+  none for the vector, whose annotation is whole."""
+
+  class Short(nnx.Module):
+    def __init__(self):
+      self.a = nnx.Param(jnp.ones((16, 16)), out_sharding=('C',))
+      self.b = nnx.Param(jnp.ones((16, 8)), out_sharding=('C',))
+      self.c = nnx.Param(jnp.ones((16,)), out_sharding=('C',))
+
+  report = fdt.check(Short, [('C', 'data')], MESH)
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('short-annotation', "('C',)")
+  ]
+  assert report.findings[0].message.startswith(
+    '2 variables of rank 2 (e.g. a) are annotated with 1 logical name, so '
+    "the missing trailing names are None, as Flax reads it: ('C', None)."
+  )
+  assert not fdt.check(Short, [('C', 'data')], MESH, allow=['short-annotation'])

@@ -39,7 +39,7 @@ def _mesh(types='explicit'):
 
 
 # Each spelling builds a model from an `nnx.Rngs`; all place 'embed' on
-# 'data' and 'mlp' on 'model'.
+# 'data' and 'mlp' on 'model' (a dimension an annotation leaves out: None).
 SPELLINGS = {
   'with_partitioning': lambda r: nnx.Linear(
     16, 32, kernel_init=nnx.with_partitioning(lecun(), ('embed', 'mlp')), rngs=r
@@ -119,6 +119,19 @@ SPELLINGS = {
       nnx.with_partitioning(lecun(), ('embed', 'mlp'))(r.params(), (16, 32))
     )
   ),
+  # Fewer names than dimensions: the missing trailing ones are None.
+  'short_annotation': lambda r: nnx.Linear(
+    16, 32, kernel_init=nnx.with_partitioning(lecun(), ('embed',)), rngs=r
+  ),
+  # flax#5127's spelling: Flax's deprecated `sharding=`, one name.
+  'deprecated_sharding_short': lambda r: nnx.Dict(
+    w=nnx.Param(lecun()(r.params(), (16, 32)), sharding=('embed',))
+  ),
+}
+# Flax's deprecated metadata names, and what Flax says of each.
+DEPRECATED = {
+  'deprecated_sharding_names': "'sharding_names' is deprecated",
+  'deprecated_sharding_short': "'sharding' is deprecated",
 }
 
 
@@ -132,9 +145,9 @@ def _flat(model):
 
 
 def _build(spelling, rngs):
-  if spelling != 'deprecated_sharding_names':
+  if spelling not in DEPRECATED:
     return SPELLINGS[spelling](rngs)
-  with pytest.warns(DeprecationWarning, match="'sharding_names' is deprecated"):
+  with pytest.warns(DeprecationWarning, match=DEPRECATED[spelling]):
     return SPELLINGS[spelling](rngs)
 
 

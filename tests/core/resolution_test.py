@@ -15,7 +15,7 @@ import reference_semantics
 from jax.sharding import AbstractMesh
 
 import flax_dtensor as fdt
-from flax_dtensor._rules import _resolution
+from flax_dtensor._rules import _logical, _resolution
 
 NAMES = ('batch', 'embed', 'mlp', 'heads', 'vocab')
 AXES = ('data', 'fsdp', 'model', 'expert')
@@ -37,9 +37,15 @@ def cases(draw):
   sizes = {a: draw(st.sampled_from((1, 2, 3, 4))) for a in present}
   with_mesh = draw(st.integers(0, 9)) > 0
   rank = draw(st.integers(1, 4))
+  # Annotation lengths: mostly one name per dimension; sometimes fewer (the
+  # missing trailing names are None, as Flax reads them) or one more (an
+  # error, when the shape is known).
+  length = rank + draw(st.sampled_from((0, 0, 0, 0, 0, 0, -1, 1)))
   axes = tuple(
     draw(
-      st.lists(st.sampled_from((*NAMES, None)), min_size=rank, max_size=rank)
+      st.lists(
+        st.sampled_from((*NAMES, None)), min_size=length, max_size=length
+      )
     )
   )
   shape = (
@@ -134,3 +140,51 @@ def test_the_generator_reaches_every_outcome():
 
   survey()
   assert seen == {'error', 'sharded', 'replicated', 'product'}
+
+
+@pytest.mark.parametrize(
+  'axes, shape, expected',
+  [
+    (('mlp',), (8, 6), ('model', None)),
+    (('batch',), (8, 6, 4), ('data', None, None)),
+    ((), (8, 6), (None, None)),
+    (('batch', 'mlp'), (8, 8), ('data', 'model')),
+  ],
+  ids=['one-of-two', 'one-of-three', 'none-of-two', 'whole'],
+)
+def test_fewer_names_than_dims_leave_the_rest_none(axes, shape, expected):
+  """As Flax and a PartitionSpec read them, under both semantics."""
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  rules = [('batch', 'data'), ('mlp', 'model')]
+  ours = _resolution.resolve_dims(
+    axes, shape, mesh=mesh, rules=fdt.LogicalRules(rules)
+  )
+  assert tuple(d.target for d in ours.dims) == expected
+  assert ours.logical_axes == axes + (None,) * (len(shape) - len(axes))
+  flax = _resolution.resolve_flax(
+    axes, shape, mesh=mesh, rules=_logical.FlaxRules(tuple(rules))
+  )
+  assert tuple(flax.spec) == expected
+
+
+@pytest.mark.parametrize('semantics', ['flax_dtensor', 'flax'])
+def test_more_names_than_dims_is_an_error_under_both_semantics(semantics):
+  rules = fdt.LogicalRules([('batch', 'data'), ('mlp', 'model')])
+  resolve = (
+    _resolution.resolve_dims
+    if semantics == 'flax_dtensor'
+    else _resolution.resolve_flax
+  )
+  with pytest.raises(
+    fdt.ShardingResolutionError,
+    match=r"at 'w': the array has shape \(8,\) \(rank 1\) but got 2 "
+    r"logical axes \('batch', 'mlp'\).*names left out at the end are None",
+  ):
+    resolve(
+      ('batch', 'mlp'),
+      (8,),
+      rules=rules
+      if semantics == 'flax_dtensor'
+      else _logical.FlaxRules(tuple(rules)),
+      path="'w'",
+    )

@@ -330,7 +330,12 @@ def test_no_rules_at_all_keeps_flax_semantics():
   'axes, shape, match',
   [
     (('mlp', 'mlp'), None, r"\['mlp'\] occur more than once"),
-    (('mlp',), (2, 3), r'shape \(2, 3\) \(rank 2\) but got 1 logical axes'),
+    (
+      ('mlp', 'batch'),
+      (3,),
+      r'at most one logical axis per dimension: the array has shape \(3,\) '
+      r'\(rank 1\) but got 2 logical axes',
+    ),
     ((('mlp', 'batch'),), None, 'to be a str or None'),
   ],
   ids=['repeated', 'rank', 'tuple-entry'],

@@ -494,3 +494,58 @@ def test_concrete_array_with_only_an_abstract_mesh_raises():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
   with pytest.raises(fdt.MeshError, match='got the abstract'):
     fdt.shard_value(jnp.ones((8, 4)), ('batch', None), mesh=mesh, rules=RULES)
+
+
+# Fewer logical names than dimensions: Flax's reading, everywhere
+# ------------------------------------------------------------------------------
+
+
+class _Short(nnx.Module):
+  """The annotation of flax#5127's repro: one name for a matrix."""
+
+  def __init__(self):
+    self.w = nnx.Param(
+      jnp.arange(256, dtype=jnp.float32).reshape(16, 16), out_sharding=('C',)
+    )
+
+
+def test_fewer_names_than_dims_place_as_flax_reads_them(any_mesh):
+  """('C',) on a matrix is ('C', None): eager creation, creation inside
+  `nnx.jit`, `fdt.init`, `nnx.get_partition_spec` and `fdt.plan` agree,
+  with plain Flax's placement."""
+  mesh = any_mesh
+  rules = [('C', 'data')]
+  expected = P('data', None)
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    eager = _Short()
+    jitted = nnx.jit(_Short)()
+    built = fdt.init(_Short)
+    reported = nnx.get_partition_spec(nnx.state(eager))['w'].get_value()
+    planned = fdt.plan(_Short)['w']
+  for model in (eager, jitted, built):
+    spec = model.w[...].sharding.spec  # P('data',) on Auto axes.
+    assert (*spec, *(None,) * (2 - len(spec))) == tuple(expected)
+    _shard_values_equal(model.w[...], np.arange(256).reshape(16, 16))
+  assert tuple(reported) == tuple(expected)
+  assert planned.spec == expected
+  assert planned.logical_axes == ('C', None)
+  if mesh.axis_types[0] != mesh.axis_types[1]:
+    return  # Flax refuses mixed meshes.
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    flax_own = _Short()
+  assert flax_own.w[...].sharding.is_equivalent_to(
+    NamedSharding(mesh, expected), 2
+  )
+
+
+def test_more_names_than_dims_is_an_error(explicit_mesh):
+  with (
+    jax.set_mesh(explicit_mesh),
+    fdt.logical_axis_rules(RULES),
+    pytest.raises(
+      fdt.ShardingResolutionError,
+      match=r'at most one logical axis per dimension: the array has shape '
+      r"\(16,\) \(rank 1\) but got 2 logical axes \('embed', 'mlp'\)",
+    ),
+  ):
+    nnx.Param(jnp.ones((16,)), out_sharding=('embed', 'mlp'))

@@ -821,11 +821,13 @@ CASES = [
   ),
   Case(
     'fdt.logical_to_mesh_axes',
-    'logical axes that do not match the rank',
+    'more logical axes than the rank',
     fdt.ShardingResolutionError,
-    r'shape \(4, 4\) \(rank 2\) but got 1 logical axes',
-    'Annotate one logical name (or None) per dimension.',
-    lambda ctx: fdt.logical_to_mesh_axes(('embed',), (4, 4), rules=ctx.rules),
+    r'shape \(4,\) \(rank 1\) but got 2 logical axes',
+    'Annotate at most one logical name (or None) per dimension.',
+    lambda ctx: fdt.logical_to_mesh_axes(
+      ('embed', 'mlp'), (4,), rules=ctx.rules
+    ),
   ),
   Case(
     'fdt.logical_to_mesh_axes',

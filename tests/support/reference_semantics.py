@@ -22,13 +22,14 @@ def flax_dtensor(axes, shape, rules, sizes, *, unknown='error', strict=False):
   """flax_dtensor's semantics: priority, fallbacks, mesh and shape checks.
 
   Args:
-    axes: One logical name (or None) per dimension.
+    axes: One logical name (or None) per dimension; fewer: the rest None.
     shape: The dims, or None (no divisibility check).
     rules: (name, target) pairs; a target is a str, a tuple or None.
     sizes: {mesh axis: size}, or None (no existence check).
     unknown: 'error' or 'replicate'.
     strict: Raise when every candidate of a dimension was skipped.
   """
+  axes = _padded(axes, shape)
   names = [a for a in axes if a is not None]
   if len(names) != len(set(names)):
     raise Invalid('repeated name')
@@ -60,8 +61,19 @@ def flax_dtensor(axes, shape, rules, sizes, *, unknown='error', strict=False):
   return tuple(targets)
 
 
+def _padded(axes, shape):
+  """Fewer names than dimensions: the missing trailing ones are None (as a
+  PartitionSpec reads them); more is an error."""
+  if shape is None:
+    return tuple(axes)
+  if len(axes) > len(shape):
+    raise Invalid('more logical names than dimensions')
+  return tuple(axes) + (None,) * (len(shape) - len(axes))
+
+
 def flax(axes, shape, context, local, sizes):
   """Flax NNX's semantics: a dict, last write wins, names pass through."""
+  axes = _padded(axes, shape)
   table = dict(context)
   for name, target in local:
     if name in table and table[name] != target:

@@ -4,8 +4,9 @@ Shared by every restore (`restore_checkpoint` from disk, `from_tf_module`
 from TF variables, and the Orbax restore of ``flax-dtensor export``):
 `check_extra` refuses a source holding variables the target lacks,
 `check_held` one lacking a variable the target needs, or holding it with
-another shape or dtype; each message names the variable, what was
-expected, what was found, and the fix (`Source` says in whose words).
+another shape or dtype; each message names every variable concerned (up
+to a bound, then a count), what was expected, what was found, and the fix
+(`Source` says in whose words).
 """
 
 from __future__ import annotations
@@ -99,59 +100,123 @@ def check_held(
 
   A restore never changes a value unless asked to: the dtype a variable
   was exported with must be the target's, or `convert_dtypes` must be set.
+  Every misfit is named at once: the variables the source lacks; else each
+  variable of another shape, and each of another dtype, in one message.
   """
-  out = []
-  for e in entries:
-    h = held.get(e.path)
-    if h is None:
-      names = sorted(_variables.path_str(p) for p in held)
-      lacks = [x for x in entries if x.path not in held]
-      if len(lacks) == 1:
-        key = f' (key {e.key!r})' if source.keys else ''
-        which = f'has no variable {e.name!r}{key}, which the target needs'
-      else:
-        shown = [
-          f'{x.name} (key {x.key!r})' if source.keys else x.name for x in lacks
-        ]
-        which = (
-          f'lacks {len(lacks)} variables the target needs: '
-          f'{_variables.listing(shown)}'
-        )
-      fix = (
-        'Restore with a narrower `include=`/`exclude=` (e.g. '
-        f'`include=nnx.Param` for {source.kind} of the parameters only), '
-        f'or {source.kind} {source.verb} from the same model.'
-        if source.selects
-        else f'Expected {source.kind} {source.verb} from this model. '
-        f'{source.rebuild_text()}.'
-      )
-      raise _errors.ExportError(
-        f'{source.name} {which}. It holds {len(names)} variables: '
-        f'{_variables.listing(names)}. {fix}'
-      )
-    if h.shape != e.shape:
-      leave_out = (
-        ', or leave this variable out with `include=`/`exclude=`'
-        if source.selects
-        else ''
-      )
-      raise _errors.ExportError(
-        f'Shape mismatch for {e.name!r}: the target expects {e.shape}, '
-        f'{source.object} holds {h.shape}. {source.rebuild_text()}'
-        f'{leave_out}.'
-      )
-    if h.saved != e.dtype and not convert_dtypes:
-      note = f' ({h.note})' if h.note else ''
-      raise _errors.ExportError(
-        f'Dtype mismatch for {e.name!r}: the target expects {e.dtype}, '
-        f'{source.object} has {h.saved}{note}. A restore does not convert '
-        'unless asked (that could round or wrap values): build the target '
-        f'with dtype {h.saved} (e.g. `param_dtype=`), pass '
-        '`convert_dtypes=True`, or leave this variable out with '
-        '`include=`/`exclude=`.'
-      )
-    out.append(h)
-  return out
+  lacks = [e for e in entries if e.path not in held]
+  if lacks:
+    raise _errors.ExportError(_lacking(lacks, held, source))
+  kinds = [held[e.path] for e in entries]
+  shapes = [
+    (e, h) for e, h in zip(entries, kinds, strict=True) if h.shape != e.shape
+  ]
+  dtypes = [
+    (e, h)
+    for e, h in zip(entries, kinds, strict=True)
+    if h.saved != e.dtype and not convert_dtypes
+  ]
+  parts = []
+  if shapes:
+    parts.append(_shape_mismatches(shapes, source))
+  if dtypes:
+    parts.append(_dtype_mismatches(dtypes, source))
+  if parts:
+    raise _errors.ExportError(' '.join(parts))
+  return kinds
+
+
+MISMATCHES_SHOWN = 8
+"""The most mismatched variables one message describes (then a count)."""
+
+
+def _lacking(
+  lacks: Sequence[Wanted],
+  held: Mapping[tuple[Any, ...], Held],
+  source: Source,
+) -> str:
+  names = sorted(_variables.path_str(p) for p in held)
+  if len(lacks) == 1:
+    (e,) = lacks
+    key = f' (key {e.key!r})' if source.keys else ''
+    which = f'has no variable {e.name!r}{key}, which the target needs'
+  else:
+    shown = [
+      f'{x.name} (key {x.key!r})' if source.keys else x.name for x in lacks
+    ]
+    which = (
+      f'lacks {len(lacks)} variables the target needs: '
+      f'{_variables.listing(shown)}'
+    )
+  fix = (
+    'Restore with a narrower `include=`/`exclude=` (e.g. '
+    f'`include=nnx.Param` for {source.kind} of the parameters only), '
+    f'or {source.kind} {source.verb} from the same model.'
+    if source.selects
+    else f'Expected {source.kind} {source.verb} from this model. '
+    f'{source.rebuild_text()}.'
+  )
+  return (
+    f'{source.name} {which}. It holds {len(names)} variables: '
+    f'{_variables.listing(names)}. {fix}'
+  )
+
+
+def _each(
+  what: str, pairs: Sequence[tuple[Wanted, Held]], describe: Any
+) -> str:
+  """'Shape mismatch for 'a': ...' or, for several, each of them (the
+  first `MISMATCHES_SHOWN`, then a count): the source is named once."""
+  if len(pairs) == 1:
+    ((e, h),) = pairs
+    return f'{what} for {e.name!r}: {describe(e, h, True)}'
+  shown = [
+    f'{e.name!r}: {describe(e, h, i == 0)}'
+    for i, (e, h) in enumerate(pairs[:MISMATCHES_SHOWN])
+  ]
+  rest = len(pairs) - len(shown)
+  if rest:
+    shown.append(f'and {rest} more')
+  return f'{what} for {len(pairs)} variables: {"; ".join(shown)}'
+
+
+def _shape_mismatches(
+  pairs: Sequence[tuple[Wanted, Held]], source: Source
+) -> str:
+  def describe(e: Wanted, h: Held, first: bool) -> str:
+    where = source.object if first else 'it'
+    return f'the target expects {e.shape}, {where} holds {h.shape}'
+
+  these = 'this variable' if len(pairs) == 1 else 'these variables'
+  leave_out = (
+    f', or leave {these} out with `include=`/`exclude=`'
+    if source.selects
+    else ''
+  )
+  return (
+    f'{_each("Shape mismatch", pairs, describe)}. '
+    f'{source.rebuild_text()}{leave_out}.'
+  )
+
+
+def _dtype_mismatches(
+  pairs: Sequence[tuple[Wanted, Held]], source: Source
+) -> str:
+  def describe(e: Wanted, h: Held, first: bool) -> str:
+    where = source.object if first else 'it'
+    note = f' ({h.note})' if h.note else ''
+    return f'the target expects {e.dtype}, {where} has {h.saved}{note}'
+
+  saved = sorted({str(h.saved) for _, h in pairs})
+  dtype = (
+    f'dtype {saved[0]}' if len(saved) == 1 else f'dtypes {", ".join(saved)}'
+  )
+  these = 'this variable' if len(pairs) == 1 else 'these variables'
+  return (
+    f'{_each("Dtype mismatch", pairs, describe)}. A restore does not '
+    'convert unless asked (that could round or wrap values): build the '
+    f'target with {dtype} (e.g. `param_dtype=`), pass '
+    f'`convert_dtypes=True`, or leave {these} out with `include=`/`exclude=`.'
+  )
 
 
 def check_extra(

@@ -261,9 +261,11 @@ def net_checkpoints(tmp_path_factory):
     (
       'make',
       'wider',
-      "error: Shape mismatch for 'down/kernel': the target expects (8, 4), "
-      "the Orbax checkpoint '{ckpt}' holds (16, 4). Pass a TARGET that "
-      'builds the model that was saved (the same configuration).\n',
+      "error: Shape mismatch for 3 variables: 'down/kernel': the target "
+      "expects (8, 4), the Orbax checkpoint '{ckpt}' holds (16, 4); "
+      "'up/bias': the target expects (8,), it holds (16,); 'up/kernel': the "
+      'target expects (4, 8), it holds (4, 16). Pass a TARGET that builds '
+      'the model that was saved (the same configuration).\n',
     ),
     (
       'make',

@@ -1693,7 +1693,7 @@ CASES = [
     'flax_dtensor.dtensor.restore_checkpoint',
     'a model of another shape',
     fdt.ExportError,
-    r"Shape mismatch for 'bias': the target expects \(32,\)",
+    r"Shape mismatch for 2 variables: 'bias': the target expects \(32,\)",
     'Build the target with the saved configuration.',
     lambda ctx: ctx.dt.restore_checkpoint(ctx.checkpoint, ctx.model(width=32)),
     tf=True,
@@ -1702,7 +1702,7 @@ CASES = [
     'flax_dtensor.dtensor.restore_checkpoint',
     'a model of another dtype',
     fdt.ExportError,
-    r"Dtype mismatch for 'bias': the target expects bfloat16.*"
+    r"Dtype mismatch for 2 variables: 'bias': the target expects bfloat16.*"
     r'`convert_dtypes=True`',
     'Build the target in the saved dtype, or pass convert_dtypes=True.',
     lambda ctx: ctx.dt.restore_checkpoint(
@@ -2169,8 +2169,8 @@ CASES = [
     'flax_dtensor.dtensor.from_tf_module',
     'a model of another shape',
     fdt.ExportError,
-    r"Shape mismatch for 'bias': the target expects \(32,\), the tf\.Module "
-    r'holds \(16,\)',
+    r"Shape mismatch for 2 variables: 'bias': the target expects \(32,\), "
+    r'the tf\.Module holds \(16,\)',
     'Build the target with the exported configuration.',
     lambda ctx: ctx.dt.from_tf_module(
       ctx.dt.to_tf_module(ctx.model()), ctx.model(width=32)
@@ -2181,8 +2181,8 @@ CASES = [
     'flax_dtensor.dtensor.from_tf_module',
     'a model of another dtype',
     fdt.ExportError,
-    r"Dtype mismatch for 'bias': the target expects bfloat16, the tf\.Module "
-    r'has float32.*`convert_dtypes=True`',
+    r"Dtype mismatch for 2 variables: 'bias': the target expects bfloat16, "
+    r'the tf\.Module has float32.*`convert_dtypes=True`',
     'Build the target in the exported dtype, or pass convert_dtypes=True.',
     lambda ctx: ctx.dt.from_tf_module(
       ctx.dt.to_tf_module(ctx.model()),

@@ -920,15 +920,18 @@ def test_restore_errors(auto_mesh, tmp_path):
   wider = _make_mlp(auto_mesh, hidden=64)
   with pytest.raises(
     fdt.ExportError,
-    match=r"Shape mismatch for 'layers/0/bias'.*\(64,\).*\(32,\)\. Build the"
-    r' target with the shapes that were saved.*`include=`/`exclude=`',
+    match=r"Shape mismatch for 7 variables: 'layers/0/bias'.*\(64,\).*"
+    r"\(32,\); 'layers/0/kernel'.*'norm/var': the target expects \(64,\), "
+    r'it holds \(32,\)\. Build the target with the shapes that were saved.*'
+    r'leave these variables out with `include=`/`exclude=`',
   ):
     fdt_tf.restore_checkpoint(path, wider)
   half = _make_mlp(auto_mesh, dtype=jnp.bfloat16)
   with pytest.raises(
     fdt.ExportError,
-    match=r"Dtype mismatch for 'layers/0/bias'.*expects bfloat16.*has float32"
-    r'.*build the target with dtype float32',
+    match=r"Dtype mismatch for 4 variables: 'layers/0/bias'.*expects "
+    r"bfloat16.*has float32.*'layers/1/kernel': the target expects "
+    r'bfloat16, it has float32.*build the target with dtype float32',
   ):
     fdt_tf.restore_checkpoint(path, half)
   with pytest.raises(fdt_tf.ExportNotFoundError, match=r'got .*, which holds'):
@@ -944,6 +947,113 @@ def test_restore_errors(auto_mesh, tmp_path):
     fdt_tf.restore_checkpoint(path, abstract, mesh=other)
   # The failed restores left the module untouched.
   assert isinstance(abstract.layers[0].kernel.get_value(), jax.ShapeDtypeStruct)
+
+
+# A hidden size of 48, not 32: every variable of that width differs, and
+# the target expects (first) what the checkpoint holds (second).
+WIDER_BY_16 = [
+  ('layers/0/bias', (48,), (32,)),
+  ('layers/0/kernel', (16, 48), (16, 32)),
+  ('layers/1/kernel', (48, 8), (32, 8)),
+  ('norm/bias', (48,), (32,)),
+  ('norm/mean', (48,), (32,)),
+  ('norm/scale', (48,), (32,)),
+  ('norm/var', (48,), (32,)),
+]
+
+
+def _assert_names_every_shape(message, mismatches, source):
+  assert message.startswith(
+    f'Shape mismatch for {len(mismatches)} variables: '
+  ), message
+  (name, want, held), *rest = mismatches
+  assert (
+    f'{name!r}: the target expects {want}, {source} holds {held}; ' in message
+  ), message
+  for name, want, held in rest:
+    assert f'{name!r}: the target expects {want}, it holds {held}' in (
+      message
+    ), message
+  assert message.count('the target expects') == len(mismatches)
+  assert 'Build the target with the shapes that were saved' in message
+
+
+@pytest.mark.parametrize('target', ['module', 'abstract', 'manager'])
+def test_a_restore_names_every_mismatch_at_once(auto_mesh, tmp_path, target):
+  model = _make_mlp(auto_mesh)
+  path = fdt_tf.save_checkpoint(model, tmp_path / 'ckpt')
+  wider = _make_mlp(auto_mesh, hidden=48)
+  if target == 'abstract':
+    with jax.set_mesh(auto_mesh):
+      wider = nnx.eval_shape(lambda: MLP(nnx.Rngs(0), hidden=48))
+  before = jax.tree.map(np.asarray, nnx.state(wider, nnx.Param))
+  if target == 'manager':
+    manager = fdt_tf.CheckpointManager(tmp_path / 'run', blocking=True)
+    manager.save(1, model)
+    restore = lambda t: manager.restore(t)  # noqa: E731
+    ckpt = tmp_path / 'run' / '1' / 'ckpt'
+  else:
+    restore = lambda t: fdt_tf.restore_checkpoint(path, t)  # noqa: E731
+    ckpt = tmp_path / 'ckpt' / 'ckpt'
+  with pytest.raises(fdt.ExportError) as info:
+    restore(wider)
+  _assert_names_every_shape(
+    str(info.value), WIDER_BY_16, f"the checkpoint '{ckpt}'"
+  )
+  # The target is unchanged.
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    before,
+    jax.tree.map(np.asarray, nnx.state(wider, nnx.Param)),
+  )
+  if target == 'manager':
+    assert manager.restored_step is None  # Nothing was restored.
+    manager.close()
+
+
+def test_shape_and_dtype_mismatches_are_named_together(auto_mesh, tmp_path):
+  path = fdt_tf.save_checkpoint(_make_mlp(auto_mesh), tmp_path / 'ckpt')
+  target = _make_mlp(auto_mesh, hidden=48, dtype=jnp.bfloat16)
+  with pytest.raises(fdt.ExportError) as info:
+    fdt_tf.restore_checkpoint(path, target)
+  message = str(info.value)
+  _assert_names_every_shape(
+    message.split(' Dtype mismatch')[0],
+    WIDER_BY_16,
+    f"the checkpoint '{tmp_path / 'ckpt' / 'ckpt'}'",
+  )
+  dtypes = message.split(' Dtype mismatch', 1)[1]
+  assert dtypes.startswith(' for 4 variables: '), message
+  for name in ('layers/0/bias', 'layers/0/kernel', 'layers/1/bias'):
+    assert f'{name!r}: the target expects bfloat16, ' in dtypes, message
+  assert "'layers/1/kernel': the target expects bfloat16, it has float32 " in (
+    dtypes
+  )
+  assert 'convert_dtypes=True' in dtypes
+  assert dtypes.count('the target expects') == 4
+  # Asked to convert, the shapes alone are named.
+  with pytest.raises(fdt.ExportError) as info:
+    fdt_tf.restore_checkpoint(path, target, convert_dtypes=True)
+  assert 'Dtype mismatch' not in str(info.value)
+  assert str(info.value).count('the target expects') == len(WIDER_BY_16)
+
+
+def test_a_restore_of_a_huge_mismatch_names_the_first_eight(tmp_path):
+  saved = nnx.Dict({f'p{i:02d}': nnx.Param(jnp.zeros((2,))) for i in range(20)})
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'ckpt')
+  target = nnx.Dict(
+    {f'p{i:02d}': nnx.Param(jnp.zeros((3,))) for i in range(20)}
+  )
+  with pytest.raises(
+    fdt.ExportError,
+    match=r"^Shape mismatch for 20 variables: 'p00': the target expects "
+    r"\(3,\), the checkpoint '.*' holds \(2,\); 'p01': the target expects "
+    r"\(3,\), it holds \(2,\);.*'p07': the target expects \(3,\), it holds "
+    r'\(2,\); and 12 more\. Build the target',
+  ) as info:
+    fdt_tf.restore_checkpoint(path, target)
+  assert str(info.value).count('the target expects') == 8
+  assert "'p08'" not in str(info.value)
 
 
 def _narrow_target(dtype):

@@ -430,9 +430,11 @@ def test_errors(auto_mesh):
   narrow = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   with pytest.raises(
     fdt.ExportError,
-    match=r"Dtype mismatch for '.*': the target expects bfloat16, the "
-    r'tf\.Module has float32\. A restore does not convert.*'
-    r'`convert_dtypes=True`',
+    match=r"Dtype mismatch for 8 variables: 'blocks/inp/bias': the target "
+    r"expects bfloat16, the tf\.Module has float32; 'blocks/inp/kernel': the "
+    r"target expects bfloat16, it has float32;.* 'proj/kernel': the target "
+    r'expects bfloat16, it has float32\. A restore does not convert.*'
+    r'`convert_dtypes=True`, or leave these variables out',
   ):
     fdt_tf.from_tf_module(tf_module, narrow, include=nnx.Param)
   converted = fdt_tf.from_tf_module(
@@ -483,3 +485,25 @@ def test_errors(auto_mesh):
     fdt_tf.from_tf_module(
       tf_module, abstract, include=nnx.Param, mesh=auto_mesh
     )
+
+
+def test_a_wider_target_names_every_mismatch_at_once(auto_mesh):
+  tf_module = fdt_tf.to_tf_module(_tower(auto_mesh), include=nnx.Param)
+  with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(RULES):
+    wider = Tower(nnx.Rngs(0, dropout=1), width=48)
+  before = _flat(wider, nnx.Param)
+  with pytest.raises(fdt.ExportError) as info:
+    fdt_tf.from_tf_module(tf_module, wider, include=nnx.Param)
+  assert str(info.value) == (
+    "Shape mismatch for 5 variables: 'blocks/inp/bias': the target expects "
+    "(48,), the tf.Module holds (32,); 'blocks/inp/kernel': the target "
+    "expects (16, 48), it holds (16, 32); 'blocks/out/kernel': the target "
+    "expects (48, 8), it holds (32, 8); 'norm/bias': the target expects "
+    "(48,), it holds (32,); 'norm/scale': the target expects (48,), it "
+    'holds (32,). Build the target with the shapes that were exported (the '
+    'same model configuration), or leave these variables out with '
+    '`include=`/`exclude=`.'
+  )
+  after = _flat(wider, nnx.Param)
+  for name, value in before.items():  # Unchanged.
+    np.testing.assert_array_equal(after[name], value, err_msg=name)

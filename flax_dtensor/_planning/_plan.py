@@ -827,8 +827,11 @@ def _entries(
     dtype = _variables.dtype_of(value)
     placed = _variables.placed_spec(value)
     if resolution is None:
-      # Not governed by rules: it stays where it is (replicated if new).
-      spec = placed if placed is not None else PartitionSpec()
+      # Not governed by rules: it stays where it is (replicated if new),
+      # one entry per dimension whether placed or abstract.
+      spec = _specs.full_length(
+        placed if placed is not None else PartitionSpec(), len(shape)
+      )
       axes = None
       fallbacks: tuple[str, ...] = ()
     else:

@@ -34,6 +34,19 @@ def axes_of(entry: Any) -> tuple[str, ...]:
   return tuple(entry)
 
 
+def full_length(spec: PartitionSpec, ndim: int) -> PartitionSpec:
+  """`spec` with one entry per dimension, as JAX types an array's sharding.
+
+  ``P()`` of a 1-d array is ``P(None)``, the same placement spelled as
+  `jax.typeof` spells it; a scalar's stays ``P()``.
+  """
+  from jax.sharding import PartitionSpec
+
+  if len(spec) >= ndim:
+    return spec
+  return PartitionSpec(*spec, *(None,) * (ndim - len(spec)))
+
+
 def canonical(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
   """One tuple of mesh axes per dimension: equal for equal placements."""
   entries = tuple(spec) + (None,) * (ndim - len(spec))

@@ -556,6 +556,78 @@ def test_plan_show_unknown_path():
   )
 
 
+# A Linear whose kernel is annotated and whose bias is not.
+UNANNOTATED_BIAS = textwrap.dedent("""\
+  from flax import nnx
+
+
+  def make():
+    init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ('embed', 'mlp')
+    )
+    return nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+""")
+
+
+def test_plan_prints_an_unannotated_bias_as_fdt_plan_does(tmp_path, auto_mesh):
+  """One entry per dimension, P(None) for a 1-d variable, as JAX types it.
+
+  The command plans the abstract model; `fdt.plan` here plans the model
+  built and placed under the same rules: the same variable reads the same.
+  """
+  import importlib.util
+
+  import jax
+
+  import flax_dtensor as fdt
+
+  (tmp_path / 'biased.py').write_text(UNANNOTATED_BIAS)
+  rules_file = tmp_path / 'rules.yaml'
+  rules_file.write_text(
+    "logical_axis_rules:\n  - ['embed', 'data']\n  - ['mlp', 'model']\n"
+  )
+  out = ok(
+    run_cli('plan', f'{tmp_path / "biased.py"}:make', '--rules', rules_file)
+  )
+  row = next(r for r in out.splitlines() if r.split()[:1] == ['bias'])
+  assert row.split()[:4] == ['bias', 'float32[32]', '-', 'P(None)']
+  as_json = json.loads(
+    ok(
+      run_cli(
+        'plan',
+        f'{tmp_path / "biased.py"}:make',
+        '--rules',
+        rules_file,
+        '--json',
+      )
+    )
+  )
+  (bias,) = [e for e in as_json['variables'] if e['path'] == 'bias']
+  assert bias['spec'] == [None]
+
+  spec = importlib.util.spec_from_file_location(
+    'biased', tmp_path / 'biased.py'
+  )
+  biased = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(biased)
+  rules = fdt.LogicalRules.from_yaml(rules_file)
+  with fdt.logical_axis_rules(rules), jax.set_mesh(auto_mesh):
+    model = biased.make()
+  assert repr(jax.typeof(model.bias[...]).sharding.spec) == 'P(None,)'
+  for planned in (
+    fdt.plan(model, mesh=auto_mesh, rules=rules),
+    fdt.plan(biased.make, mesh=auto_mesh, rules=rules),
+  ):
+    lines = str(planned).splitlines()
+    assert next(r for r in lines if r.split()[:1] == ['bias']).split()[:4] == [
+      'bias',
+      'float32[32]',
+      '-',
+      'P(None)',
+    ]
+    assert planned['bias'].to_dict()['spec'] == [None]
+
+
 PATH_RULES_YAML = textwrap.dedent("""\
   # A model without logical axes (tests/support/unannotated_model.py), by paths.
   logical_axis_rules:

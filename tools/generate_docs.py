@@ -70,9 +70,21 @@ def cli_help(args: str) -> str:
   return f'```text\n{text}\n```\n'
 
 
+# The classes a message pattern uses for what varies, as a reader reads
+# them: a number as N, any other word (a path's part, a file's suffix) as '…'.
+_READABLE_CLASSES = ((r'\d+', 'N'), (r'\S+', '…'), (r'\w+', '…'))
+
+
 def _pattern(regex: str) -> str:
-  """A message pattern, made readable: escapes dropped, `.*` as '…'."""
-  text = regex.replace('.*', ' … ').replace('\\', '')
+  """A message pattern, made readable.
+
+  `.*` is ' … ', ``\\d+`` is N, ``\\S+`` is '…', and the other escapes
+  are the characters they escape: ``uid \\d+\\)`` reads ``uid N)``.
+  """
+  text = regex.replace('.*', ' … ')
+  for pattern, readable in _READABLE_CLASSES:
+    text = text.replace(pattern, readable)
+  text = re.sub(r'\\(.)', r'\1', text)
   return ' '.join(text.split())
 
 

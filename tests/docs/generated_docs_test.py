@@ -37,3 +37,22 @@ def test_the_pages_hold_the_text_not_a_directive():
   assert '## fdt.NotAModelError' in page
   assert '| `fdt.init` |' in page or '| `flax_dtensor' in page
   assert '```{' not in cli + page  # No directive left to render.
+
+
+def test_the_troubleshooting_tables_read_what_varies_as_words():
+  r"""A message pattern's `\d+` reads N and its `\S+` '…', never `d+`."""
+  generate_docs = _generator()
+  assert generate_docs._pattern(r'(uid \d+\) for \d+ s .*bound') == (
+    '(uid N) for N s … bound'
+  )
+  assert generate_docs._pattern(r'ckpt\.data-\S+ bytes 0\.\.\d+ changed') == (
+    'ckpt.data-… bytes 0..N changed'
+  )
+  assert generate_docs._pattern(r"'/\S+/out' failed \(its part\)\.") == (
+    "'/…/out' failed (its part)."
+  )
+  page = (ROOT / 'docs' / 'troubleshooting.md').read_text()
+  for mangled in ('uid d+', 'for d+ s', 'ckpt.data-S+', "'/S+/out'", '\\'):
+    assert mangled not in page, mangled
+  assert '(this process (uid N) may not write in it' in page
+  assert "Writing '/…/out' failed" in page

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import flax
 import jax
 from flax import nnx
+from flax.nnx.training import optimizer
 from jax.sharding import Mesh, NamedSharding
 
 from flax_dtensor import _errors
@@ -154,7 +155,13 @@ def init(
   changed value, not a new build. An eager build of at least 64 arrays is
   then one compiled call, the factory not run again (its initializers'
   calls and draws, recorded by the first call), as for a cached
-  ``nnx.jit`` factory. A call whose configuration cannot be
+  ``nnx.jit`` factory, however the factory is spelled: the ``nnx.Rngs``
+  passed (positionally or as ``rngs=``) or made in the factory from its
+  own constants (``lambda: Model(nnx.Rngs(0))``: the seed is then part of
+  the configuration, and a changed seed a new build), sizes positional or
+  keyword, a ``functools.partial``, or a factory that builds the
+  ``nnx.Optimizer`` too (its state, zeros like the parameters, is made in
+  the parameters' shards). A call whose configuration cannot be
   pinned down (a closure or argument holding an array where a value is
   compiled in, or another object), or whose trace captured an array, is
   built anew each time. What the factory reads beyond its own code (a
@@ -243,7 +250,9 @@ def init(
       builds['reused'] += 1
       in_shards, order = known.in_shards, None
     elif isinstance(rules_, _logical.LogicalRules):
-      in_shards, order = _builds_in_shards(factory, args, kwargs, mesh_)
+      in_shards, order = _builds_in_shards(
+        factory, leaves, treedef, dynamic, mesh_
+      )
     else:
       in_shards, order = False, None
     if in_shards:
@@ -304,6 +313,29 @@ def init(
       ) from e
 
 
+def _calling(
+  factory: Callable[..., Any],
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
+) -> Callable[[list[Any]], Any]:
+  """The factory called on other values in place of those passed (graph
+  nodes, arrays: traced, or abstract), the arguments compiled in (sizes,
+  dtypes, wherever they are, positional or keyword) as they are; it keeps
+  only those, never the values passed."""
+  passed = set(dynamic)
+  statics = [None if i in passed else x for i, x in enumerate(leaves)]
+
+  def call(values: list[Any]) -> Any:
+    full = list(statics)
+    for i, value in zip(dynamic, values, strict=True):
+      full[i] = value
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    return factory(*a, **k)
+
+  return call
+
+
 def _rerun(
   factory: Callable[..., Any],
   leaves: list[Any],
@@ -311,26 +343,21 @@ def _rerun(
   dynamic: list[int],
 ) -> Callable[[list[Any]], Any]:
   """The factory called on other graph nodes in place of those passed
-  (traced, in a replay's program); it keeps only the arguments compiled
-  in, never those passed."""
-  passed = set(dynamic)
-  statics = [None if i in passed else x for i, x in enumerate(leaves)]
+  (traced, in a replay's program)."""
+  call = _calling(factory, leaves, treedef, dynamic)
 
   def rerun(nodes: list[Any]) -> Any:
-    full = list(statics)
-    for i, node in zip(dynamic, nodes, strict=True):
-      full[i] = node
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
     with _hook.building():
-      return factory(*a, **k)
+      return call(nodes)
 
   return rerun
 
 
 def _builds_in_shards(
   factory: Callable[..., Any],
-  args: tuple[Any, ...],
-  kwargs: dict[str, Any],
+  leaves: list[Any],
+  treedef: Any,
+  dynamic: list[int],
   mesh: Mesh,
 ) -> tuple[bool, _creation_order.Order | None]:
   """Whether an eager build computes every variable in its shards, and the
@@ -341,10 +368,13 @@ def _builds_in_shards(
   leaf module whose arguments determine it (built under a cached jit by
   `_creation_order`), and every other variable with logical axes holds
   exactly what an annotated JAX or Flax initializer returned (which
-  `_creation.create` computes in its shards) or lies in such a leaf too.
-  Anything else (a user's initializer or function, an array computed
-  before it is annotated) is built by `_traced_build`, whose compile time
-  grows with the model.
+  `_creation.create` computes in its shards) or lies in such a leaf too,
+  or is an ``nnx.Optimizer``'s state (``OptVariable``: optax's
+  ``zeros_like`` of a parameter, made where the parameter lies).
+  Only the values passed are abstract in that pass; the arguments compiled
+  in (a ``width=64``) stay what they are. Anything else (a user's
+  initializer or function, an array computed before it is annotated) is
+  built by `_traced_build`, whose compile time grows with the model.
   """
   found: list[Any] = []
   verdict: list[bool] = []
@@ -354,12 +384,14 @@ def _builds_in_shards(
   )
   recording = _creation_order.Recording() if path_rules else None
 
-  def probe(*a: Any, **k: Any) -> None:
+  call = _calling(factory, leaves, treedef, dynamic)
+
+  def probe(values: list[Any]) -> None:
     with _hook.building(in_shards=found, mesh=mesh, recording=recording):
-      built = expect_module(factory(*a, **k), factory)
+      built = expect_module(call(values), factory)
     if recording is not None:
       _creation_order.finish(recording, built)
-    leaves = (
+    leaf_paths = (
       [
         r.path
         for r in recording.records
@@ -370,7 +402,7 @@ def _builds_in_shards(
     )
 
     def in_a_leaf(path: str) -> bool:
-      return any(path == p or path.startswith(p + '/') for p in leaves)
+      return any(path == p or path.startswith(p + '/') for p in leaf_paths)
 
     ids = {id(x) for x in found}
     for where, v, resolution in _variables.resolved(
@@ -381,11 +413,19 @@ def _builds_in_shards(
       if resolution.by_path_rule:
         verdict.append(in_a_leaf(where))
       elif _variables.logical_axes_of(v) is not None:
-        verdict.append(id(_variables.value_of(v)) in ids or in_a_leaf(where))
+        verdict.append(
+          id(_variables.value_of(v)) in ids
+          or in_a_leaf(where)
+          or isinstance(v, optimizer.OptVariable)
+        )
     verdict.append(True)
 
   try:
-    nnx.eval_shape(probe, *args, graph=True, graph_updates=False, **kwargs)
+    # Only the values passed are abstract: a size, positional or keyword,
+    # stays the int it is.
+    nnx.eval_shape(
+      probe, [leaves[i] for i in dynamic], graph=True, graph_updates=False
+    )
   except _errors.NotAModelError:
     raise
   except Exception:  # The traced build reports it, or builds it anyway.

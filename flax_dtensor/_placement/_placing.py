@@ -57,7 +57,7 @@ def apply_spec(
   """Places `x` as `spec` on `mesh`, by the types of the mesh axes used.
 
   Args:
-    x: An array or tracer.
+    x: An array or tracer (or a concrete array inside jit, closed over).
     spec: A PartitionSpec of mesh axes.
     mesh: A concrete mesh (outside jit) or an abstract one (inside jit).
     path: The variable path, for error messages.
@@ -68,7 +68,7 @@ def apply_spec(
   Raises:
     MeshAxisTypeError: If `spec` uses a Manual axis, or, inside jit, shards
       one dimension over a product of Explicit and Auto axes.
-    MeshError: If `x` is concrete but `mesh` is abstract.
+    MeshError: If `x` is concrete, outside jit, but `mesh` is abstract.
   """
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   used = [
@@ -86,23 +86,36 @@ def apply_spec(
       f'({_meshes.describe(mesh)}). Create sharded variables outside '
       '`shard_map`, or constrain them with the Manual axes removed.'
     )
-  if not _is_traced(x) and not isinstance(mesh, jax.sharding.Mesh):
+  # A concrete array inside a trace (one a jitted function closes over) is
+  # placed as a tracer is: `reshard` and `with_sharding_constraint` take it
+  # there, on the abstract mesh of `jax.set_mesh`.
+  traced = _is_traced(x) or (
+    not isinstance(mesh, jax.sharding.Mesh) and _creation_order.traced((), {})
+  )
+  if not traced and not isinstance(mesh, jax.sharding.Mesh):
+    given = (
+      'in effect by `jax.sharding.use_abstract_mesh`'
+      if _meshes.context_meshes()[0] == mesh
+      else 'passed as `mesh=`'
+    )
     raise _errors.MeshError(
       f'Expected a concrete mesh to place a concrete array'
-      f'{_resolution.where(path)}; got the abstract {mesh} (from '
-      '`jax.sharding.use_abstract_mesh` or `jax.eval_shape`). '
+      f'{_resolution.where(path)} outside jit, where JAX needs the devices; '
+      f'got the abstract {_meshes.describe(mesh)} ({given}), which has '
+      'none. '
       + (
         _meshes.devices_hint(mesh)
-        or 'Outside jit, place arrays under `jax.set_mesh(mesh)` or pass '
-        '`mesh=` a `jax.sharding.Mesh`.'
+        or 'Pass `mesh=` a `jax.sharding.Mesh`, or place the array under '
+        '`jax.set_mesh(mesh)` (inside `jax.jit` the abstract mesh is '
+        'enough, for traced and closed-over arrays alike).'
       )
     )
-  if not _is_traced(x) and _is_placed(x, spec, mesh):
+  if not traced and _is_placed(x, spec, mesh):
     return x  # Already there (created in its shards, see `_creation`).
   explicit = {m for m in used if types[m] == AxisType.Explicit}
   auto = {m for m in used if types[m] == AxisType.Auto}
   if not explicit and not auto:  # Replicated.
-    if not _is_traced(x):
+    if not traced:
       return jax.device_put(x, NamedSharding(mesh, spec))
     if AxisType.Explicit in types.values():
       return jax.sharding.reshard(x, _sharding_for(mesh, spec))
@@ -112,7 +125,7 @@ def apply_spec(
   if not explicit:
     return jax.lax.with_sharding_constraint(x, _sharding_for(mesh, spec))
   # Mixed.
-  if not _is_traced(x):
+  if not traced:
     return jax.device_put(x, NamedSharding(mesh, spec))
   explicit_part, auto_part = [], []
   for entry in spec:

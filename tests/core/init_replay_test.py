@@ -8,9 +8,13 @@ does. Checked by values against an unsharded eager build of the same seed
 wrong are built as before.
 """
 
+import collections
+import functools
+
 import creation_values
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -216,3 +220,116 @@ def test_builds_a_replay_would_get_wrong_are_built_as_before(factory, why):
     )
   if factory is Keeper:
     assert model.rngs is rngs  # The caller's own, as an eager build holds.
+
+
+# Every spelling of a factory
+# ------------------------------------------------------------------------------
+
+
+class Wide(nnx.Module):
+  """`SMALL` arrays: annotated kernels and plain zero biases, of `width`."""
+
+  def __init__(self, rngs, width=8):
+    kernel = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ('embed', 'mlp')
+    )
+    self.layers = nnx.List(
+      [
+        nnx.Linear(width, width, kernel_init=kernel, rngs=rngs)
+        for _ in range(SMALL // 2)
+      ]
+    )
+
+
+def _with_optimizer(seed, width):
+  """A factory building the model and its `nnx.Optimizer` (mu, nu, counts)."""
+
+  def make():
+    model = Wide(nnx.Rngs(seed), width=width)
+    return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+  return make, (), {}
+
+
+# Each: (seed, width) -> the factory, its positional and keyword arguments.
+SPELLINGS = {
+  'Rngs made inside': lambda seed, width: (
+    lambda: Wide(nnx.Rngs(seed), width=width),
+    (),
+    {},
+  ),
+  'Rngs passed in': lambda seed, width: (
+    lambda rngs: Wide(rngs, width=width),
+    (nnx.Rngs(seed),),
+    {},
+  ),
+  'keyword arguments': lambda seed, width: (
+    Wide,
+    (),
+    {'rngs': nnx.Rngs(seed), 'width': width},
+  ),
+  'positional size': lambda seed, width: (Wide, (nnx.Rngs(seed), width), {}),
+  'functools.partial': lambda seed, width: (
+    functools.partial(Wide, width=width),
+    (nnx.Rngs(seed),),
+    {},
+  ),
+  'with its optimizer': _with_optimizer,
+}
+
+
+def _spelled(spelling, seed, width, mesh):
+  factory, args, kwargs = SPELLINGS[spelling](seed, width)
+  return fdt.init(factory, *args, mesh=mesh, rules=RULES, **kwargs)
+
+
+def _eager(spelling, seed, width):
+  """The same spelling built eagerly by Flax alone, unsharded."""
+  factory, args, kwargs = SPELLINGS[spelling](seed, width)
+  with nnx.use_eager_sharding(False):
+    return factory(*args, **kwargs)
+
+
+def _assert_same(ours, theirs, where):
+  a, b = jax.tree.leaves(nnx.state(ours)), jax.tree.leaves(nnx.state(theirs))
+  assert len(a) == len(b) >= SMALL, where
+  for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    assert x.shape == y.shape, f'{where} #{i}'
+    creation_values.assert_close(
+      _data(x), np.asarray(_data(y)), err_msg=f'{where} #{i}'
+    )
+
+
+def _kernel(built):
+  model = built[0] if isinstance(built, tuple) else built
+  return np.asarray(model.layers[1].kernel[...])
+
+
+@pytest.mark.parametrize('spelling', list(SPELLINGS))
+def test_every_spelling_of_a_factory_is_replayed_and_never_stale(spelling):
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  before = collections.Counter(_init.builds)
+  first = _spelled(spelling, 0, 8, mesh)
+  second = _spelled(spelling, 0, 8, mesh)
+  took = collections.Counter(_init.builds)
+  took.subtract(before)
+  assert +took == {'in_shards': 1, 'replayed': 1}, spelling
+  _assert_same(first, _eager(spelling, 0, 8), 'first')
+  _assert_same(second, _eager(spelling, 0, 8), 'second')
+  model = second[0] if isinstance(second, tuple) else second
+  assert model.layers[0].kernel.sharding.spec == P('data', 'model')
+  # Another seed: its own values (a new build where the seed is compiled
+  # in, the same build where it is passed), never the first's.
+  seed_1 = _spelled(spelling, 1, 8, mesh)
+  _assert_same(seed_1, _eager(spelling, 1, 8), 'seed 1')
+  assert not np.array_equal(_kernel(seed_1), _kernel(first))
+  # Another size: a new build.
+  in_shards = _init.builds['in_shards']
+  wider = _spelled(spelling, 0, 16, mesh)
+  assert _init.builds['in_shards'] == in_shards + 1
+  _assert_same(wider, _eager(spelling, 0, 16), 'width 16')
+  # And the first configuration again: its values, replayed.
+  replayed = _init.builds['replayed']
+  again = _spelled(spelling, 0, 8, mesh)
+  assert _init.builds['replayed'] == replayed + 1
+  _assert_same(again, _eager(spelling, 0, 8), 'seed 0 again')

@@ -236,6 +236,10 @@ def with_logical_constraint(
   (with the semantics of the rules in effect, see `get_logical_axis_rules`)
   and places ``x`` by the mesh axis types (see `shard_value`).
 
+  Wherever ``jax.sharding.reshard`` and ``with_sharding_constraint`` work,
+  this does: on a tracer, on a concrete array a jitted function closes over
+  (a train step's batch), and eagerly under ``jax.set_mesh``.
+
   Args:
     x: The array (usually a tracer).
     logical_axes: One logical name (or None) per dimension.
@@ -247,6 +251,7 @@ def with_logical_constraint(
 
   Raises:
     MeshAxisTypeError: If the mesh axis types forbid the placement.
+    MeshError: If `x` is concrete, outside jit, and the mesh is abstract.
     UnknownLogicalAxisError: If a name is in no rule.
     ShardingResolutionError: If the names cannot be resolved.
   """

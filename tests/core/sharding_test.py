@@ -3,6 +3,7 @@
 import concurrent.futures
 import threading
 
+import context_matrix as cm
 import creation_values
 import jax
 import jax.numpy as jnp
@@ -493,8 +494,50 @@ def test_variables_created_in_32_threads_follow_their_own_rules(
 
 def test_concrete_array_with_only_an_abstract_mesh_raises():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-  with pytest.raises(fdt.MeshError, match='got the abstract'):
+  with pytest.raises(
+    fdt.MeshError,
+    match=r'a concrete array outside jit, where JAX needs the devices; got '
+    r'the abstract mesh\(data=2, model=4; \w+, \w+\) \(passed as `mesh=`\)',
+  ):
     fdt.shard_value(jnp.ones((8, 4)), ('batch', None), mesh=mesh, rules=RULES)
+  x = jnp.ones((8, 4))  # Made outside: JAX 0.12 makes none under it.
+  with (
+    jax.sharding.use_abstract_mesh(mesh),
+    fdt.logical_axis_rules(RULES),
+    pytest.raises(
+      fdt.MeshError,
+      match=r'got the abstract mesh\(data=2, model=4; \w+, \w+\) \(in '
+      r'effect by `jax.sharding.use_abstract_mesh`\), which has none',
+    ),
+  ):
+    fdt.with_logical_constraint(x, ('batch', None))
+
+
+@pytest.mark.parametrize('jit', ['jax.jit', 'nnx.jit'])
+def test_with_logical_constraint_on_an_array_a_jitted_function_closes_over(
+  any_mesh, jit
+):
+  """A train step that closes over its batch: the constraint places the
+  captured array as it places a traced one, and as eagerly."""
+  mesh = any_mesh
+  x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
+  wrap = jax.jit if jit == 'jax.jit' else nnx.jit
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    captured = wrap(
+      lambda: fdt.with_logical_constraint(x, ('batch', 'mlp')) * 2.0
+    )()
+    traced = wrap(
+      lambda v: fdt.with_logical_constraint(v, ('batch', 'mlp')) * 2.0
+    )(x)
+    eager = fdt.with_logical_constraint(x, ('batch', 'mlp')) * 2.0
+    # JAX's own spelling, in the same place, for the mesh's axis types.
+    reference = jax.jit(
+      lambda: cm.constrain(x, mesh, P('data', 'model'), bare=True) * 2.0
+    )()
+  for out in (captured, traced, eager):
+    assert jax.typeof(out) == jax.typeof(reference)
+    assert out.sharding.is_equivalent_to(reference.sharding, 2)
+    _shard_values_equal(out, np.asarray(x) * 2.0)
 
 
 # Fewer logical names than dimensions: Flax's reading, everywhere

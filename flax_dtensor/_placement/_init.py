@@ -169,11 +169,21 @@ def init(
   as ``jax.jit`` fixes it. Nothing of the caller's (arrays, modules) is
   kept; `clear_init_cache` forgets the builds.
 
+  A variable whose ``mesh`` metadata names a mesh (``nnx.Param(...,
+  mesh=m)``, ``nnx.with_partitioning(init, axes, mesh=m)``) goes on that
+  mesh, with the spec its axes resolve to there, whatever mesh is given or
+  set: its own wins, as in Flax's ``shard_value``. Where every variable the
+  rules place names its mesh, none need be given. A model on several
+  meshes is built eagerly, each variable created on its own mesh (an
+  annotated JAX or Flax initializer computing only its shards there), and
+  anew at each call.
+
   Args:
     factory: A callable returning an NNX module (or another graph node),
       e.g. the module class.
     *args: Positional arguments for `factory`.
-    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``.
+    mesh: The mesh. Defaults to the one set by ``jax.set_mesh``; a
+      variable naming its own mesh goes there instead.
     rules: The rules. Defaults to the rules in effect (see
       `get_logical_axis_rules`).
     **kwargs: Keyword arguments for `factory`.
@@ -183,8 +193,8 @@ def init(
 
   Raises:
     MeshError: If there is no concrete mesh (the message says how to get
-      the devices a bigger mesh needs), or a variable names another mesh in
-      its metadata.
+      the devices a bigger mesh needs) and some variable the rules place
+      names none in its ``mesh`` metadata (the message names them).
     FactoryError: If the factory draws from an ``nnx.Rngs`` (or changes
       another graph node) it was not passed, one from its enclosing scope.
     UnknownLogicalAxisError: If a variable names an axis in no rule.
@@ -221,10 +231,22 @@ def init(
   with scope(mesh, rules):
     mesh_ = _meshes.mesh_for()
     if not isinstance(mesh_, Mesh):
+      lacking = (
+        None if mesh_ is not None else _without_own_mesh(factory, args, kwargs)
+      )
+      if lacking == []:  # Every variable placed names its own mesh.
+        return _build_on_own_meshes(factory, args, kwargs, None)
       hint = _meshes.devices_hint(mesh_)
       raise _errors.MeshError(
         'Expected a concrete mesh for `fdt.init`, but no mesh is set'
         + (f' (got the abstract {mesh_})' if mesh_ is not None else '')
+        + (
+          ', and the variables at '
+          f'{_variables.listing(lacking)} name none in their `mesh` '
+          'metadata (the others do)'
+          if lacking
+          else ''
+        )
         + f'. {hint or _placing.NO_MESH_MSG}'
       )
     rules_ = _logical.rules_in_effect()
@@ -303,6 +325,8 @@ def init(
       return _traced_build(
         factory, rules_, mesh_, leaves, treedef, dynamic, compiled, key
       )
+    except _OnAnotherMesh:  # Found while tracing: nothing was kept.
+      return _build_on_own_meshes(factory, args, kwargs, mesh_)
     except flax.errors.TraceContextError as e:
       raise _errors.FactoryError(
         f'fdt.init could not trace {factory_name(factory)!r}: it changes a Flax '
@@ -610,12 +634,8 @@ def _constrain(
       continue
     own = _meshes.mesh_for(variable, mesh=mesh)
     if not _meshes.same_devices(own, mesh):
-      raise _errors.MeshError(
-        f'`fdt.init` places every variable on one mesh, expected '
-        f'{_meshes.describe(mesh)}, but the variable at {where} names '
-        f'{_meshes.describe(own)} in its `mesh` metadata. Create it eagerly '
-        'under `jax.set_mesh`, or drop its `mesh=` metadata.'
-      )
+      # One traced build constrains to one mesh: `init` builds eagerly.
+      raise _OnAnotherMesh(where)
     value = _variables.value_of(variable)
     variable.set_value(
       jax.lax.with_sharding_constraint(
@@ -625,9 +645,16 @@ def _constrain(
 
 
 def _place_result(
-  built: Any, rules: _logical.LogicalRules | _logical.FlaxRules, mesh: Mesh
+  built: Any,
+  rules: _logical.LogicalRules | _logical.FlaxRules,
+  mesh: Mesh | None,
 ) -> None:
-  """Moves the built variables onto `mesh` (zero-copy), where planned."""
+  """Moves the built variables onto `mesh` (zero-copy), where planned.
+
+  A variable whose ``mesh`` metadata names a concrete mesh goes onto that
+  one (`_meshes.mesh_for`); with `mesh` None, the others stay where they
+  are.
+  """
   for _, variable, resolution in _variables.resolved(
     built, rules=rules, mesh=mesh
   ):
@@ -635,7 +662,130 @@ def _place_result(
     if not isinstance(value, jax.Array):
       continue
     if resolution is None:
-      variable.set_value(_meshes.retype(value, mesh))
+      if mesh is not None:
+        variable.set_value(_meshes.retype(value, mesh))
       continue
-    target = _variables.sharding_for(variable, mesh, resolution.spec)
+    own = _meshes.mesh_for(variable, mesh=mesh)  # Its own `mesh=` first.
+    if not isinstance(own, Mesh):
+      own = mesh
+    if own is None:
+      continue
+    target = _variables.sharding_for(variable, own, resolution.spec)
     variable.set_value(_meshes.put(value, target))  # No dispatch if there.
+
+
+class _OnAnotherMesh(Exception):
+  """`_constrain` met a variable naming a mesh of other devices."""
+
+
+def _without_own_mesh(
+  factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[str] | None:
+  """The paths of the variables the rules place that name no concrete mesh
+  of their own, from an abstract build (the caller's `nnx.Rngs` untouched).
+
+  For `init` without a mesh: [] when every such variable names its mesh
+  (its ``mesh`` metadata, or the mesh of a concrete ``out_sharding``), so
+  that none is needed; None when the abstract build fails or no variable
+  names a mesh (the caller's error stands as it is).
+  """
+  rules = _logical.rules_in_effect()
+  found: list[tuple[list[str], int]] = []
+
+  def own_mesh(variable: nnx.Variable) -> Any:
+    concrete = _variables.concrete_sharding_of(variable)
+    if concrete is not None:
+      return concrete.mesh
+    return variable.get_metadata('mesh', None)
+
+  # Graph nodes and arrays are passed (abstract), the rest closed over.
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
+  dynamic = [
+    i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
+  ]
+
+  def probe(values: list[Any]) -> None:
+    full = list(leaves)
+    for i, v in zip(dynamic, values, strict=True):
+      full[i] = v
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    with _hook.building():
+      built = expect_module(factory(*a, **k), factory)
+    lacking, named = [], 0
+    for where, v, resolution in _variables.resolved(
+      built, rules=rules, mesh=None
+    ):
+      if resolution is None:
+        continue
+      if isinstance(own_mesh(v), Mesh):
+        named += 1
+      else:
+        lacking.append(where)
+    found.append((lacking, named))
+
+  try:
+    nnx.eval_shape(
+      probe,
+      [leaves[i] for i in dynamic],
+      graph=True,
+      graph_updates=False,
+    )
+  except _errors.NotAModelError:
+    raise
+  except Exception:  # The error of the missing mesh stands.
+    return None
+  if not found or not found[0][1]:
+    return None
+  return found[0][0]
+
+
+def _build_on_own_meshes(
+  factory: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  mesh: Mesh | None,
+) -> Any:
+  """`init`'s build of a model whose variables name meshes of their own.
+
+  One traced build constrains to one mesh, so the factory runs eagerly, as
+  under ``jax.set_mesh`` and the rules: each variable is created on the
+  mesh its ``mesh`` metadata names (an annotated JAX or Flax initializer
+  computing only its shards there), the others on `mesh`; then every
+  variable is placed by its spec on its own mesh, whatever the eager
+  sharding flag. Built anew at each call (no compiled build is kept).
+  """
+  builds['own_meshes'] += 1
+  if mesh is None:
+    with nnx.use_eager_sharding(True):
+      built = expect_module(factory(*args, **kwargs), factory)
+    _place_result(built, _logical.rules_in_effect(), None)
+    return built
+  # The caller's graph nodes (nnx.Rngs) and arrays cross onto `mesh`, the
+  # context of the build, zero-copy where they can, and the nodes back.
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
+  nodes = [x for x in leaves if _is_node(x)]
+  originals = nnx.state(nodes, graph=True)
+  original_shardings = jax.tree.map(
+    lambda x: getattr(x, 'sharding', None), originals
+  )
+  try:
+    nnx.update(
+      nodes, jax.tree.map(lambda x: _meshes.retype(x, mesh), originals)
+    )
+    a, k = jax.tree_util.tree_unflatten(
+      treedef,
+      [x if _is_node(x) else _meshes.retype(x, mesh) for x in leaves],
+    )
+    with nnx.use_eager_sharding(True):
+      built = expect_module(factory(*a, **k), factory)
+    _place_result(built, _logical.rules_in_effect(), mesh)
+  finally:
+    nnx.update(
+      nodes,
+      jax.tree.map(
+        _creation_order.put_back,
+        nnx.state(nodes, graph=True),
+        original_shardings,
+      ),
+    )
+  return built

@@ -112,6 +112,10 @@ def apply_spec(
     )
   if not traced and _is_placed(x, spec, mesh):
     return x  # Already there (created in its shards, see `_creation`).
+  if not traced and not _on_devices_of(x, mesh):
+    # A variable naming its own mesh, created under a context mesh of other
+    # devices: `reshard` refuses to cross devices, a copy does not.
+    return jax.device_put(x, NamedSharding(mesh, spec))
   explicit = {m for m in used if types[m] == AxisType.Explicit}
   auto = {m for m in used if types[m] == AxisType.Auto}
   if not explicit and not auto:  # Replicated.
@@ -157,6 +161,12 @@ def _is_placed(x: Any, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
     and sharding.mesh == mesh
     and sharding.is_equivalent_to(NamedSharding(mesh, spec), np.ndim(x))
   )
+
+
+def _on_devices_of(x: Any, mesh: jax.sharding.Mesh) -> bool:
+  """Whether concrete `x` lies on exactly the devices of `mesh`."""
+  devices = getattr(x, 'devices', None)
+  return devices is None or devices() == set(mesh.devices.flat)
 
 
 def _sharding_for(

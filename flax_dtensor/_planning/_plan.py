@@ -93,9 +93,14 @@ class PlanEntry:
       shards), or ``'moved when ...'`` with the reason; None
       when it does not know (not created under path rules, or changed
       since).
-    mesh_axes: The plan's mesh axes and their sizes (as
-      `ShardingPlan.mesh_axes`), or None: what `misplaced` and the shown
-      specs read the axes of size 1 from.
+    mesh: The mesh the variable goes on when it is not the plan's, in
+      words (``'a=2, b=2 (devices 0-3)'``): its ``mesh`` metadata (or its
+      concrete ``out_sharding``) names one of its own, which wins, as in
+      Flax. None for a variable on the plan's mesh.
+    mesh_axes: The axes and sizes of the mesh the variable goes on (the
+      plan's, as `ShardingPlan.mesh_axes`, unless `mesh` names its own),
+      or None: what `misplaced`, the bytes per device and the shown specs
+      read the axes of size 1 from.
   """
 
   path: str
@@ -112,6 +117,7 @@ class PlanEntry:
   source: str | None = None
   misplaced_reason: str | None = None
   creation: str | None = None
+  mesh: str | None = None
   mesh_axes: dict[str, int] | None = dataclasses.field(
     default=None, compare=False, repr=False
   )
@@ -142,7 +148,13 @@ class PlanEntry:
     return _specs.without_unit_axes(self.placed, self.mesh_axes)
 
   def to_dict(self) -> dict[str, Any]:
+    own = (
+      {}
+      if self.mesh is None
+      else {'mesh': self.mesh, 'mesh_axes': dict(self.mesh_axes or {})}
+    )
     return {
+      **own,
       'path': self.path,
       'kind': self.kind,
       'shape': list(self.shape),
@@ -527,7 +539,10 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
             else str(v['misplaced_reason'])
           ),
           creation=None if v.get('creation') is None else str(v['creation']),
-          mesh_axes=mesh_axes,
+          mesh=None if v.get('mesh') is None else str(v['mesh']),
+          mesh_axes=(
+            dict(v['mesh_axes']) if v.get('mesh') is not None else mesh_axes
+          ),
         )
       )
     except (KeyError, TypeError, ValueError) as e:
@@ -610,9 +625,10 @@ def _variable_rows(
   rules: _logical.LogicalRules | _logical.FlaxRules,
   mesh: Any,
   optimizer: Any,
-) -> list[tuple[str, str, str, Any, Any, type, bool, str | None]]:
+) -> list[tuple[str, str, str, Any, Any, type, bool, str | None, Any]]:
   """(path, kind, category, value, resolution, type, created eagerly
-  sharded, how flax_dtensor created it) of every variable."""
+  sharded, how flax_dtensor created it, the mesh it names if not `mesh`)
+  of every variable."""
   if _is_factory(module_or_state):
     module_or_state = _init.build_abstract(
       module_or_state, mesh=mesh, rules=rules
@@ -640,9 +656,52 @@ def _variable_rows(
         type(variable),
         bool(variable.get_metadata('eager_sharding', True)),
         _creation_order.note_of(variable),
+        _own_mesh(variable, mesh),
       )
     )
   return rows
+
+
+def _own_mesh(variable: nnx.Variable, mesh: Any) -> Any:
+  """The mesh a variable names for itself (its ``mesh`` metadata, or its
+  concrete ``out_sharding``'s), if it is not `mesh`; else None."""
+  concrete = _variables.concrete_sharding_of(variable)
+  own = (
+    concrete.mesh
+    if concrete is not None
+    else variable.get_metadata('mesh', None)
+  )
+  if not isinstance(own, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+    return None
+  if mesh is not None and (
+    own == mesh or getattr(own, 'abstract_mesh', own) == mesh
+  ):
+    return None
+  return own
+
+
+def mesh_label(mesh: Any) -> str:
+  """'a=2, b=2 (devices 0-3)' (concrete) or 'a=2, b=2' (abstract)."""
+  axes = ', '.join(f'{k}={v}' for k, v in _meshes.axis_sizes(mesh).items())
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return axes
+  ids = [d.id for d in mesh.devices.flat]
+  if ids == list(range(ids[0], ids[0] + len(ids))):
+    devices = f'{ids[0]}-{ids[-1]}' if len(ids) > 1 else str(ids[0])
+  else:
+    devices = ', '.join(map(str, ids))
+  return f'{axes} (devices {devices})'
+
+
+def _devices_of(meshes: Sequence[Any]) -> int:
+  """How many devices `meshes` span together (abstract ones by size)."""
+  ids: set[Any] = set()
+  for m in meshes:
+    if isinstance(m, jax.sharding.Mesh):
+      ids.update(d.id for d in m.devices.flat)
+    else:
+      ids.update(('abstract', i) for i in range(math.prod(m.axis_sizes)))
+  return max(len(ids), 1)
 
 
 def _misplaced_reason(eager: bool) -> str:
@@ -742,10 +801,19 @@ def plan(
   with _missing_axes.reported_elsewhere():  # By the headline.
     if sizes is not None and isinstance(rules_, _logical.LogicalRules):
       _missing_axes.check_on_mesh(rules_, sizes)  # Raises if they say so.
+    own_meshes: list[Any] = []
     entries = _entries(
-      module_or_state, rules_, mesh_, sizes, optimizer, logical_axes
+      module_or_state,
+      rules_,
+      mesh_,
+      sizes,
+      optimizer,
+      logical_axes,
+      own_meshes,
     )
   num_devices = math.prod(sizes.values()) if sizes else 1
+  if own_meshes:  # Variables on meshes of their own: every device counts.
+    num_devices = _devices_of([*own_meshes, *([mesh_] if mesh_ else [])])
   typos = _missing_axes.likely_typos(
     rules_, None if sizes is None else list(sizes)
   )
@@ -789,8 +857,10 @@ def _entries(
   sizes: dict[str, int] | None,
   optimizer: Any,
   logical_axes: Any,
+  own_meshes: list[Any] | None = None,
 ) -> list[PlanEntry]:
-  """The plan's entries, in natural path order."""
+  """The plan's entries, in natural path order; the meshes variables name
+  for themselves (other than `mesh_`) are appended to `own_meshes`."""
   if _trees.is_array_tree(module_or_state):
     if optimizer is not None:
       raise _errors.NotAModelError(
@@ -801,7 +871,7 @@ def _entries(
       module_or_state, rules=rules_, mesh=mesh_, logical_axes=logical_axes
     )
     rows = [
-      (path, 'array', 'other', leaf, resolution, None, True, None)
+      (path, 'array', 'other', leaf, resolution, None, True, None, None)
       for path, leaf, resolution in items
     ]
   else:
@@ -822,7 +892,13 @@ def _entries(
     variable_type,
     eager,
     creation,
+    own_mesh,
   ) in rows:
+    # A variable naming its own mesh goes there (as creation and `init`
+    # place it): its sizes, not the plan's, split it.
+    entry_sizes = sizes if own_mesh is None else _meshes.axis_sizes(own_mesh)
+    if own_mesh is not None and own_meshes is not None:
+      own_meshes.append(own_mesh)
     shape = tuple(getattr(value, 'shape', np.shape(value)))
     dtype = _variables.dtype_of(value)
     placed = _variables.placed_spec(value)
@@ -846,7 +922,7 @@ def _entries(
       # A concrete array: count the bytes where it really is.
       per_device = math.prod(value.sharding.shard_shape(shape)) * itemsize
     else:
-      per_device = math.prod(_shard_shape(shape, spec, sizes)) * itemsize
+      per_device = math.prod(_shard_shape(shape, spec, entry_sizes)) * itemsize
     entries.append(
       PlanEntry(
         path=where,
@@ -864,7 +940,8 @@ def _entries(
           resolution, where, variable_type, shape, value, rules_
         ),
         creation=creation,
-        mesh_axes=sizes,
+        mesh=None if own_mesh is None else mesh_label(own_mesh),
+        mesh_axes=entry_sizes,
       )
     )
     if entries[-1].misplaced:

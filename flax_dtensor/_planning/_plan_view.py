@@ -49,7 +49,25 @@ def mesh_text(plan: _plan.ShardingPlan) -> str:
   Axes of size 1 are named apart, as left out of the specs shown, when
   some axis is larger: 'mesh fsdp=2, tensor=4 (8 devices; size 1, not
   shown in specs: data, stage)'.
+
+  Variables on meshes of their own (`PlanEntry.mesh`) are counted:
+  'mesh data=2, model=4 (8 devices), and 2 more meshes named by variables
+  (a=2 (devices 0-1); c=4 (devices 4-7))'.
   """
+  own = sorted({e.mesh for e in plan.entries if e.mesh is not None})
+  if not own:
+    return _plain_mesh_text(plan)
+  listed = '; '.join(own)
+  if plan.mesh_axes:
+    more = '1 more mesh' if len(own) == 1 else f'{len(own)} more meshes'
+    return f'{_plain_mesh_text(plan)}, and {more} named by variables ({listed})'
+  if len(own) == 1:
+    return f'mesh {own[0]} (named by the variables)'
+  devices = _text.count(plan.num_devices, 'device')
+  return f'{len(own)} meshes named by the variables ({listed}; {devices})'
+
+
+def _plain_mesh_text(plan: _plan.ShardingPlan) -> str:
   if not plan.mesh_axes:
     return 'no mesh (1 device)'
   unit = [k for k, v in plan.mesh_axes.items() if v == 1]
@@ -176,6 +194,7 @@ def _alike(e: _plan.PlanEntry) -> tuple[Any, ...]:
     e.misplaced_reason,
     e.creation,
     e.bytes_per_device,
+    e.mesh,
   )
 
 
@@ -208,6 +227,7 @@ _COLUMNS = (
   'shape',
   'logical axes',
   'spec',
+  'mesh',
   'source',
   'per device',
 )
@@ -221,8 +241,11 @@ def by_path_rules(entries: Iterable[_plan.PlanEntry]) -> bool:
 
 def _columns(entries: Sequence[_plan.PlanEntry]) -> tuple[str, ...]:
   """The table's columns: 'type' only when the variables' types differ,
-  'source' only when a path rule placed or matched a variable."""
+  'mesh' only when a variable names a mesh of its own, 'source' only when
+  a path rule placed or matched a variable."""
   drop = set()
+  if all(e.mesh is None for e in entries):
+    drop.add('mesh')
   if len({e.kind for e in entries}) <= 1:
     drop.add('type')
   if not by_path_rules(entries):
@@ -238,6 +261,7 @@ def _cells(row: Row, columns: Sequence[str]) -> list[str]:
     'shape': shape_text(e),
     'logical axes': axes_text(e),
     'spec': spec_text(e),
+    'mesh': e.mesh or _PLAN_MESH,
     'source': e.source or '-',
     'per device': _text.human_bytes(e.bytes_per_device),
   }
@@ -257,6 +281,9 @@ def _table(rows_: Sequence[Row], columns: Sequence[str]) -> rich.table.Table:
   for row in rows_:
     table.add_row(*(rich.markup.escape(c) for c in _cells(row, columns)))
   return table
+
+
+_PLAN_MESH = "the plan's mesh"
 
 
 def _stacked(
@@ -283,6 +310,7 @@ def _stacked(
         if e.misplaced
         else '',
       ),
+      f'on {e.mesh or _PLAN_MESH}' if 'mesh' in columns else '',
       f'[{e.source or "-"}]' if 'source' in columns else '',
     ]
     for line in _text.fill(segments, max(width - 2, 20), hanging=11):

@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init
+from flax_dtensor._planning import _plan, _plan_view
+from flax_dtensor._rules import _meshes
 
 RULES = fdt.LogicalRules(
   [
@@ -280,24 +282,235 @@ def test_init_with_an_abstract_mesh_raises():
     fdt.init(nnx.Linear, 2, 4, rngs=rngs, rules=RULES, mesh=mesh)
 
 
-def test_init_refuses_a_variable_on_another_mesh():
+def test_init_places_a_variable_on_the_mesh_it_names():
+  """A variable's own `mesh=` wins over the mesh `init` is given, as in
+  Flax's `shard_value`; the others go on the given mesh."""
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   other = jax.make_mesh((8,), ('data',))
   init = nnx.with_partitioning(
     nnx.initializers.ones, ('embed', None), mesh=other
   )
-  with pytest.raises(
-    fdt.MeshError, match=r'at kernel names mesh\(data=8; Explicit\)'
-  ):
-    fdt.init(
-      nnx.Linear,
-      8,
-      4,
-      kernel_init=init,
-      rngs=nnx.Rngs(0),
-      mesh=mesh,
-      rules=RULES,
+  model = fdt.init(
+    nnx.Linear,
+    8,
+    4,
+    kernel_init=init,
+    rngs=nnx.Rngs(0),
+    mesh=mesh,
+    rules=RULES,
+  )
+  assert model.kernel.sharding.mesh == other
+  assert model.kernel.sharding.spec == P('data', None)
+  np.testing.assert_array_equal(np.asarray(model.kernel[...]), np.ones((8, 4)))
+  assert model.bias.sharding.mesh == mesh
+  np.testing.assert_array_equal(np.asarray(model.bias[...]), np.zeros(4))
+
+
+# Meshes per model: every variable on the caller's mesh ('one'), or on
+# three meshes their `mesh=` metadata names (two disjoint halves of the
+# devices and all eight), beside one that names none ('three').
+MESHES_PER_MODEL = ('one', 'three')
+
+
+def _three_meshes(types):
+  devices = np.array(jax.devices())
+  return (
+    jax.sharding.Mesh(
+      devices[:4].reshape(2, 2), ('data', 'model'), axis_types=TYPES[types]
+    ),
+    jax.sharding.Mesh(devices[4:], ('data',), axis_types=TYPES[types][:1]),
+    jax.make_mesh((4, 2), ('data', 'model'), axis_types=TYPES[types]),
+  )
+
+
+def _towers(meshes, *, unplaced=True):
+  """Variables on the meshes of `meshes` (None: the caller's), a JAX
+  initializer's and a user's value among them, with `sharding_rules=`
+  metadata naming what the global rules do not."""
+  a, b, c = meshes
+
+  class Towers(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(
+        16,
+        32,
+        kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ('embed', 'mlp'), mesh=a
+        ),
+        rngs=rngs,
+      )
+      self.b = nnx.Param(
+        _user_init(rngs.params(), (32, 16)),
+        out_sharding=('C', None),
+        mesh=b,
+        sharding_rules=(('C', 'data'),),
+      )
+      self.c = nnx.Param(
+        nnx.with_partitioning(_user_init, ('embed', 'mlp'), mesh=c)(
+          rngs.params(), (16, 16)
+        )
+      )
+      if unplaced:
+        self.d = nnx.Param(_annotated(('embed', None))(rngs.params(), (16, 8)))
+
+  return Towers
+
+
+def _expected_towers(meshes, caller):
+  """{path: (mesh, spec)}; None meshes are the caller's."""
+  a, b, c = (m if m is not None else caller for m in meshes)
+  out = {
+    ('a', 'kernel'): (a, P('data', 'model')),
+    ('b',): (b, P('data', None)),
+    ('c',): (c, P('data', 'model')),
+  }
+  if caller is not None:
+    out[('d',)] = (caller, P('data', None))
+    out[('a', 'bias')] = (caller, P())
+  return out
+
+
+def _check_towers(model, rngs, towers, expected, plan, caller):
+  """Values (an unsharded eager build's), mesh and spec of every variable,
+  the plan's mesh and spec, and the Rngs as an eager call leaves them."""
+  eager_rngs = nnx.Rngs(0)
+  with nnx.use_eager_sharding(False):
+    eager = towers(eager_rngs)
+  want = dict(nnx.to_flat_state(nnx.state(eager, nnx.Param)))
+  got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  assert got.keys() == want.keys()
+  for path, variable in got.items():
+    value = variable.get_value()
+    creation_values.assert_close(
+      value, want[path].get_value(), err_msg=str(path)
     )
+    if path not in expected:
+      continue
+    mesh, spec = expected[path]
+    assert value.sharding.mesh == mesh, path
+    assert _canonical(value.sharding.spec, value.ndim) == _canonical(
+      spec, value.ndim
+    ), path
+    entry = plan['/'.join(path)]
+    assert _canonical(entry.spec, value.ndim) == _canonical(spec, value.ndim)
+    if mesh != caller:  # On a mesh of its own: the plan names it.
+      assert entry.mesh == _plan.mesh_label(mesh), path
+      assert entry.mesh_axes == _meshes.axis_sizes(mesh), path
+    else:
+      assert entry.mesh is None, path
+  assert int(rngs.params.count[...]) == int(eager_rngs.params.count[...])
+
+
+@pytest.mark.parametrize('types', list(TYPES))
+@pytest.mark.parametrize('mesh_via', ['none', 'context', 'argument'])
+@pytest.mark.parametrize('meshes', MESHES_PER_MODEL)
+def test_init_meshes_per_model(meshes, mesh_via, types):
+  """Each variable on the mesh its metadata names, with its spec; the
+  others on the caller's mesh, if one is given."""
+  if meshes == 'one' and mesh_via == 'none':
+    pytest.skip("no mesh at all: refused, as test_bad_inputs checks")
+  caller = (
+    None
+    if mesh_via == 'none'
+    else jax.make_mesh((2, 4), ('data', 'model'), axis_types=TYPES[types])
+  )
+  named = _three_meshes(types) if meshes == 'three' else (None,) * 3
+  towers = _towers(named, unplaced=caller is not None)
+  rngs = nnx.Rngs(0)
+  with contextlib.ExitStack() as stack:
+    if mesh_via == 'context':
+      stack.enter_context(jax.set_mesh(caller))
+    model = fdt.init(
+      towers,
+      rngs,
+      rules=RULES,
+      **({'mesh': caller} if mesh_via == 'argument' else {}),
+    )
+  plan = fdt.plan(model, mesh=caller, rules=RULES)
+  _check_towers(
+    model, rngs, towers, _expected_towers(named, caller), plan, caller
+  )
+  if meshes == 'three':
+    text = _plan_view.mesh_text(plan)
+    for m in {x for x in named if x != caller}:
+      assert _plan.mesh_label(m) in text
+
+
+def test_init_without_any_mesh_names_the_variables_lacking_one():
+  towers = _towers(_three_meshes('explicit'))
+  with pytest.raises(
+    fdt.MeshError,
+    match=r'no mesh is set, and the variables at d name none in '
+    r'their `mesh` metadata',
+  ):
+    fdt.init(towers, nnx.Rngs(0), rules=RULES)
+
+
+def test_init_of_flax_5127_places_each_variable_on_its_mesh():
+  """flax#5127's model, every Param naming its mesh and local rules, no
+  rules in effect: `fdt.init` places them as Flax's eager build does (where
+  Flax's `nnx.jit` of it moves the third onto the first's mesh)."""
+  mesh1 = jax.make_mesh((2, 4), ('a', 'b'))
+  mesh2 = jax.make_mesh((2, 2, 2), ('x', 'y', 'z'))
+  mesh3 = jax.sharding.Mesh(
+    np.array(jax.devices()[4:]), ('c',), axis_types=(AxisType.Explicit,)
+  )
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.p1 = nnx.Param(
+        jnp.arange(256.0).reshape(16, 16),
+        out_sharding=('A', 'B'),
+        mesh=mesh1,
+        sharding_rules=(('A', 'a'), ('B', 'b')),
+      )
+      self.p2 = nnx.Param(
+        jnp.arange(4096.0).reshape(16, 16, 16),
+        out_sharding=('X', 'Y', 'Z'),
+        mesh=mesh2,
+        sharding_rules=(('X', 'x'), ('Y', 'y'), ('Z', 'z')),
+      )
+      self.p3 = nnx.Param(
+        -jnp.arange(256.0).reshape(16, 16),
+        out_sharding=('C', None),
+        mesh=mesh3,
+        sharding_rules=(('C', 'c'),),
+      )
+
+  model = fdt.init(Model)
+  eager = Model()
+  for name, mesh, spec in (
+    ('p1', mesh1, P('a', 'b')),
+    ('p2', mesh2, P('x', 'y', 'z')),
+    ('p3', mesh3, P('c', None)),
+  ):
+    value = getattr(model, name)[...]
+    assert value.sharding.mesh == mesh, name
+    assert value.sharding.spec == spec, name
+    assert value.sharding == getattr(eager, name)[...].sharding, name
+    np.testing.assert_array_equal(
+      np.asarray(value), np.asarray(getattr(eager, name)[...])
+    )
+  plan = fdt.plan(model)
+  assert plan['p3'].mesh == 'c=4 (devices 4-7)'
+  assert plan['p3'].bytes_per_device == 16 * 16 * 4 // 4
+  assert plan.num_devices == 8
+
+
+@pytest.mark.parametrize('types', ['explicit', 'auto'])
+def test_eager_creation_on_the_meshes_variables_name(types):
+  """Under a context mesh, a variable naming another mesh (of other
+  devices) goes there, by value and spec, as with `fdt.init`."""
+  caller = jax.make_mesh((2, 4), ('data', 'model'), axis_types=TYPES[types])
+  named = _three_meshes(types)
+  towers = _towers(named)
+  rngs = nnx.Rngs(0)
+  with jax.set_mesh(caller), fdt.logical_axis_rules(RULES):
+    model = towers(rngs)
+  plan = fdt.plan(model, mesh=caller, rules=RULES)
+  _check_towers(
+    model, rngs, towers, _expected_towers(named, caller), plan, caller
+  )
 
 
 def test_init_unknown_name_names_the_path():

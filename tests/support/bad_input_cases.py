@@ -979,10 +979,11 @@ CASES = [
   ),
   Case(
     'fdt.init',
-    'a variable with another mesh in its metadata',
+    'no mesh, and a variable without one in its metadata beside others',
     fdt.MeshError,
-    r'names mesh\(data=8; Explicit\) in its `mesh` metadata',
-    "Drop the variable's mesh= metadata, or create it eagerly.",
+    r'no mesh is set, and the variables at bias name none in their `mesh` '
+    r'metadata \(the others do\)',
+    'Use jax.set_mesh(mesh) or pass mesh=, or give it mesh= metadata.',
     lambda ctx: fdt.init(
       nnx.Linear,
       8,
@@ -992,8 +993,8 @@ CASES = [
         ('embed', None),
         mesh=jax.make_mesh((8,), ('data',)),
       ),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, ('embed',)),
       rngs=nnx.Rngs(0),
-      mesh=ctx.mesh,
       rules=ctx.rules,
     ),
   ),

@@ -48,6 +48,30 @@ def export(
       ),
     ),
   ] = None,
+  part: Annotated[
+    str | None,
+    typer.Option(
+      metavar='NAME',
+      help=(
+        'The group of the checkpoint that holds the model, when it holds '
+        'other state beside it: e.g. model, for a training state saved as '
+        'model/ and optimizer/ (as demo saves its steps). Default: the '
+        "whole checkpoint if it holds the model's variables, else the one "
+        'group that does (the output says which).'
+      ),
+      show_default=False,
+    ),
+  ] = None,
+  allow_extra: Annotated[
+    bool,
+    typer.Option(
+      '--allow-extra',
+      help=(
+        'Ignore variables of the checkpoint (of its --part) that the model '
+        'does not have, rather than refusing it.'
+      ),
+    ),
+  ] = False,
   mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
   rules: _inputs.RulesOption = None,
   mesh_axis_names: _inputs.MeshAxisNamesOption = False,
@@ -139,8 +163,10 @@ def export(
         '--input-shape only applies with --saved-model; add --saved-model '
         'or drop --input-shape.'
       )
-    from flax_dtensor._placement import _orbax
-    from flax_dtensor.dtensor._files import _steps
+    from flax_dtensor._placement import _orbax, _parts
+    from flax_dtensor.dtensor._files import _part_restore, _steps
+
+    part_ = None if part is None else _parts.parse(part)
 
     ours = _steps.is_manager_folder(str(checkpoint))
     if ours:
@@ -177,24 +203,52 @@ def export(
       abstract = _inputs.build_abstract(factory, target)
       # Every variable resolves under the rules (else an error naming it).
       planned = fdt.plan(abstract, mesh=mesh_, rules=rules_)
-      # The checkpoint holds the model's variables and shapes (else an
-      # error naming the variable), before TensorFlow starts. (A step of
-      # ours is checked by its restore, against its manifest.)
-      if not ours:
-        _orbax.check_matches(source, abstract)
+      # The checkpoint (or the part of it holding the model) holds the
+      # model's variables and shapes (else an error naming the variable),
+      # before TensorFlow starts.
+      if ours:
+        choice = _part_restore.check(
+          str(source),
+          abstract,
+          part=part_,
+          allow_extra=allow_extra,
+          rebuild=_orbax.REBUILD,
+        )
+      else:
+        choice = _orbax.check_matches(
+          source, abstract, part=part_, allow_extra=allow_extra
+        )
     for typo in planned.likely_typos:
       console.print(f'Likely typo: {typo}', highlight=False, markup=False)
+    if choice.matched:
+      console.print(
+        f'note: {str(source)!r} holds {_parts.listing(choice.groups)}; '
+        f"exporting {choice.prefix}, which holds {target}'s variables "
+        '(--part chooses another).',
+        highlight=False,
+        markup=False,
+      )
     dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       if saved_model:
         _inputs.check_served_inputs(abstract, method, specs)
-      if ours:
+      if ours and choice.part:
+        model = _part_restore.restore(
+          str(source), abstract, choice.part, mesh=mesh_, rules=rules_
+        )
+      elif ours:
         model = dtensor.restore_checkpoint(
-          source, abstract, mesh=mesh_, rules=rules_
+          source, abstract, mesh=mesh_, rules=rules_, allow_extra=allow_extra
         )
       else:
-        model = _orbax.restore(source, abstract, mesh_)
+        model = _orbax.restore(
+          source, abstract, mesh_, part=choice.part, allow_extra=allow_extra
+        )
     restored = time.perf_counter()
+    if not ours:  # Before anything is written: what could not be checked.
+      console.print(
+        f'note: {_orbax.unverified(source)}', highlight=False, markup=False
+      )
     run = _run_folder.Run.new('export', list(outputs))
     needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     # Swapped in whole at the end.
@@ -224,7 +278,8 @@ def export(
       highlight=False,
       markup=False,
     )
-    rows = [('restored', str(source), '')] + [
+    what = f'restored {choice.prefix}' if choice.part else 'restored'
+    rows = [(what, str(source), '')] + [
       (name, str(path), _text.human_bytes(_command.disk_usage(path)))
       for name, path in outputs.items()
     ]

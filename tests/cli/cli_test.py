@@ -86,6 +86,17 @@ def user_model() -> UserMLP:
   return UserMLP(features=16, rngs=nnx.Rngs(1))
 
 
+class UserHiddenOnly(nnx.Module):
+  """`UserMLP`'s first layer only: a model the checkpoint holds more than."""
+
+  def __init__(self, *, features: int, rngs: nnx.Rngs):
+    self.hidden = UserMLP(features=features, rngs=rngs).hidden
+
+
+def user_hidden_only() -> UserHiddenOnly:
+  return UserHiddenOnly(features=16, rngs=nnx.Rngs(1))
+
+
 def huge_user_model() -> nnx.Module:
   """40 GB of float32 params: `plan` must not allocate them."""
   init = nnx.with_partitioning(nnx.initializers.zeros, ('features', 'hidden'))
@@ -1826,6 +1837,233 @@ def test_export_is_all_or_nothing(user_checkpoint, tmp_path):
   assert sorted(os.listdir(out)) == ['checkpoint', 'saved_model']
 
 
+# export: a model beside other state; a damaged Orbax checkpoint
+# ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def user_steps(tmp_path_factory):
+  """A CheckpointManager folder of a training state: `user_model` under
+  model/, a copy of it under ema/, and its optimizer under optimizer/."""
+  import jax
+  import optax
+
+  import flax_dtensor as fdt
+
+  steps = tmp_path_factory.mktemp('user_steps') / 'steps'
+  mesh = jax.make_mesh((8,), ('data',))
+  with (
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(
+      [('features', 'data'), ('hidden', None), ('classes', None)]
+    ),
+  ):
+    model = user_model()
+    state = nnx.Dict(
+      model=model,
+      ema=user_model(),
+      optimizer=nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+    )
+  manager = fdt_tf.CheckpointManager(steps)
+  manager.save(1, state)
+  manager.wait()
+  manager.close()
+  return steps
+
+
+def _export_steps(steps, out, *args, target=USER_TARGET):
+  rules = out.parent / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  return run_cli(
+    'export',
+    target,
+    '--checkpoint',
+    steps,
+    '--rules',
+    rules,
+    '--out',
+    out,
+    *args,
+  )
+
+
+def test_export_part_of_a_manager_step(user_steps, tmp_path):
+  """--part model exports the model's variables of a training state's
+  step, as saved; the other groups are left out."""
+  stdout = ok(_export_steps(user_steps, tmp_path / 'out', '--part', 'model'))
+  assert 'restored model/' in stdout and 'note:' not in stdout
+  saved = fdt_tf.read_checkpoint(user_steps / '1')
+  expected = {
+    '/'.join(map(str, k[1:])): v for k, v in saved.items() if k[0] == 'model'
+  }
+  report = check_checkpoint(tmp_path / 'out' / 'checkpoint', expected)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0
+
+
+@pytest.mark.parametrize(
+  'args, target, fragments',
+  [
+    (
+      [],
+      USER_TARGET,
+      [
+        'holds the variables of the model under 2 groups: ema/, model/.',
+        'Pass --part NAME to choose one (e.g. --part ema)',
+      ],
+    ),
+    (
+      ['--part', 'nope'],
+      USER_TARGET,
+      [
+        '--part nope:',
+        'holds no variable under nope/',
+        'Its groups: ema/ (3 variables), model/ (3), optimizer/ (1).',
+      ],
+    ),
+    (
+      ['--part', 'model'],
+      f'{THIS_FILE}:user_hidden_only',
+      [
+        "The part model/ of the checkpoint '",
+        'holds 1 variable(s) the target does not have: out/kernel',
+      ],
+    ),
+    (
+      ['--part', '/'],
+      USER_TARGET,
+      ["Malformed --part '/'", 'e.g. model'],
+    ),
+  ],
+  ids=['two-groups-match', 'no-such-part', 'extra-in-part', 'empty-part'],
+)
+def test_export_part_refused(user_steps, tmp_path, args, target, fragments):
+  bad_input(
+    _export_steps(user_steps, tmp_path / 'out', *args, target=target),
+    *fragments,
+  )
+  assert not (tmp_path / 'out').exists()
+
+
+def test_export_part_allow_extra(user_steps, tmp_path):
+  """--allow-extra: the part's variables the model lacks are ignored."""
+  stdout = ok(
+    _export_steps(
+      user_steps,
+      tmp_path / 'out',
+      '--part',
+      'model',
+      '--allow-extra',
+      target=f'{THIS_FILE}:user_hidden_only',
+    )
+  )
+  assert 'restored model/' in stdout
+  saved = {
+    '/'.join(map(str, k)): v
+    for k, v in fdt_tf.read_checkpoint(tmp_path / 'out' / 'checkpoint').items()
+  }
+  assert sorted(saved) == ['hidden/bias', 'hidden/kernel']
+  np.testing.assert_array_equal(
+    saved['hidden/kernel'],
+    fdt_tf.read_checkpoint(user_steps / '1')['model/hidden/kernel'],
+  )
+
+
+def _flip(path, offset, count=10):
+  data = bytearray(path.read_bytes())
+  offset = offset if offset >= 0 else len(data) + offset
+  for i in range(offset, offset + count):
+    data[i] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def _largest_data_file(orbax):
+  return max(
+    (orbax / 'ocdbt.process_0' / 'd').iterdir(), key=lambda p: p.stat().st_size
+  )
+
+
+UNVERIFIED = (
+  "note: Orbax checkpoints carry no checksum of their arrays' bytes: "
+  "TensorStore checked the OCDBT manifest's and tree nodes' CRC-32C and "
+  "each chunk's framing as it read them, but damage inside the values "
+  'cannot be detected. Steps of flax_dtensor.dtensor.CheckpointManager '
+  'carry a CRC-32 of every byte.'
+)
+
+
+def test_export_says_orbax_values_are_unverified(demo_export, tmp_path):
+  """10 bytes flipped inside a stored array (offset 2000 of the largest
+  data file): Orbax's format has no checksum that covers them, so the
+  export reads them as they are and says, before writing, that they could
+  not be checked; the exported values are the damaged ones."""
+  tmp, _, expected, _ = demo_export
+  orbax = tmp_path / 'orbax'
+  shutil.copytree(tmp / 'orbax', orbax)
+  _flip(_largest_data_file(orbax), 2000)
+  out = tmp_path / 'out'
+  stdout = ok(
+    run_cli('export', DEMO_TARGET, '--checkpoint', orbax, '--out', out)
+  )
+  assert UNVERIFIED in ' '.join(stdout.split())
+  saved = {
+    '/'.join(map(str, k)): v
+    for k, v in fdt_tf.read_checkpoint(out / 'checkpoint').items()
+  }
+  assert sorted(saved) == sorted(k for k in expected if '__' not in k)
+  wrong = sum(int((saved[k] != expected[k]).sum()) for k in saved)
+  assert wrong > 0  # What the format cannot detect, exported as read.
+
+
+@pytest.mark.parametrize(
+  'damage, fragments',
+  [
+    (
+      lambda orbax: _flip(orbax / 'manifest.ocdbt', -1, 1),
+      ['Error decoding manifest: CRC-32C checksum verification failed'],
+    ),
+    (
+      lambda orbax: _flip(
+        max((orbax / 'd').iterdir(), key=lambda p: p.stat().st_size), -1, 1
+      ),
+      ['Error decoding b-tree node: CRC-32C checksum verification failed'],
+    ),
+  ],
+  ids=['manifest-crc', 'tree-node-crc'],
+)
+# Orbax's restore leaves coroutines behind when TensorStore fails; they
+# complain when collected ("Event loop is closed"), which is not ours.
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+def test_export_refuses_damage_orbax_detects(
+  user_checkpoint, tmp_path, damage, fragments
+):
+  """What the format checks (CRC-32C of OCDBT's manifest and tree nodes)
+  is checked before anything is written: exit 2, in our words."""
+  orbax = tmp_path / 'orbax'
+  shutil.copytree(user_checkpoint[0], orbax)
+  damage(orbax)
+  rules = tmp_path / 'rules.yaml'
+  rules.write_text(USER_RULES)
+  out = tmp_path / 'out'
+  proc = run_cli(
+    'export',
+    USER_TARGET,
+    '--checkpoint',
+    orbax,
+    '--rules',
+    rules,
+    '--out',
+    out,
+  )
+  bad_input(
+    proc,
+    f'The Orbax checkpoint {str(orbax)!r} is damaged',
+    *fragments,
+    'Nothing was written. Export from an intact copy',
+  )
+  assert not out.exists()
+
+
 # An LLM in another library's style: a None cache, polymorphic lengths
 # ------------------------------------------------------------------------------
 
@@ -2245,6 +2483,7 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   copied = (out / 'rules.yaml').read_text()
   assert copied.startswith(suggested.read_text())
   assert copied.startswith('# Rules proposed by flax_dtensor.suggest_rules')
+  _exports_the_model_of_its_steps(out, suggested)
   _resumes_into_equal_values(out, suggested, summary)
 
 
@@ -2283,6 +2522,38 @@ def _resumes_into_equal_values(out, rules, summary):
   assert again['resumed_from'] == 10 and again['saved_steps'] == [10, 20]
   assert again['losses'] == summary['losses'][10:]
   assert _checkpoint_bytes(steps_dir / '20') == before
+
+
+def _exports_the_model_of_its_steps(out, rules):
+  """`export --checkpoint` on the demo's own steps folder: its latest step
+  holds the model under model/ beside optimizer/; export finds the model's
+  part by its paths, says so, and writes the values of that step."""
+  steps_dir = out.parent / 'demo-steps'
+  exported = out.parent / 'exported'
+  stdout = ok(
+    run_cli(
+      'export',
+      DEMO_TARGET,
+      '--checkpoint',
+      steps_dir,
+      '--rules',
+      rules,
+      '--out',
+      exported,
+    )
+  )
+  assert (
+    f"note: '{steps_dir / '20'}' holds model/ (24 variables), optimizer/ "
+    f"(51); exporting model/, which holds {DEMO_TARGET}'s variables "
+    '(--part chooses another).'
+  ) in ' '.join(stdout.split())
+  step = fdt_tf.read_checkpoint(steps_dir / '20')
+  expected = {
+    '/'.join(map(str, k[1:])): v for k, v in step.items() if k[0] == 'model'
+  }
+  report = check_checkpoint(exported / 'checkpoint', expected)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0  # Bit-exact: step 20's model.
 
 
 def _checkpoint_bytes(step_dir):

@@ -34,7 +34,16 @@ def _own_sharding(
   """The target value's own sharding, made concrete."""
   value = _variables.value_of(entry.variable)
   sharding = getattr(value, 'sharding', None)
-  if mesh is None:
+  own = entry.variable.get_metadata('mesh', None)
+  if (
+    isinstance(own, jax.sharding.Mesh)
+    and isinstance(sharding, jax.sharding.NamedSharding)
+    and own.abstract_mesh == sharding.mesh
+  ):
+    # Abstract on the mesh its `mesh=` metadata names (a model on several
+    # meshes): that one, whatever mesh is given or set.
+    mesh = own
+  elif mesh is None:
     current = _meshes.mesh_for()
     mesh = current if isinstance(current, jax.sharding.Mesh) else None
   if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(

@@ -828,11 +828,26 @@ def check_served_inputs(
         '--axis-types explicit (every axis, as jax.make_mesh gives), or '
         'NAME=explicit for the axes it names.'
       ) from e
+
+    def shown(index: int, change: tuple[int, int] | None) -> str:
+      # As the user wrote it, with the size at one position changed.
+      name, dims, *dtype = specs[index].text().split(':')
+      written = dims.split(',')
+      if change is not None:
+        written[change[0]] = str(change[1])
+      return ':'.join([name, ','.join(written), *dtype])
+
     raise BadInputError(
-      f'--input-shape {given} does not fit {where}: calling it on inputs of '
-      f'these shapes fails with {_signature.summary(e)}. Pass one '
-      '--input-shape per positional input, in order, with the batch '
-      'dimension first (e.g. x:1,128:int32).'
+      _signature.unfit_message(
+        f'--input-shape {given}',
+        where,
+        e,
+        [s.dims for s in specs],
+        [s.name for s in specs],
+        shown,
+        'Pass one --input-shape per positional input, in order, with the '
+        'batch dimension first (e.g. x:1,128:int32).',
+      )
     ) from e
 
 

@@ -1474,6 +1474,24 @@ def test_export_bad_served_inputs_write_nothing(demo_export, args, fragments):
   assert not out.exists()
 
 
+def test_an_input_of_the_wrong_width_is_named_as_save_saved_model_does():
+  """The check before an export, in `save_saved_model`'s words
+  (tests/bridge/serving): the input, the shape it needs, the one given."""
+  abstract = nnx.eval_shape(lambda: nnx.Linear(64, 8, rngs=nnx.Rngs(0)))
+  specs = [_inputs.parse_input_shape('x:1,48:float32', static_batch=False)]
+  with pytest.raises(_command.BadInputError) as raised:
+    _inputs.check_served_inputs(abstract, '__call__', specs)
+  assert str(raised.value) == (
+    '--input-shape x:1,48:float32 does not fit Linear.__call__: calling it '
+    'on inputs of these shapes fails with TypeError: dot_general requires '
+    'contracting dimensions to have the same shape, got (48,) and (64,). '
+    'Dimension 1 of x is 48 where the forward needs 64: expected '
+    'x:1,64:float32, got x:1,48:float32. Pass one --input-shape per '
+    'positional input, in order, with the batch dimension first (e.g. '
+    'x:1,128:int32).'
+  )
+
+
 EXPLICIT_NET = """
 import jax
 from flax import nnx

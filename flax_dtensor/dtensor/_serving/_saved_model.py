@@ -154,7 +154,9 @@ def save_saved_model(
       method's positional parameters (checked before tracing),
       `polymorphic_shapes` does not fit it, tracing fails where
       polymorphic dimensions of their own meet (with a
-      `polymorphic_shapes` that names them alike), the result holds
+      `polymorphic_shapes` that names them alike), an input has a size
+      the forward cannot take (JAX's refusal to contract two sizes: the
+      message names the input and the shape it needs), the result holds
       something other than arrays and None, `directory` exists and
       `overwrite` is false,
       its parent is not writable, a variable cannot be exported,
@@ -442,7 +444,8 @@ def _traced_in_context(
 
   A failure where polymorphic dimensions of their own meet
   (`_signature.shapes_error`), where a dimension cannot be made to divide
-  (`_signature.divisibility_error`), where the forward changes the model
+  (`_signature.divisibility_error`), where an input has a size the forward
+  cannot take (`_signature.unfit_error`), where the forward changes the model
   (training mode), or a bare constraint with no mesh anywhere, is put in
   our words.
   """
@@ -486,9 +489,11 @@ def _traced_in_context(
       if more is not None and not last:
         inputs = more
         continue
-      error = _signature.shapes_error(
-        inputs, e, where
-      ) or _signature.divisibility_error(inputs, e, where)
+      error = (
+        _signature.shapes_error(inputs, e, where)
+        or _signature.divisibility_error(inputs, e, where)
+        or _signature.unfit_error(inputs, e, where)
+      )
       if error is None:
         raise
       raise error from e

@@ -14,7 +14,7 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -341,14 +341,19 @@ def inputs(
 # ------------------------------------------------------------------------------
 
 
-def names_a_symbol(error: BaseException, symbols: Collection[str]) -> bool:
-  """Whether `error` (or what it was raised from) names one of `symbols`."""
+def _chain_text(error: BaseException | None) -> str:
+  """The messages of `error` and of what it was raised from, a line each."""
   texts, seen = [], set()
   while error is not None and id(error) not in seen and len(seen) < 8:
     seen.add(id(error))
     texts.append(str(error))
     error = error.__cause__ or error.__context__
-  text = '\n'.join(texts)
+  return '\n'.join(texts)
+
+
+def names_a_symbol(error: BaseException, symbols: Collection[str]) -> bool:
+  """Whether `error` (or what it was raised from) names one of `symbols`."""
+  text = _chain_text(error)
   return any(re.search(rf'(?<!\w){re.escape(s)}(?!\w)', text) for s in symbols)
 
 
@@ -430,6 +435,145 @@ def shapes_error(
     'Give the dimensions that are always equal one name with '
     '`polymorphic_shapes=` (one per entry of `input_signature`), e.g. '
     f'{", or ".join(which)}.'
+  )
+
+
+# When tracing fails: an input of a size the forward cannot take
+# ------------------------------------------------------------------------------
+
+# JAX's refusals of two sizes that must be equal: dimensions a matmul
+# contracts (`dot_general`: `@`, `jnp.dot`, `nnx.Linear`), and one label of
+# `einsum`.
+_UNEQUAL_SIZES = (
+  re.compile(
+    r'contracting dimensions to have the same shape, got '
+    r'\((?P<a>[\d, ]+)\) and \((?P<b>[\d, ]+)\)'
+  ),
+  re.compile(
+    r"Size of label '\w+' for operand \d+ \((?P<a>\d+)\) does not match "
+    r'previous terms \((?P<b>\d+)\)'
+  ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Misfit:
+  """The one input dimension whose size the forward refused.
+
+  Attributes:
+    argument: The positional argument's index.
+    position: The dimension's position in it.
+    given: Its size.
+    expected: The size the forward needs there.
+  """
+
+  argument: int
+  position: int
+  given: int
+  expected: int
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+  return tuple(int(n) for n in text.replace(' ', '').split(',') if n)
+
+
+def misfit(
+  arguments: Sequence[Sequence[Any] | None], error: BaseException
+) -> Misfit | None:
+  """The input dimension of a size the forward cannot take, if JAX's
+  `error` says which sizes it met and one input dimension alone has one of
+  them (each argument: its dimensions, or None for None).
+
+  JAX does not say which of the two sizes is the model's: the input's is
+  the one an input has and the other does not.
+  """
+  text = _chain_text(error)
+  pairs = [
+    (a, b)
+    for pattern in _UNEQUAL_SIZES
+    for found in pattern.finditer(text)
+    for a, b in zip(_sizes(found['a']), _sizes(found['b']), strict=False)
+    if a != b
+  ]
+  hits = {
+    Misfit(i, j, given, expected)
+    for a, b in pairs
+    for given, expected in ((a, b), (b, a))
+    for i, dims in enumerate(arguments)
+    for j, d in enumerate(dims or ())
+    if isinstance(d, int | np.integer) and d == given
+  }
+  return hits.pop() if len(hits) == 1 else None
+
+
+def unfit_message(
+  given: str,
+  where: str,
+  error: BaseException,
+  arguments: Sequence[Sequence[Any] | None],
+  names: Sequence[str],
+  show: Callable[[int, tuple[int, int] | None], str],
+  fix: str,
+) -> str:
+  """Why inputs of these shapes do not fit the method, and the fix.
+
+  `given` is the inputs as the caller wrote them (``--input-shape ...`` or
+  `input_signature`); `arguments` and `names` are each argument's
+  dimensions (None for an argument passed as None) and name;
+  `show(index, change)` writes argument `index` the caller's way, with
+  ``change = (position, size)`` if given. When JAX's error says which
+  sizes it refused (`misfit`), the message names the input, its shape and
+  the one the forward needs. The command line and `save_saved_model` say
+  it alike.
+  """
+  text = (
+    f'{given} does not fit {where}: calling it on inputs of these shapes '
+    f'fails with {summary(error)}.'
+  )
+  found = misfit(arguments, error)
+  if found is not None:
+    i, j = found.argument, found.position
+    text += (
+      f' Dimension {j} of {names[i]} is {found.given} where the forward '
+      f'needs {found.expected}: expected {show(i, (j, found.expected))}, '
+      f'got {show(i, None)}.'
+    )
+  return f'{text} {fix}'
+
+
+def unfit_error(
+  inputs_: Inputs, error: BaseException, where: str
+) -> _errors.ExportError | None:
+  """Our error for an input of a size the forward refuses (`misfit`);
+  None when JAX's error is not about two sizes that must be equal.
+  """
+  if not any(p.search(_chain_text(error)) for p in _UNEQUAL_SIZES):
+    return None
+  given = ', '.join(
+    'None' if s is None else _describe(inputs_.specs[s]) for s in inputs_.slots
+  )
+  arguments = inputs_.dims()
+  names = [
+    'None' if s is None else inputs_.specs[s].name for s in inputs_.slots
+  ]
+
+  def show(index: int, change: tuple[int, int] | None) -> str:
+    dims = list(arguments[index] or ())
+    if change is not None:
+      dims[change[0]] = change[1]
+    return f'{names[index]} {dims}'
+
+  return _errors.ExportError(
+    unfit_message(
+      f'`input_signature` [{given}]',
+      where,
+      error,
+      arguments,
+      names,
+      show,
+      'Give one entry per positional parameter, in order, each of the shape '
+      'the method takes (the batch dimension first).',
+    )
   )
 
 

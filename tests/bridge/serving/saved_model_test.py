@@ -1214,6 +1214,37 @@ def test_symbols_of_their_own_that_meet_are_explained(auto_mesh, tmp_path):
   # The first suggestion is what the serving test above exports.
 
 
+def test_an_input_of_the_wrong_width_is_named_with_the_shape_it_needs(
+  auto_mesh, tmp_path
+):
+  """JAX's refusal to contract 48 with 64, in our words: which input, the
+  shape the forward needs and the one given (the command line's words)."""
+  net = _trained(auto_mesh)
+  with pytest.raises(fdt.ExportError) as raised:
+    fdt_tf.save_saved_model(
+      net,
+      tmp_path / 'sm',
+      input_signature=[tf.TensorSpec([None, 48], tf.float32, name='x')],
+    )
+  message = str(raised.value)
+  assert message.startswith(
+    '`input_signature` [TensorSpec([None, 48], float32)] does not fit '
+    'Net.__call__: calling it on inputs of these shapes fails with '
+    'TypeError: dot_general requires contracting dimensions to have the '
+    'same shape, got (48,) and (64,). '
+  ), message
+  assert (
+    'Dimension 1 of x is 48 where the forward needs 64: expected x '
+    '[None, 64], got x [None, 48].'
+  ) in message, message
+  assert message.endswith(
+    'Give one entry per positional parameter, in order, each of the shape '
+    'the method takes (the batch dimension first).'
+  ), message
+  assert isinstance(raised.value.__cause__, TypeError)
+  assert os.listdir(tmp_path) == []
+
+
 def test_a_failure_that_names_no_symbol_of_its_own_is_jax_s(
   auto_mesh, tmp_path
 ):

@@ -415,3 +415,92 @@ def test_placements_equal_but_for_axes_of_size_1_are_where_the_rules_say():
   back = fdt.ShardingPlan.from_json(plan.to_json())
   assert [e.path for e in back.entries if e.misplaced] == ['wi']
   assert back.render(200) == text
+
+
+def _on_three_meshes():
+  """A factory of flax#5127's shape: each Param names its mesh (two of
+  them halves of the devices) and its own `sharding_rules`."""
+  import numpy as np
+
+  devices = np.array(jax.devices())
+  first = jax.sharding.Mesh(devices[:4].reshape(2, 2), ('a', 'b'))
+  second = jax.sharding.Mesh(devices[4:], ('c',))
+  third = jax.make_mesh((2, 2, 2), ('x', 'y', 'z'))
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.p1 = nnx.Param(
+        jnp.ones((16, 16)),
+        out_sharding=('A', 'B'),
+        mesh=first,
+        sharding_rules=(('A', 'a'), ('B', 'b')),
+      )
+      self.p2 = nnx.Param(
+        jnp.ones((16, 16)),
+        out_sharding=('C', None),
+        mesh=second,
+        sharding_rules=(('C', 'c'),),
+      )
+      self.p3 = nnx.Param(
+        jnp.ones((16, 16, 16)),
+        out_sharding=('X', 'Y', 'Z'),
+        mesh=third,
+        sharding_rules=(('X', 'x'), ('Y', 'y'), ('Z', 'z')),
+      )
+
+  return Model
+
+
+@pytest.mark.parametrize('plan_mesh', ['none', 'another'])
+def test_plan_over_several_meshes_names_each(plan_mesh):
+  """Each variable's own mesh, its bytes per device there, the devices
+  they span together; as data, in JSON and in the views."""
+  mesh = (
+    None if plan_mesh == 'none' else jax.make_mesh((2, 4), ('data', 'model'))
+  )
+  plan = fdt.plan(_on_three_meshes(), mesh=mesh)
+  want = {
+    'p1': ('a=2, b=2 (devices 0-3)', {'a': 2, 'b': 2}, P('a', 'b'), 4),
+    'p2': ('c=4 (devices 4-7)', {'c': 4}, P('c', None), 4),
+    'p3': (
+      'x=2, y=2, z=2 (devices 0-7)',
+      {'x': 2, 'y': 2, 'z': 2},
+      P('x', 'y', 'z'),
+      8,
+    ),
+  }
+  for path, (label, axes, spec, split) in want.items():
+    entry = plan[path]
+    assert (entry.mesh, entry.mesh_axes, entry.spec) == (label, axes, spec)
+    assert entry.bytes_per_device == entry.bytes // split, path
+  assert plan.num_devices == 8
+  back = fdt.ShardingPlan.from_json(plan.to_json())
+  assert [(e.mesh, e.mesh_axes) for e in back.entries] == [
+    (e.mesh, e.mesh_axes) for e in plan.entries
+  ]
+  assert back.to_dict() == plan.to_dict()
+  text = plan.table().render(width=200)
+  assert ' mesh ' in text.splitlines()[3]  # The column's header.
+  for label, *_ in want.values():
+    assert label in text
+    assert label in plan.to_html()
+  head = text.splitlines()[0]
+  if mesh is None:
+    assert head.startswith('Sharding plan: 3 meshes named by the variables')
+  else:
+    assert head.startswith(
+      'Sharding plan: mesh data=2, model=4 (8 devices), and 3 more meshes'
+    )
+
+
+def test_plan_on_one_mesh_shows_no_mesh_column():
+  init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+  plan = fdt.plan(
+    lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+    mesh=MESH,
+    rules=RULES,
+  )
+  assert all(e.mesh is None for e in plan.entries)
+  assert 'mesh' not in plan.to_dict()['variables'][0]
+  header = plan.table().render(width=200).splitlines()[3]
+  assert 'spec' in header and ' mesh ' not in header

@@ -155,12 +155,36 @@ def apply_spec(
 
 
 def _is_placed(x: Any, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
+  """Whether `x` is where `spec` says, with the type `spec` gives it.
+
+  On Explicit axes the spec is part of the array's type, axes of size 1
+  included (``f32[32@data,16]`` on a mesh of one device): an array placed
+  alike but typed otherwise is not there, or eager and jitted code would
+  see different types (jit types the result of `reshard`).
+  """
   sharding = getattr(x, 'sharding', None)
-  return (
+  ndim = np.ndim(x)
+  if not (
     isinstance(sharding, NamedSharding)
     and sharding.mesh == mesh
-    and sharding.is_equivalent_to(NamedSharding(mesh, spec), np.ndim(x))
-  )
+    and sharding.is_equivalent_to(NamedSharding(mesh, spec), ndim)
+  ):
+    return False
+  explicit = {
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  }
+  if not explicit:
+    return True
+
+  def typed(s: PartitionSpec) -> tuple[tuple[str, ...], ...]:
+    return tuple(
+      tuple(a for a in axes if a in explicit)
+      for axes in _specs.canonical(s, ndim)
+    )
+
+  return typed(sharding.spec) == typed(spec)
 
 
 def _on_devices_of(x: Any, mesh: jax.sharding.Mesh) -> bool:

@@ -18,12 +18,13 @@ import jax
 
 from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _placing, _trees, _variables
-from flax_dtensor._planning import _plan, _plan_view
+from flax_dtensor._planning import _plan, _plan_view, _suggest
 from flax_dtensor._rules import (
   _logical,
   _meshes,
   _missing_axes,
   _path_rules,
+  _resolution,
   _specs,
 )
 
@@ -52,6 +53,11 @@ CODES = {
   'eager-sharding-off': (
     'a variable the rules shard, created unplaced (or, built from a '
     'factory, to be created unplaced) because eager sharding is off'
+  ),
+  'activation-axis-clash': (
+    "an Explicit mesh axis that the activations' batch name and a "
+    "variable's last (output) dimension both take: a matmul of the two is "
+    'illegally sharded under JAX'
   ),
   'short-annotation': (
     'an annotation with fewer logical names than dimensions (the missing '
@@ -395,6 +401,85 @@ def _short_annotation_findings(target: Any) -> list[Finding]:
   return out
 
 
+def _activation_clash_findings(
+  rules: _logical.LogicalRules | _logical.FlaxRules,
+  used: set[str],
+  entries: Sequence[_plan.PlanEntry],
+  mesh: _meshes.MeshLike | None,
+) -> list[Finding]:
+  """An `activation-axis-clash` for each Explicit mesh axis that a batch
+  name no variable has (``'batch'``, ``'activation_batch'``: an
+  activation's, as ``with_logical_constraint`` uses it) resolves to, and
+  that a variable's last dimension (a kernel's output features, an
+  embedding's) is sharded over too.
+
+  JAX types a matmul's result with both operands' shardings: an activation
+  sharded over 'data' times such a variable would be sharded over 'data'
+  on two dimensions, which JAX refuses on Explicit axes, eagerly and under
+  jit alike (``ShardingTypeError: ... illegally sharded result``). Auto
+  axes are XLA's to resolve, and are not reported.
+  """
+  if mesh is None:
+    return []
+  explicit = {
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == jax.sharding.AxisType.Explicit
+  }
+  if not explicit:
+    return []
+  pairs = rules.pairs if isinstance(rules, _logical.FlaxRules) else rules
+  activations = [
+    n
+    for n in dict.fromkeys(n for n, _ in pairs)
+    if n not in used and _suggest.batch_like(n)
+  ]
+  out = []
+  for name in activations:
+    try:
+      spec = _resolution.resolve((name,), None, mesh=mesh, rules=rules).spec
+    except _errors.FlaxDTensorError:
+      continue
+    taken = set(_specs.axes_of(spec[0])) & explicit
+    for axis in sorted(taken):
+      hits = [
+        e
+        for e in entries
+        if len(e.shape) >= 2
+        and e.logical_axes is not None
+        and e.logical_axes[-1] != name
+        and axis in _specs.canonical(e.spec, len(e.shape))[-1]
+      ]
+      if not hits:
+        continue
+      e = hits[0]
+      last = len(e.shape) - 1
+      dim_name = e.logical_axes[-1]
+      fell_back = any(f.startswith(f'dim {last} (') for f in e.fallbacks)
+      how = (
+        ' (by a fallback: the rules before it do not fit this mesh)'
+        if fell_back
+        else ''
+      )
+      out.append(
+        Finding(
+          'activation-axis-clash',
+          repr(axis),
+          f'the batch name {name!r}, which no variable has (an '
+          "activation's, as with_logical_constraint uses it), goes to the "
+          f'Explicit mesh axis {axis!r}, and so does the last dimension '
+          f'({dim_name!r}) of {_text.count(len(hits), "variable")} (e.g. '
+          f'{e.path}: {_specs.format_spec(e.spec)}){how}. A matmul of an '
+          f'activation sharded so with such a variable gives a result '
+          f'sharded over {axis!r} on two dimensions, which JAX refuses, '
+          'eagerly and under jit (ShardingTypeError: ... illegally sharded '
+          f'result). Give {dim_name!r} or {name!r} another mesh axis in the '
+          'rules, or reshard one of them in the forward.',
+        )
+      )
+  return out
+
+
 def _suggested_pattern(path: str) -> str:
   """'layers/\\d+/mlp/up/kernel$' for 'layers/3/mlp/up/kernel'."""
   parts = [r'\d+' if p.isdigit() else re.escape(p) for p in path.split('/')]
@@ -503,6 +588,10 @@ def check(
   - ``unannotated-replicated``: a variable of at least `min_bytes` that
     neither an annotation nor a path rule covers, so every device holds it
     whole, with a path rule that would cover it;
+  - ``activation-axis-clash``: an Explicit mesh axis that a batch name no
+    variable has (an activation's, ``'batch'``) and a variable's last
+    dimension both take, so that a matmul of the two is illegally sharded
+    under JAX;
   - ``short-annotation``: an annotation with fewer logical names than
     its variable has dimensions, read as Flax reads it (the missing
     trailing names are None);
@@ -596,6 +685,7 @@ def check(
       )
   findings += _unplaced_when_built(target, result)
   findings += _short_annotation_findings(target)
+  findings += _activation_clash_findings(planning, used, result.entries, mesh_)
   for e in sorted(result.entries, key=lambda e: (-e.bytes, e.path)):
     if not (
       result.num_devices > 1

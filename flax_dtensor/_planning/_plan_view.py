@@ -75,9 +75,8 @@ def _plain_mesh_text(plan: _plan.ShardingPlan) -> str:
   devices = _text.count(plan.num_devices, 'device')
   if unit and shown:
     devices += f'; size 1, not shown in specs: {", ".join(unit)}'
-  elif unit:
+  elif unit:  # One device: the specs show them, as JAX's types do.
     shown = plan.mesh_axes
-    devices += '; axes of size 1 are not shown in specs'
   axes = ', '.join(f'{k}={v}' for k, v in shown.items())
   return f'mesh {axes} ({devices})'
 

@@ -844,7 +844,7 @@ _UNTRACED_TEXT = (
 )
 
 
-def _batch_like(name: str) -> bool:
+def batch_like(name: str) -> bool:
   """Whether a logical name is a batch dimension's ('batch',
   'activation_batch', 'batch_size')."""
   return 'batch' in name.lower()
@@ -855,7 +855,7 @@ def _forward_targets(
 ) -> tuple[Any, ...]:
   """A name only the forward uses: a batch name on the fsdp-like axis (data
   parallelism), then None; any other name None."""
-  if _batch_like(name) and roles['fsdp'] is not None:
+  if batch_like(name) and roles['fsdp'] is not None:
     return (roles['fsdp'], None)
   return (None,)
 

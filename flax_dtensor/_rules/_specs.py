@@ -90,11 +90,14 @@ def without_unit_axes(
   ``P(('fsdp', 'context', 'expert'), 'stage', 'tensor')`` is shown as
   ``P('fsdp', None, 'tensor')`` when only ``fsdp`` and ``tensor`` are
   larger than 1. The spec keeps its length; `spec` itself when nothing is
-  left out.
+  left out, and on a mesh whose axes all have size 1 (one device), where
+  they are all there is, and what JAX's types name (``f32[32@data]``).
   """
   from jax.sharding import PartitionSpec
 
   unit = {a for a, n in (sizes or {}).items() if n == 1}
+  if unit == set(sizes or {}):
+    return spec
   if not unit.intersection(a for e in spec for a in axes_of(e)):
     return spec
   entries = []

@@ -331,3 +331,80 @@ def test_a_short_annotation_is_a_finding_not_an_error():
     "the missing trailing names are None, as Flax reads it: ('C', None)."
   )
   assert not fdt.check(Short, [('C', 'data')], MESH, allow=['short-annotation'])
+
+
+# activation-axis-clash: the batch's mesh axis on a kernel's output dimension
+
+
+class _Up(nnx.Module):
+  def __init__(self, rngs):
+    self.l = nnx.Linear(
+      16,
+      64,
+      kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ('embed', 'mlp')
+      ),
+      rngs=rngs,
+    )
+
+  def __call__(self, x):
+    return self.l(fdt.with_logical_constraint(x, ('batch', 'embed')))
+
+
+# The Quickstart's rules: 'mlp' falls back to 'data' where 'model' is absent.
+QUICKSTART = [
+  ('batch', 'data'),
+  ('embed', 'fsdp'),
+  ('mlp', 'model'),
+  ('mlp', 'data'),
+  ('vocab', None),
+]
+_LINT = ['unused-rule', 'unknown-mesh-axis']
+
+
+def test_the_batch_axis_on_a_kernel_output_is_caught_in_our_words():
+  """On one device, 'mlp' falls back to 'data', the batch's axis: the
+  forward fails in JAX eagerly and under jit; check says why first."""
+  mesh = jax.make_mesh((1,), ('data',))
+  report = fdt.check(lambda: _Up(nnx.Rngs(0)), QUICKSTART, mesh, allow=_LINT)
+  assert [(f.code, f.subject) for f in report.findings] == [
+    ('activation-axis-clash', "'data'")
+  ]
+  assert report.findings[0].message == (
+    "the batch name 'batch', which no variable has (an activation's, as "
+    'with_logical_constraint uses it), goes to the Explicit mesh axis '
+    "'data', and so does the last dimension ('mlp') of 1 variable (e.g. "
+    "l/kernel: P(None, 'data')) (by a fallback: the rules before it do not "
+    'fit this mesh). A matmul of an activation sharded so with such a '
+    "variable gives a result sharded over 'data' on two dimensions, which "
+    'JAX refuses, eagerly and under jit (ShardingTypeError: ... illegally '
+    "sharded result). Give 'mlp' or 'batch' another mesh axis in the rules, "
+    'or reshard one of them in the forward.'
+  )
+  # What the finding foretells, eagerly and under jit alike.
+  x = jnp.ones((32, 16))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(QUICKSTART):
+    model = _Up(nnx.Rngs(0))
+    step = nnx.jit(lambda m, v: m(v))
+    for forward in (model, lambda v: step(model, v)):
+      # JAX's own ShardingTypeError (not public).
+      with pytest.raises(Exception, match='illegally sharded result'):
+        forward(x)
+
+
+def test_no_clash_where_the_axes_differ_or_are_auto():
+  """The Quickstart's own mesh; the same rules on one Auto device, where
+  XLA resolves the two shardings; a fix the finding names."""
+  quickstart_mesh = AbstractMesh((2, 4), ('data', 'model'))
+  auto = jax.make_mesh(
+    (1,), ('data',), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  fixed = [('batch', 'data'), ('embed', None), ('mlp', 'model'), ('mlp', None)]
+  one = jax.make_mesh((1,), ('data',))
+  for rules, mesh in (
+    (QUICKSTART, quickstart_mesh),
+    (QUICKSTART, auto),
+    (fixed, one),
+  ):
+    report = fdt.check(lambda: _Up(nnx.Rngs(0)), rules, mesh, allow=_LINT)
+    assert not report, (mesh, report)

@@ -292,7 +292,7 @@ def test_specs_are_shown_without_the_mesh_axes_of_size_1():
     (
       (1, 1),
       ('data', 'model'),
-      'mesh data=1, model=1 (1 device; axes of size 1 are not shown in specs)',
+      'mesh data=1, model=1 (1 device)',
     ),
   ],
   ids=['no-size-1', 'some-size-1', 'all-size-1'],
@@ -302,3 +302,20 @@ def test_the_header_names_the_axes_of_size_1_apart(shape, names, header):
     lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), mesh=AbstractMesh(shape, names)
   )
   assert _plan_view.mesh_text(plan) == header
+
+
+def test_on_one_device_the_specs_show_the_axes_of_size_1():
+  """Where every axis has size 1 they are all there is, and JAX's types name
+  them (f32[16,64@data]): the spec is shown as resolved, as placed."""
+  mesh = jax.make_mesh((1,), ('data',))
+  rules = [('embed', None), ('mlp', 'model'), ('mlp', 'data')]
+  init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    model = nnx.Linear(16, 64, kernel_init=init, rngs=nnx.Rngs(0))
+    plan = fdt.plan(model)
+  kernel = plan['kernel']
+  assert model.kernel[...].sharding.spec == kernel.spec == P(None, 'data')
+  assert kernel.display_spec == P(None, 'data')
+  assert _plan_view.spec_text(kernel) == "P(None, 'data')"
+  assert "P(None, 'data')" in str(plan)
+  assert _plan_view.mesh_text(plan) == 'mesh data=1 (1 device)'

@@ -593,3 +593,22 @@ def test_more_names_than_dims_is_an_error(explicit_mesh):
     ),
   ):
     nnx.Param(jnp.ones((16,)), out_sharding=('embed', 'mlp'))
+
+
+def test_a_constraint_on_one_device_is_typed_alike_eagerly_and_under_jit():
+  """On an Explicit mesh of one device, a size-1 axis is in the type
+  (f32[32@data,16]): the eager constraint gives what jit gives, as
+  `reshard` does, so the same code means the same thing in both."""
+  mesh = jax.make_mesh((1,), ('data',))
+  rules = [('batch', 'data'), ('embed', None)]
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    # Made here, as a forward makes it: on the mesh, P(None, None).
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16)
+    eager = fdt.with_logical_constraint(x, ('batch', 'embed'))
+    jitted = jax.jit(
+      lambda v: fdt.with_logical_constraint(v, ('batch', 'embed'))
+    )(x)
+    reference = jax.sharding.reshard(x, P('data', None))
+  assert jax.typeof(eager) == jax.typeof(jitted) == jax.typeof(reference)
+  assert str(jax.typeof(eager)) == 'float32[32@data,16]'
+  np.testing.assert_array_equal(eager, x)

@@ -136,7 +136,12 @@ def demo(
 
 
 def _check_resumable(steps_dir: pathlib.Path, steps: int) -> None:
-  """Refuses a `--resume` with no whole step to go on from, or none left."""
+  """Refuses a `--resume` with no whole step to go on from, or none left.
+
+  A damaged step is passed over, as the restore passes over it (it goes on
+  from the newest good step, and says so): only an intact step at or past
+  `steps` leaves nothing to train.
+  """
   from flax_dtensor.dtensor._files import _steps
 
   done = _steps.whole_steps(str(steps_dir))
@@ -146,9 +151,29 @@ def _check_resumable(steps_dir: pathlib.Path, steps: int) -> None:
       'Run without --resume to start the training, or pass --steps-dir the '
       'folder a run saved its steps in.'
     )
-  if done[-1] >= steps:
-    raise _command.BadInputError(
-      f'--resume: {str(steps_dir)!r} holds step {done[-1]}, and --steps is '
-      f'{steps}: nothing is left to train. Pass the --steps of the run that '
-      'wrote it (larger than its latest step).'
-    )
+  for step in reversed(done):
+    if step < steps:
+      return
+    if _intact(steps_dir / str(step)):
+      raise _command.BadInputError(
+        f'--resume: {str(steps_dir)!r} holds step {step}, and --steps is '
+        f'{steps}: nothing is left to train. Pass the --steps of the run '
+        'that wrote it (larger than its latest step).'
+      )
+
+
+def _intact(step_dir: pathlib.Path) -> bool:
+  """Whether a step's files are what its manifest records (no JAX, no TF)."""
+  import concurrent.futures
+
+  from flax_dtensor import _errors
+  from flax_dtensor.dtensor._files import _manifest
+
+  try:
+    manifest = _manifest.read(str(step_dir))
+  except _errors.ExportError:
+    return False
+  if manifest is None:  # Nothing to check against: read as it is.
+    return True
+  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
+    return not _manifest.problems_of(manifest, pool)

@@ -176,9 +176,10 @@ def run(
       `flax_dtensor.dtensor.CheckpointManager` folder: the model and the
       optimizer, each step a TF checkpoint). None: no checkpoints.
     save_every: Save every this many steps, and the last (0: never).
-    resume: Go on from the latest whole step in `steps_dir` (the values
-      then equal an uninterrupted run's with the same arguments). Without
-      it, steps an earlier run left in `steps_dir` are removed first.
+    resume: Go on from the latest whole step in `steps_dir` (the newest
+      good one, if it is damaged; the values then equal an uninterrupted
+      run's with the same arguments). Without it, steps an earlier run left
+      in `steps_dir` are removed first.
 
   Returns:
     The summary, also written to `out/summary.json`.
@@ -353,8 +354,9 @@ def _steps_manager(
   console: rich.console.Console,
 ) -> tuple[Any, int]:
   """The checkpoint manager of `steps_dir` (None without one), and the
-  step the training starts from: the latest whole step restored into
-  `state` with `resume`, else 0 (an earlier run's steps removed)."""
+  step the training starts from: the step restored into `state` with
+  `resume` (the latest whole one, or the newest good one before a damaged
+  one), else 0 (an earlier run's steps removed)."""
   from flax import nnx
 
   if steps_dir is None:
@@ -385,20 +387,31 @@ def _steps_manager(
       'Run without --resume to start the training, or pass --steps-dir the '
       'folder a run saved its steps in.'
     )
-  if latest >= steps:
+  manager.restore(state)
+  # A damaged latest step is passed over: the run goes on from the step
+  # restored (the manager says which), not from `latest`.
+  restored = manager.restored_step
+  if restored >= steps:
     manager.close()
     raise dtensor.CheckpointManagerError(
-      f'--resume: {str(steps_dir)!r} holds step {latest}, and --steps is '
+      f'--resume: {str(steps_dir)!r} holds step {restored}, and --steps is '
       f'{steps}: nothing is left to train. Pass the --steps of the run that '
       'wrote it (larger than its latest step).'
     )
-  manager.restore(state)
+  damaged = [s for s in manager.all_steps() if s > restored]
   console.print(
-    f'resumed from step {latest} of {steps} ({steps_dir})',
+    f'resumed from step {restored} of {steps} ({steps_dir})'
+    + (
+      f'; passed over the damaged step{"s" if len(damaged) > 1 else ""} '
+      f'{", ".join(map(str, damaged))} (moved aside, as '
+      f'{", ".join(f"{s}.damaged" for s in damaged)}, by the next save)'
+      if damaged
+      else ''
+    ),
     highlight=False,
     markup=False,
   )
-  return manager, latest
+  return manager, restored
 
 
 def next_batch(batches: Any) -> Any:

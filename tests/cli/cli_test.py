@@ -2522,7 +2522,8 @@ def _demo_args(rules, out):
 
 def _resumes_into_equal_values(out, rules, summary):
   """The demo's steps: 10 and 20, each a whole TF checkpoint; step 20
-  lost, `--resume` trains 11 to 20 again into the same bits."""
+  damaged, `--resume` goes on from step 10, the step restored, and trains
+  11 to 20 again into the same bits."""
   from flax_dtensor.dtensor._files import _steps
 
   steps_dir = out.parent / 'demo-steps'
@@ -2533,9 +2534,17 @@ def _resumes_into_equal_values(out, rules, summary):
   state = (steps_dir / 'checkpoint').read_text()
   assert state.splitlines()[0] == 'model_checkpoint_path: "20/ckpt"'
   before = _checkpoint_bytes(steps_dir / '20')
-  shutil.rmtree(steps_dir / '20')
+  data = sorted((steps_dir / '20').glob('ckpt.data-*'))[0]
+  damaged = bytearray(data.read_bytes())
+  damaged[0] ^= 0xFF
+  data.write_bytes(bytes(damaged))
   stdout = ok(run_cli(*_demo_args(rules, out), '--resume', '-q'))
-  assert f'resumed from step 10 of 20 ({steps_dir})' in ' '.join(stdout.split())
+  assert (
+    f'resumed from step 10 of 20 ({steps_dir}); passed over the damaged '
+    'step 20 (moved aside, as 20.damaged, by the next save)'
+  ) in ' '.join(stdout.split())
+  # Kept aside for a look, as it was.
+  assert (steps_dir / '20.damaged' / data.name).read_bytes() == damaged
   again = json.loads((out / 'summary.json').read_text())
   assert again['resumed_from'] == 10 and again['saved_steps'] == [10, 20]
   assert again['losses'] == summary['losses'][10:]

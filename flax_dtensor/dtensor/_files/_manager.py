@@ -199,13 +199,21 @@ class CheckpointManager:
       the latest, if the loop has not ended it by then (None: no bound).
       The latest whole step stays restorable either way.
 
+  Attributes:
+    restored_step: The step the latest `restore` loaded (None before one).
+      A resumed loop goes on from it, not from `latest_step()`: with the
+      latest step damaged, `restore` loads an earlier one.
+
   Example:
     >>> manager = CheckpointManager('/tmp/run', max_to_keep=3)  # doctest: +SKIP
-    >>> for step in range(1, 1001):  # doctest: +SKIP
+    >>> start = 1  # doctest: +SKIP
+    >>> if manager.latest_step() is not None:  # doctest: +SKIP
+    ...   manager.restore(optimizer)  # the newest good step
+    ...   start = manager.restored_step + 1
+    >>> for step in range(start, 1001):  # doctest: +SKIP
     ...   loss = train_step(model, optimizer, batch)
     ...   manager.save(step, optimizer, metrics={'loss': loss})
     >>> manager.wait()  # doctest: +SKIP
-    >>> manager.restore(optimizer)  # the latest whole step  # doctest: +SKIP
   """
 
   def __init__(
@@ -277,6 +285,10 @@ class CheckpointManager:
     self._exclude = exclude
     self._lock = threading.Lock()
     self._reading: dict[int, int] = {}  # {step: restores in progress}
+    self.restored_step: int | None = None
+    # Damaged steps the latest restore went past: moved aside by the next
+    # save, as the run goes on from the step restored.
+    self._damaged: list[int] = []
     self._metrics = _read_metrics(self.directory) if _is_process_0() else {}
     self._pending: concurrent.futures.Future[Any] | None = None
     self.save_on_preemption = save_on_preemption
@@ -302,7 +314,11 @@ class CheckpointManager:
     return _steps.whole_steps(self.directory)
 
   def latest_step(self) -> int | None:
-    """The newest whole step, or None before the first."""
+    """The newest whole step, or None before the first.
+
+    A whole step can still be damaged, and `restore` then loads an earlier
+    one: a resumed loop goes on from `restored_step`, not from this.
+    """
     steps = self.all_steps()
     return steps[-1] if steps else None
 
@@ -414,6 +430,7 @@ class CheckpointManager:
         )
         return False
     self.wait()  # The previous save's outcome, raised if it failed.
+    self._move_damaged_aside()
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise _errors.CheckpointManagerError(
@@ -440,6 +457,27 @@ class CheckpointManager:
       if preempted:  # Whole before the loop goes on to end the process.
         self.wait()
     return True
+
+  def _move_damaged_aside(self) -> None:
+    """Renames the damaged steps the latest restore went past to
+    ``STEP.damaged``: the run goes on from the step restored, and they are
+    kept for a look, out of `all_steps` and TensorFlow's state file."""
+    damaged, self._damaged = self._damaged, []
+    if not damaged:
+      return
+    if _is_process_0():
+      with self._lock:
+        for step in damaged:
+          path = os.path.join(self.directory, str(step))
+          if os.path.isdir(path):
+            os.rename(path, _aside(self.directory, step))
+        _atomic._fsync_dir(self.directory)
+        self._write_files(self.all_steps())
+    if jax.process_count() > 1:  # Gone for every process before the save.
+      with _peers.session(
+        f'the damaged steps of {self.directory!r}', 'Nothing was saved.'
+      ):
+        _peers.sync('damaged steps moved aside')
 
   def _finish_after(
     self, handle: _background.SaveHandle, step: int, metrics: dict[str, float]
@@ -564,7 +602,10 @@ class CheckpointManager:
       **kwargs: More arguments of `restore_checkpoint` (`mesh`, `rules`, ...).
 
     Returns:
-      `target`, restored.
+      `target`, restored. The step it was restored from is then
+      `restored_step`: a resumed loop goes on from ``restored_step + 1``.
+      After a fall back, the next `save` moves the damaged steps aside (to
+      ``STEP.damaged``), so that the run goes on from the step restored.
 
     Raises:
       ExportNotFoundError: If the directory holds no whole step, or not
@@ -582,7 +623,9 @@ class CheckpointManager:
           f'{_listed(self.all_steps())}. Pass one of those, or no step for '
           'the latest.'
         )
-      return self._restore_step(step, target, kwargs)
+      restored = self._restore_step(step, target, kwargs)
+      self.restored_step = step
+      return restored
     steps = self.all_steps()
     if not steps:
       raise _errors.ExportNotFoundError(
@@ -597,11 +640,19 @@ class CheckpointManager:
       except (_errors.DamagedExportError, _errors.MalformedExportError) as e:
         skipped.append((candidate, e))
         continue
+      self.restored_step = candidate
+      self._damaged = [s for s, _ in skipped]
       if skipped:
+        aside = ', '.join(
+          repr(os.path.basename(_aside(self.directory, s))) for s, _ in skipped
+        )
         _output.warn(
           f'Restored step {candidate} of {self.directory!r}, not the latest: '
           + '; '.join(f'step {s} is damaged ({e})' for s, e in skipped)
-          + '. The damaged steps are left as they are for a look.',
+          + '. The damaged steps are left as they are for a look; the next '
+          f'save moves them aside, to {aside}, as the run goes on from step '
+          f'{candidate}: resume from `manager.restored_step + 1`, not from '
+          '`latest_step()`.',
           _errors.CheckpointStepWarning,
         )
       return restored
@@ -639,6 +690,17 @@ def _checked_step(step: Any) -> int:
       f'A step is a non-negative int below 10**18; got {value}.'
     )
   return value
+
+
+def _aside(directory: str, step: int) -> str:
+  """Where a damaged step is moved aside: ``STEP.damaged`` (``-2``, ... if
+  taken), a name no reader lists as a step."""
+  path = os.path.join(directory, f'{step}.damaged')
+  n = 1
+  while os.path.lexists(path):
+    n += 1
+    path = os.path.join(directory, f'{step}.damaged-{n}')
+  return path
 
 
 def _listed(steps: list[int]) -> str:

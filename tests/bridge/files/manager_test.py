@@ -177,12 +177,7 @@ def test_a_damaged_latest_step_falls_back_to_the_newest_good_one(
 ):
   manager = fdt_dt.CheckpointManager(tmp_path / 'run')
   run(manager, explicit_mesh, [1, 2, 3])
-  step_3 = tmp_path / 'run' / '3'
-  (data,) = [n for n in os.listdir(step_3) if n.startswith('ckpt.data')]
-  with open(step_3 / data, 'r+b') as f:
-    byte = f.read(1)[0]
-    f.seek(0)
-    f.write(bytes([byte ^ 0xFF]))
+  damage(tmp_path / 'run' / '3')
   target = Model(explicit_mesh, value=-1.0)
   with pytest.warns(
     fdt_dt.CheckpointStepWarning,
@@ -191,10 +186,69 @@ def test_a_damaged_latest_step_falls_back_to_the_newest_good_one(
   ):
     manager.restore(target)
   assert_at(target, 2)
+  assert manager.restored_step == 2
   # Asked for by number, the damaged step is refused, the target unchanged.
   with pytest.raises(fdt_dt.DamagedExportError, match='is damaged'):
     manager.restore(target, step=3)
   assert_at(target, 2)
+  assert manager.restored_step == 2
+
+
+def damage(step_dir):
+  """Flips the first byte of a step's data file."""
+  (data,) = [n for n in os.listdir(step_dir) if n.startswith('ckpt.data')]
+  with open(step_dir / data, 'r+b') as f:
+    byte = f.read(1)[0]
+    f.seek(0)
+    f.write(bytes([byte ^ 0xFF]))
+  return (step_dir / data).read_bytes()
+
+
+def test_a_loop_resumes_after_the_step_restored_not_a_damaged_latest(
+  explicit_mesh, tmp_path
+):
+  manager = fdt_dt.CheckpointManager(tmp_path / 'run', save_interval_steps=2)
+  assert manager.restored_step is None
+  run(manager, explicit_mesh, range(1, 11))
+  assert manager.all_steps() == [2, 4, 6, 8, 10]
+  damaged = damage(tmp_path / 'run' / '10')
+  manager.close()
+
+  # A fresh run over the same folder: the documented loop.
+  manager = fdt_dt.CheckpointManager(tmp_path / 'run', save_interval_steps=2)
+  model = Model(explicit_mesh, value=-1.0)
+  with pytest.warns(
+    fdt_dt.CheckpointStepWarning,
+    match=r'Restored step 8 of .*, not the latest: step 10 is damaged .*'
+    r"the next save moves them aside, to '10\.damaged', as the run goes on "
+    r'from step 8: resume from `manager\.restored_step \+ 1`',
+  ):
+    start = 1
+    if manager.latest_step() is not None:
+      manager.restore(model)
+      start = manager.restored_step + 1
+  assert start == 9
+  assert manager.latest_step() == 10  # Damaged, still listed until a save.
+  assert_at(model, 8)  # Bit for bit.
+  for step in range(start, 13):  # One step: from step s's values to s + 1's.
+    model.w.set_value(model.w.get_value() + 1.0)
+    model.b.set_value(model.b.get_value() + 1.0)
+    manager.save(step, model)
+  manager.wait()
+  assert_at(model, 12)
+  assert manager.all_steps() == [2, 4, 6, 8, 10, 12]
+  for step in (8, 10, 12):  # Step 10 written again, by the resumed loop.
+    target = Model(explicit_mesh, value=-1.0)
+    manager.restore(target, step=step)
+    assert manager.restored_step == step
+    assert_at(target, step)
+  prefix = tf.train.latest_checkpoint(str(tmp_path / 'run'))
+  assert prefix == str(tmp_path / 'run' / '12' / 'ckpt')
+  # The damaged step is kept aside for a look, byte for byte.
+  aside = tmp_path / 'run' / '10.damaged'
+  (data,) = [n for n in os.listdir(aside) if n.startswith('ckpt.data')]
+  assert (aside / data).read_bytes() == damaged
+  manager.close()
 
 
 def test_restores_refuse_what_is_not_there(explicit_mesh, tmp_path):
@@ -709,3 +763,30 @@ def test_resume_from_a_steps_folder_that_is_not_there_is_refused(tmp_path):
     proc.stderr
   )
   assert not missing.exists()
+
+
+def test_resume_is_refused_only_past_an_intact_step(explicit_mesh, tmp_path):
+  import cli_runner  # The command line, in this process.
+
+  from flax_dtensor.cli import demo
+
+  run(fdt_dt.CheckpointManager(tmp_path / 'run'), explicit_mesh, [2, 4])
+  proc = cli_runner.run(
+    'demo',
+    '--resume',
+    '--steps',
+    '4',
+    '--steps-dir',
+    str(tmp_path / 'run'),
+    '--out',
+    str(tmp_path / 'o'),
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert 'holds step 4, and --steps is 4: nothing is left to train' in (
+    proc.stderr
+  )
+  # Step 4 damaged: the run goes on from step 2, as the restore does.
+  damage(tmp_path / 'run' / '4')
+  assert demo._check_resumable(tmp_path / 'run', 4) is None
+  damage(tmp_path / 'run' / '2')  # Both: left to the restore to refuse.
+  assert demo._check_resumable(tmp_path / 'run', 4) is None

@@ -68,13 +68,20 @@ PIPED_EVERY_SECONDS = 10.0
 
 
 def progress_line(
-  step: int, steps: int, loss: float, rate: float, elapsed: float
+  step: int,
+  steps: int,
+  loss: float,
+  rate: float,
+  elapsed: float,
+  *,
+  first: int = 0,
 ) -> str:
   """'train step 40/300  loss 2.345  12,345 tokens/s  8 s' (piped output).
 
-  `step` counts from 0; the first step compiles, so it has no rate yet.
+  `step` counts from 0, over the whole training (a resumed run's too); the
+  `first` step this run trains compiles, so it has no rate yet.
   """
-  speed = 'compiled' if step == 0 else f'{rate:,.0f} tokens/s'
+  speed = 'compiled' if step == first else f'{rate:,.0f} tokens/s'
   return (
     f'train step {step + 1}/{steps}  loss {loss:.3f}  {speed}  {elapsed:.0f} s'
   )
@@ -85,7 +92,8 @@ class _Progress:
 
   Piped (a log, CI, ``| tee``), nothing is animated: a `progress_line`
   after the first step, then at most every `every` seconds, and after the
-  last step. With `show` false, nothing at all.
+  last step. With `show` false, nothing at all. Steps are the training's
+  (a resumed run's start at `first`, the step it goes on from).
   """
 
   def __init__(
@@ -94,11 +102,13 @@ class _Progress:
     steps: int,
     *,
     show: bool,
+    first: int = 0,
     every: float = PIPED_EVERY_SECONDS,
     clock: Any = time.perf_counter,
   ):
     self._console = console
     self._steps = steps
+    self._first = first
     self._every = every
     self._clock = clock
     self._bar = _training_bar(console) if show and console.is_terminal else None
@@ -112,7 +122,7 @@ class _Progress:
       self._bar.__enter__()
       # Until the first step ends there is neither a loss nor a rate.
       self._task = self._bar.add_task(
-        'train', total=self._steps, status='compiling…'
+        'train', total=self._steps, completed=self._first, status='compiling…'
       )
     return self
 
@@ -122,14 +132,19 @@ class _Progress:
 
   def update(self, step: int, loss: float, rate: float) -> None:
     if self._bar is not None:
-      self._bar.update(self._task, advance=1, status=_status(loss, step, rate))
+      status = _status(loss, step - self._first, rate)
+      self._bar.update(self._task, advance=1, status=status)
     if not self._lines:
       return
     now = self._clock()
-    if step in (0, self._steps - 1) or now - self._last >= self._every:
+    if (
+      step in (self._first, self._steps - 1) or now - self._last >= self._every
+    ):
       self._last = now
       self._console.print(
-        progress_line(step, self._steps, loss, rate, now - self._start),
+        progress_line(
+          step, self._steps, loss, rate, now - self._start, first=self._first
+        ),
         highlight=False,
         markup=False,
       )
@@ -239,7 +254,7 @@ def run(
     for _ in range(done):  # The batches the steps done already took.
       next(batches)
     with timer('train (incl. compile)'):
-      with _Progress(console, steps - done, show=progress) as bar:
+      with _Progress(console, steps, first=done, show=progress) as bar:
         last = time.perf_counter()
         rate = 0.0
         for step in range(done, steps):
@@ -249,7 +264,7 @@ def run(
           current = tokens_per_step / max(now - last, 1e-9)
           # Smoothed; the first step (compilation) does not count.
           rate = current if step == done + 1 else 0.9 * rate + 0.1 * current
-          bar.update(step - done, loss, rate)
+          bar.update(step, loss, rate)
           last = now
           if manager is not None and save_every:
             # In the background: training goes on while it is written.

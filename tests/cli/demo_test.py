@@ -150,6 +150,28 @@ def test_piped_progress_is_a_line_every_few_seconds():
   assert progress(show=False) == []  # --quiet
 
 
+def test_resumed_progress_counts_the_trainings_steps():
+  """Resumed from step 4 of 7: 'train step 5/7' (compiling), not '1/3'."""
+  import io
+
+  import rich.console
+
+  from flax_dtensor.demo import run
+
+  buffer = io.StringIO()
+  console = rich.console.Console(file=buffer, width=80)  # Not a terminal.
+  clock = iter([0.0, 1.0, 4.0, 15.0]).__next__
+  with run._Progress(
+    console, 7, first=4, show=True, every=10.0, clock=clock
+  ) as bar:
+    for step in range(4, 7):
+      bar.update(step, 6.0 - step / 2, 1000.0 * step)
+  assert buffer.getvalue().splitlines() == [
+    'train step 5/7  loss 4.000  compiled  1 s',
+    'train step 7/7  loss 3.000  6,000 tokens/s  15 s',
+  ]
+
+
 def test_summary_at_80_columns_keeps_paths_whole():
   import io
 

@@ -54,6 +54,7 @@ class Interrupted(KeyboardInterrupt):
 _lock = threading.Lock()
 _swap_lock = threading.RLock()
 _cleanups: list[Callable[[], None]] = []
+_notes: list[Callable[[], str | None]] = []
 _installed = False
 _signum: int | None = None  # The first signal received.
 _received_at = 0.0
@@ -89,6 +90,31 @@ def on_exit_now(cleanup: Callable[[], bool | None]) -> None:
   with _lock:
     if cleanup not in _cleanups:
       _cleanups.append(cleanup)
+
+
+def on_interrupted(note: Callable[[], str | None]) -> None:
+  """Registers `note`: the line said after 'interrupted', or None for none.
+
+  A command tells there how to go on (the demo: ``--resume``). It runs
+  when the interrupt is told, maybe on the watchdog's thread.
+  """
+  with _lock:
+    if note not in _notes:
+      _notes.append(note)
+
+
+def say_interrupted() -> None:
+  """Says 'interrupted' on our stderr stream, then each note's line."""
+  from flax_dtensor import _output
+
+  _output.say('interrupted')
+  for note in list(_notes):
+    try:
+      line = note()
+    except Exception:  # Stopping: a note that fails is left out.
+      continue
+    if line:
+      _output.say(line)
 
 
 def _on_main_thread() -> bool:
@@ -229,7 +255,7 @@ def exit_now(code: int, *, message: bool = False) -> None:
       break
   if message:
     with contextlib.suppress(Exception):
-      _output.say('interrupted')
+      say_interrupted()
   for stream in (sys.stdout, sys.stderr, _output.stream()):
     with contextlib.suppress(Exception):
       stream.flush()

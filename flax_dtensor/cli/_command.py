@@ -184,13 +184,13 @@ def handle_errors(debug: bool) -> Iterator[None]:
       raise
     except KeyboardInterrupt:
       _interrupts.acknowledge()
-      _output.say('interrupted')
+      _interrupts.say_interrupted()
       raise typer.Exit(_interrupts.status()) from None
     except Exception as e:
       if _interrupts.received() is not None:
         # A failure the signal caused (a child process it stopped first).
         _interrupts.acknowledge()
-        _output.say('interrupted')
+        _interrupts.say_interrupted()
         raise typer.Exit(_interrupts.status()) from None
       message, status = _message(e)
       if status == EXIT_FAILURE:

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from flax_dtensor import _interrupts
 from flax_dtensor.cli import _command, _inputs
 
 DEFAULT_OUT = 'flax_dtensor_out'
@@ -113,6 +114,8 @@ def demo(
       _check_resumable(steps_dir_, steps)
     elif not save_every:  # No steps to save or restore: no folder.
       steps_dir_ = None
+    if steps_dir_ is not None:
+      _interrupts.on_interrupted(lambda: _how_to_go_on(steps_dir_, steps))
     mesh_ = _inputs.make_mesh(axes, mesh)
     _inputs.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train
@@ -133,6 +136,25 @@ def demo(
       save_every=save_every,
       resume=resume,
     )
+
+
+def _how_to_go_on(steps_dir: pathlib.Path, steps: int) -> str | None:
+  """The line an interrupted run ends with: how ``--resume`` goes on.
+
+  None unless `steps_dir` holds a whole step before `steps` (no JAX, no TF).
+  """
+  from flax_dtensor.dtensor._files import _steps
+
+  try:
+    done = _steps.whole_steps(str(steps_dir))
+  except OSError:
+    return None
+  if not done or done[-1] >= steps:
+    return None
+  return (
+    f'Steps up to {done[-1]} of {steps} are saved in {str(steps_dir)!r}: '
+    '`flax-dtensor demo --resume`, with the same flags, goes on from there.'
+  )
 
 
 def _check_resumable(steps_dir: pathlib.Path, steps: int) -> None:

@@ -251,6 +251,42 @@ def test_sigint_to_the_process_alone(old_runs, warm_pool, tmp_path, phase):
   assert signal_sweep.leftovers(out) == []
 
 
+def test_an_interrupted_demo_says_how_resume_goes_on(
+  old_runs, warm_pool, tmp_path
+):
+  """The old demo's step 2, resumed to 1000 steps, piped: the progress
+  counts the training's steps (3/1000 first, not 1/998), and SIGINT after
+  it ends the run with the line that says how `--resume` goes on."""
+  steps_dir = tmp_path / 'steps'
+  shutil.copytree(old_runs.root / 'demo-old-steps', steps_dir)
+  args = ['demo', '--out', str(tmp_path / 'out'), '--steps-dir']
+  args += [str(steps_dir), '--steps', '1000', '--batch-size', '1', '--resume']
+  case = signal_sweep.start(warm_pool, args, tmp_path, real=False)
+  lines = []
+  with case.stdout, case.stderr:  # Closed whatever fails.
+    try:
+      for line in iter(case.stdout.readline, b''):
+        lines.append(line.decode())
+        if line.startswith(b'train step '):
+          os.killpg(case.pid, signal.SIGINT)
+          break
+      status = case.wait(processes.TIMEOUT)
+    finally:
+      if case.poll() is None:
+        os.killpg(case.pid, signal.SIGKILL)
+        case.wait()
+    stderr = case.stderr.read().decode()
+  assert status == 130, ''.join(lines) + stderr
+  assert 'resumed from step 2 of 1000' in ' '.join(''.join(lines).split())
+  assert lines[-1].startswith('train step 3/1000  loss '), lines
+  assert stderr.splitlines()[-2:] == [
+    'interrupted',
+    f'Steps up to 2 of 1000 are saved in {str(steps_dir)!r}: '
+    '`flax-dtensor demo --resume`, with the same flags, goes on from there.',
+  ], stderr
+  assert not (tmp_path / 'out').exists()
+
+
 def _sigint_to_the_process(case, tmp_path, phase):
   """SIGINT to the case's process alone: (status, seconds, stderr)."""
   try:

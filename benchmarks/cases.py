@@ -219,6 +219,100 @@ def init(
   }
 
 
+# The spellings of a factory: where the `nnx.Rngs` lives, and what else the
+# factory builds. Each is (ours, Flax's): `fdt.init` of it, and the same
+# factory under `nnx.jit`, the way Flax's sharding guide writes it.
+SPELLINGS = (
+  'rngs_inside',
+  'rngs_passed',
+  'keywords',
+  'partial',
+  'optimizer',
+)
+
+
+def init_spelling(method: str, spelling: str, layers: int, width: int) -> dict:
+  """One build of `layers` annotated ``nnx.Linear(width, width)``, spelled
+  as `spelling` (`SPELLINGS`), on a (2, 4) mesh (jax.make_mesh's default
+  axis types): `method` 'fdt_init' or 'flax_jit' (an ``nnx.jit`` of the
+  same factory, defined once, under ``jax.set_mesh`` and Flax's rules). A
+  method ending in ``_again`` is timed on its second call (the first
+  untimed)."""
+  import functools
+
+  jax = _jax()
+  import optax
+  from flax import nnx
+
+  import flax_dtensor as fdt
+
+  again = method.endswith('_again')
+  method = method.removesuffix('_again')
+  rules = [('embed', 'data'), ('mlp', 'model')]
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs, width=width):
+      kernel = nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ('embed', 'mlp')
+      )
+      self.layers = nnx.List(
+        [
+          nnx.Linear(width, width, kernel_init=kernel, rngs=rngs)
+          for _ in range(layers)
+        ]
+      )
+
+  def with_optimizer():
+    model = Model(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+  # Each: the factory, and how it is called (fdt.init's extra arguments).
+  factory, args, kwargs = {
+    'rngs_inside': (lambda: Model(nnx.Rngs(0)), (), {}),
+    'rngs_passed': (Model, (nnx.Rngs,), {}),
+    'keywords': (Model, (), {'rngs': nnx.Rngs, 'width': width}),
+    'partial': (functools.partial(Model, width=width), (nnx.Rngs,), {}),
+    'optimizer': (with_optimizer, (), {}),
+  }[spelling]
+
+  def fresh(x):  # A new nnx.Rngs(0) at each call, as a user writes it.
+    return x(0) if x is nnx.Rngs else x
+
+  static = tuple(k for k, v in kwargs.items() if v is not nnx.Rngs)
+  jitted = nnx.jit(factory, static_argnames=static)
+  jax.block_until_ready(jax.numpy.zeros(8) + 1)  # Start the backend.
+
+  def build():
+    a = [fresh(x) for x in args]
+    k = {n: fresh(x) for n, x in kwargs.items()}
+    if method == 'fdt_init':
+      return fdt.init(factory, *a, mesh=mesh, rules=rules, **k)
+    if method == 'flax_jit':
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(tuple(rules)):
+        return jitted(*a, **k)
+    raise ValueError(method)
+
+  if again:  # The first call of this configuration, untimed.
+    jax.block_until_ready(nnx.state(build()))
+  before = _reset_peak()
+  start = time.perf_counter()
+  built = build()
+  jax.block_until_ready(nnx.state(built))
+  seconds = time.perf_counter() - start
+  model = built[0] if isinstance(built, tuple) else built
+  kernel = model.layers[0].kernel.get_value()
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': _rss_mib(),
+    'param_bytes': sum(
+      x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+    ),
+    'shard_shape': list(kernel.addressable_shards[0].data.shape),
+  }
+
+
 # Planning
 # ------------------------------------------------------------------------------
 
@@ -2011,6 +2105,7 @@ CASES = {
   'gpu': gpu,
   'export_memory': export_memory,
   'init': init,
+  'init_spelling': init_spelling,
   'plan': plan,
   'to_tf': to_tf,
   'checkpoint': checkpoint,

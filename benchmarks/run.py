@@ -245,6 +245,38 @@ _INIT_AGAIN = _case(
 )
 
 
+# Every spelling of a factory (`cases.SPELLINGS`: the Rngs made inside it,
+# passed in, keyword arguments, functools.partial, the optimizer built in
+# it), each against Flax's `nnx.jit` of the same factory in the same run:
+# the first call and a second of the same configuration.
+_SPELLING_METHODS = {
+  'ours': 'fdt_init',
+  'peer': 'flax_jit',
+  'ours_again': 'fdt_init_again',
+  'peer_again': 'flax_jit_again',
+}
+
+
+def _spellings(layers, width=64):
+  return [
+    _case(
+      'init_spelling',
+      {'spelling': spelling, 'layers': layers, 'width': width},
+      _SPELLING_METHODS,
+      [('ours', 'peer'), ('ours_again', 'peer_again')],
+      note=f'{layers} annotated nnx.Linear({width}, {width}) ({2 * layers} '
+      f'arrays), spelled {spelling}, on a (2, 4) mesh of Explicit axes',
+    )
+    for spelling in (
+      'rngs_inside',
+      'rngs_passed',
+      'keywords',
+      'partial',
+      'optimizer',
+    )
+  ]
+
+
 # One accelerator (`--only gpu`; no TensorFlow needed): a Llama-like decoder
 # in bfloat16 on jax.make_mesh's default mesh over the local devices. The
 # first and second build against Flax's jitted factory, eager creation
@@ -416,6 +448,7 @@ def _full():
       ),
       _INIT_AGAIN,
       _INIT_AGAIN_SMALL,
+      *_spellings(100),
     ],
     'init_scaling': [
       _case(
@@ -610,6 +643,7 @@ def _quick():
     'init': [
       _case('init', {'layers': 2, 'width': 256}, _INIT, _INIT_RATIOS),
       {**_INIT_AGAIN, 'params': {'layers': 2, 'width': 256, 'stack': 'vmap'}},
+      *_spellings(40),
     ],
     'plan': [
       _case('plan', {'variables': 200}, {'ours': 'fdt_plan_factory'}),

@@ -437,7 +437,8 @@ def _activation_clash_findings(
   out = []
   for name in activations:
     try:
-      spec = _resolution.resolve((name,), None, mesh=mesh, rules=rules).spec
+      with _missing_axes.reported_elsewhere():  # As findings.
+        spec = _resolution.resolve((name,), None, mesh=mesh, rules=rules).spec
     except _errors.FlaxDTensorError:
       continue
     taken = set(_specs.axes_of(spec[0])) & explicit

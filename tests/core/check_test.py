@@ -15,7 +15,10 @@ from jax.sharding import PartitionSpec as P
 import flax_dtensor as fdt
 from flax_dtensor._planning import _check
 
-MESH = AbstractMesh((2, 4), ('data', 'model'))
+# Auto axes, as JAX 0.10 makes an AbstractMesh by default (0.12: Explicit).
+MESH = AbstractMesh(
+  (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+)
 
 
 class Model(nnx.Module):

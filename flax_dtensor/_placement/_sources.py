@@ -100,29 +100,23 @@ def check_held(
 
   A restore never changes a value unless asked to: the dtype a variable
   was exported with must be the target's, or `convert_dtypes` must be set.
-  Every misfit is named at once: the variables the source lacks; else each
-  variable of another shape, and each of another dtype, in one message.
+  Every misfit is named at once, in one message: the variables the source
+  lacks, each variable of another shape, and each of another dtype.
   """
   lacks = [e for e in entries if e.path not in held]
-  if lacks:
-    raise _errors.ExportError(_lacking(lacks, held, source))
-  kinds = [held[e.path] for e in entries]
-  shapes = [
-    (e, h) for e, h in zip(entries, kinds, strict=True) if h.shape != e.shape
-  ]
+  found = [(e, held[e.path]) for e in entries if e.path in held]
+  shapes = [(e, h) for e, h in found if h.shape != e.shape]
   dtypes = [
-    (e, h)
-    for e, h in zip(entries, kinds, strict=True)
-    if h.saved != e.dtype and not convert_dtypes
+    (e, h) for e, h in found if h.saved != e.dtype and not convert_dtypes
   ]
-  parts = []
+  parts = [_lacking(lacks, held, source)] if lacks else []
   if shapes:
     parts.append(_shape_mismatches(shapes, source))
   if dtypes:
     parts.append(_dtype_mismatches(dtypes, source))
   if parts:
     raise _errors.ExportError(' '.join(parts))
-  return kinds
+  return [h for _, h in found]
 
 
 MISMATCHES_SHOWN = 8

@@ -1056,6 +1056,28 @@ def test_a_restore_of_a_huge_mismatch_names_the_first_eight(tmp_path):
   assert "'p08'" not in str(info.value)
 
 
+def test_a_missing_variable_and_other_shapes_are_named_together(
+  auto_mesh, tmp_path
+):
+  path = fdt_tf.save_checkpoint(_make_mlp(auto_mesh), tmp_path / 'ckpt')
+  wider = _make_mlp(auto_mesh, hidden=48)
+  wider.extra = nnx.Param(jnp.zeros((3,)))
+  with pytest.raises(fdt.ExportError) as info:
+    fdt_tf.restore_checkpoint(path, wider)
+  message = str(info.value)
+  lacking, shapes = message.split(' Shape mismatch', 1)
+  assert lacking.startswith(
+    f"The checkpoint '{tmp_path / 'ckpt' / 'ckpt'}' has no variable 'extra' "
+    "(key 'state/extra/.ATTRIBUTES/VARIABLE_VALUE'), which the target needs."
+  ), message
+  _assert_names_every_shape(
+    'Shape mismatch' + shapes,
+    WIDER_BY_16,
+    f"the checkpoint '{tmp_path / 'ckpt' / 'ckpt'}'",
+  )
+  np.testing.assert_array_equal(wider.extra.get_value(), np.zeros(3))
+
+
 def _narrow_target(dtype):
   return nnx.Dict(w=nnx.Param(jnp.zeros((2, 4), dtype)))
 

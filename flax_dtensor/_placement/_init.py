@@ -692,12 +692,6 @@ def _without_own_mesh(
   rules = _logical.rules_in_effect()
   found: list[tuple[list[str], int]] = []
 
-  def own_mesh(variable: nnx.Variable) -> Any:
-    concrete = _variables.concrete_sharding_of(variable)
-    if concrete is not None:
-      return concrete.mesh
-    return variable.get_metadata('mesh', None)
-
   # Graph nodes and arrays are passed (abstract), the rest closed over.
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
   dynamic = [
@@ -717,7 +711,7 @@ def _without_own_mesh(
     ):
       if resolution is None:
         continue
-      if isinstance(own_mesh(v), Mesh):
+      if isinstance(_variables.named_mesh_of(v), Mesh):
         named += 1
       else:
         lacking.append(where)

@@ -172,6 +172,19 @@ def concrete_sharding_of(variable: nnx.Variable) -> NamedSharding | None:
   return inner if isinstance(inner, NamedSharding) else None
 
 
+def named_mesh_of(variable: nnx.Variable) -> Any:
+  """The mesh a variable names for itself, or None.
+
+  Its ``mesh`` metadata (``nnx.Param(..., mesh=m)``), else the mesh of its
+  concrete ``out_sharding``: where Flax's ``shard_value`` puts it, whatever
+  mesh is in effect (see `_meshes.mesh_for`).
+  """
+  concrete = concrete_sharding_of(variable)
+  if concrete is not None:
+    return concrete.mesh
+  return variable.get_metadata('mesh', None)
+
+
 def layout_of(variable: nnx.Variable) -> Layout | None:
   """The device-local layout a variable's ``out_sharding`` asks for.
 

@@ -665,12 +665,7 @@ def _variable_rows(
 def _own_mesh(variable: nnx.Variable, mesh: Any) -> Any:
   """The mesh a variable names for itself (its ``mesh`` metadata, or its
   concrete ``out_sharding``'s), if it is not `mesh`; else None."""
-  concrete = _variables.concrete_sharding_of(variable)
-  own = (
-    concrete.mesh
-    if concrete is not None
-    else variable.get_metadata('mesh', None)
-  )
+  own = _variables.named_mesh_of(variable)
   if not isinstance(own, jax.sharding.Mesh | jax.sharding.AbstractMesh):
     return None
   if mesh is not None and (

@@ -180,11 +180,8 @@ def _check_matches(
   if choice.part:
     held = _parts.inside(held, choice.part)
     name = f'The part {choice.prefix} of the Orbax checkpoint {str(path)!r}'
-  elif choice.groups:
-    rebuild += (
-      ', or pass --part NAME for the group holding the model (its groups: '
-      f'{_parts.listing(choice.groups)})'
-    )
+  else:
+    rebuild += choice.hint()
   wanted = []
   for keypath, variable in jax.tree_util.tree_flatten_with_path(
     abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)

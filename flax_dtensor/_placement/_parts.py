@@ -30,11 +30,25 @@ class Choice:
     matched: Whether it was found by the model's paths (not named).
     groups: Each top-level group of the checkpoint and how many variables
       it holds, in order.
+    near: With no part chosen and the whole checkpoint not the model's,
+      the groups holding some of the model's variables by path (a part
+      that may be meant, for the fix of the mismatch).
   """
 
   part: tuple[str, ...]
   matched: bool
   groups: Mapping[str, int]
+  near: tuple[str, ...] = ()
+
+  def hint(self, flag: str = '--part') -> str:
+    """', or pass --part NAME ...' for the fix of a mismatch, or ''."""
+    if not self.near:
+      return ''
+    shown = {g: n for g, n in self.groups.items() if g in self.near}
+    return (
+      f', or pass {flag} NAME for the group holding the model (it may be '
+      f'{listing(shown)})'
+    )
 
   @property
   def prefix(self) -> str:
@@ -129,12 +143,13 @@ def choose(
   names = {_variables.path_str(p) for p in held}
   if wanted <= names:
     return Choice((), False, counts)
-  found = [
-    group
+  by_group = {
+    group: {
+      _variables.path_str(p) for p in inside(dict.fromkeys(held), (group,))
+    }
     for group in counts
-    if wanted
-    <= {_variables.path_str(p) for p in inside(dict.fromkeys(held), (group,))}
-  ]
+  }
+  found = [group for group, paths in by_group.items() if wanted <= paths]
   if len(found) > 1:
     raise _errors.ExportError(
       f'{source} holds the variables of the model under '
@@ -143,4 +158,5 @@ def choose(
     )
   if found:
     return Choice((found[0],), True, counts)
-  return Choice((), False, counts)
+  near = tuple(g for g, paths in by_group.items() if wanted & paths)
+  return Choice((), False, counts, near)

@@ -97,6 +97,13 @@ def user_hidden_only() -> UserHiddenOnly:
   return UserHiddenOnly(features=16, rngs=nnx.Rngs(1))
 
 
+def user_model_with_head() -> nnx.Module:
+  """`user_model` and one layer more: no checkpoint of `user_model` fits."""
+  model = user_model()
+  model.head = nnx.Linear(3, 2, rngs=nnx.Rngs(2))
+  return model
+
+
 def huge_user_model() -> nnx.Module:
   """40 GB of float32 params: `plan` must not allocate them."""
   init = nnx.with_partitioning(nnx.initializers.zeros, ('features', 'hidden'))
@@ -1952,8 +1959,25 @@ def test_export_part_of_a_manager_step(user_steps, tmp_path):
       USER_TARGET,
       ["Malformed --part '/'", 'e.g. model'],
     ),
+    (
+      [],
+      f'{THIS_FILE}:user_model_with_head',
+      [
+        "and it lacks 5 of the target's variables: head/bias, head/kernel, "
+        'hidden/bias, hidden/kernel, out/kernel.',
+        'pass a TARGET that builds the model that was saved (the same '
+        'configuration), or pass --part NAME for the group holding the '
+        'model (it may be ema/ (3 variables), model/ (3)).',
+      ],
+    ),
   ],
-  ids=['two-groups-match', 'no-such-part', 'extra-in-part', 'empty-part'],
+  ids=[
+    'two-groups-match',
+    'no-such-part',
+    'extra-in-part',
+    'empty-part',
+    'no-group-fits',
+  ],
 )
 def test_export_part_refused(user_steps, tmp_path, args, target, fragments):
   bad_input(

@@ -60,11 +60,8 @@ def check(
   if choice.part:
     held = _parts.inside(held, choice.part)
     name = f'The part {choice.prefix} of the checkpoint {directory!r}'
-  elif choice.groups:
-    rebuild += (
-      ', or pass --part NAME for the group holding the model (its groups: '
-      f'{_parts.listing(choice.groups)})'
-    )
+  else:
+    rebuild += choice.hint()
   source = _sources.Source(
     name, 'a checkpoint', 'saved', selects=False, rebuild=rebuild
   )

@@ -12,7 +12,7 @@ to a bound, then a count), what was expected, what was found, and the fix
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -156,7 +156,9 @@ def _lacking(
 
 
 def _each(
-  what: str, pairs: Sequence[tuple[Wanted, Held]], describe: Any
+  what: str,
+  pairs: Sequence[tuple[Wanted, Held]],
+  describe: Callable[[Wanted, Held, bool], str],
 ) -> str:
   """'Shape mismatch for 'a': ...' or, for several, each of them (the
   first `MISMATCHES_SHOWN`, then a count): the source is named once."""

@@ -9,7 +9,9 @@ behind training (`_background`), slices read and written on the host
 folder, its parts written aside and swapped in whole (`_run_folder`: the
 command line's ``demo`` and ``export``); and a training run's checkpoints
 by step (`_manager`: `CheckpointManager`, its folder's names in `_steps`,
-read without JAX or TensorFlow by ``inspect``).
+read without JAX or TensorFlow by ``inspect``); and one part of a step that
+holds the model beside other state, restored into the model
+(`_part_restore`: ``export --part``).
 
 May import: `dtensor._layout`, the bridge's top-level helpers and the
 package's core; never `_serving`. `_atomic` imports nothing of the format.

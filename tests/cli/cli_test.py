@@ -2011,6 +2011,46 @@ def test_export_part_allow_extra(user_steps, tmp_path):
   )
 
 
+def test_export_the_model_of_an_orbax_training_state(tmp_path):
+  """An Orbax checkpoint of nnx.state of a model and its optimizer: the
+  model's part is found by its paths, read alone, and exported as saved."""
+  import jax
+  import optax
+  import orbax.checkpoint as ocp
+
+  import flax_dtensor as fdt
+
+  mesh = jax.make_mesh((8,), ('data',))
+  with (
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(
+      [('features', 'data'), ('hidden', None), ('classes', None)]
+    ),
+  ):
+    model = user_model()
+    state = nnx.Dict(
+      model=model,
+      optimizer=nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param),
+    )
+  orbax = tmp_path / 'orbax'
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(orbax, nnx.state(state))
+    checkpointer.wait_until_finished()
+  out = tmp_path / 'out'
+  stdout = ok(_export_steps(orbax, out))
+  assert (
+    f"note: '{orbax}' holds model/ (3 variables), optimizer/ (8); exporting "
+    'model/'
+  ) in ' '.join(stdout.split())
+  expected = {
+    '/'.join(map(str, k)): np.asarray(v.get_value())
+    for k, v in nnx.to_flat_state(nnx.state(model))
+  }
+  report = check_checkpoint(out / 'checkpoint', expected)
+  assert report['missing'] == [] and report['extra'] == []
+  assert report['max_abs_diff'] == 0.0
+
+
 def _flip(path, offset, count=10):
   data = bytearray(path.read_bytes())
   offset = offset if offset >= 0 else len(data) + offset

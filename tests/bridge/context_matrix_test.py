@@ -453,13 +453,19 @@ def _plan_factory(world, cell):
 
 
 def _expected_findings(cell) -> set[tuple[str, str]]:
-  """Rules only for activations are unused by variables; nothing else."""
+  """Rules only for activations are unused by variables; a matrix with one
+  logical name is pointed out; nothing else."""
+  short = (
+    {('short-annotation', repr(cm.short_annotation(cell.context)))}
+    if 'short annotation' in cell.features
+    else set()
+  )
   if cell.context.rules == 'no rules':
-    return set()
+    return short
   unused = {n for n, _ in cm.rule_table(cell.context) if 'activation_' in n}
   if 'nnx.scan-stacked layers' not in cell.features:
     unused.add('layers')
-  return {('unused-rule', repr(name)) for name in unused}
+  return {('unused-rule', repr(name)) for name in unused} | short
 
 
 def _check(world, cell, subject):

@@ -70,6 +70,7 @@ FEATURES = (
   'int variable',
   'bool variable',
   'bfloat16 variable',
+  'short annotation',
   'nnx.scan-stacked layers',
   'constrained activations',
   'out_sharding= forwards',
@@ -294,6 +295,12 @@ def annotation_axes(context: Context) -> dict[str, Any] | None:
   return dict(rule_table(context)) if context.rules == 'no rules' else None
 
 
+def short_annotation(context: Context) -> tuple[Any, ...]:
+  """The annotation of the 'short annotation' feature's matrix."""
+  axes = annotation_axes(context)
+  return ('mlp',) if axes is None else (axes.get('mlp'),)
+
+
 @contextlib.contextmanager
 def scope(context: Context, mesh: jax.sharding.Mesh) -> Iterator[None]:
   """The context: its mesh (or none) and its rules (or none) in effect."""
@@ -516,6 +523,14 @@ class Model(nnx.Module):
       self.table = nnx.Param(
         nnx.with_partitioning(_LECUN, self.names('embed', 'mlp'))(
           rngs.params(), (EMBED, MLP), jnp.bfloat16
+        )
+      )
+    if self.has('short annotation'):
+      # Fewer logical names than dimensions: the second is None (Flax's
+      # reading, flax#5127's annotation).
+      self.short = nnx.Param(
+        nnx.with_partitioning(_LECUN, self.names('mlp'))(
+          rngs.params(), (MLP, EMBED)
         )
       )
     if self.has('int variable'):

@@ -407,8 +407,10 @@ def _check_towers(model, rngs, towers, expected, plan, caller):
 def test_init_meshes_per_model(meshes, mesh_via, types):
   """Each variable on the mesh its metadata names, with its spec; the
   others on the caller's mesh, if one is given."""
-  if meshes == 'one' and mesh_via == 'none':
-    pytest.skip("no mesh at all: refused, as test_bad_inputs checks")
+  if meshes == 'one' and mesh_via == 'none':  # No mesh anywhere: refused.
+    with pytest.raises(fdt.MeshError, match=r'but no mesh is set\. Set one'):
+      fdt.init(_towers((None,) * 3, unplaced=False), nnx.Rngs(0), rules=RULES)
+    return
   caller = (
     None
     if mesh_via == 'none'

@@ -45,7 +45,7 @@ CHECKS = {
     'served = tf.saved_model.load("saved_model").signatures\n'
     "assert list(served) == ['serving_default'], served\n"
   ),
-  'export_guide.md:explicit-axes': (
+  'export_saved_models.md:explicit-axes': (
     # Served at 8 rows as JAX computes them on the mesh, and at 3 (which
     # JAX splits over 'data' on one device only) as the same rows: the
     # forward treats each row alone.
@@ -56,7 +56,7 @@ CHECKS = {
     '  got = serve(x=tf.constant(x[:rows]))["output_0"].numpy()\n'
     '  np.testing.assert_allclose(got, want[:rows], rtol=1e-5, atol=1e-5)\n'
   ),
-  'export_guide.md:rng-state': (
+  'export_checkpoints.md:rng-state': (
     'import numpy as np\n'
     'for got in (seeded, resumed):\n'
     '  for path, v in nnx.to_flat_state(nnx.state(got)):\n'
@@ -72,21 +72,21 @@ CHECKS = {
     'again = jax.random.key_data(seeded.dropout.rngs.key.get_value())\n'
     'assert not np.array_equal(again, want)\n'
   ),
-  'export_guide.md:optimizer-state': (
+  'export_checkpoints.md:optimizer-state': (
     "mu = restored_opt.opt_state[0].mu['layers'][0]['mlp']['up']['kernel']\n"
     "assert mu[...].sharding.spec == jax.P('data', 'model'), mu[...].sharding\n"
   ),
-  'export_guide.md:failure-kinds': (
+  'export_checkpoints.md:failure-kinds': (
     'import numpy as np\n'
     "saved = fdt_dt.read_checkpoint('ckpt_loop')[('w',)]\n"
     'np.testing.assert_array_equal(saved, np.full((8, 16), 3.0))\n'
   ),
-  'export_guide.md:multi-host': (
+  'export_multi_process.md:multi-host': (
     'import os\n'
     "assert len(os.environ['DTENSOR_JOBS'].split(',')) == 2\n"
     'print("PROCESS", jax.process_index(), jax.device_count())\n'
   ),
-  'export_guide.md:way-back': (
+  'export_way_back.md:way-back': (
     'import numpy as np\n'
     'want = np.asarray(layer.kernel[...]) * 2\n'
     'np.testing.assert_array_equal(np.asarray(back.kernel[...]), want)\n'
@@ -94,7 +94,7 @@ CHECKS = {
     '    np.asarray(back.bias[...]), np.asarray(layer.bias[...]))\n'
     "assert back.kernel[...].sharding.spec == jax.P('model', 'data')\n"
   ),
-  'export_guide.md:single-mesh': (
+  'export_way_back.md:single-mesh': (
     'import numpy as np\n'
     'e = np.asarray(embed.embedding[...])\n'
     'k = np.asarray(head.kernel[...])\n'
@@ -110,7 +110,7 @@ CHECKS = {
     "    'state/embed/embedding/.ATTRIBUTES/VARIABLE_VALUE')\n"
     'np.testing.assert_array_equal(table, e)\n'
   ),
-  'export_guide.md:saved-model-processes': (
+  'export_multi_process.md:saved-model-processes': (
     'import numpy as np\n'
     "loaded = tf.saved_model.load('saved_model')\n"
     'x = np.ones((3, 16), np.float32)\n'
@@ -272,7 +272,9 @@ def test_block_runs_alone(run_chain, chain):
 
 
 def test_multi_host_block_runs_in_two_processes(run_chain):
-  (chain,) = [c for c in CHAINS if c[-1].name == 'export_guide.md:multi-host']
+  (chain,) = [
+    c for c in CHAINS if c[-1].name == 'export_multi_process.md:multi-host'
+  ]
   _, stdout, _ = run_chain(chain)
   assert 'PROCESS 0 8' in stdout and 'PROCESS 1 8' in stdout, stdout
 
@@ -289,9 +291,16 @@ def test_the_markers_hold():
     for name in block.continues:
       assert f'{block.page}:{name}' in names, (block.name, name)
   # The pages this test was written for are all found.
-  assert {'concepts.md', 'export_guide.md', 'getting_started.md'} <= {
-    b.page for b in BLOCKS if b.language == 'python'
-  }
+  assert {
+    'concepts.md',
+    'export_guide.md',
+    'export_checkpoints.md',
+    'export_training_runs.md',
+    'export_saved_models.md',
+    'export_way_back.md',
+    'export_multi_process.md',
+    'getting_started.md',
+  } <= {b.page for b in BLOCKS if b.language == 'python'}
 
 
 @pytest.mark.parametrize('page', [p.name for p in PAGES])

@@ -14,7 +14,7 @@ markers a page may use:
   named blocks of the same page (and theirs), in that order.
 - ``# Run in each of the N processes ...`` as a block's first line: it runs
   in N processes at once, process i with i as its argument (and no
-  ``DTENSOR_*`` variable: docs/export_guide.md, multi host).
+  ``DTENSOR_*`` variable: docs/export_multi_process.md).
 - ``# Fresh process: WHY`` on a line of its own: the block runs in a new
   ``python``, not a fork of the pool (its subject is what happens at
   import, or it needs modules the pool has not imported).

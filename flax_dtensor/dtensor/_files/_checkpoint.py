@@ -333,9 +333,9 @@ def save_checkpoint(
   interpreter waits for pending saves at exit.
 
   In a multi-process run every process must call this with the same
-  arguments (see the export guide for the recipe). If another process dies
-  or hangs, this (or, with `blocking=False`, `wait()`) raises within
-  `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by default) of its last
+  arguments (docs/export_multi_process.md has the recipe). If another
+  process dies or hangs, this (or, with `blocking=False`, `wait()`) raises
+  within `FLAX_DTENSOR_PEER_TIMEOUT` seconds (60 by default) of its last
   heartbeat, naming it.
 
   Args:

@@ -14,8 +14,8 @@ ran in the warm pool's forks, the XLA compilations in the test process
 (and those the persistent cache served), and whether it imported
 TensorFlow. Then the totals, and a warning line for each file over
 `--limit` seconds of one worker's time (a warning, never a failure: these
-machines are shared, and timing fails no test). `tests/README.md` keeps
-the tables of measured runs.
+machines are shared, and timing fails no test). `tests/README.md` says
+how to profile; the tables of past runs are in its git history.
 
 `--write-costs` writes each file's seconds (the mean over the runs given)
 to tests/support/costs.json, which pytest-xdist's scheduling reads to hand

@@ -14,7 +14,7 @@ was first imported in its worker by it (or by its file's import, at collection).
 The figures travel on the reports' `user_properties`, so pytest-xdist's
 workers send them to the main process, which writes them as JSON lines to
 `--suite-profile PATH` (or $FDT_SUITE_PROFILE). `tools/suite_profile.py`
-turns that file into the per-file table of `tests/README.md`.
+turns that file into a per-file table (`tests/README.md`, Profiling).
 """
 
 from __future__ import annotations

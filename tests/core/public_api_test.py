@@ -1,8 +1,15 @@
 """The public API is a contract: check it against a checked-in list."""
 
+import importlib
+import io
+import pathlib
+import tokenize
+
 import processes
+import pytest
 
 import flax_dtensor as fdt
+from flax_dtensor import _lazy
 
 EXPECTED = (
   'CheckReport',
@@ -92,6 +99,105 @@ def test_all_matches_the_contract():
     for name in module.__all__:
       obj = getattr(module, name)
       assert obj.__doc__, f'{name} has no docstring'
+
+
+def _namespaces():
+  import flax_dtensor.dtensor as fdt_tf
+
+  return (fdt, fdt_tf)
+
+
+def _lines_naming(path, name):
+  """The logical lines of a file that spell `name` (a name or a string)."""
+  if not path.exists():
+    return set()
+  rows, row = set(), 1
+  tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+  for token in tokens:
+    if token.type in (tokenize.NEWLINE, tokenize.NL):
+      row = token.end[0] + 1
+    elif token.string == name or (
+      token.type == tokenize.STRING and token.string.strip('\'"') == name
+    ):
+      rows.add(row)
+  return rows
+
+
+def test_each_public_name_is_written_once_in_its_namespace():
+  """A namespace's files (``__init__.py`` and its stub) spell each public
+  name in one statement: the stub's import, which type checkers read and
+  the lazy namespace parses."""
+  for module in _namespaces():
+    init = pathlib.Path(module.__file__)
+    stub = init.with_suffix('.pyi')
+    for name in module.__all__:
+      assert not _lines_naming(init, name), (init, name)
+      assert len(_lines_naming(stub, name)) == 1, (stub, name)
+
+
+def test_the_stub_gives_all_dir_and_getattr():
+  for module in _namespaces():
+    stub = pathlib.Path(module.__file__).with_suffix('.pyi').read_text()
+    table = _lazy.public_names(stub, module.__name__)
+    assert len(table) > 20, table
+    assert module.__all__ == tuple(sorted(table))
+    version = ['__version__'] if module is fdt else []
+    assert dir(module) == sorted([*table, *version])
+    for name, where in table.items():
+      defining = importlib.import_module(f'{module.__name__}.{where}')
+      assert getattr(module, name) is getattr(defining, name), name
+    with pytest.raises(AttributeError, match=r"has no attribute 'shard_tre'"):
+      module.shard_tre  # noqa: B018
+
+
+def test_a_name_added_to_the_stub_is_public(tmp_path):
+  """One line of a stub is all a new public name needs."""
+  (tmp_path / '__init__.pyi').write_text(
+    '# A stub.\n'
+    'from flax_dtensor._placement._trees import (\n'
+    '  gather_tree as gather_tree,\n'
+    ')\n'
+    'from flax_dtensor._placement._trees import shard_tree as shard_tree\n'
+    '__version__: str\n'
+  )
+  namespace = {'__version__': '9'}
+  all_, getattr_, dir_ = _lazy.namespace(
+    'flax_dtensor', str(tmp_path / '__init__.py'), namespace
+  )
+  assert all_ == ('gather_tree', 'shard_tree')
+  assert dir_() == ['__version__', 'gather_tree', 'shard_tree']
+  assert getattr_('shard_tree') is fdt.shard_tree
+  assert namespace['shard_tree'] is fdt.shard_tree
+  with pytest.raises(AttributeError, match=r"'flax_dtensor' has no .*'plan'"):
+    getattr_('plan')
+
+
+@pytest.mark.parametrize(
+  'line, match',
+  [
+    (
+      'from flax_dtensor._trees import shard_tree as shard',
+      r"re-export each name as itself .* line 1: 'from flax_dtensor\._trees "
+      r"import shard_tree as shard'",
+    ),
+    (
+      'from flax_dtensor._trees import shard_tree',
+      r're-export each name as itself',
+    ),
+    (
+      'from ._trees import shard_tree as shard_tree',
+      r"import from flax_dtensor\.\*, got line 1: 'from \._trees import",
+    ),
+    (
+      'from jax import jit as jit',
+      r"import from flax_dtensor\.\*, got line 1: 'from jax import jit",
+    ),
+  ],
+  ids=['renamed', 'private', 'relative', 'foreign'],
+)
+def test_a_stub_the_namespace_cannot_hand_out_is_refused(line, match):
+  with pytest.raises(ImportError, match=match):
+    _lazy.public_names(line + '\n', 'flax_dtensor')
 
 
 def test_errors_subclass_valueerror_or_typeerror():

@@ -1,7 +1,7 @@
 """Memory: a sharded build never holds a whole unsharded model.
 
-Each build runs in a fresh process (`benchmarks/cases.py`, the benchmarks'
-own measurement), which resets the OS's peak-RSS mark before the build and
+Each build runs in a fresh process (`benchmarks/measure.py`, the
+benchmarks' own measurement), which resets the OS's peak-RSS mark before the build and
 reads it after. With 8 virtual devices on one host, sharded parameters take
 their bytes once; a build that made any kernel whole on every device (8 copies)
 or kept every initializer's temporaries alive at once would exceed 1.5x.
@@ -13,12 +13,12 @@ import sys
 import processes
 import pytest
 
-CASES = processes.REPO_ROOT / 'benchmarks' / 'cases.py'
+MEASURE = processes.REPO_ROOT / 'benchmarks' / 'measure.py'
 
 
 def _measure(method: str, layers: int) -> dict:
   proc = processes.run_python(
-    CASES, 'init', method, json.dumps({'layers': layers, 'width': 1024})
+    MEASURE, 'init', method, json.dumps({'layers': layers, 'width': 1024})
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -71,16 +71,16 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   import flax_dtensor as fdt
   from flax_dtensor._placement import _creation, _init
 
-  sys.path.insert(0, str(CASES.parent))
+  sys.path.insert(0, str(MEASURE.parent))
   try:
-    import cases
+    import models  # The benchmarks' model builders.
   finally:
-    sys.path.remove(str(CASES.parent))
+    sys.path.remove(str(MEASURE.parent))
   width = 256
-  factory = cases._mlp_stack(2, width, annotated=False)
+  factory = models.mlp_stack(2, width, annotated=False)
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   rules = fdt.LogicalRules(
-    [('embed', 'data'), ('mlp', 'model')], path_rules=cases.PATH_RULES
+    [('embed', 'data'), ('mlp', 'model')], path_rules=models.PATH_RULES
   )
   whole = {(str(width), str(4 * width)), (str(4 * width), str(width))}
   blocks = {(str(width // 2), str(width)), (str(width), str(width // 2))}

@@ -7,7 +7,8 @@ Flax places an annotated variable at creation with
 two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
 annotated initializer computes only its shards (`_creation`), and
 ``Variable.set_value``. The wrappers take any arguments and defer to Flax
-unless our rules are in effect or our build (`building`) runs.
+unless our rules are in effect or our build (`building`) runs; `HOOKED`
+lists each wrapped function and every place Flax holds it.
 `ensure_installed` installs them and proves (`check_routing`) that Flax
 still calls them, once per process, before the first public name of
 flax_dtensor is handed out (see the package's ``__getattr__``). Two more
@@ -481,85 +482,65 @@ def ensure_installed() -> None:
       _installed = True
 
 
-def install() -> None:
-  """Wraps Flax's functions; idempotent (see `ensure_installed`)."""
-  if getattr(core_spmd.shard_value, _MARK, False):
-    return
-  flax_shard_value = core_spmd.shard_value
-  flax_get_var_pspec = nnx_spmd.get_var_pspec
+def _deferring(
+  implementation: Callable[..., Any],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """A wrapper maker: Flax's function, called through `implementation`
+  (which gets Flax's own function first, then the call's arguments)."""
 
-  @functools.wraps(flax_shard_value)
-  def shard_value(*args: Any, **kwargs: Any) -> Any:
-    return _shard_value(flax_shard_value, *args, **kwargs)
+  def wrap(flax_fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(flax_fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+      return implementation(flax_fn, *args, **kwargs)
 
-  @functools.wraps(flax_get_var_pspec)
-  def get_var_pspec(*args: Any, **kwargs: Any) -> Any:
-    return _get_var_pspec(flax_get_var_pspec, *args, **kwargs)
+    return hook
 
-  flax_with_metadata = variablelib.with_metadata
+  return wrap
 
-  @functools.wraps(flax_with_metadata)
-  def with_metadata(*args: Any, **kwargs: Any) -> Any:
-    return _with_metadata(flax_with_metadata, *args, **kwargs)
 
-  flax_set_value = variablelib.Variable.set_value
+def _wrap_set_value(flax_set_value: Callable[..., Any]) -> Callable[..., Any]:
+  """``Variable.set_value``'s wrapper: outside a traced build (every eager
+  one), Flax's own, one frame."""
 
   @functools.wraps(flax_set_value)
   def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
-    # Outside a traced build (every eager one): Flax's, one frame.
     if not _state.building:
       return flax_set_value(variable, *args, **kwargs)
     return _set_value(flax_set_value, variable, *args, **kwargs)
 
-  flax_get_partition_spec = nnx_spmd.get_partition_spec
+  return set_value
 
-  @functools.wraps(flax_get_partition_spec)
-  def get_partition_spec(*args: Any, **kwargs: Any) -> Any:
-    return _get_partition_spec(flax_get_partition_spec, *args, **kwargs)
 
-  flax_get_named_sharding = nnx_spmd.get_named_sharding
+HOOKED: tuple[tuple[tuple[Any, ...], str, Callable[..., Any]], ...] = (
+  # (owners: where Flax defines it, then where Flax re-exports it; the
+  # attribute; what makes its wrapper from Flax's function)
+  ((core_spmd,), 'shard_value', _deferring(_shard_value)),
+  ((nnx_spmd,), 'get_var_pspec', _deferring(_get_var_pspec)),
+  ((variablelib, nnx), 'with_metadata', _deferring(_with_metadata)),
+  ((variablelib.Variable,), 'set_value', _wrap_set_value),
+  ((nnx_spmd, nnx), 'get_partition_spec', _deferring(_get_partition_spec)),
+  ((nnx_transforms, nnx_spmd, nnx), 'eval_shape', _deferring(_eval_shape)),
+  ((nnx_spmd, nnx), 'get_named_sharding', _deferring(_get_named_sharding)),
+  ((nnx_spmd, nnx), 'as_abstract', _deferring(_as_abstract)),
+)
+"""What `install` wraps in Flax, once each, in every place that holds it.
 
-  @functools.wraps(flax_get_named_sharding)
-  def get_named_sharding(*args: Any, **kwargs: Any) -> Any:
-    return _get_named_sharding(flax_get_named_sharding, *args, **kwargs)
+The wrapper is made once, at install, from the function its first owner
+holds, and set on every owner, so that ``nnx.eval_shape`` and
+``flax.nnx.spmd.eval_shape`` stay one function. (The module metaclass's call
+goes in later and on its own: see `_route_modules`.)
+"""
 
-  flax_as_abstract = nnx_spmd.as_abstract
 
-  @functools.wraps(flax_as_abstract)
-  def as_abstract(*args: Any, **kwargs: Any) -> Any:
-    return _as_abstract(flax_as_abstract, *args, **kwargs)
-
-  flax_eval_shape = nnx_transforms.eval_shape
-
-  @functools.wraps(flax_eval_shape)
-  def eval_shape(*args: Any, **kwargs: Any) -> Any:
-    return _eval_shape(flax_eval_shape, *args, **kwargs)
-
-  for hook in (
-    shard_value,
-    get_var_pspec,
-    with_metadata,
-    set_value,
-    get_partition_spec,
-    eval_shape,
-    get_named_sharding,
-    as_abstract,
-  ):
+def install() -> None:
+  """Wraps Flax's functions (`HOOKED`); idempotent (see `ensure_installed`)."""
+  if getattr(core_spmd.shard_value, _MARK, False):
+    return
+  for owners, attribute, make in HOOKED:
+    hook = make(getattr(owners[0], attribute))
     setattr(hook, _MARK, True)
-  core_spmd.shard_value = shard_value
-  nnx_spmd.get_var_pspec = get_var_pspec
-  variablelib.with_metadata = with_metadata
-  nnx.with_metadata = with_metadata
-  variablelib.Variable.set_value = set_value
-  nnx_spmd.get_partition_spec = get_partition_spec
-  nnx.get_partition_spec = get_partition_spec
-  nnx_transforms.eval_shape = eval_shape
-  nnx_spmd.eval_shape = eval_shape
-  nnx.eval_shape = eval_shape
-  nnx_spmd.get_named_sharding = get_named_sharding
-  nnx.get_named_sharding = get_named_sharding
-  nnx_spmd.as_abstract = as_abstract
-  nnx.as_abstract = as_abstract
+    for owner in owners:
+      setattr(owner, attribute, hook)
   _logical.when_first_made(_route_modules)
 
 

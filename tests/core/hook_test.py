@@ -7,6 +7,8 @@ scenarios in fresh processes with and without ``import flax_dtensor``.
 """
 
 import json
+import pathlib
+import re
 import types
 
 import jax
@@ -42,6 +44,47 @@ def test_routing_is_checked_at_import():
   # it again proves the route.
   _hook.check_routing()
   assert getattr(core_spmd.shard_value, '__flax_dtensor_hook__', False)
+
+
+def test_each_hooked_function_is_one_wrapper_in_every_place_flax_holds_it():
+  """`_hook.HOOKED` is what is installed: one marked wrapper of Flax's own
+  function, the same object in each of its owners."""
+  assert len(_hook.HOOKED) == 8
+  assert sum(len(owners) for owners, _, _ in _hook.HOOKED) == 14
+  for owners, attribute, _ in _hook.HOOKED:
+    hooks = {getattr(o, attribute) for o in owners}
+    assert len(hooks) == 1, (attribute, hooks)
+    (hook,) = hooks
+    assert getattr(hook, '__flax_dtensor_hook__', False), attribute
+    flax_fn = hook.__wrapped__
+    assert not getattr(flax_fn, '__flax_dtensor_hook__', False), attribute
+    assert flax_fn.__name__ == hook.__name__ == attribute
+  assert nnx.eval_shape is nnx.spmd.eval_shape
+  # Installing again changes nothing.
+  before = [getattr(o, a) for owners, a, _ in _hook.HOOKED for o in owners]
+  _hook.install()
+  assert before == [
+    getattr(o, a) for owners, a, _ in _hook.HOOKED for o in owners
+  ]
+
+
+def test_the_compatibility_page_lists_what_the_hook_touches():
+  """The docs' table of what the hook touches in Flax names every wrapped
+  function (`_hook.HOOKED` and the module metaclass's call), and no other."""
+  docs = pathlib.Path(__file__).parents[2] / 'docs'
+  sections = [
+    page.read_text().partition('## What the hook touches\n')[2]
+    for page in sorted(docs.glob('*.md'))
+  ]
+  (section,) = [s.split('\n## ')[0] for s in sections if s]
+  rows = [r for r in section.splitlines() if r.startswith('| flax |')]
+  named = {
+    name.rpartition('.')[2]
+    for row in rows
+    for name in re.findall(r'`([\w.]+)`', row.split('|')[2])
+  }
+  hooked = {attribute for _, attribute, _ in _hook.HOOKED}
+  assert named == hooked | {'__call__'}, section
 
 
 # The guarantee, in fresh processes: `import flax_dtensor` imports neither JAX

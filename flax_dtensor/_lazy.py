@@ -71,7 +71,8 @@ def namespace(
   Args:
     package: The package's ``__name__``.
     init_file: Its ``__file__``; the stub is the ``.pyi`` beside it.
-    globals_: The package's ``globals()``, where a name is kept once loaded.
+    globals_: The package's ``globals()``, where a name is kept once loaded
+      (and the table, as ``_MODULES``, for the architecture test).
   """
   with open(os.path.splitext(init_file)[0] + '.pyi', encoding='utf-8') as f:
     modules = public_names(f.read(), package)

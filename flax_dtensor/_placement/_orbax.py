@@ -195,9 +195,11 @@ def _check_matches(
   source = _sources.Source(
     name, 'an Orbax checkpoint', 'saved', selects=False, rebuild=rebuild
   )
-  _sources.check_extra(abstract_state, held, source, allow_extra=allow_extra)
+  extra = _sources.check_extra(
+    abstract_state, held, source, allow_extra=allow_extra
+  )
   # Orbax converts dtypes on restore, as it always did here.
-  _sources.check_held(wanted, held, source, convert_dtypes=True)
+  _sources.check_held(wanted, held, source, convert_dtypes=True, extra=extra)
   return choice
 
 

@@ -2,10 +2,10 @@
 
 Shared by every restore (`restore_checkpoint` from disk, `from_tf_module`
 from TF variables, and the Orbax restore of ``flax-dtensor export``):
-`check_extra` refuses a source holding variables the target lacks,
-`check_held` one lacking a variable the target needs, or holding it with
-another shape or dtype; each message names every variable concerned (up
-to a bound, then a count), what was expected, what was found, and the fix
+`check_extra` words a source holding variables the target lacks, and
+`check_held` refuses it with every other misfit (a variable the target
+needs that it lacks, one of another shape or dtype) in one message, which
+names every variable concerned (up to a bound, then a count), what was expected, what was found, and the fix
 (`Source` says in whose words).
 """
 
@@ -95,13 +95,16 @@ def check_held(
   held: Mapping[tuple[Any, ...], Held],
   source: Source,
   convert_dtypes: bool,
+  extra: str | None = None,
 ) -> list[Held]:
   """What the source holds for each entry; ExportError if it does not fit.
 
   A restore never changes a value unless asked to: the dtype a variable
   was exported with must be the target's, or `convert_dtypes` must be set.
   Every misfit is named at once, in one message: the variables the source
-  lacks, each variable of another shape, and each of another dtype.
+  holds beyond the target (`extra`, from `check_extra`, which names the
+  ones it lacks too), the variables it lacks, each variable of another
+  shape, and each of another dtype.
   """
   lacks = [e for e in entries if e.path not in held]
   found = [(e, held[e.path]) for e in entries if e.path in held]
@@ -109,7 +112,10 @@ def check_held(
   dtypes = [
     (e, h) for e, h in found if h.saved != e.dtype and not convert_dtypes
   ]
-  parts = [_lacking(lacks, held, source)] if lacks else []
+  if extra:
+    parts = [extra]
+  else:
+    parts = [_lacking(lacks, held, source)] if lacks else []
   if shapes:
     parts.append(_shape_mismatches(shapes, source))
   if dtypes:
@@ -220,10 +226,12 @@ def check_extra(
   held: Mapping[tuple[Any, ...], Any],
   source: Source,
   allow_extra: bool,
-) -> None:
-  """Refuses a source holding variables the target does not have."""
+) -> str | None:
+  """What a source holding variables the target does not have is told (None
+  if it holds none, or `allow_extra`): `check_held` raises it with every
+  other misfit, in one message."""
   if allow_extra:
-    return
+    return None
   known = {_variables.path_str(p) for p, _ in _variables.iter_variables(target)}
   found = set(map(_variables.path_str, held))
   extra = sorted(found - known)
@@ -244,8 +252,9 @@ def check_extra(
       if lacks
       else ''
     )
-    raise _errors.ExportError(
+    return (
       f'{source.name} holds {len(extra)} variable(s) the target does not '
       f'have: {_variables.listing(extra)}{also}. Expected {source.kind} of '
       f'this model: {fix}'
     )
+  return None

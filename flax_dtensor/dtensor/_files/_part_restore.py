@@ -65,9 +65,9 @@ def check(
   source = _sources.Source(
     name, 'a checkpoint', 'saved', selects=False, rebuild=rebuild
   )
-  _sources.check_extra(target, held, source, allow_extra)
+  extra = _sources.check_extra(target, held, source, allow_extra)
   entries = _selection.select(target, ..., nnx.RngState, what='target')
-  _sources.check_held(entries, held, source, convert_dtypes=False)
+  _sources.check_held(entries, held, source, convert_dtypes=False, extra=extra)
   return choice
 
 

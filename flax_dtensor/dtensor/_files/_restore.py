@@ -516,10 +516,12 @@ def _read_all(
   source = _sources.Source(
     f'The checkpoint {prefix!r}', 'a checkpoint', 'saved', keys=True
   )
-  _sources.check_extra(target, held, source, allow_extra)
+  extra = _sources.check_extra(target, held, source, allow_extra)
   kinds = [
     (h.stored, h.saved)
-    for h in _sources.check_held(entries, held, source, convert_dtypes)
+    for h in _sources.check_held(
+      entries, held, source, convert_dtypes, extra=extra
+    )
   ]
   show = _convert.show_progress(progress, len(entries))
   shardings = _target.target_shardings(entries, mesh, rules)

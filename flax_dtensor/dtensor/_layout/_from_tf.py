@@ -272,8 +272,10 @@ def from_tf_module(
   entries = _selection.select(target, include, exclude, what='target')
   variables, source = _variables_of(tf_module_or_dvariables)
   held = {p: _held(v) for p, v in variables.items()}
-  _sources.check_extra(target, held, source, allow_extra)
-  kinds = _sources.check_held(entries, held, source, convert_dtypes)
+  extra = _sources.check_extra(target, held, source, allow_extra)
+  kinds = _sources.check_held(
+    entries, held, source, convert_dtypes, extra=extra
+  )
   shardings = _target.target_shardings(entries, mesh, rules_)
   show = _convert.show_progress(progress, len(entries))
   several = jax.process_count() > 1

@@ -1078,6 +1078,36 @@ def test_a_missing_variable_and_other_shapes_are_named_together(
   np.testing.assert_array_equal(wider.extra.get_value(), np.zeros(3))
 
 
+def test_extra_missing_shape_and_dtype_misfits_are_named_together(tmp_path):
+  """A variable the target lacks does not hide the others' misfits."""
+  saved = nnx.Dict(
+    a=nnx.Param(jnp.zeros((4, 4))),
+    b=nnx.Param(jnp.zeros((4,))),
+    c=nnx.Param(jnp.zeros((2,))),
+    d=nnx.Param(jnp.zeros((3,))),
+  )
+  path = fdt_tf.save_checkpoint(saved, tmp_path / 'ckpt')
+  target = nnx.Dict(
+    a=nnx.Param(jnp.ones((8, 4))),
+    b=nnx.Param(jnp.ones((4,), jnp.bfloat16)),
+    c=nnx.Param(jnp.ones((2,))),
+    e=nnx.Param(jnp.ones((5,))),
+  )
+  with pytest.raises(
+    fdt.ExportError,
+    match=r'holds 1 variable\(s\) the target does not have: d; and it lacks '
+    r"1 of the target's variables: e\..*Shape mismatch for 'a': the target "
+    r"expects \(8, 4\), the checkpoint '.*' holds \(4, 4\)\..*Dtype "
+    r"mismatch for 'b': the target expects bfloat16, the checkpoint '.*' has "
+    r'float32',
+  ):
+    fdt_tf.restore_checkpoint(path, target)
+  for name, shape in [('a', (8, 4)), ('b', (4,)), ('c', (2,)), ('e', (5,))]:
+    np.testing.assert_array_equal(
+      np.asarray(target[name].get_value(), np.float32), np.ones(shape)
+    )
+
+
 def _narrow_target(dtype):
   return nnx.Dict(w=nnx.Param(jnp.zeros((2, 4), dtype)))
 

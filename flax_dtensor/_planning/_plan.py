@@ -137,15 +137,21 @@ class PlanEntry:
 
   @property
   def display_spec(self) -> PartitionSpec:
-    """`spec` as the plan prints it: without the mesh axes of size 1."""
-    return _specs.without_unit_axes(self.spec, self.mesh_axes)
+    """`spec` as the plan prints it: without the mesh axes of size 1 that
+    its headline names (whole on a mesh of the variable's own, `mesh`)."""
+    return self._shown(self.spec)
 
   @property
   def display_placed(self) -> PartitionSpec | None:
-    """`placed` as the plan prints it: without the mesh axes of size 1."""
+    """`placed` as the plan prints it, as `display_spec`."""
     if self.placed is None:
       return None
-    return _specs.without_unit_axes(self.placed, self.mesh_axes)
+    return self._shown(self.placed)
+
+  def _shown(self, spec: PartitionSpec) -> PartitionSpec:
+    if self.mesh is not None:  # The headline names the plan's mesh only.
+      return spec
+    return _specs.without_unit_axes(spec, self.mesh_axes)
 
   def to_dict(self) -> dict[str, Any]:
     own = (

@@ -451,6 +451,25 @@ def _on_three_meshes():
   return Model
 
 
+def test_a_variable_on_a_mesh_of_its_own_shows_its_size_1_axes():
+  """The headline names the size-1 axes it hides for the plan's mesh only:
+  a spec on a variable's own mesh is shown whole."""
+  import numpy as np
+
+  devices = np.array(jax.devices())
+  own = jax.sharding.Mesh(devices[6:8].reshape(1, 2), ('data', 'model'))
+  init = nnx.with_partitioning(
+    nnx.initializers.lecun_normal(), ('embed', 'mlp'), mesh=own
+  )
+  with fdt.logical_axis_rules([('embed', 'data'), ('mlp', 'model')]):
+    model = nnx.Linear(4, 8, kernel_init=init, use_bias=False, rngs=nnx.Rngs(0))
+    plan = fdt.plan(model)
+  assert model.kernel[...].sharding.spec == P('data', 'model')
+  entry = plan['kernel']
+  assert (entry.spec, entry.display_spec) == (P('data', 'model'),) * 2
+  assert "P('data', 'model')" in plan.table().render(width=200)
+
+
 @pytest.mark.parametrize('plan_mesh', ['none', 'another'])
 def test_plan_over_several_meshes_names_each(plan_mesh):
   """Each variable's own mesh, its bytes per device there, the devices

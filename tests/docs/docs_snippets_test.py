@@ -182,6 +182,13 @@ CHECKS = {
   ),
   'other_libraries.md:eager-sharding-off': (
     "assert fdt.check(make, rules, mesh).codes() == ('eager-sharding-off',)\n"
+    'with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):\n'
+    '  with warnings.catch_warnings():\n'
+    "    warnings.simplefilter('ignore', fdt.EagerShardingOffWarning)\n"
+    '    again = make()\n'
+    'assert fdt.check(again, rules, mesh).codes() == (\n'
+    "  'eager-sharding-off', 'replicated-large'\n"
+    '), fdt.check(again, rules, mesh).codes()\n'
     'assert not fdt.check(unplaced, rules, mesh)  # Placed by shard_module.\n'
     'with nnx.use_eager_sharding(True):\n'
     '  assert not fdt.check(make, rules, mesh)\n'

@@ -483,16 +483,7 @@ def _traced_build(
   """
   auto = _meshes.auto_copy(mesh_)
   nodes = [leaves[i] for i in dynamic if _is_node(leaves[i])]
-  # The caller's graph nodes (nnx.Rngs) cross onto the Auto copy and back,
-  # zero-copy, keeping their own Variable objects and shardings.
-  originals = nnx.state(nodes, graph=True)
-  original_shardings = jax.tree.map(
-    lambda x: getattr(x, 'sharding', None), originals
-  )
-  try:
-    nnx.update(
-      nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
-    )
+  with _nodes_on(nodes, auto):
     values = [
       leaves[i] if _is_node(leaves[i]) else _meshes.retype(leaves[i], auto)
       for i in dynamic
@@ -506,6 +497,23 @@ def _traced_build(
         )
       built = compiled(values)
     _place_result(built, rules_, mesh_)
+  return built
+
+
+@contextlib.contextmanager
+def _nodes_on(nodes: list[Any], mesh: Mesh) -> Iterator[None]:
+  """The caller's graph nodes (nnx.Rngs) on `mesh` for a build, and back
+  after it: zero-copy where they can, keeping their own Variable objects
+  and shardings."""
+  originals = nnx.state(nodes, graph=True)
+  original_shardings = jax.tree.map(
+    lambda x: getattr(x, 'sharding', None), originals
+  )
+  try:
+    nnx.update(
+      nodes, jax.tree.map(lambda x: _meshes.retype(x, mesh), originals)
+    )
+    yield
   finally:
     nnx.update(
       nodes,
@@ -515,7 +523,6 @@ def _traced_build(
         original_shardings,
       ),
     )
-  return built
 
 
 def _compile(create: Any, values: list[Any], key: Any) -> Any:
@@ -758,14 +765,7 @@ def _build_on_own_meshes(
   # context of the build, zero-copy where they can, and the nodes back.
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
   nodes = [x for x in leaves if _is_node(x)]
-  originals = nnx.state(nodes, graph=True)
-  original_shardings = jax.tree.map(
-    lambda x: getattr(x, 'sharding', None), originals
-  )
-  try:
-    nnx.update(
-      nodes, jax.tree.map(lambda x: _meshes.retype(x, mesh), originals)
-    )
+  with _nodes_on(nodes, mesh):
     a, k = jax.tree_util.tree_unflatten(
       treedef,
       [x if _is_node(x) else _meshes.retype(x, mesh) for x in leaves],
@@ -773,13 +773,4 @@ def _build_on_own_meshes(
     with nnx.use_eager_sharding(True):
       built = expect_module(factory(*a, **k), factory)
     _place_result(built, _logical.rules_in_effect(), mesh)
-  finally:
-    nnx.update(
-      nodes,
-      jax.tree.map(
-        _creation_order.put_back,
-        nnx.state(nodes, graph=True),
-        original_shardings,
-      ),
-    )
   return built

@@ -1186,7 +1186,7 @@ def test_plan_json_is_only_json_when_the_model_prints(tmp_path, capfd):
   assert result.exit_code == 0, result.output
   plan = json.loads(result.stdout)
   assert [(v['path'], v['spec']) for v in plan['variables']] == [
-    ('bias', []),
+    ('bias', [None]),  # One entry per dimension, as fdt.plan shows it.
     ('kernel', ['data', 'model']),
   ]
   err = capfd.readouterr().err

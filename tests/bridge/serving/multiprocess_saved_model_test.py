@@ -86,8 +86,11 @@ def test_two_processes_write_one_saved_model(tmp_path):
   # The wrong signature fails where it is traced, on process 0; process 1
   # raises too, with process 0's reason, rather than waiting.
   first, message = results[0]['broken']
-  assert first in ('TypeError', 'ValueError'), results[0]['broken']
+  assert first == 'ExportError', results[0]['broken']  # In our words.
   assert '(32,) and (64,)' in message
+  assert re.search(
+    r'expected \S+ \[None, 64\], got \S+ \[None, 32\]', message
+  ), message
   kind, other = results[1]['broken']
   assert kind == 'PeerError'  # Process 0 failed: a peer, to process 1.
   assert other.startswith(

@@ -483,15 +483,18 @@ def ensure_installed() -> None:
 
 
 def _deferring(
-  implementation: Callable[..., Any],
+  implementation: str,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """A wrapper maker: Flax's function, called through `implementation`
-  (which gets Flax's own function first, then the call's arguments)."""
+  """A wrapper maker: Flax's function, called through this module's function
+  named `implementation` (which gets Flax's own function first, then the
+  call's arguments). The name is looked up at each call, as a global is, so
+  that the function can be replaced (a test's stand-in) after install."""
+  functions = globals()
 
   def wrap(flax_fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(flax_fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
-      return implementation(flax_fn, *args, **kwargs)
+      return functions[implementation](flax_fn, *args, **kwargs)
 
     return hook
 
@@ -514,14 +517,14 @@ def _wrap_set_value(flax_set_value: Callable[..., Any]) -> Callable[..., Any]:
 HOOKED: tuple[tuple[tuple[Any, ...], str, Callable[..., Any]], ...] = (
   # (owners: where Flax defines it, then where Flax re-exports it; the
   # attribute; what makes its wrapper from Flax's function)
-  ((core_spmd,), 'shard_value', _deferring(_shard_value)),
-  ((nnx_spmd,), 'get_var_pspec', _deferring(_get_var_pspec)),
-  ((variablelib, nnx), 'with_metadata', _deferring(_with_metadata)),
+  ((core_spmd,), 'shard_value', _deferring('_shard_value')),
+  ((nnx_spmd,), 'get_var_pspec', _deferring('_get_var_pspec')),
+  ((variablelib, nnx), 'with_metadata', _deferring('_with_metadata')),
   ((variablelib.Variable,), 'set_value', _wrap_set_value),
-  ((nnx_spmd, nnx), 'get_partition_spec', _deferring(_get_partition_spec)),
-  ((nnx_transforms, nnx_spmd, nnx), 'eval_shape', _deferring(_eval_shape)),
-  ((nnx_spmd, nnx), 'get_named_sharding', _deferring(_get_named_sharding)),
-  ((nnx_spmd, nnx), 'as_abstract', _deferring(_as_abstract)),
+  ((nnx_spmd, nnx), 'get_partition_spec', _deferring('_get_partition_spec')),
+  ((nnx_transforms, nnx_spmd, nnx), 'eval_shape', _deferring('_eval_shape')),
+  ((nnx_spmd, nnx), 'get_named_sharding', _deferring('_get_named_sharding')),
+  ((nnx_spmd, nnx), 'as_abstract', _deferring('_as_abstract')),
 )
 """What `install` wraps in Flax, once each, in every place that holds it.
 

@@ -193,7 +193,7 @@ def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
   import array
   import random
 
-  from flax_dtensor.dtensor._files import _grid, _manifest
+  from flax_dtensor.dtensor._format import _grid, _manifest
 
   hosts = devices // 8
   mesh = _manifest.MeshAxes(('data', 'model'), (hosts, 8))
@@ -281,7 +281,8 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
       _synthetic_manifest(root, variables, devices)
     nbytes = os.path.getsize(os.path.join(root, 'flax_dtensor.json'))
     if method == 'restore_metadata':
-      from flax_dtensor.dtensor._files import _host_read, _manifest
+      from flax_dtensor.dtensor._format import _manifest
+      from flax_dtensor.dtensor._storage import _host_read
 
       harness.release_free_memory()
       before = harness.reset_peak()

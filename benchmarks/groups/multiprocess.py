@@ -139,7 +139,7 @@ def _mp_step(
   elif method in ('save_async', 'save_async_stall'):
     handle = fdt_tf.save_checkpoint(state, path, overwrite=True, blocking=False)
     stall = time.perf_counter() - start
-    from flax_dtensor.dtensor._files import _host_write
+    from flax_dtensor.dtensor._storage import _host_write
 
     copied = sum(  # The shards this process writes (all float32).
       s.data.nbytes

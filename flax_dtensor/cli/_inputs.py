@@ -343,7 +343,7 @@ def check_out(
       and `overwrite` is false, or `reads` or the current directory is
       inside it.
   """
-  from flax_dtensor.dtensor._files import _run_folder
+  from flax_dtensor.cli import _run_folder
 
   existing = out
   while not existing.exists() and existing.parent != existing:
@@ -359,7 +359,7 @@ def check_out(
   here = out.is_dir() and _run_folder.holds_cwd(out)
   writes_in = existing if here or existing != out else existing.parent
   if writes_in.is_dir() and not os.access(writes_in, os.W_OK | os.X_OK):
-    from flax_dtensor.dtensor._files import _atomic
+    from flax_dtensor.dtensor._storage import _atomic
 
     raise BadInputError(
       f'--out {str(out)!r} cannot be written: {str(writes_in)!r} is not '

@@ -143,7 +143,7 @@ def _how_to_go_on(steps_dir: pathlib.Path, steps: int) -> str | None:
 
   None unless `steps_dir` holds a whole step before `steps` (no JAX, no TF).
   """
-  from flax_dtensor.dtensor._files import _steps
+  from flax_dtensor.dtensor._storage import _steps
 
   try:
     done = _steps.whole_steps(str(steps_dir))
@@ -164,7 +164,7 @@ def _check_resumable(steps_dir: pathlib.Path, steps: int) -> None:
   from the newest good step, and says so): only an intact step at or past
   `steps` leaves nothing to train.
   """
-  from flax_dtensor.dtensor._files import _steps
+  from flax_dtensor.dtensor._storage import _steps
 
   done = _steps.whole_steps(str(steps_dir))
   if not done:
@@ -189,7 +189,7 @@ def _intact(step_dir: pathlib.Path) -> bool:
   import concurrent.futures
 
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._format import _manifest
 
   try:
     manifest = _manifest.read(str(step_dir))

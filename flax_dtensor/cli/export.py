@@ -163,8 +163,9 @@ def export(
         '--input-shape only applies with --saved-model; add --saved-model '
         'or drop --input-shape.'
       )
-    from flax_dtensor._placement import _orbax, _parts
-    from flax_dtensor.dtensor._files import _part_restore, _steps
+    from flax_dtensor._placement import _parts
+    from flax_dtensor.dtensor._checkpoints import _orbax, _part_restore
+    from flax_dtensor.dtensor._storage import _steps
 
     part_ = None if part is None else _parts.parse(part)
 
@@ -195,7 +196,7 @@ def export(
 
     import flax_dtensor as fdt
     from flax_dtensor import _text
-    from flax_dtensor.dtensor._files import _run_folder
+    from flax_dtensor.cli import _run_folder
 
     mesh_ = _inputs.make_mesh(axes, mesh, types)
     start = time.perf_counter()
@@ -298,7 +299,7 @@ def export(
 
 def _manager_step(directory: pathlib.Path, step: int | None) -> pathlib.Path:
   """The folder of `step` (None: the latest whole one) of a manager's run."""
-  from flax_dtensor.dtensor._files import _steps
+  from flax_dtensor.dtensor._storage import _steps
 
   steps = _steps.whole_steps(str(directory))
   if not steps:

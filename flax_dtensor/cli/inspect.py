@@ -17,8 +17,7 @@ import typer
 
 from flax_dtensor import _text
 from flax_dtensor._rules import _specs
-from flax_dtensor.cli import _command
-from flax_dtensor.dtensor._files import _run_folder
+from flax_dtensor.cli import _command, _run_folder
 
 
 def sharding_texts(record: Any) -> tuple[str, str]:
@@ -47,7 +46,7 @@ def sharding_texts(record: Any) -> tuple[str, str]:
 def _read_manifest(path: pathlib.Path) -> Any:
   """The manifest of the export in `path` itself, or None."""
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._format import _manifest
 
   try:
     manifest = _manifest.read(str(path))
@@ -78,7 +77,7 @@ _VARIABLE_COLUMNS = (
 
 
 def _manifest_rows(manifest: Any) -> list[Row]:
-  from flax_dtensor.dtensor._layout import _names
+  from flax_dtensor.dtensor._conversion import _names
 
   rows = []
   for record in sorted(manifest.records, key=lambda r: r.key):
@@ -101,7 +100,7 @@ def _manifest_rows(manifest: Any) -> list[Row]:
 
 def _tf_rows(items: Any) -> list[Row]:
   """Rows of (NNX path, shape, stored dtype) read by TF: no layouts."""
-  from flax_dtensor.dtensor._layout import _names
+  from flax_dtensor.dtensor._conversion import _names
 
   return [
     (_names.path_text(p), '-', str(tuple(shape)), dtype, '-', '-')
@@ -127,7 +126,7 @@ def inspect_checkpoint(path: pathlib.Path, width: int) -> list[Any]:
 
 def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
   from flax_dtensor.dtensor import _tf
-  from flax_dtensor.dtensor._layout import _names
+  from flax_dtensor.dtensor._conversion import _names
 
   tf = _tf.tf()
   try:
@@ -221,7 +220,7 @@ def verify_export(
 
   import rich.text
 
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._format import _manifest
 
   what = 'DTensor checkpoint' if kind == 'checkpoint' else 'SavedModel'
   manifest = _read_manifest(path)
@@ -266,7 +265,7 @@ def inspect_steps(
   import rich.table
   import rich.text
 
-  from flax_dtensor.dtensor._files import _steps
+  from flax_dtensor.dtensor._storage import _steps
 
   folders = _steps.folders(str(directory))
   whole = [f for f in folders if f.whole]
@@ -476,7 +475,7 @@ def inspect(
         f'{str(directory)!r} is not a directory. Pass a directory written '
         'by `flax-dtensor export` or `flax-dtensor demo`.'
       )
-    from flax_dtensor.dtensor._files import _steps
+    from flax_dtensor.dtensor._storage import _steps
 
     if _steps.is_manager_folder(str(directory)):
       console = _command.console()

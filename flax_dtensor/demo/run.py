@@ -20,7 +20,7 @@ import rich.progress
 import rich.text
 
 from flax_dtensor import _interrupts, _output, _text
-from flax_dtensor.dtensor._files import _run_folder
+from flax_dtensor.cli import _run_folder
 
 
 def _disk_usage(path: pathlib.Path) -> int:

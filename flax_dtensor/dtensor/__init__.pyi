@@ -2,6 +2,37 @@
 # checkers see, and what the lazy namespace hands out (`flax_dtensor._lazy`
 # parses this stub once). Add a public name here and nowhere else.
 
+from flax_dtensor.dtensor._checkpoints._checkpoint import (
+  save_checkpoint as save_checkpoint,
+)
+from flax_dtensor.dtensor._checkpoints._manager import (
+  CheckpointManager as CheckpointManager,
+)
+from flax_dtensor.dtensor._checkpoints._restore import (
+  read_checkpoint as read_checkpoint,
+)
+from flax_dtensor.dtensor._checkpoints._restore import (
+  restore_checkpoint as restore_checkpoint,
+)
+from flax_dtensor.dtensor._conversion._convert import (
+  flat_variables as flat_variables,
+)
+from flax_dtensor.dtensor._conversion._convert import (
+  to_tf_module as to_tf_module,
+)
+from flax_dtensor.dtensor._conversion._from_tf import (
+  from_tf_module as from_tf_module,
+)
+from flax_dtensor.dtensor._conversion._names import (
+  checkpoint_key as checkpoint_key,
+)
+from flax_dtensor.dtensor._conversion._names import nnx_path as nnx_path
+from flax_dtensor.dtensor._conversion._single_mesh import (
+  RelaidVariable as RelaidVariable,
+)
+from flax_dtensor.dtensor._conversion._single_mesh import (
+  SingleMeshReport as SingleMeshReport,
+)
 from flax_dtensor.dtensor._errors import (
   CheckpointManagerError as CheckpointManagerError,
 )
@@ -25,43 +56,15 @@ from flax_dtensor.dtensor._errors import (
 from flax_dtensor.dtensor._errors import (
   ServedShapeWarning as ServedShapeWarning,
 )
-from flax_dtensor.dtensor._files._background import SaveHandle as SaveHandle
-from flax_dtensor.dtensor._files._checkpoint import (
-  save_checkpoint as save_checkpoint,
-)
-from flax_dtensor.dtensor._files._manager import (
-  CheckpointManager as CheckpointManager,
-)
-from flax_dtensor.dtensor._files._restore import (
-  read_checkpoint as read_checkpoint,
-)
-from flax_dtensor.dtensor._files._restore import (
-  restore_checkpoint as restore_checkpoint,
-)
 from flax_dtensor.dtensor._layout._arrays import (
   array_to_dtensor as array_to_dtensor,
 )
 from flax_dtensor.dtensor._layout._arrays import (
   dtensor_to_array as dtensor_to_array,
 )
-from flax_dtensor.dtensor._layout._convert import (
-  flat_variables as flat_variables,
-)
-from flax_dtensor.dtensor._layout._convert import to_tf_module as to_tf_module
-from flax_dtensor.dtensor._layout._from_tf import (
-  from_tf_module as from_tf_module,
-)
 from flax_dtensor.dtensor._layout._layouts import layout_for as layout_for
 from flax_dtensor.dtensor._layout._layouts import (
   mesh_to_dtensor as mesh_to_dtensor,
-)
-from flax_dtensor.dtensor._layout._names import checkpoint_key as checkpoint_key
-from flax_dtensor.dtensor._layout._names import nnx_path as nnx_path
-from flax_dtensor.dtensor._layout._single_mesh import (
-  RelaidVariable as RelaidVariable,
-)
-from flax_dtensor.dtensor._layout._single_mesh import (
-  SingleMeshReport as SingleMeshReport,
 )
 from flax_dtensor.dtensor._layout._topology import initialize as initialize
 from flax_dtensor.dtensor._layout._topology import (
@@ -71,3 +74,4 @@ from flax_dtensor.dtensor._layout._topology import shutdown as shutdown
 from flax_dtensor.dtensor._serving._saved_model import (
   save_saved_model as save_saved_model,
 )
+from flax_dtensor.dtensor._storage._background import SaveHandle as SaveHandle

@@ -34,7 +34,7 @@ import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _inputs
 from flax_dtensor.cli import inspect as inspect_command
 from flax_dtensor.demo import verify
-from flax_dtensor.dtensor._files import _manifest
+from flax_dtensor.dtensor._format import _manifest
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
@@ -2588,7 +2588,7 @@ def _resumes_into_equal_values(out, rules, summary):
   """The demo's steps: 10 and 20, each a whole TF checkpoint; step 20
   damaged, `--resume` goes on from step 10, the step restored, and trains
   11 to 20 again into the same bits."""
-  from flax_dtensor.dtensor._files import _steps
+  from flax_dtensor.dtensor._storage import _steps
 
   steps_dir = out.parent / 'demo-steps'
   assert summary['steps_dir'] == str(steps_dir)

@@ -242,7 +242,7 @@ def test_a_failed_run_folder_stays_removed_after_late_writes(tmp_path):
   import threading
   import time
 
-  from flax_dtensor.dtensor._files import _run_folder
+  from flax_dtensor.cli import _run_folder
 
   out = tmp_path / 'out'
   out.mkdir()
@@ -275,7 +275,7 @@ def test_a_run_folder_that_stays_after_a_failure_is_named(
   import re
   import threading
 
-  from flax_dtensor.dtensor._files import _run_folder
+  from flax_dtensor.cli import _run_folder
 
   monkeypatch.setattr(_run_folder, '_LATE_WRITES_LIMIT_SECONDS', 0.3)
   out = tmp_path / 'out'

@@ -386,7 +386,7 @@ def test_an_interrupt_python_drops_is_raised_again(warm_pool, tmp_path):
 STUCK = """
 import os, pathlib, sys, time
 from flax_dtensor import _interrupts
-from flax_dtensor.dtensor._files import _atomic
+from flax_dtensor.dtensor._storage import _atomic
 _interrupts.install()
 out = sys.argv[1]
 with _atomic.atomic_directory(out, is_export=lambda p: True, overwrite=True) \\
@@ -442,7 +442,7 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog(warm_pool, tmp_path, sig):
 WRITER_GOES_ON = """
 import os, pathlib, sys, threading, time
 from flax_dtensor import _interrupts
-from flax_dtensor.dtensor._files import _atomic
+from flax_dtensor.dtensor._storage import _atomic
 _interrupts.install()
 out = sys.argv[1]
 

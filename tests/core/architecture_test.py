@@ -3,7 +3,8 @@
 The layering the docs' architecture page describes, checked on the source:
 the core (``flax_dtensor/_*.py``) never imports the TensorFlow bridge, the
 command line or the demo; the bridge never imports the command line; inside
-the bridge, its rooms (``_layout``, ``_files``, ``_serving``) import only
+the bridge, its rooms (``_layout``, ``_conversion``, ``_format``,
+``_storage``, ``_checkpoints``, ``_serving``) import only
 downwards and the helpers beside them import no room; only
 ``dtensor/_tf.py`` imports TensorFlow; the modules' imports of each other
 form no cycle; and the plan's data model imports none of its views.
@@ -243,8 +244,9 @@ def test_the_namespaces_are_lazy_and_say_what_they_hand_out():
 # The layers, lowest first: a module imports only from its own layer or
 # below (outside `if TYPE_CHECKING:`). Below them all, the package's own
 # utilities (`_errors`, `_compat`, `_interrupts`, `_output`, `_text`).
-# The demo sits below the command line that runs it: what both use (a run's
-# output folder) lives in the bridge. Above them all, the lazy namespaces
+# The demo sits below the command line that runs it; the command line's
+# output folder (`cli._run_folder`), which the demo writes too, sits below
+# the demo (importing it runs `cli/__init__.py`, which imports nothing). Above them all, the lazy namespaces
 # (the packages' `__init__` and `_lazy`, which installs the hook when a name
 # is first used).
 NAMESPACE = {'flax_dtensor', 'flax_dtensor._lazy'}
@@ -253,6 +255,7 @@ LAYERS = (
   ('flax_dtensor._placement',),
   ('flax_dtensor._planning',),
   ('flax_dtensor.dtensor',),
+  ('flax_dtensor.cli._run_folder',),
   ('flax_dtensor.demo',),
   ('flax_dtensor.cli', 'flax_dtensor.__main__'),
 )
@@ -307,11 +310,21 @@ def test_the_root_holds_few_modules():
 BRIDGE = 'flax_dtensor.dtensor'
 BRIDGE_HELPERS = {
   f'{BRIDGE}._errors',
-  f'{BRIDGE}._peers',
+  f'{BRIDGE}._processes',
   f'{BRIDGE}._tf',
   f'{BRIDGE}._tf_errors',
 }
-BRIDGE_ROOMS = (f'{BRIDGE}._layout', f'{BRIDGE}._files', f'{BRIDGE}._serving')
+BRIDGE_ROOMS = tuple(
+  f'{BRIDGE}.{room}'
+  for room in (
+    '_layout',  # JAX arrays and TF layouts, in memory
+    '_conversion',  # an NNX state and TF variables
+    '_format',  # what an export holds on disk
+    '_storage',  # bytes to disk and back, atomically
+    '_checkpoints',  # the save, restore and manager users call
+    '_serving',  # SavedModels
+  )
+)
 
 
 def _room(module):
@@ -367,23 +380,25 @@ def _bridge_imports_upward(graph):
 
 
 def test_the_bridge_imports_run_downwards_through_its_rooms():
-  """`_layout` imports only the helpers (and the core), `_files` also
-  `_layout`, `_serving` also `_files`; the helpers import no room."""
+  """`_layout` imports only the helpers (and the core), each room above
+  it also the rooms below it; the helpers import no room."""
   assert not _bridge_imports_upward(GRAPH), _bridge_imports_upward(GRAPH)
 
 
 def test_the_room_check_catches_an_upward_import():
   """The check above fails on each kind of import it forbids."""
   bad = {
-    f'{BRIDGE}._layout._arrays': {f'{BRIDGE}._files._manifest'},
-    f'{BRIDGE}._files._restore': {f'{BRIDGE}._serving._signature'},
-    f'{BRIDGE}._tf_errors': {f'{BRIDGE}._layout._names'},
-    f'{BRIDGE}._serving._signature': {f'{BRIDGE}._files._manifest'},
+    f'{BRIDGE}._layout._arrays': {f'{BRIDGE}._format._manifest'},
+    f'{BRIDGE}._checkpoints._restore': {f'{BRIDGE}._serving._signature'},
+    f'{BRIDGE}._storage._atomic': {f'{BRIDGE}._checkpoints._manager'},
+    f'{BRIDGE}._tf_errors': {f'{BRIDGE}._conversion._names'},
+    f'{BRIDGE}._serving._signature': {f'{BRIDGE}._format._manifest'},
   }
   assert sorted(_bridge_imports_upward(bad)) == [
-    f'{BRIDGE}._files._restore -> {BRIDGE}._serving._signature',
-    f'{BRIDGE}._layout._arrays -> {BRIDGE}._files._manifest',
-    f'{BRIDGE}._tf_errors -> {BRIDGE}._layout._names',
+    f'{BRIDGE}._checkpoints._restore -> {BRIDGE}._serving._signature',
+    f'{BRIDGE}._layout._arrays -> {BRIDGE}._format._manifest',
+    f'{BRIDGE}._storage._atomic -> {BRIDGE}._checkpoints._manager',
+    f'{BRIDGE}._tf_errors -> {BRIDGE}._conversion._names',
   ]
 
 
@@ -392,10 +407,17 @@ def test_the_atomic_layer_knows_no_export_format():
   export holds: the format's layer passes what it must know (`is_export`),
   so it imports no other module of its room (the manifest, what writes or
   reads one) and nothing of serving."""
-  imported = _internal(GRAPH[f'{BRIDGE}._files._atomic'])
+  imported = _internal(GRAPH[f'{BRIDGE}._storage._atomic'])
   format_layer = {
     m
     for m in imported
-    if m.startswith((f'{BRIDGE}._files.', f'{BRIDGE}._serving'))
+    if m.startswith(
+      (
+        f'{BRIDGE}._format',
+        f'{BRIDGE}._storage.',
+        f'{BRIDGE}._checkpoints',
+        f'{BRIDGE}._serving',
+      )
+    )
   }
   assert not format_layer, format_layer

@@ -292,7 +292,7 @@ def test_an_orbax_checkpoint_restores_by_path_rules(auto_mesh, tmp_path):
   """The restore behind `flax-dtensor export`: an Orbax checkpoint of the
   unsharded model, read into its path-ruled placement."""
   ocp = pytest.importorskip('orbax.checkpoint')
-  from flax_dtensor._placement import _orbax
+  from flax_dtensor.dtensor._checkpoints import _orbax
 
   with nnx.use_eager_sharding(False):
     saved = um.make_small()

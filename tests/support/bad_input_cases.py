@@ -589,7 +589,7 @@ def _no_space(ctx):
 
 def _in_progress(ctx):
   """A temporary whose name says a live process (pid 1) writes it."""
-  from flax_dtensor.dtensor._files import _atomic
+  from flax_dtensor.dtensor._storage import _atomic
 
   writer = _atomic.Writer.on_this_host(1)
   path = ctx.tmp / 'busy'
@@ -612,7 +612,7 @@ def _bad_peer_timeout(ctx):
 
 def _replaced_while_restoring(ctx):
   """Another save swaps the checkpoint in after the files were checked."""
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._format import _manifest
 
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'swapped')
   with jax.set_mesh(ctx.mesh), fdt.logical_axis_rules(ctx.rules):

@@ -136,7 +136,7 @@ _FULL_DISK = textwrap.dedent(
       input_signature=[tf.TensorSpec([None, 16])]))
   # Written as several bundles at once (64 KiB in parts of 1 KiB or more),
   # each past the limit: the failure of another thread's part is ours too.
-  from flax_dtensor.dtensor._files import _host_write
+  from flax_dtensor.dtensor._storage import _host_write
   part_bytes = _host_write.PART_BYTES
   _host_write.PART_BYTES = 1024
   attempt('data_parts', 4096,
@@ -219,7 +219,8 @@ _UNWRITABLE = textwrap.dedent(
   from flax import nnx
   from flax_dtensor import dtensor as fdt_tf
   from flax_dtensor.dtensor import _tf
-  from flax_dtensor.dtensor._files import _atomic, _manifest
+  from flax_dtensor.dtensor._storage import _atomic
+  from flax_dtensor.dtensor._format import _manifest
 
   fdt_tf.initialize()
   tf = _tf.tf()
@@ -483,9 +484,9 @@ _LAGGING_PEER = textwrap.dedent(
   multiprocess_util.initialize_jax()
   import jax
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor import _peers
+  from flax_dtensor.dtensor import _processes
   fdt_tf.initialize()  # TF DTensor's coordination service watches too.
-  _peers.sync('ready')
+  _processes.sync('ready')
   me = jax.process_index()
   if me == 1:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -493,13 +494,13 @@ _LAGGING_PEER = textwrap.dedent(
   start = time.monotonic()
   result = {'process': me, 'error': None, 'kind': None}
   try:
-    with _peers.session('the wait', 'Nothing changed.'):
+    with _processes.session('the wait', 'Nothing changed.'):
       if me == 2:  # Busy elsewhere until process 0 has failed.
-        failed = _peers._local.current.prefix + '/failed/'
+        failed = _processes._local.current.prefix + '/failed/'
         while not client.key_value_dir_get(failed):
           time.sleep(0.05)
         time.sleep(1)
-      _peers.sync('all')
+      _processes.sync('all')
   except Exception as e:
     result['error'], result['kind'] = str(e), type(e).__name__
   result['seconds'] = time.monotonic() - start

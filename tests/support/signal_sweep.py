@@ -73,7 +73,8 @@ def leftovers(folder: pathlib.Path) -> list[str]:
 
 def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
   """What keeps `folder` from being one whole run that verifies."""
-  from flax_dtensor.dtensor._files import _manifest, _run_folder
+  from flax_dtensor.cli import _run_folder
+  from flax_dtensor.dtensor._format import _manifest
 
   problems = list(_run_folder.problems(folder))
   present = sorted(n for n in os.listdir(folder) if not n.startswith('.'))

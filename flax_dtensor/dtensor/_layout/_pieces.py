@@ -5,7 +5,7 @@ A piece is a block of a global array held on the host, keyed by its global
 devices need from disjoint pieces and `place`s them with JAX, zero-copy on
 CPU where a slice is aligned. TF's DTensor components (`_from_tf`), another
 mesh's shards (`_single_mesh`) and a checkpoint's slices read on the host
-(`_files`) are all placed here.
+(`_storage`) are all placed here.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import jax
 from jax._src import distributed  # The client; JAX has no public accessor.
 
 from flax_dtensor import _errors
-from flax_dtensor.dtensor import _peers, _tf
+from flax_dtensor.dtensor import _processes, _tf
 
 NOT_INITIALIZED_MSG = (
   'TF DTensor is not initialized: expected flax_dtensor.dtensor.initialize() '
@@ -89,7 +89,7 @@ def initialize(*, reset_context: bool = False) -> None:
     ImportError: If TensorFlow is not installed.
   """
   global _topology_checked
-  _peers.start()  # So that the other processes can tell this one lives.
+  _processes.start()  # So that the other processes can tell this one lives.
   with _lock:
     # Before TF's import, so that the other processes wait less for this.
     reserved = None if is_initialized() else _client_env_from_jax()
@@ -218,7 +218,7 @@ def _client_env_from_jax() -> socket.socket | None:
   assert coordinator, 'several JAX processes without a coordinator'
   reserved, job = reserve(coordinator)
   try:
-    jobs = _peers.exchange(
+    jobs = _processes.exchange(
       'dtensor-jobs',
       job,
       what=(

@@ -5,6 +5,7 @@ forward pass serialized for TF's StableHLO reader (`_serialization`), and
 `save_saved_model` (`_saved_model`), which writes them with the
 variables and a manifest.
 
-May import: `dtensor._files`, `dtensor._layout`, the bridge's top-level
-helpers and the package's core.
+May import: `dtensor._checkpoints`, `dtensor._storage`, `dtensor._format`,
+`dtensor._conversion`, `dtensor._layout`, the bridge's top-level helpers and
+the package's core.
 """

@@ -30,16 +30,13 @@ from jax.experimental import multihost_utils
 from flax_dtensor import _errors, _output, _text
 from flax_dtensor._placement import _variables
 from flax_dtensor._rules import _meshes
-from flax_dtensor.dtensor import _peers, _tf, _tf_errors
-from flax_dtensor.dtensor._files import _atomic, _checkpoint, _manifest, _paths
-from flax_dtensor.dtensor._layout import (
-  _convert,
-  _dtypes,
-  _selection,
-  _single_mesh,
-  _topology,
-)
+from flax_dtensor.dtensor import _processes, _tf, _tf_errors
+from flax_dtensor.dtensor._checkpoints import _checkpoint
+from flax_dtensor.dtensor._conversion import _convert, _selection, _single_mesh
+from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._layout import _dtypes, _topology
 from flax_dtensor.dtensor._serving import _serialization, _signature
+from flax_dtensor.dtensor._storage import _atomic
 
 if TYPE_CHECKING:
   import tensorflow as tf
@@ -598,13 +595,13 @@ def _save_gathered(
 
   Every check that can refuse runs on every process before anything moves
   (the same inputs give the same answer everywhere); what fails on process
-  0 alone is shared (`_peers.agree`), so every process raises together.
+  0 alone is shared (`_processes.agree`), so every process raises together.
   """
   for e in entries:
     _selection.to_jax_array(e)  # Concrete, and over every process.
   _check_gather_size(module, max_gather_bytes)
   with (
-    _peers.session(
+    _processes.session(
       f'the SavedModel export to {directory!r}',
       f'{directory!r} holds the previous export or the new one, whole.',
     ),
@@ -619,7 +616,7 @@ def _save_gathered(
         _write(local, tmp, served)
       except Exception as e:  # Re-raised below, on every process.
         error = e
-    _peers.agree(error, 'Writing the SavedModel on process 0')
+    _processes.agree(error, 'Writing the SavedModel on process 0')
 
 
 def written_signatures(directory: str) -> dict[str, _manifest.Signature]:

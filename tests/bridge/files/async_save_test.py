@@ -27,7 +27,7 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
 
-from flax_dtensor.dtensor._files import _host_write  # noqa: E402
+from flax_dtensor.dtensor._storage import _host_write  # noqa: E402
 
 TIMEOUT = 300
 

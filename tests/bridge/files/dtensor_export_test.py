@@ -20,8 +20,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor.dtensor._files import _atomic, _checkpoint, _manifest
-from flax_dtensor.dtensor._layout import _convert, _dtypes
+from flax_dtensor.dtensor._checkpoints import _checkpoint
+from flax_dtensor.dtensor._conversion import _convert
+from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._layout import _dtypes
+from flax_dtensor.dtensor._storage import _atomic
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -1256,7 +1259,7 @@ _TF_FAILURE_SCRIPT = textwrap.dedent(
   from jax.sharding import NamedSharding, PartitionSpec as P
   import flax_dtensor as fdt
   from flax_dtensor import dtensor as fdt_tf
-  from flax_dtensor.dtensor._files import _checkpoint
+  from flax_dtensor.dtensor._checkpoints import _checkpoint
 
   fdt_tf.initialize()
   mesh = jax.make_mesh((2, 4), ('data', 'model'))

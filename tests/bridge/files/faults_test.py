@@ -31,8 +31,10 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor import _tf_errors  # noqa: E402
-from flax_dtensor.dtensor._files import _grid as _grid_module  # noqa: E402
-from flax_dtensor.dtensor._files import _host_read, _manifest, _restore  # noqa: E402
+from flax_dtensor.dtensor._checkpoints import _restore  # noqa: E402
+from flax_dtensor.dtensor._format import _grid as _grid_module  # noqa: E402
+from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._storage import _host_read  # noqa: E402
 
 # A full disk
 # ------------------------------------------------------------------------------
@@ -688,7 +690,7 @@ def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):
 def test_every_process_raises_the_kind_found_of_the_export():
   """A condition of the export one process found (a full disk, damage, ...)
   is the same kind on every other; any other failure is a PeerError."""
-  from flax_dtensor.dtensor import _peers
+  from flax_dtensor.dtensor import _processes
 
   for kind in (
     fdt_tf.DiskFullError,
@@ -697,16 +699,16 @@ def test_every_process_raises_the_kind_found_of_the_export():
     fdt_tf.ExportNotFoundError,
     fdt_tf.SaveInProgressError,
   ):
-    assert _peers.shared_kind(kind.__name__) is kind
+    assert _processes.shared_kind(kind.__name__) is kind
   for other in ('ExportError', 'PeerError', 'KeyError', ''):
-    assert _peers.shared_kind(other) is fdt_tf.PeerError
-  session = _peers.Session(None, 'p', 'the save to /c', 'Nothing changed.')
-  full = _peers._failed(session, 1, 'DiskFullError: Writing /c failed')
+    assert _processes.shared_kind(other) is fdt_tf.PeerError
+  session = _processes.Session(None, 'p', 'the save to /c', 'Nothing changed.')
+  full = _processes._failed(session, 1, 'DiskFullError: Writing /c failed')
   assert type(full) is fdt_tf.DiskFullError
   assert re.match(r'Process 1 of \d+ failed during the save to /c', str(full))
-  assert type(_peers._failed(session, 1, 'KeyError: x')) is fdt_tf.PeerError
+  assert type(_processes._failed(session, 1, 'KeyError: x')) is fdt_tf.PeerError
   setup = dataclasses.replace(session, error=fdt.DTensorInitializationError)
-  failed = _peers._failed(setup, 1, 'DiskFullError: x')
+  failed = _processes._failed(setup, 1, 'DiskFullError: x')
   assert type(failed) is fdt.DTensorInitializationError
 
 
@@ -717,26 +719,26 @@ def test_a_stop_process_0_saw_at_a_sync_stays_a_stop_on_the_others():
   2, not itself (a race CI once lost: "Process 1 of 4 failed ...")."""
   import json
 
-  from flax_dtensor.dtensor import _peers
+  from flax_dtensor.dtensor import _processes
 
-  session = _peers.Session(None, 'p', 'the save to /c', '/c is whole.')
+  session = _processes.Session(None, 'p', 'the save to /c', '/c is whole.')
   why = 'no heartbeat from it for 10 s'
-  seen = _peers._stopped(session, 2, why, seen_by=0)
-  told = json.loads(json.dumps(_peers._told(seen)))
-  heard = _peers._heard(session, told)
+  seen = _processes._stopped(session, 2, why, seen_by=0)
+  told = json.loads(json.dumps(_processes._told(seen)))
+  heard = _processes._heard(session, told)
   assert type(heard) is fdt_tf.PeerError
-  assert getattr(heard, _peers._STOP) == (2, why, 0)
+  assert getattr(heard, _processes._STOP) == (2, why, 0)
   assert str(heard) == str(seen)
   assert str(heard).startswith(
     'Process 2 of 1 stopped during the save to /c: no heartbeat from it '
     'for 10 s. Process 0 saw it first; this process stops too.'
   )
   # Any other failure of process 0 is told in its words, as a PeerError.
-  other = _peers._heard(
-    session, json.loads(json.dumps(_peers._told(ValueError('disk gone'))))
+  other = _processes._heard(
+    session, json.loads(json.dumps(_processes._told(ValueError('disk gone'))))
   )
   assert type(other) is fdt_tf.PeerError and str(other) == 'disk gone'
-  assert getattr(other, _peers._STOP, None) is None
+  assert getattr(other, _processes._STOP, None) is None
 
 
 def test_a_stop_another_process_saw_is_named_as_the_stop():
@@ -746,17 +748,17 @@ def test_a_stop_another_process_saw_is_named_as_the_stop():
   of the error `_stopped` made) becomes, on the others, the same stop, not
   "process 3 failed": the root cause, whichever process saw it first.
   """
-  from flax_dtensor.dtensor import _peers
+  from flax_dtensor.dtensor import _processes
 
-  session = _peers.Session(None, 'p', 'the save to /c', '/c is whole.')
+  session = _processes.Session(None, 'p', 'the save to /c', '/c is whole.')
   why = 'no heartbeat from it for 10 s'
-  seen = _peers._stopped(session, 2, why)
-  assert getattr(seen, _peers._STOP)[:2] == (2, why)
+  seen = _processes._stopped(session, 2, why)
+  assert getattr(seen, _processes._STOP)[:2] == (2, why)
   told = [
     ('p/failed/1', 'KeyError: x'),
     ('p/failed/3-saw-2', why),
   ]
-  relayed = _peers._reported(session, told)
+  relayed = _processes._reported(session, told)
   assert type(relayed) is fdt_tf.PeerError
   assert re.fullmatch(
     r'Process 2 of \d+ stopped during the save to /c: no heartbeat from it '
@@ -765,8 +767,8 @@ def test_a_stop_another_process_saw_is_named_as_the_stop():
     str(relayed),
   ), str(relayed)
   # Told on again, it still names the process that saw it.
-  assert getattr(relayed, _peers._STOP) == (2, why, 3)
-  failed = _peers._reported(session, [('p/failed/1', 'KeyError: x')])
+  assert getattr(relayed, _processes._STOP) == (2, why, 3)
+  failed = _processes._reported(session, [('p/failed/1', 'KeyError: x')])
   assert re.match(
     r'Process 1 of \d+ failed during the save to /c, so this process stops '
     r'too\. /c is whole\. Its error: KeyError: x',

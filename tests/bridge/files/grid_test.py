@@ -21,8 +21,9 @@ import numpy as np
 import profiles
 import pytest
 
-from flax_dtensor.dtensor._files import _grid, _host_read, _manifest
+from flax_dtensor.dtensor._format import _grid, _manifest
 from flax_dtensor.dtensor._layout import _pieces
+from flax_dtensor.dtensor._storage import _host_read
 
 
 @st.composite

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor.dtensor as fdt_dt
-from flax_dtensor.dtensor._files import _background
+from flax_dtensor.dtensor._storage import _background
 
 
 class Model(nnx.Module):

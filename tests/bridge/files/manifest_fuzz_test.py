@@ -48,7 +48,8 @@ import flax_dtensor as fdt
 
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor._files import _host_read, _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._storage import _host_read  # noqa: E402
 
 MANIFEST = _manifest.FILE
 CPU_SECONDS = 1.0

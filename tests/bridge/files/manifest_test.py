@@ -35,7 +35,8 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.cli import _command  # noqa: E402
 from flax_dtensor.cli import inspect as inspect_command  # noqa: E402
-from flax_dtensor.dtensor._files import _manifest, _restore  # noqa: E402
+from flax_dtensor.dtensor._checkpoints import _restore  # noqa: E402
+from flax_dtensor.dtensor._format import _manifest  # noqa: E402
 
 MANIFEST = _manifest.FILE
 VERSION = _manifest.VERSION

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-from flax_dtensor.dtensor._files import _host_write, _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._storage import _host_write  # noqa: E402
 
 SPECS = [P('data', 'model'), P('model', None), P(), P(None, 'data')]
 

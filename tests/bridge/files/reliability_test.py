@@ -32,8 +32,9 @@ import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor._files import _atomic, _manifest  # noqa: E402
-from flax_dtensor.dtensor._layout import _names  # noqa: E402
+from flax_dtensor.dtensor._conversion import _names  # noqa: E402
+from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._storage import _atomic  # noqa: E402
 
 
 def _model(mesh, seed=0, width=16):

@@ -231,7 +231,7 @@ def test_save_checkpoint_on_one_mesh_restores_exactly(auto_mesh, tmp_path):
 
 def test_which_axis_a_dimension_keeps():
   """The largest of its axes (the first on a tie) that divides it."""
-  from flax_dtensor.dtensor._layout import _single_mesh
+  from flax_dtensor.dtensor._conversion import _single_mesh
 
   devices = np.asarray(jax.devices())
   cube = jax.sharding.Mesh(devices.reshape(2, 2, 2), ('a', 'b', 'c'))

@@ -596,7 +596,7 @@ def test_saved_model_variables_are_loaded_model_variables(trained_exports):
   assert {v.name for v in serving.variables} == {f'{k}:0' for k in names}
   # The manifest records the signatures as TF reads them (what `inspect`
   # shows without TensorFlow).
-  from flax_dtensor.dtensor._files import _manifest
+  from flax_dtensor.dtensor._format import _manifest
 
   (name,) = loaded.signatures
   recorded = _manifest.read(sm).signatures

@@ -108,7 +108,7 @@ def main():
   if kind == 'transposed':
     # Each process writes several bundles at once (at least 2: the pool
     # has 2 threads or more), all merged into the one checkpoint.
-    from flax_dtensor.dtensor._files import _host_write
+    from flax_dtensor.dtensor._storage import _host_write
 
     _host_write.PART_BYTES = 256
   path = fdt_tf.save_checkpoint(model, ckpt)

@@ -114,7 +114,7 @@ elif fault == 'orbax-denied':
   import orbax.checkpoint as ocp
   from flax import nnx
 
-  from flax_dtensor.dtensor._files import _run_folder
+  from flax_dtensor.cli import _run_folder
 
   state = nnx.state(nnx.Linear(64, 64, rngs=nnx.Rngs(0)))
   os.chmod(root, 0o777)  # The other user's: the run's folder goes here.

@@ -26,8 +26,10 @@ import jax
 import numpy as np
 
 from flax_dtensor.dtensor import _tf
-from flax_dtensor.dtensor._files import _host_read, _manifest
-from flax_dtensor.dtensor._layout import _pieces, _selection
+from flax_dtensor.dtensor._conversion import _selection
+from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._layout import _pieces
+from flax_dtensor.dtensor._storage import _host_read
 
 # Dtypes NumPy cannot hand over through DLPack, and the same-size dtype TF
 # reinterprets (`tf.bitcast`, no copy) as them. Others it has no

@@ -18,12 +18,8 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _variables
 from flax_dtensor.dtensor import _tf
-from flax_dtensor.dtensor._layout import (
-  _arrays,
-  _names,
-  _selection,
-  _single_mesh,
-)
+from flax_dtensor.dtensor._conversion import _names, _selection, _single_mesh
+from flax_dtensor.dtensor._layout import _arrays
 
 if TYPE_CHECKING:
   import tensorflow as tf

@@ -27,21 +27,16 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _output
-from flax_dtensor.dtensor import _peers, _tf, _tf_errors
-from flax_dtensor.dtensor._files import (
-  _atomic,
-  _background,
-  _host_write,
-  _manifest,
-  _paths,
-)
-from flax_dtensor.dtensor._layout import (
+from flax_dtensor.dtensor import _processes, _tf, _tf_errors
+from flax_dtensor.dtensor._conversion import (
   _convert,
-  _layouts,
   _names,
   _selection,
   _single_mesh,
 )
+from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._layout import _layouts
+from flax_dtensor.dtensor._storage import _atomic, _background, _host_write
 
 # The checkpoint prefix inside a `save_checkpoint` directory.
 PREFIX = 'ckpt'
@@ -193,7 +188,7 @@ def gather_shards(
       },
       f,
     )
-  _peers.sync('manifest-parts')
+  _processes.sync('manifest-parts')
   if jax.process_index() != 0:
     return None
   merged: list[dict[Any, int]] = [{} for _ in mine]
@@ -398,14 +393,14 @@ def save_checkpoint(
     return _save_in_background(
       entries,
       directory,
-      _peers.begin(what, aftermath),
+      _processes.begin(what, aftermath),
       overwrite=overwrite,
       single_mesh=single_mesh,
       show=show,
     )
   with (
     _tf_errors.space_checked(directory, nbytes),
-    _peers.session(what, aftermath),
+    _processes.session(what, aftermath),
     _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
   ):
     values, report = _arrays_to_save(entries, single_mesh)
@@ -438,7 +433,7 @@ def _arrays_to_save(
 def _save_in_background(
   entries: list[_selection.Entry],
   directory: str,
-  session: _peers.Session | None,
+  session: _processes.Session | None,
   *,
   overwrite: bool,
   single_mesh: bool,
@@ -454,7 +449,7 @@ def _save_in_background(
   manifest and moves the result into place (`_write_merged`).
   """
   stack = contextlib.ExitStack()
-  with _peers.joined(session, last=False):
+  with _processes.joined(session, last=False):
     with _tf_errors.translated('Copying the state', directory, WRITE_FIX):
       values, report = _arrays_to_save(entries, single_mesh)
     # Before the copy: the processes meet here once, then each copies at
@@ -479,7 +474,7 @@ def _save_in_background(
 
   def work(pool: concurrent.futures.Executor) -> Any:
     with (
-      _peers.joined(session),
+      _processes.joined(session),
       _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
       _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
       stack,

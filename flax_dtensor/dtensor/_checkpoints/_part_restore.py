@@ -17,8 +17,9 @@ from flax import nnx
 
 from flax_dtensor._placement import _parts, _sources, _variables
 from flax_dtensor._rules import _logical
-from flax_dtensor.dtensor._files import _manifest
-from flax_dtensor.dtensor._layout import _dtypes, _selection, _target
+from flax_dtensor.dtensor._conversion import _selection, _target
+from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._layout import _dtypes
 
 
 def _held(manifest: _manifest.Manifest) -> dict[tuple[Any, ...], _sources.Held]:
@@ -87,7 +88,7 @@ def restore(
   Check the part first (`check`): this ignores variables of the part the
   target lacks.
   """
-  from flax_dtensor.dtensor._files import _restore
+  from flax_dtensor.dtensor._checkpoints import _restore
 
   rules_ = _logical.rules_in_effect(rules)
   graphdef, state = nnx.split(target)

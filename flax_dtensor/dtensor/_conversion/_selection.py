@@ -19,7 +19,8 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
-from flax_dtensor.dtensor._layout import _dtypes, _names
+from flax_dtensor.dtensor._conversion import _names
+from flax_dtensor.dtensor._layout import _dtypes
 
 NO_VARIABLES_MSG = (
   'No NNX variable of {what} matched `include={include!r}` minus '

@@ -23,16 +23,13 @@ from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources
 from flax_dtensor._rules import _logical, _meshes
 from flax_dtensor.dtensor import _tf
-from flax_dtensor.dtensor._layout import (
-  _arrays,
+from flax_dtensor.dtensor._conversion import (
   _convert,
-  _layouts,
   _names,
-  _pieces,
   _selection,
   _target,
-  _topology,
 )
+from flax_dtensor.dtensor._layout import _arrays, _layouts, _pieces, _topology
 
 A = TypeVar('A')
 Index = _pieces.Index

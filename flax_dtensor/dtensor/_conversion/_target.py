@@ -22,7 +22,8 @@ from jax.experimental.layout import Format, Layout
 from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
 from flax_dtensor._rules import _logical, _meshes
-from flax_dtensor.dtensor._layout import _dtypes, _names, _selection
+from flax_dtensor.dtensor._conversion import _names, _selection
+from flax_dtensor.dtensor._layout import _dtypes
 
 # Where each array goes
 # ------------------------------------------------------------------------------

@@ -24,15 +24,9 @@ import numpy as np
 
 from flax_dtensor import _errors
 from flax_dtensor.dtensor import _tf, _tf_errors
-from flax_dtensor.dtensor._files import _grid, _manifest
-from flax_dtensor.dtensor._layout import (
-  _arrays,
-  _index,
-  _layouts,
-  _pieces,
-  _selection,
-  _target,
-)
+from flax_dtensor.dtensor._conversion import _selection, _target
+from flax_dtensor.dtensor._format import _grid, _manifest
+from flax_dtensor.dtensor._layout import _arrays, _index, _layouts, _pieces
 
 AHEAD = 2
 """Batches TF reads ahead of the one JAX is placing (host copies alive)."""

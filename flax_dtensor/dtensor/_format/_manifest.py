@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import _specs
-from flax_dtensor.dtensor._files import _grid, _paths
-from flax_dtensor.dtensor._layout import _index, _names
+from flax_dtensor.dtensor._conversion import _names
+from flax_dtensor.dtensor._format import _grid, _paths
+from flax_dtensor.dtensor._layout import _index
 
 if TYPE_CHECKING:
   import jax

@@ -33,14 +33,9 @@ from flax import nnx
 from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
-from flax_dtensor.dtensor import _peers
-from flax_dtensor.dtensor._files import (
-  _atomic,
-  _background,
-  _checkpoint,
-  _restore,
-  _steps,
-)
+from flax_dtensor.dtensor import _processes
+from flax_dtensor.dtensor._checkpoints import _checkpoint, _restore
+from flax_dtensor.dtensor._storage import _atomic, _background, _steps
 
 STATE_FILE = _steps.STATE_FILE
 METRICS_FILE = _steps.METRICS_FILE
@@ -233,7 +228,7 @@ class CheckpointManager:
     save_on_preemption: bool = False,
     preemption_seconds: float | None = 30.0,
   ) -> None:
-    from flax_dtensor.dtensor._files import _paths
+    from flax_dtensor.dtensor._format import _paths
 
     for name, value in (
       ('save_interval_steps', save_interval_steps),
@@ -419,8 +414,10 @@ class CheckpointManager:
       if (
         jax.process_count() > 1
       ):  # Every process skips, or none: process 0's view.
-        with _peers.session(f'the save of step {step}', 'Nothing was saved.'):
-          busy = _peers.share(busy)
+        with _processes.session(
+          f'the save of step {step}', 'Nothing was saved.'
+        ):
+          busy = _processes.share(busy)
       if busy:
         _output.warn(
           f'Step {step} was not saved: the save before it is still being '
@@ -474,10 +471,10 @@ class CheckpointManager:
         _atomic._fsync_dir(self.directory)
         self._write_files(self.all_steps())
     if jax.process_count() > 1:  # Gone for every process before the save.
-      with _peers.session(
+      with _processes.session(
         f'the damaged steps of {self.directory!r}', 'Nothing was saved.'
       ):
-        _peers.sync('damaged steps moved aside')
+        _processes.sync('damaged steps moved aside')
 
   def _finish_after(
     self, handle: _background.SaveHandle, step: int, metrics: dict[str, float]
@@ -564,10 +561,10 @@ class CheckpointManager:
       pending.result()  # A failed save fails on every process (agreed).
     if jax.process_count() > 1:
       # Process 0 has kept or removed the steps: every process sees them.
-      with _peers.session(
+      with _processes.session(
         f'the steps of {self.directory!r}', 'The latest step is whole.'
       ):
-        _peers.sync('steps kept')
+        _processes.sync('steps kept')
 
   wait_until_finished = wait  # orbax-checkpoint's name.
 

@@ -25,22 +25,17 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources, _variables
 from flax_dtensor._rules import _logical
-from flax_dtensor.dtensor import _peers, _tf, _tf_errors
-from flax_dtensor.dtensor._files import (
-  _atomic,
-  _background,
-  _checkpoint,
-  _host_read,
-  _manifest,
-  _paths,
-)
-from flax_dtensor.dtensor._layout import (
+from flax_dtensor.dtensor import _processes, _tf, _tf_errors
+from flax_dtensor.dtensor._checkpoints import _checkpoint
+from flax_dtensor.dtensor._conversion import (
   _convert,
-  _dtypes,
   _names,
   _selection,
   _target,
 )
+from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._layout import _dtypes
+from flax_dtensor.dtensor._storage import _atomic, _background, _host_read
 
 A = TypeVar('A')
 
@@ -304,7 +299,7 @@ def read_checkpoint(
   """
   path = _paths.local(directory, 'checkpoint directory')
   _background.wait_for(path)  # A save of this process to it finishes first.
-  with _peers.session(f'the read of {path!r}', 'Nothing was returned.'):
+  with _processes.session(f'the read of {path!r}', 'Nothing was returned.'):
     _atomic.recover_for_reading(path, is_export=_manifest.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
@@ -483,14 +478,14 @@ def restore_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   rules_ = _logical.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
-  with _peers.session(
+  with _processes.session(
     f'the restore from {path!r}', 'The target was not changed.'
   ):
     arrays = _read_all(
       path, target, entries, mesh, rules_, allow_extra, convert_dtypes, progress
     )
     # Every process has its part, or none changes its target.
-    _peers.sync('restored')
+    _processes.sync('restored')
   return _target.fill(target, entries, arrays, rng_seed)
 
 

@@ -225,7 +225,7 @@ def writing(out: pathlib.Path, *, needed: int) -> Iterator[pathlib.Path]:
     ExportError: If a write fails otherwise, or `out` cannot be made.
   """
   # Late: `inspect` reads run folders without JAX, which `_atomic` imports.
-  from flax_dtensor.dtensor._files import _atomic
+  from flax_dtensor.dtensor._storage import _atomic
 
   out = out.absolute()
   tmp: pathlib.Path | None = None

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 
 from flax_dtensor import _errors, _interrupts
-from flax_dtensor.dtensor import _peers
+from flax_dtensor.dtensor import _processes
 
 IsExport = Callable[[str], bool]
 """Whether a directory holds an export of this package, written for it.
@@ -639,7 +639,7 @@ def atomic_directory(
         f'{e}. Check the path and its permissions.'
       )
       error.__cause__ = e
-  shared = _peers.share(
+  shared = _processes.share(
     {
       'tmp': tmp,
       'error': error and str(error),
@@ -653,7 +653,7 @@ def atomic_directory(
   tmp = shared['tmp']
   try:
     yield tmp
-    _peers.sync('atomic-written')
+    _processes.sync('atomic-written')
     outcome: dict[str, Any] = {}
     error = None
     if lead:
@@ -662,11 +662,11 @@ def atomic_directory(
         _move_into_place(tmp, directory)
       except Exception as e:  # Re-raised below, after telling the others.
         error, outcome = e, {'error': f'{type(e).__name__}: {e}'}
-    outcome = _peers.share(outcome)
+    outcome = _processes.share(outcome)
     if error is not None:
       raise error
     if 'error' in outcome:
-      kind = _peers.shared_kind(outcome['error'].partition(':')[0])
+      kind = _processes.shared_kind(outcome['error'].partition(':')[0])
       raise kind(
         f'Process 0 could not move the finished export into {directory!r}: '
         f'{outcome["error"]}'
@@ -792,7 +792,7 @@ def recover_for_reading(directory: str, *, is_export: IsExport) -> None:
       error.__cause__ = e
     except _errors.ExportError as e:
       error = e
-  shared = _peers.share(
+  shared = _processes.share(
     None
     if error is None
     else {'kind': type(error).__name__, 'error': str(error)}

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _text
 from flax_dtensor._rules import _meshes, _specs
-from flax_dtensor.dtensor._layout import _layouts, _pieces, _selection
+from flax_dtensor.dtensor._conversion import _selection
+from flax_dtensor.dtensor._layout import _layouts, _pieces
 
 
 @dataclasses.dataclass(frozen=True)

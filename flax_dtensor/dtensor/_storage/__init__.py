@@ -1,0 +1,11 @@
+"""Storage: bytes to disk and back, atomically.
+
+Atomic directories that know nothing of the format (`_atomic`), a training
+run's folder names by step (`_steps`, read without JAX or TensorFlow by
+``inspect``), slices read and written on the host (`_host_read`,
+`_host_write`) and saves that run behind training (`_background`).
+
+May import: `dtensor._layout`, `dtensor._conversion`, `dtensor._format`,
+the bridge's top-level helpers and the package's core; never
+`_checkpoints` nor `_serving`. `_atomic` imports nothing of the format.
+"""

@@ -2,9 +2,9 @@
 
 `SUPPORTED` is the range each library must be in, the same as the pins in
 ``pyproject.toml`` (a test keeps the two equal). `check_versions` runs once
-per process, before the hook goes into Flax (`_hook.ensure_installed`): a
+per process, before the hook goes into Flax (`_hook._install.ensure_installed`): a
 release outside the range is refused in our words, before anything of it is
-wrapped. A release inside it is also probed (`_hook.check_routing`), so
+wrapped. A release inside it is also probed (`_hook._install.check_routing`), so
 that a change in Flax that the range did not foresee still fails loudly.
 """
 

@@ -13,7 +13,7 @@ place. (The alternative, a table in ``__init__.py`` beside an
 times and needs a test to keep the two in step.) The parse uses `ast`,
 which the command line (through its libraries) and JAX import anyway.
 
-The first name used installs the Flax hook (`_hook.ensure_installed`; not
+The first name used installs the Flax hook (`_hook._install.ensure_installed`; not
 for the exception classes, which an ``except`` clause must reach even where
 the hook refuses the installed Flax), then imports only its own module, so
 `import flax_dtensor` stays cheap and imports neither JAX nor TensorFlow.
@@ -86,9 +86,9 @@ def namespace(
     if module is None:
       raise AttributeError(f'module {package!r} has no attribute {name!r}')
     if module != ERRORS_MODULE:  # Errors need no Flax: `except` always works.
-      from flax_dtensor._placement import _hook
+      from flax_dtensor._hook import _install
 
-      _hook.ensure_installed()
+      _install.ensure_installed()
     value = getattr(importlib.import_module(f'{package}.{module}'), name)
     globals_[name] = value
     return value

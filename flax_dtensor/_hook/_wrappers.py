@@ -1,130 +1,38 @@
-"""The hook into Flax: variable creation and pspec queries follow our rules.
+"""The hook's wrappers: what Flax's creation and pspec queries do under our
+rules.
 
-Flax places an annotated variable at creation with
-``flax.core.spmd.shard_value``, and answers ``nnx.get_partition_spec`` (and
-``get_named_sharding``, ``as_abstract``, ``eval_shape``) with
-``flax.nnx.spmd.get_var_pspec``. `install` wraps both, once, and
-two more: ``with_metadata`` (behind ``nnx.with_partitioning``), so that an
-annotated initializer computes only its shards (`_creation`), and
-``Variable.set_value``. The wrappers take any arguments and defer to Flax
-unless our rules are in effect or our build (`building`) runs; `HOOKED`
-lists each wrapped function and every place Flax holds it.
-`ensure_installed` installs them and proves (`check_routing`) that Flax
-still calls them, once per process, before the first public name of
-flax_dtensor is handed out (see the package's ``__getattr__``). Two more
-wrappers serve path rules: ``get_partition_spec`` lends ``get_var_pspec``
-each variable's path, and the module metaclass's call places, when the
-outermost ``nnx.Module`` constructor returns, the variables path rules
-cover; that one goes in when the first `LogicalRules` is made
-(`_route_modules`), so a process that makes no rules of ours builds its
-modules at Flax's cost.
+Each takes Flax's own function first, then the call's arguments, and defers
+to it unless our rules are in effect or our build runs
+(`_placement._switches`). `_install` sets them into Flax.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import flax
 import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
-from flax.nnx import module as module_lib
-from flax.nnx import spmd as nnx_spmd
 from flax.nnx import variablelib
-from flax.nnx.transforms import transforms as nnx_transforms
 from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor import _compat, _errors
+from flax_dtensor import _errors
 from flax_dtensor._placement import (
   _creation,
   _creation_order,
   _placing,
+  _switches,
   _variables,
 )
 from flax_dtensor._rules import _logical, _meshes, _resolution
 
-_MARK = '__flax_dtensor_hook__'
-
-
-class _State(threading.local):
-  """Per-thread switches of the hook."""
-
-  building: bool = False  # Inside `init`'s and `plan`'s builds.
-  # Inside `init`'s abstract pass: the traced outputs of the initializers
-  # `_creation.create` would compute in their shards on `mesh`.
-  in_shards: list[Any] | None = None
-  mesh: Mesh | None = None
-  strict: bool = False  # Inside `init`'s eager build (see `in_shards`).
-  probe: list[str] | None = None  # `check_routing` records calls here.
-  # Inside an `nnx.Module` constructor called under path rules: how deep.
-  depth: int = 0
-  # Inside `nnx.get_partition_spec` under path rules: {id(variable): path}.
-  paths: dict[int, str] | None = None
-  # Inside an abstract build under path rules: module constructions, in
-  # order (`_creation_order`).
-  recording: _creation_order.Recording | None = None
-  # Inside a concrete build under path rules: the abstract build's records
-  # it follows.
-  order: _creation_order.Order | None = None
-
-
-_state = _State()
-
-
-@contextlib.contextmanager
-def building(
-  in_shards: list[Any] | None = None,
-  mesh: Mesh | None = None,
-  recording: _creation_order.Recording | None = None,
-) -> Iterator[None]:
-  """Within the block, a model is built by flax_dtensor (`init`, `plan`).
-
-  Created variables stay where their value is (the build places or plans
-  every variable itself, by `_variables.spec_of_variable`), and tracing
-  stays linear in the number of variables (see `_set_value`). With
-  `in_shards`, the build is `init`'s abstract pass: the outputs of annotated
-  initializers that an eager build on `mesh` computes in their shards are
-  appended to it. With `recording`, every module construction is recorded
-  in order (see `_creation_order`).
-  """
-  old = (_state.building, _state.in_shards, _state.mesh, _state.recording)
-  _state.building, _state.in_shards, _state.mesh = True, in_shards, mesh
-  _state.recording = recording
-  try:
-    yield
-  finally:
-    (_state.building, _state.in_shards, _state.mesh, _state.recording) = old
-
-
-@contextlib.contextmanager
-def following(order: _creation_order.Order | None) -> Iterator[None]:
-  """Within the block, module constructions follow `order`."""
-  old = _state.order
-  _state.order = order
-  try:
-    yield
-  finally:
-    _state.order = old
-
-
-@contextlib.contextmanager
-def strictly_in_shards() -> Iterator[None]:
-  """Within the block, an annotated initializer that would compute its
-  whole value raises `_creation.NotInShards` before it runs (`init`'s eager
-  build, which its abstract pass predicted to need none)."""
-  old = _state.strict
-  _state.strict = True
-  try:
-    yield
-  finally:
-    _state.strict = old
+# Set on each wrapper `_install` puts into Flax.
+MARK = '__flax_dtensor_hook__'
 
 
 def _set_value(flax_fn: Callable[..., Any], variable: Any, *args, **kwargs):
@@ -140,7 +48,7 @@ def _set_value(flax_fn: Callable[..., Any], variable: Any, *args, **kwargs):
   anything else is Flax's own.
   """
   if (
-    _state.building
+    _switches.state.building
     and len(args) == 1
     and kwargs.keys() == {'index'}
     and kwargs['index'] is Ellipsis
@@ -174,12 +82,12 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   if not {'value', 'out_sharding'} <= named.keys():
     return flax_fn(*args, **kwargs)
   value, out_sharding = named['value'], named['out_sharding']
-  if _state.probe is not None:
-    _state.probe.append('shard_value')
+  if _switches.state.probe is not None:
+    _switches.state.probe.append('shard_value')
     return value
   if not out_sharding:
     return flax_fn(*args, **kwargs)
-  if _state.building:
+  if _switches.state.building:
     return value
   rules = _logical.rules_in_effect()
   local = named.get('sharding_rules')
@@ -228,21 +136,21 @@ def _with_metadata(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
 
   @functools.wraps(initializer)
   def routed(*init_args: Any) -> Any:
-    if _state.probe is not None:
-      _state.probe.append('with_metadata')
+    if _switches.state.probe is not None:
+      _switches.state.probe.append('with_metadata')
       return initializer(*init_args)
-    if _state.building:
+    if _switches.state.building:
       out = initializer(*init_args)
-      if _state.in_shards is not None and _creation.would_create(
-        initializer, metadata, init_args, out, _state.mesh
+      if _switches.state.in_shards is not None and _creation.would_create(
+        initializer, metadata, init_args, out, _switches.state.mesh
       ):
-        _state.in_shards.append(out)
+        _switches.state.in_shards.append(out)
       return out
     return _creation.create(
-      initializer, metadata, init_args, strict=_state.strict
+      initializer, metadata, init_args, strict=_switches.state.strict
     )
 
-  setattr(routed, _MARK, True)
+  setattr(routed, MARK, True)
   named['initializer'] = routed
   return flax_fn(**named, **named.pop('metadata', {}))
 
@@ -262,17 +170,19 @@ def _get_var_pspec(
   variable = named.get('v', args[0] if args else None)
   if not isinstance(variable, nnx.Variable):
     return flax_fn(*args, **kwargs)
-  if _state.probe is not None:
-    _state.probe.append('get_var_pspec')
+  if _switches.state.probe is not None:
+    _switches.state.probe.append('get_var_pspec')
   rules = _logical.rules_in_effect()
   local = variable.get_metadata('sharding_rules', None)
   uses_ours = isinstance(rules, _logical.LogicalRules) or (
     not rules.pairs and isinstance(local, _logical.LogicalRules)
   )
-  path = _state.paths.get(id(variable)) if _state.paths else None
+  path = (
+    _switches.state.paths.get(id(variable)) if _switches.state.paths else None
+  )
   concrete = _variables.concrete_sharding_of(variable) is not None
   annotated = _variables.logical_axes_of(variable) is not None
-  if _state.building and annotated and not uses_ours:
+  if _switches.state.building and annotated and not uses_ours:
     # Our own builds (plan, check, init) under Flax's semantics: a name
     # that is no mesh axis is our error, not JAX's inside Flax.
     _variables.spec_of_variable(variable, rules=rules)
@@ -294,8 +204,8 @@ def _get_partition_spec(flax_fn: Callable[..., Any], *args: Any, **kwargs):
   `_variables.keypath_str` joins them: ``nnx.state(model)`` gives the
   plan's paths) are kept for the duration of the call.
   """
-  if _state.probe is not None:
-    _state.probe.append('get_partition_spec')
+  if _switches.state.probe is not None:
+    _switches.state.probe.append('get_partition_spec')
   rules = core_spmd.get_logical_axis_rules()
   if not isinstance(rules, _logical.LogicalRules) or not rules.path_rules:
     return flax_fn(*args, **kwargs)
@@ -309,12 +219,12 @@ def _get_partition_spec(flax_fn: Callable[..., Any], *args: Any, **kwargs):
   for keypath, leaf in leaves:
     if isinstance(leaf, nnx.Variable):
       paths.setdefault(id(leaf), _variables.keypath_str(keypath))
-  old = _state.paths
-  _state.paths = paths
+  old = _switches.state.paths
+  _switches.state.paths = paths
   try:
     return flax_fn(*args, **kwargs)
   finally:
-    _state.paths = old
+    _switches.state.paths = old
 
 
 def _get_named_sharding(flax_fn: Callable[..., Any], *args: Any, **kwargs):
@@ -349,7 +259,7 @@ def _eval_shape(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any):
   if (
     isinstance(rules, _logical.LogicalRules)
     and rules.path_rules
-    and not _state.building
+    and not _switches.state.building
   ):
     _placing.type_abstract(out, rules)
   return out
@@ -368,7 +278,7 @@ def _construct(flax_call: Callable[..., Any], cls: Any, /, *args, **kwargs):
   sharding is off, nothing is placed, and that is said
   (`_placing.warn_unplaced`).
   """
-  state = _state
+  state = _switches.state
   if state.recording is not None:  # An abstract build: record, in order.
     record = state.recording.enter(cls, args, kwargs)
     record.module = flax_call(cls, *args, **kwargs)
@@ -441,7 +351,7 @@ def _planned_order(
     return outermost.module
 
   try:
-    with building(recording=recording):
+    with _switches.building(recording=recording):
       nnx.eval_shape(build, *args, graph=True, graph_updates=False, **kwargs)
   except Exception:  # The concrete build meets it again, and reports it.
     return None
@@ -449,232 +359,6 @@ def _planned_order(
     recording.records,
     rules,
     mesh,
-    quiet=building,
+    quiet=_switches.building,
     strict=strict,
   )
-
-
-_install_lock = threading.Lock()
-_installed = False
-
-
-def ensure_installed() -> None:
-  """Installs the hook and checks Flax's routing, once per process.
-
-  Thread-safe and cheap after the first call. Called before any public name
-  of flax_dtensor is handed out, and by the modules that run flax_dtensor
-  code without going through that namespace (``flax_dtensor.dtensor``).
-
-  Raises:
-    FlaxCompatibilityError: If the installed JAX or Flax is a release
-      flax_dtensor does not support (`_compat.SUPPORTED`), or Flax does not
-      route creation and pspec queries through the hook (see
-      `check_routing`).
-  """
-  global _installed
-  if _installed:
-    return
-  with _install_lock:
-    if not _installed:
-      _compat.check_versions({'jax': jax.__version__, 'flax': flax.__version__})
-      install()
-      check_routing()
-      _installed = True
-
-
-def _deferring(
-  implementation: str,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """A wrapper maker: Flax's function, called through this module's function
-  named `implementation` (which gets Flax's own function first, then the
-  call's arguments). The name is looked up at each call, as a global is, so
-  that the function can be replaced (a test's stand-in) after install."""
-  functions = globals()
-
-  def wrap(flax_fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(flax_fn)
-    def hook(*args: Any, **kwargs: Any) -> Any:
-      return functions[implementation](flax_fn, *args, **kwargs)
-
-    return hook
-
-  return wrap
-
-
-def _wrap_set_value(flax_set_value: Callable[..., Any]) -> Callable[..., Any]:
-  """``Variable.set_value``'s wrapper: outside a traced build (every eager
-  one), Flax's own, one frame."""
-
-  @functools.wraps(flax_set_value)
-  def set_value(variable: Any, *args: Any, **kwargs: Any) -> Any:
-    if not _state.building:
-      return flax_set_value(variable, *args, **kwargs)
-    return _set_value(flax_set_value, variable, *args, **kwargs)
-
-  return set_value
-
-
-HOOKED: tuple[tuple[tuple[Any, ...], str, Callable[..., Any]], ...] = (
-  # (owners: where Flax defines it, then where Flax re-exports it; the
-  # attribute; what makes its wrapper from Flax's function)
-  ((core_spmd,), 'shard_value', _deferring('_shard_value')),
-  ((nnx_spmd,), 'get_var_pspec', _deferring('_get_var_pspec')),
-  ((variablelib, nnx), 'with_metadata', _deferring('_with_metadata')),
-  ((variablelib.Variable,), 'set_value', _wrap_set_value),
-  ((nnx_spmd, nnx), 'get_partition_spec', _deferring('_get_partition_spec')),
-  ((nnx_transforms, nnx_spmd, nnx), 'eval_shape', _deferring('_eval_shape')),
-  ((nnx_spmd, nnx), 'get_named_sharding', _deferring('_get_named_sharding')),
-  ((nnx_spmd, nnx), 'as_abstract', _deferring('_as_abstract')),
-)
-"""What `install` wraps in Flax, once each, in every place that holds it.
-
-The wrapper is made once, at install, from the function its first owner
-holds, and set on every owner, so that ``nnx.eval_shape`` and
-``flax.nnx.spmd.eval_shape`` stay one function. (The module metaclass's call
-goes in later and on its own: see `_route_modules`.)
-"""
-
-
-def install() -> None:
-  """Wraps Flax's functions (`HOOKED`); idempotent (see `ensure_installed`)."""
-  if getattr(core_spmd.shard_value, _MARK, False):
-    return
-  for owners, attribute, make in HOOKED:
-    hook = make(getattr(owners[0], attribute))
-    setattr(hook, _MARK, True)
-    for owner in owners:
-      setattr(owner, attribute, hook)
-  _logical.when_first_made(_route_modules)
-
-
-def _module_call(flax_call: Callable[..., Any]) -> Callable[..., Any]:
-  """The wrapper of the module metaclass's call `flax_call` (`_construct`)."""
-
-  @functools.wraps(flax_call)
-  def module_call(cls: Any, /, *args: Any, **kwargs: Any) -> Any:
-    # The common case inline (no path rules, not inside a constructor):
-    # two thread-local reads, one frame.
-    state = _state
-    if not state.depth and state.probe is None:
-      rules = core_spmd.get_logical_axis_rules()
-      if not isinstance(rules, _logical.LogicalRules) or (
-        not rules.path_rules and variablelib.using_eager_sharding()
-      ):
-        return flax_call(cls, *args, **kwargs)
-    return _construct(flax_call, cls, *args, **kwargs)
-
-  setattr(module_call, _MARK, True)
-  return module_call
-
-
-# Serializes routing module construction with `check_routing`'s probe of it.
-_routing_lock = threading.Lock()
-
-
-def _route_modules() -> None:
-  """Routes module construction through `_construct`, once.
-
-  Only rules of ours need it (path rules, and saying that eager sharding is
-  off), so it goes in when the first `LogicalRules` is made
-  (`_logical.when_first_made`), and a process that never makes rules
-  builds its modules at Flax's cost.
-  """
-  with _routing_lock:
-    flax_call = module_lib.ModuleMeta.__call__
-    if not getattr(flax_call, _MARK, False):
-      module_lib.ModuleMeta.__call__ = _module_call(flax_call)
-
-
-def check_routing() -> None:
-  """Proves that Flax routes creation and pspec queries through the hook.
-
-  Creates one annotated variable from a NumPy value (no JAX backend starts)
-  and asks for its PartitionSpec, and constructs an empty ``nnx.Module``,
-  with the hook in probe mode.
-
-  Raises:
-    FlaxCompatibilityError: If Flax did not call one of the wrapped
-      functions: the installed Flax has moved on, and the rules would
-      silently stop applying.
-  """
-  calls: list[str] = []
-  problems: list[str] = []
-  old = _state.probe
-  _state.probe = calls
-  try:
-    for name, probe in (
-      ('shard_value', _probe_creation),
-      ('get_var_pspec', _probe_query),
-      ('with_metadata', _probe_initializer),
-      ('module_call', _probe_module),
-    ):
-      try:
-        probe()
-      except Exception as e:  # Reported below, with what was not called.
-        problems.append(f'{name}: {type(e).__name__}: {e}')
-  finally:
-    _state.probe = old
-  missing = [
-    n
-    for n in (
-      'shard_value',
-      'get_var_pspec',
-      'with_metadata',
-      'get_partition_spec',
-      'module_call',
-    )
-    if n not in calls
-  ]
-  if missing:
-    details = f' (Probing raised {"; ".join(problems)})' if problems else ''
-    raise _errors.FlaxCompatibilityError(
-      _ROUTING_MSG.format(version=flax.__version__, missing=missing) + details
-    )
-
-
-def _probe_creation() -> None:
-  with nnx.use_eager_sharding(True):
-    nnx.Param(np.zeros((2,), np.float32), out_sharding=('x',))
-
-
-def _probe_initializer() -> None:
-  nnx.with_partitioning(lambda: np.zeros((2,), np.float32), ('x',))()
-
-
-class _Probe(nnx.Module):
-  """An empty module: constructing it must go through `_construct`."""
-
-
-def _probe_module() -> None:
-  """Builds `_Probe`, through the module routing (in for the probe if not
-  yet: see `_route_modules`)."""
-  with _routing_lock:
-    call = module_lib.ModuleMeta.__call__
-    routed = getattr(call, _MARK, False)
-    if not routed:
-      module_lib.ModuleMeta.__call__ = _module_call(call)
-    try:
-      _Probe()
-    finally:
-      module_lib.ModuleMeta.__call__ = call
-
-
-def _probe_query() -> None:
-  variable = nnx.Param(
-    np.zeros((2,), np.float32), out_sharding=('x',), eager_sharding=False
-  )
-  nnx.get_partition_spec(nnx.State({'v': variable}))
-
-
-_ROUTING_MSG = (
-  'flax_dtensor needs Flax to create annotated variables through '
-  '`flax.core.spmd.shard_value`, to answer `nnx.get_partition_spec` '
-  'through `flax.nnx.spmd.get_partition_spec` and `get_var_pspec`, to wrap '
-  'initializers with `flax.nnx.variablelib.with_metadata`, and to build '
-  'modules through `flax.nnx.module.ModuleMeta.__call__` (path rules place '
-  'variables when the outermost module constructor returns); the installed '
-  'Flax {version} did not call {missing}. Expected a Flax version '
-  'flax_dtensor supports (see '
-  'its pyproject.toml and docs/compatibility.md); a newer Flax needs a newer '
-  'flax_dtensor.'
-)

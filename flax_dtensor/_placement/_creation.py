@@ -3,7 +3,7 @@
 Under ``jax.set_mesh`` an initializer called eagerly computes the whole
 array on every device (replicated), and only then does Flax hand the value
 to `flax.core.spmd.shard_value` to be placed: 4.5x the time of an unsharded
-build for a stack of MLPs. When our rules are in effect, `_hook` routes an
+build for a stack of MLPs. When our rules are in effect, the hook (`flax_dtensor._hook`) routes an
 annotated initializer (``nnx.with_partitioning(init, axes)``) through
 `create` instead: the spec is resolved from the output's shape first, and
 the initializer runs under a cached ``jax.jit`` whose ``out_shardings`` is

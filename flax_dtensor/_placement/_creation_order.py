@@ -63,7 +63,7 @@ class Record:
 
 
 class Recording:
-  """Module constructions, in the order they started (`_hook` fills it)."""
+  """Module constructions, in the order they started (the hook, `flax_dtensor._hook`, fills it)."""
 
   def __init__(self) -> None:
     self.records: list[Record] = []
@@ -171,7 +171,7 @@ class Order:
   records: list[Record]
   rules: _logical.LogicalRules
   mesh: Mesh
-  # A context in which Flax's calls do not reach the hook (`_hook.building`).
+  # A context in which Flax's calls do not reach the hook (`_switches.building`).
   quiet: Callable[[], Any]
   strict: bool = False  # fdt.init: a covered variable not in shards raises.
   next: int = 0

@@ -25,10 +25,10 @@ from flax_dtensor import _errors
 from flax_dtensor._placement import (
   _creation,
   _creation_order,
-  _hook,
   _init_cache,
   _placing,
   _replay,
+  _switches,
   _variables,
 )
 from flax_dtensor._rules import _logical, _meshes
@@ -292,8 +292,8 @@ def init(
           _replay.recording() if replayable else contextlib.nullcontext([])
         )
         with (
-          _hook.strictly_in_shards(),
-          _hook.following(order),
+          _switches.strictly_in_shards(),
+          _switches.following(order),
           recorder as records,
         ):
           built = expect_module(factory(*args, **kwargs), factory)
@@ -371,7 +371,7 @@ def _rerun(
   call = _calling(factory, leaves, treedef, dynamic)
 
   def rerun(nodes: list[Any]) -> Any:
-    with _hook.building():
+    with _switches.building():
       return call(nodes)
 
   return rerun
@@ -411,7 +411,7 @@ def _builds_in_shards(
   call = _calling(factory, leaves, treedef, dynamic)
 
   def probe(values: list[Any]) -> None:
-    with _hook.building(in_shards=found, mesh=mesh, recording=recording):
+    with _switches.building(in_shards=found, mesh=mesh, recording=recording):
       built = expect_module(call(values), factory)
     if recording is not None:
       _creation_order.finish(recording, built)
@@ -457,7 +457,7 @@ def _builds_in_shards(
   ok = bool(verdict) and all(verdict)
   order = (
     _creation_order.Order(
-      recording.records, rules, mesh, quiet=_hook.building, strict=True
+      recording.records, rules, mesh, quiet=_switches.building, strict=True
     )
     if ok and recording is not None
     else None
@@ -564,7 +564,7 @@ def _creator(
   @nnx.jit(graph=True, graph_updates=True)
   def create(values: list[Any]) -> Any:
     a, k = rebuild(values)
-    with _hook.building():
+    with _switches.building():
       built = expect_module(factory(*a, **k), factory)
     _constrain(built, rules_, mesh_, auto)
     return built
@@ -623,7 +623,7 @@ def build_abstract(
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
     if rules is not None and not isinstance(rules, _logical.FlaxRules):
       stack.enter_context(_logical.logical_axis_rules(rules))
-    stack.enter_context(_hook.building())
+    stack.enter_context(_switches.building())
     return nnx.eval_shape(checked(factory))
 
 
@@ -710,7 +710,7 @@ def _without_own_mesh(
     for i, v in zip(dynamic, values, strict=True):
       full[i] = v
     a, k = jax.tree_util.tree_unflatten(treedef, full)
-    with _hook.building():
+    with _switches.building():
       built = expect_module(factory(*a, **k), factory)
     lacking, named = [], 0
     for where, v, resolution in _variables.resolved(

@@ -377,7 +377,7 @@ def place_by_path_rules(
   """Moves the variables path rules cover to their placement, once.
 
   Called when the outermost ``nnx.Module`` constructor returns under path
-  rules (`_hook`): by then every variable has its path in the new module.
+  rules (`flax_dtensor._hook`): by then every variable has its path in the new module.
   Variables placed already (built in their shards by the creation `order`,
   or by an earlier module's construction) are not moved again; those moved
   here are noted with the reason (`_creation_order.note_of`). Nothing moves

@@ -664,10 +664,11 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
   from flax import nnx
 
   from flax_dtensor import _errors
-  from flax_dtensor._placement import _hook, _init
+  from flax_dtensor._hook import _install
+  from flax_dtensor._placement import _init
   from flax_dtensor._rules import _logical, _missing_axes
 
-  _hook.ensure_installed()  # Before the factory builds anything.
+  _install.ensure_installed()  # Before the factory builds anything.
 
   # Built with unmentioned names replicated, so that a name the rules lack
   # is reported by the plan the caller makes next, with the variable's path

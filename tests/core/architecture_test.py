@@ -253,6 +253,7 @@ NAMESPACE = {'flax_dtensor', 'flax_dtensor._lazy'}
 LAYERS = (
   ('flax_dtensor._rules',),
   ('flax_dtensor._placement',),
+  ('flax_dtensor._hook',),
   ('flax_dtensor._planning',),
   ('flax_dtensor.dtensor',),
   ('flax_dtensor.cli._run_folder',),

@@ -26,7 +26,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor._placement import _hook
+from flax_dtensor._hook import _install, _wrappers
+from flax_dtensor._placement import _switches
 
 RULES = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
 
@@ -42,16 +43,16 @@ def _mesh(types=(AxisType.Auto, AxisType.Auto), names=('data', 'model')):
 def test_routing_is_checked_at_import():
   # `fdt.LogicalRules` above installed the hook and ran the check; running
   # it again proves the route.
-  _hook.check_routing()
+  _install.check_routing()
   assert getattr(core_spmd.shard_value, '__flax_dtensor_hook__', False)
 
 
 def test_each_hooked_function_is_one_wrapper_in_every_place_flax_holds_it():
-  """`_hook.HOOKED` is what is installed: one marked wrapper of Flax's own
+  """`_install.HOOKED` is what is installed: one marked wrapper of Flax's own
   function, the same object in each of its owners."""
-  assert len(_hook.HOOKED) == 8
-  assert sum(len(owners) for owners, _, _ in _hook.HOOKED) == 14
-  for owners, attribute, _ in _hook.HOOKED:
+  assert len(_install.HOOKED) == 8
+  assert sum(len(owners) for owners, _, _ in _install.HOOKED) == 14
+  for owners, attribute, _ in _install.HOOKED:
     hooks = {getattr(o, attribute) for o in owners}
     assert len(hooks) == 1, (attribute, hooks)
     (hook,) = hooks
@@ -61,16 +62,16 @@ def test_each_hooked_function_is_one_wrapper_in_every_place_flax_holds_it():
     assert flax_fn.__name__ == hook.__name__ == attribute
   assert nnx.eval_shape is nnx.spmd.eval_shape
   # Installing again changes nothing.
-  before = [getattr(o, a) for owners, a, _ in _hook.HOOKED for o in owners]
-  _hook.install()
+  before = [getattr(o, a) for owners, a, _ in _install.HOOKED for o in owners]
+  _install.install()
   assert before == [
-    getattr(o, a) for owners, a, _ in _hook.HOOKED for o in owners
+    getattr(o, a) for owners, a, _ in _install.HOOKED for o in owners
   ]
 
 
 def test_the_compatibility_page_lists_what_the_hook_touches():
   """The docs' table of what the hook touches in Flax names every wrapped
-  function (`_hook.HOOKED` and the module metaclass's call), and no other."""
+  function (`_install.HOOKED` and the module metaclass's call), and no other."""
   docs = pathlib.Path(__file__).parents[2] / 'docs'
   sections = [
     page.read_text().partition('## What the hook touches\n')[2]
@@ -83,7 +84,7 @@ def test_the_compatibility_page_lists_what_the_hook_touches():
     for row in rows
     for name in re.findall(r'`([\w.]+)`', row.split('|')[2])
   }
-  hooked = {attribute for _, attribute, _ in _hook.HOOKED}
+  hooked = {attribute for _, attribute, _ in _install.HOOKED}
   assert named == hooked | {'__call__'}, section
 
 
@@ -223,7 +224,7 @@ def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):
     fdt.FlaxCompatibilityError,
     match=r'the installed Flax 0\.12\.\d+ did not call \[\'shard_value\'\]',
   ):
-    _hook.check_routing()
+    _install.check_routing()
 
 
 def test_a_flax_whose_pspec_query_bypasses_the_hook_is_refused(monkeypatch):
@@ -235,7 +236,7 @@ def test_a_flax_whose_pspec_query_bypasses_the_hook_is_refused(monkeypatch):
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['get_var_pspec'\]"
   ):
-    _hook.check_routing()
+    _install.check_routing()
 
 
 def test_a_flax_whose_initializers_bypass_the_hook_is_refused(monkeypatch):
@@ -246,7 +247,7 @@ def test_a_flax_whose_initializers_bypass_the_hook_is_refused(monkeypatch):
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['with_metadata'\]"
   ):
-    _hook.check_routing()
+    _install.check_routing()
 
 
 def test_a_flax_whose_modules_bypass_the_hook_is_refused(monkeypatch):
@@ -264,11 +265,11 @@ def test_a_flax_whose_modules_bypass_the_hook_is_refused(monkeypatch):
   class Probe(nnx.Module, metaclass=Bypassing):
     pass
 
-  monkeypatch.setattr(_hook, '_Probe', Probe)
+  monkeypatch.setattr(_install, '_Probe', Probe)
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['module_call'\]"
   ):
-    _hook.check_routing()
+    _install.check_routing()
 
 
 def test_a_flax_whose_partition_spec_bypasses_the_hook_is_refused(
@@ -282,7 +283,7 @@ def test_a_flax_whose_partition_spec_bypasses_the_hook_is_refused(
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['get_partition_spec'\]"
   ):
-    _hook.check_routing()
+    _install.check_routing()
 
 
 PATH_RULES = RULES.replace(path_rules=[('up/kernel$', P(None, 'model'))])
@@ -305,7 +306,7 @@ def test_a_failing_constructor_leaves_the_depth_count_clean():
   with jax.set_mesh(mesh), fdt.logical_axis_rules(PATH_RULES):
     with pytest.raises(RuntimeError, match='a constructor that fails'):
       _Holder(fail=True)
-    assert _hook._state.depth == 0
+    assert _switches.state.depth == 0
     held = _Holder()
   assert held.inner.up.kernel[...].sharding.spec == P(None, 'model')
 
@@ -341,21 +342,21 @@ def test_new_flax_arguments_pass_through():
 
   x = jnp.ones((8, 4))
   # No flax_dtensor rules: Flax's function gets every argument.
-  out = _hook._shard_value(
+  out = _wrappers._shard_value(
     future_flax_shard_value, x, ('embed', None), None, None, layout='L'
   )
   assert out is x and calls == ['L']
   # flax_dtensor rules: placed by them, whatever the extra argument.
   mesh = _mesh()
   with fdt.logical_axis_rules(RULES):
-    out = _hook._shard_value(
+    out = _wrappers._shard_value(
       future_flax_shard_value, x, ('embed', None), None, mesh, layout='L'
     )
   assert out.sharding.spec == P('data', None)
   np.testing.assert_array_equal(np.asarray(out), np.ones((8, 4)))
   assert calls == ['L']
   # A signature the hook cannot read at all is Flax's business alone.
-  assert _hook._shard_value(lambda *a, **k: 'flax', 1, 2, 3, 4, 5) == 'flax'
+  assert _wrappers._shard_value(lambda *a, **k: 'flax', 1, 2, 3, 4, 5) == 'flax'
 
 
 # Flax's behaviour is unchanged (cases of Flax's tests/nnx/spmd_test.py)

@@ -21,7 +21,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import AxisType
 
 import flax_dtensor as fdt
-from flax_dtensor._placement import _hook
+from flax_dtensor._hook import _wrappers
 from flax_dtensor._rules import _resolution
 
 SIZES = {'data': 2, 'model': 4}
@@ -259,7 +259,7 @@ def test_a_changed_resolver_is_caught(monkeypatch):
 def test_a_hook_that_stops_answering_is_caught(monkeypatch):
   """nnx.get_partition_spec falls back to Flax's answer: APIs disagree."""
   monkeypatch.setattr(
-    _hook, '_get_var_pspec', lambda flax_fn, *a, **k: flax_fn(*a, **k)
+    _wrappers, '_get_var_pspec', lambda flax_fn, *a, **k: flax_fn(*a, **k)
   )
   with pytest.raises(AssertionError):
     _property(300)()

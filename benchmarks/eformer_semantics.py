@@ -125,7 +125,7 @@ def _ours(case: dict) -> dict[str, list | None]:
   from jax.sharding import PartitionSpec as P
 
   import flax_dtensor as fdt
-  from flax_dtensor._placement import _variables
+  from flax_dtensor._rules import _spec
 
   def spec(entries):
     return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
@@ -140,9 +140,7 @@ def _ours(case: dict) -> dict[str, list | None]:
   for path, shape in case['leaves'].items():
     value = jax.ShapeDtypeStruct(tuple(shape), np.float32)
     try:
-      resolution = _variables.spec_of_array(
-        value, path=path, rules=rules, mesh=mesh
-      )
+      resolution = _spec.spec_of_array(value, path=path, rules=rules, mesh=mesh)
     except fdt.ShardingResolutionError:
       out[path] = None
       continue

@@ -29,7 +29,7 @@ from flax_dtensor._placement import (
   _switches,
   _variables,
 )
-from flax_dtensor._rules import _logical, _meshes, _resolution
+from flax_dtensor._rules import _logical, _meshes, _resolution, _spec
 
 # Set on each wrapper `_install` puts into Flax.
 MARK = '__flax_dtensor_hook__'
@@ -180,17 +180,17 @@ def _get_var_pspec(
   path = (
     _switches.state.paths.get(id(variable)) if _switches.state.paths else None
   )
-  concrete = _variables.concrete_sharding_of(variable) is not None
-  annotated = _variables.logical_axes_of(variable) is not None
+  concrete = _spec.concrete_sharding_of(variable) is not None
+  annotated = _spec.logical_axes_of(variable) is not None
   if _switches.state.building and annotated and not uses_ours:
     # Our own builds (plan, check, init) under Flax's semantics: a name
     # that is no mesh axis is our error, not JAX's inside Flax.
-    _variables.spec_of_variable(variable, rules=rules)
+    _spec.spec_of_variable(variable, rules=rules)
   if not concrete and (not uses_ours or (path is None and not annotated)):
     # Flax's answer; a concrete sharding is ours everywhere (Flax's would
     # iterate a NamedSharding or Format as if it were names).
     return flax_fn(*args, **kwargs)
-  resolution = _variables.spec_of_variable(variable, rules=rules, path=path)
+  resolution = _spec.spec_of_variable(variable, rules=rules, path=path)
   if resolution is None:
     return flax_fn(*args, **kwargs)
   return resolution.spec
@@ -233,7 +233,7 @@ def _get_named_sharding(flax_fn: Callable[..., Any], *args: Any, **kwargs):
   builds ``NamedSharding(mesh, spec)``, which has none."""
   out = flax_fn(*args, **kwargs)
   for _, variable in _variables.iter_variables_in(out):
-    layout = _variables.layout_of(variable)
+    layout = _spec.layout_of(variable)
     sharding = variable.get_raw_value()
     if layout is not None and isinstance(sharding, NamedSharding):
       variable.set_raw_value(Format(layout, sharding))

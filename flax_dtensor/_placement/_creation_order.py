@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_dtensor._placement import _creation, _variables
-from flax_dtensor._rules import _logical, _meshes
+from flax_dtensor._rules import _logical, _meshes, _spec
 
 IN_SHARDS = 'in its shards'
 """A note: built under a jit that computes only its shards."""
@@ -129,7 +129,7 @@ def finish(recording: Recording, built: Any) -> list[Record]:
       nnx.graph.is_graph_node(value) for _, value in _children(module)
     )
     for path, variable in _variables.iter_variables(module):
-      value = _variables.value_of(variable)
+      value = _spec.value_of(variable)
       record.variables[_variables.path_str(path)] = variable.replace(
         jax.ShapeDtypeStruct(value.shape, value.dtype)
       )
@@ -217,7 +217,7 @@ class Order:
 
   def _covered(self, record: Record, path: str) -> bool:
     """Whether a path rule places this variable of a recorded module."""
-    resolution = _variables.spec_of_variable(
+    resolution = _spec.spec_of_variable(
       record.variables[path],
       rules=self.rules,
       mesh=self.mesh,
@@ -225,11 +225,11 @@ class Order:
     )
     return resolution is not None and resolution.by_path_rule
 
-  def _specs(self, record: Record) -> dict[str, PartitionSpec] | None:
+  def _partition_specs(self, record: Record) -> dict[str, PartitionSpec] | None:
     """Each variable of a recorded module: its placement by its path."""
     specs = {}
     for path, variable in record.variables.items():
-      resolution = _variables.spec_of_variable(
+      resolution = _spec.spec_of_variable(
         variable,
         rules=self.rules,
         mesh=self.mesh,
@@ -251,7 +251,7 @@ class Order:
     if split is None:
       return None
     leaves, treedef, dynamic, static = split
-    specs = self._specs(record)
+    specs = self._partition_specs(record)
     if specs is None:
       return None
     auto = _meshes.auto_copy(self.mesh)
@@ -290,7 +290,7 @@ class Order:
       path: (v.shape, v.dtype) for path, v in record.variables.items()
     }
     found = {
-      path: (np.shape(_variables.value_of(v)), _variables.value_of(v).dtype)
+      path: (np.shape(_spec.value_of(v)), _spec.value_of(v).dtype)
       for path, v in built.items()
     }
     if found != expected:  # Built, but not as the record said.
@@ -303,9 +303,7 @@ class Order:
       # Onto the caller's mesh as they are; checked against their actual
       # paths when the outermost constructor returns.
       for variable in built.values():
-        variable.set_value(
-          _meshes.retype(_variables.value_of(variable), self.mesh)
-        )
+        variable.set_value(_meshes.retype(_spec.value_of(variable), self.mesh))
         note(
           variable,
           'in its shards as the abstract build predicted them, checked '
@@ -317,8 +315,8 @@ class Order:
       spec = specs.get(path, PartitionSpec())
       variable.set_value(
         _meshes.put(
-          _variables.value_of(variable),
-          _variables.sharding_for(variable, self.mesh, spec),
+          _spec.value_of(variable),
+          _spec.sharding_for(variable, self.mesh, spec),
         )
       )
       note(variable, IN_SHARDS)
@@ -335,10 +333,10 @@ class Order:
       return
     for key, variable in own.items():
       where = _join(record.path, str(key))
-      value = _variables.value_of(variable)
+      value = _spec.value_of(variable)
       if isinstance(value, jax.core.Tracer) or not isinstance(value, jax.Array):
         continue
-      resolution = _variables.spec_of_variable(
+      resolution = _spec.spec_of_variable(
         variable, rules=self.rules, mesh=self.mesh, path=where
       )
       if resolution is None or not resolution.by_path_rule:
@@ -347,7 +345,7 @@ class Order:
         raise _creation.NotInShards(where)
       variable.set_value(
         jax.device_put(
-          value, _variables.sharding_for(variable, self.mesh, resolution.spec)
+          value, _spec.sharding_for(variable, self.mesh, resolution.spec)
         )
       )
       note(
@@ -423,7 +421,7 @@ def _creator(
       spec = specs.get(_variables.path_str(path), PartitionSpec())
       variable.set_value(
         jax.lax.with_sharding_constraint(
-          _variables.value_of(variable),
+          _spec.value_of(variable),
           NamedSharding(jax.sharding.get_abstract_mesh(), spec),
         )
       )

@@ -2,7 +2,7 @@
 
 The factory runs once, traced under ``nnx.jit`` on an all-Auto copy of the
 caller's mesh (same devices): each variable is constrained to the spec
-`_variables.spec_of_variable` gives it, so XLA computes only its shards.
+`_spec.spec_of_variable` gives it, so XLA computes only its shards.
 Inputs and outputs cross to and from the Auto copy by zero-copy retyping,
 so the result and the caller's `nnx.Rngs` keep the caller's mesh and axis
 types.
@@ -31,7 +31,7 @@ from flax_dtensor._placement import (
   _switches,
   _variables,
 )
-from flax_dtensor._rules import _logical, _meshes
+from flax_dtensor._rules import _logical, _meshes, _spec
 
 M = TypeVar('M')
 
@@ -436,9 +436,9 @@ def _builds_in_shards(
         continue
       if resolution.by_path_rule:
         verdict.append(in_a_leaf(where))
-      elif _variables.logical_axes_of(v) is not None:
+      elif _spec.logical_axes_of(v) is not None:
         verdict.append(
-          id(_variables.value_of(v)) in ids
+          id(_spec.value_of(v)) in ids
           or in_a_leaf(where)
           or isinstance(v, optimizer.OptVariable)
         )
@@ -643,7 +643,7 @@ def _constrain(
     if not _meshes.same_devices(own, mesh):
       # One traced build constrains to one mesh: `init` builds eagerly.
       raise _OnAnotherMesh(where)
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     variable.set_value(
       jax.lax.with_sharding_constraint(
         value, NamedSharding(auto, resolution.spec)
@@ -665,7 +665,7 @@ def _place_result(
   for _, variable, resolution in _variables.resolved(
     built, rules=rules, mesh=mesh
   ):
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     if not isinstance(value, jax.Array):
       continue
     if resolution is None:
@@ -677,7 +677,7 @@ def _place_result(
       own = mesh
     if own is None:
       continue
-    target = _variables.sharding_for(variable, own, resolution.spec)
+    target = _spec.sharding_for(variable, own, resolution.spec)
     variable.set_value(_meshes.put(value, target))  # No dispatch if there.
 
 
@@ -718,7 +718,7 @@ def _without_own_mesh(
     ):
       if resolution is None:
         continue
-      if isinstance(_variables.named_mesh_of(v), Mesh):
+      if isinstance(_spec.named_mesh_of(v), Mesh):
         named += 1
       else:
         lacking.append(where)

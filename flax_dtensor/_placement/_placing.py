@@ -21,7 +21,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _creation, _creation_order, _variables
-from flax_dtensor._rules import _logical, _meshes, _resolution, _specs
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _partition_specs,
+  _resolution,
+  _spec,
+)
 
 NO_MESH_MSG = (
   'Set one with `jax.set_mesh(mesh)` (a context manager), or pass `mesh=`. '
@@ -75,7 +81,7 @@ def apply_spec(
     m
     for entry in spec
     if entry is not PartitionSpec.UNCONSTRAINED
-    for m in _specs.axes_of(entry)
+    for m in _partition_specs.axes_of(entry)
   ]
   manual = [m for m in used if types[m] == AxisType.Manual]
   if manual:
@@ -133,7 +139,7 @@ def apply_spec(
     return jax.device_put(x, NamedSharding(mesh, spec))
   explicit_part, auto_part = [], []
   for entry in spec:
-    axes = _specs.axes_of(entry)
+    axes = _partition_specs.axes_of(entry)
     kinds = {types[m] for m in axes}
     if len(kinds) > 1:
       raise _errors.MeshAxisTypeError(
@@ -181,7 +187,7 @@ def _is_placed(x: Any, spec: PartitionSpec, mesh: jax.sharding.Mesh) -> bool:
   def typed(s: PartitionSpec) -> tuple[tuple[str, ...], ...]:
     return tuple(
       tuple(a for a in axes if a in explicit)
-      for axes in _specs.canonical(s, ndim)
+      for axes in _partition_specs.canonical(s, ndim)
     )
 
   return typed(sharding.spec) == typed(spec)
@@ -340,11 +346,11 @@ def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
     return
   unplaced = []
   for where, variable in _variables.iter_variables(module):
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     if _is_traced(value) or variable.get_metadata('eager_sharding', True):
       continue
     try:
-      resolution = _variables.spec_of_variable(
+      resolution = _spec.spec_of_variable(
         variable, rules=rules, mesh=mesh, path=_variables.path_str(where)
       )
     except (ValueError, TypeError):  # Resolution errors: unplaced as well.
@@ -397,7 +403,7 @@ def place_by_path_rules(
       continue
     if not variable.get_metadata('eager_sharding', True):
       continue
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     mesh = _meshes.mesh_for(variable, value=value)
     if mesh is None or (
       not _is_traced(value) and not isinstance(mesh, jax.sharding.Mesh)
@@ -431,7 +437,7 @@ def in_layout(
   x: jax.Array, variable: nnx.Variable, mesh: Any, spec: PartitionSpec
 ) -> jax.Array:
   """`x`, placed as `spec`, in the layout the variable's Format names."""
-  layout = _variables.layout_of(variable)
+  layout = _spec.layout_of(variable)
   if layout is None:
     return x
   target = Format(layout, _sharding_for_format(mesh, spec))
@@ -488,15 +494,15 @@ def type_concrete(out: Any) -> None:
   abstract variable with ``NamedSharding(mesh, spec)`` on the context's
   mesh, which drops a ``Format``'s layout. A variable whose
   ``out_sharding`` is a ``NamedSharding`` or ``Format`` gets that sharding
-  (its spec as `_variables.spec_of_variable` resolves it), in its layout.
+  (its spec as `_spec.spec_of_variable` resolves it), in its layout.
   """
   rules = _logical.rules_in_effect()
   for where, variable in _variables.iter_variables(out):
-    concrete = _variables.concrete_sharding_of(variable)
-    value = _variables.value_of(variable)
+    concrete = _spec.concrete_sharding_of(variable)
+    value = _spec.value_of(variable)
     if concrete is None or not isinstance(value, jax.ShapeDtypeStruct):
       continue
-    resolution = _variables.spec_of_variable(
+    resolution = _spec.spec_of_variable(
       variable, rules=rules, path=_variables.path_str(where)
     )
     spec = concrete.spec if resolution is None else resolution.spec
@@ -504,7 +510,7 @@ def type_concrete(out: Any) -> None:
       jax.ShapeDtypeStruct(
         value.shape,
         value.dtype,
-        sharding=_variables.sharding_for(variable, concrete.mesh, spec),
+        sharding=_spec.sharding_for(variable, concrete.mesh, spec),
         weak_type=value.weak_type,
       )
     )
@@ -528,7 +534,7 @@ def type_abstract(out: Any, rules: _logical.LogicalRules) -> None:
     for _, variable, resolution in _variables.resolved(
       node, rules=rules, mesh=None
     ):
-      value = _variables.value_of(variable)
+      value = _spec.value_of(variable)
       sharding = getattr(value, 'sharding', None)
       if (
         resolution is None
@@ -585,9 +591,9 @@ def shard_module(
     module, rules=rules_, mesh=mesh_
   ):
     if resolution is None:
-      value = _variables.value_of(variable)
+      value = _spec.value_of(variable)
       if (
-        _variables.placed_spec(value) is None
+        _spec.placed_spec(value) is None
         and isinstance(value, jax.Array | np.ndarray | np.generic)
         and not _is_traced(value)
       ):
@@ -598,7 +604,7 @@ def shard_module(
       continue
     target_mesh = _meshes.mesh_for(variable, mesh=mesh_)
     placed = apply_spec(
-      _variables.value_of(variable), resolution.spec, target_mesh, path=where
+      _spec.value_of(variable), resolution.spec, target_mesh, path=where
     )
     variable.set_value(
       in_layout(placed, variable, target_mesh, resolution.spec)

@@ -51,7 +51,7 @@ def building(
   """Within the block, a model is built by flax_dtensor (`init`, `plan`).
 
   Created variables stay where their value is (the build places or plans
-  every variable itself, by `_variables.spec_of_variable`), and tracing
+  every variable itself, by `_spec.spec_of_variable`), and tracing
   stays linear in the number of variables (see `_set_value`). With
   `in_shards`, the build is `init`'s abstract pass: the outputs of annotated
   initializers that an eager build on `mesh` computes in their shards are

@@ -2,7 +2,7 @@
 
 Weights converted from another framework or read from a file arrive as a
 nested dict of host arrays. `resolved` gives each leaf its path (the plan's
-format) and placement (`_variables.spec_of_array`); `shard_tree` builds
+format) and placement (`_spec.spec_of_array`); `shard_tree` builds
 each array from its blocks (``jax.make_array_from_callback``), so no
 device receives more than its block; `gather_tree` brings them back to
 host NumPy.
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _placing, _variables
-from flax_dtensor._rules import _logical, _meshes, _resolution
+from flax_dtensor._rules import _logical, _meshes, _resolution, _spec
 
 T = TypeVar('T')
 
@@ -93,7 +93,7 @@ def resolved(
       (
         path,
         leaf,
-        _variables.spec_of_array(
+        _spec.spec_of_array(
           leaf, path=path, logical_axes=leaf_axes, rules=rules, mesh=mesh
         ),
       )

@@ -23,9 +23,10 @@ from flax_dtensor._rules import (
   _logical,
   _meshes,
   _missing_axes,
+  _partition_specs,
   _path_rules,
   _resolution,
-  _specs,
+  _spec,
 )
 
 CODES = {
@@ -194,7 +195,7 @@ def _rule_findings(
       )
     earlier.append(target)
     if sizes is not None and flax:
-      for axis in _specs.axes_of(target):
+      for axis in _partition_specs.axes_of(target):
         if axis not in sizes:
           meant = _missing_axes.likely_meant(axis, list(sizes))
           hint = f' Did you mean {meant!r}?' if meant else ''
@@ -306,8 +307,8 @@ def _subjects(target: Any) -> list[_Subject]:
     _Subject(
       _variables.path_str(path),
       type(v),
-      _variables.logical_axes_of(v) is not None
-      or _variables.concrete_sharding_of(v) is not None,
+      _spec.logical_axes_of(v) is not None
+      or _spec.concrete_sharding_of(v) is not None,
     )
     for path, v in _variables.iter_variables(target)
   ]
@@ -380,8 +381,8 @@ def _short_annotation_findings(target: Any) -> list[Finding]:
     return []
   where: dict[tuple[tuple[Any, ...], int], list[str]] = {}
   for path, v in _variables.iter_variables(target):
-    axes = _variables.logical_axes_of(v)
-    rank = len(getattr(_variables.value_of(v), 'shape', ()))
+    axes = _spec.logical_axes_of(v)
+    rank = len(getattr(_spec.value_of(v), 'shape', ()))
     if axes is not None and len(axes) < rank:
       where.setdefault((axes, rank), []).append(_variables.path_str(path))
   out = []
@@ -441,7 +442,7 @@ def _activation_clash_findings(
         spec = _resolution.resolve((name,), None, mesh=mesh, rules=rules).spec
     except _errors.FlaxDTensorError:
       continue
-    taken = set(_specs.axes_of(spec[0])) & explicit
+    taken = set(_partition_specs.axes_of(spec[0])) & explicit
     for axis in sorted(taken):
       hits = [
         e
@@ -449,7 +450,7 @@ def _activation_clash_findings(
         if len(e.shape) >= 2
         and e.logical_axes is not None
         and e.logical_axes[-1] != name
-        and axis in _specs.canonical(e.spec, len(e.shape))[-1]
+        and axis in _partition_specs.canonical(e.spec, len(e.shape))[-1]
       ]
       if not hits:
         continue
@@ -470,7 +471,7 @@ def _activation_clash_findings(
           "activation's, as with_logical_constraint uses it), goes to the "
           f'Explicit mesh axis {axis!r}, and so does the last dimension '
           f'({dim_name!r}) of {_text.count(len(hits), "variable")} (e.g. '
-          f'{e.path}: {_specs.format_spec(e.spec)}){how}. A matmul of an '
+          f'{e.path}: {_partition_specs.format_spec(e.spec)}){how}. A matmul of an '
           f'activation sharded so with such a variable gives a result '
           f'sharded over {axis!r} on two dimensions, which JAX refuses, '
           'eagerly and under jit (ShardingTypeError: ... illegally sharded '
@@ -515,13 +516,13 @@ def _unplaced_when_built(
     _variables.path_str(path)
     for path, v in _variables.iter_variables(target)
     if not v.get_metadata('eager_sharding', True)
-    and _variables.placed_spec(_variables.value_of(v)) is None
+    and _spec.placed_spec(_spec.value_of(v)) is None
   }
   unplaced = [
     e
     for e in result.entries
     if e.path in off
-    and not _specs.same_placement(
+    and not _partition_specs.same_placement(
       jax.sharding.PartitionSpec(), e.spec, len(e.shape), e.mesh_axes
     )
   ]
@@ -534,7 +535,7 @@ def _unplaced_when_built(
     Finding(
       'eager-sharding-off',
       e.path,
-      f'the rules say {_specs.format_spec(e.display_spec)}, but calling the '
+      f'the rules say {_partition_specs.format_spec(e.display_spec)}, but calling the '
       f'factory (building the model eagerly) creates it unplaced{others}: '
       f'{_EAGER_OFF_WHEN_BUILT}',
     )
@@ -679,8 +680,8 @@ def check(
         Finding(
           'eager-sharding-off',
           e.path,
-          f'placed {_specs.format_spec(e.display_placed or ())}, but the '
-          f'rules say {_specs.format_spec(e.display_spec)}: '
+          f'placed {_partition_specs.format_spec(e.display_placed or ())}, but the '
+          f'rules say {_partition_specs.format_spec(e.display_spec)}: '
           f'{_placing.EAGER_OFF_REASON}. {_placing.EAGER_OFF_FIX}',
         )
       )

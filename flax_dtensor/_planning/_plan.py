@@ -34,9 +34,10 @@ from flax_dtensor._rules import (
   _logical,
   _meshes,
   _missing_axes,
+  _partition_specs,
   _path_rules,
   _resolution,
-  _specs,
+  _spec,
 )
 
 _itemsize = _path_rules.itemsize
@@ -53,7 +54,7 @@ def _shard_shape(
     if entry is PartitionSpec.UNCONSTRAINED:
       out.append(dim)
       continue
-    n = math.prod(sizes[m] for m in _specs.axes_of(entry))
+    n = math.prod(sizes[m] for m in _partition_specs.axes_of(entry))
     out.append(-(-dim // n))
   return tuple(out)
 
@@ -131,7 +132,7 @@ class PlanEntry:
     where ``P(('fsdp', 'context'), 'stage', 'tensor')`` says when
     ``context`` and ``stage`` have size 1.
     """
-    return self.placed is not None and not _specs.same_placement(
+    return self.placed is not None and not _partition_specs.same_placement(
       self.placed, self.spec, len(self.shape), self.mesh_axes
     )
 
@@ -151,7 +152,7 @@ class PlanEntry:
   def _shown(self, spec: PartitionSpec) -> PartitionSpec:
     if self.mesh is not None:  # The headline names the plan's mesh only.
       return spec
-    return _specs.without_unit_axes(spec, self.mesh_axes)
+    return _partition_specs.without_unit_axes(spec, self.mesh_axes)
 
   def to_dict(self) -> dict[str, Any]:
     own = (
@@ -491,7 +492,7 @@ _FIX = (
 )
 
 
-def _spec(entries: Any, where: str) -> PartitionSpec:
+def _spec_from_entries(entries: Any, where: str) -> PartitionSpec:
   if not isinstance(entries, list):
     raise _errors.LayoutFileError(
       f'{where}: expected a spec as a list (one entry per dimension: null, '
@@ -530,12 +531,14 @@ def plan_from_dict(data: Any, source: str = 'the layout') -> ShardingPlan:
           logical_axes=(
             None if v['logical_axes'] is None else tuple(v['logical_axes'])
           ),
-          spec=_spec(v['spec'], f'{where} ({v["path"]!r})'),
+          spec=_spec_from_entries(v['spec'], f'{where} ({v["path"]!r})'),
           bytes=int(v['bytes']),
           bytes_per_device=int(v['bytes_per_device']),
           fallbacks=tuple(v['fallbacks']),
           placed=(
-            None if v.get('placed') is None else _spec(v['placed'], where)
+            None
+            if v.get('placed') is None
+            else _spec_from_entries(v['placed'], where)
           ),
           category=str(v.get('category', 'other')),
           source=None if v.get('source') is None else str(v['source']),
@@ -622,7 +625,9 @@ def _is_factory(x: Any) -> bool:
 def _dim_label(resolution: Any, i: int) -> str:
   """ "'embed'" for a logical name; "P entry 'data'" for a path rule's spec."""
   if resolution.mesh_axes:
-    return f'P entry {_specs.format_entry(resolution.logical_axes[i])}'
+    return (
+      f'P entry {_partition_specs.format_entry(resolution.logical_axes[i])}'
+    )
   return repr(resolution.logical_axes[i])
 
 
@@ -655,10 +660,8 @@ def _variable_rows(
         where,
         type(variable).__name__,
         _category(variable),
-        _variables.value_of(variable),
-        _variables.spec_of_variable(
-          variable, rules=rules, mesh=mesh, path=where
-        ),
+        _spec.value_of(variable),
+        _spec.spec_of_variable(variable, rules=rules, mesh=mesh, path=where),
         type(variable),
         bool(variable.get_metadata('eager_sharding', True)),
         _creation_order.note_of(variable),
@@ -671,7 +674,7 @@ def _variable_rows(
 def _own_mesh(variable: nnx.Variable, mesh: Any) -> Any:
   """The mesh a variable names for itself (its ``mesh`` metadata, or its
   concrete ``out_sharding``'s), if it is not `mesh`; else None."""
-  own = _variables.named_mesh_of(variable)
+  own = _spec.named_mesh_of(variable)
   if not isinstance(own, jax.sharding.Mesh | jax.sharding.AbstractMesh):
     return None
   if mesh is not None and (
@@ -901,12 +904,12 @@ def _entries(
     if own_mesh is not None and own_meshes is not None:
       own_meshes.append(own_mesh)
     shape = tuple(getattr(value, 'shape', np.shape(value)))
-    dtype = _variables.dtype_of(value)
-    placed = _variables.placed_spec(value)
+    dtype = _spec.dtype_of(value)
+    placed = _spec.placed_spec(value)
     if resolution is None:
       # Not governed by rules: it stays where it is (replicated if new),
       # one entry per dimension whether placed or abstract.
-      spec = _specs.full_length(
+      spec = _partition_specs.full_length(
         placed if placed is not None else PartitionSpec(), len(shape)
       )
       axes = None
@@ -937,7 +940,7 @@ def _entries(
         fallbacks=fallbacks,
         placed=placed,
         category=category,
-        source=_variables.source_of(
+        source=_spec.source_of(
           resolution, where, variable_type, shape, value, rules_
         ),
         creation=creation,

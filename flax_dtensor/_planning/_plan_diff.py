@@ -14,7 +14,7 @@ from typing import Any
 
 from flax_dtensor import _text
 from flax_dtensor._planning import _plan, _plan_view
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,9 @@ class Change:
     nothing: a spec that gained or lost only such axes did not move.
     """
     b, a = self.before, self.after
-    return len(b.shape) != len(a.shape) or _specs.placement(
+    return len(b.shape) != len(a.shape) or _partition_specs.placement(
       b.spec, len(b.shape), b.mesh_axes
-    ) != _specs.placement(a.spec, len(a.shape), a.mesh_axes)
+    ) != _partition_specs.placement(a.spec, len(a.shape), a.mesh_axes)
 
   @property
   def resized(self) -> bool:
@@ -69,8 +69,8 @@ class Change:
     out = []
     if self.moved:
       out.append(
-        f'  spec {_specs.format_spec(b.display_spec)} -> '
-        f'{_specs.format_spec(a.display_spec)}'
+        f'  spec {_partition_specs.format_spec(b.display_spec)} -> '
+        f'{_partition_specs.format_spec(a.display_spec)}'
       )
     if (b.shape, b.dtype) != (a.shape, a.dtype):
       out.append(f'  {_plan_view.shape_text(b)} -> {_plan_view.shape_text(a)}')

@@ -30,7 +30,7 @@ import rich.text
 
 from flax_dtensor import _text
 from flax_dtensor._planning import _plan
-from flax_dtensor._rules import _missing_axes, _specs
+from flax_dtensor._rules import _missing_axes, _partition_specs
 
 LARGEST = 5
 """How many of the largest replicated variables the summary names."""
@@ -114,9 +114,11 @@ def spec_text(entry: _plan.PlanEntry) -> str:
   Without the mesh axes of size 1 (`PlanEntry.display_spec`); the spec
   as resolved is `PlanEntry.spec`, and in the JSON.
   """
-  text = _specs.format_spec(entry.display_spec)
+  text = _partition_specs.format_spec(entry.display_spec)
   if entry.misplaced:
-    text += f' (placed {_specs.format_spec(entry.display_placed or ())})'
+    text += (
+      f' (placed {_partition_specs.format_spec(entry.display_placed or ())})'
+    )
   return text
 
 
@@ -302,10 +304,10 @@ def _stacked(
       e.kind if 'type' in columns else '',
       shape_text(e),
       f'{axes_text(e)} ->',
-      (' ', _specs.format_spec(e.display_spec)),
+      (' ', _partition_specs.format_spec(e.display_spec)),
       (
         ' ',
-        f'(placed {_specs.format_spec(e.display_placed or ())})'
+        f'(placed {_partition_specs.format_spec(e.display_placed or ())})'
         if e.misplaced
         else '',
       ),
@@ -631,7 +633,7 @@ def device_blocks(
   axes = dict(mesh_axes or {})
   names = list(axes)
   size = math.prod(axes.values()) if axes else 1
-  entries = _specs.canonical(spec, len(shape))
+  entries = _partition_specs.canonical(spec, len(shape))
   blocks: dict[tuple[tuple[int, int], ...], list[int]] = {}
   for position in range(size):
     coords: dict[str, int] = {}

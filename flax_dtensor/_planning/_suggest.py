@@ -35,9 +35,9 @@ from flax_dtensor._rules import (
   _logical,
   _meshes,
   _missing_axes,
+  _partition_specs,
   _path_rules,
   _resolution,
-  _specs,
 )
 
 DEFAULT_MIN_BYTES = 2**16
@@ -223,7 +223,8 @@ class RulesSuggestion:
     if not self.forward_names:
       return ''
     names = '; '.join(
-      f'{name!r} -> ' + ', '.join(_specs.format_entry(t) for t in targets)
+      f'{name!r} -> '
+      + ', '.join(_partition_specs.format_entry(t) for t in targets)
       for name, targets in self.forward_names.items()
     )
     return (
@@ -262,7 +263,8 @@ class RulesSuggestion:
       lines.append(
         "Logical names from the model's annotations: "
         + '; '.join(
-          f'{name!r} -> ' + ', '.join(_specs.format_entry(t) for t in targets)
+          f'{name!r} -> '
+          + ', '.join(_partition_specs.format_entry(t) for t in targets)
           for name, targets in self.logical_names.items()
         )
         + '.'
@@ -284,7 +286,7 @@ class RulesSuggestion:
     for path, why in self.reasons.items():
       e = by_path[path]
       lines.append(
-        f'  {path:<{width}}  {_specs.format_spec(e.spec)}  '
+        f'  {path:<{width}}  {_partition_specs.format_spec(e.spec)}  '
         f'{_text.human_bytes(e.bytes_per_device)}  {why}'
       )
     return '\n'.join(lines)
@@ -423,7 +425,9 @@ def _max_spec(
   mesh axis on at most one dimension, each product dividing its
   dimension); of those, the one closest to `current`."""
   axes = [a for a, n in sizes.items() if n > 1]
-  now = {a: i for i, e in enumerate(current) for a in _specs.axes_of(e)}
+  now = {
+    a: i for i, e in enumerate(current) for a in _partition_specs.axes_of(e)
+  }
   best, best_key = None, None
   for choice in itertools.product(range(-1, len(shape)), repeat=len(axes)):
     products = [1] * len(shape)
@@ -827,7 +831,7 @@ def _saving(
 ) -> int:
   """Bytes per device saved by placing the family's variables (and their
   optimizer state of the same shape) at `spec`."""
-  n = math.prod(sizes[a] for e in spec for a in _specs.axes_of(e))
+  n = math.prod(sizes[a] for e in spec for a in _partition_specs.axes_of(e))
   saved = 0
   for m in f.members:
     for e in _copies(m.path, entries):

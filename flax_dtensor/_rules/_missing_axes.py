@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from flax_dtensor import _errors, _output
-from flax_dtensor._rules import _logical, _path_rules, _specs
+from flax_dtensor._rules import _logical, _partition_specs, _path_rules
 
 TYPO_REASON = 'a likely typo of'
 """In a skipped rule's reason: its mesh axis looks like a typo of the one
@@ -100,7 +100,7 @@ class MissingAxis:
 
 def rule_text(name: str, target: Any) -> str:
   """ "('embed', 'data')": a logical rule as messages show it."""
-  return f'({name!r}, {_specs.format_entry(target)})'
+  return f'({name!r}, {_partition_specs.format_entry(target)})'
 
 
 def missing_axes(
@@ -112,11 +112,11 @@ def missing_axes(
   present = set(names)
   out = []
   seen = set()
-  found = [(rule_text(n, t), _specs.axes_of(t)) for n, t in rules]
+  found = [(rule_text(n, t), _partition_specs.axes_of(t)) for n, t in rules]
   found += [
     (
       rule.describe(k),
-      tuple(a for e in rule.entries for a in _specs.axes_of(e)),
+      tuple(a for e in rule.entries for a in _partition_specs.axes_of(e)),
     )
     for k, rule in enumerate(rules.path_rules)
     if rule.kind == _path_rules.MESH

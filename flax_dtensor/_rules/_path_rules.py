@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 
 PATH_RULES_FIX_MSG = (
   'Each path rule is a (pattern, target) pair, a dict with `pattern` and '
@@ -90,7 +90,7 @@ def _normalize_target(target: Any, where: str) -> tuple[str, tuple, bool]:
           f'be a mesh axis name, a tuple of them or None; got {e!r}. '
           f'{PATH_RULES_FIX_MSG}'
         )
-    used = [m for e in normalized for m in _specs.axes_of(e)]
+    used = [m for e in normalized for m in _partition_specs.axes_of(e)]
     repeated = sorted({m for m in used if used.count(m) > 1})
     if repeated:
       raise _errors.LogicalRulesError(
@@ -512,7 +512,7 @@ def entries_for(
 
 def _text(rule: PathRule, leading: bool) -> str:
   entries = (('...',) if leading else ()) + tuple(
-    _specs.format_entry(e) if rule.kind == MESH else repr(e)
+    _partition_specs.format_entry(e) if rule.kind == MESH else repr(e)
     for e in rule.entries
   )
   inner = ', '.join(entries)
@@ -525,7 +525,8 @@ def _example(rule: PathRule, rank: int) -> str:
   entries = list(rule.entries)[:rank]
   entries += [None] * (rank - len(entries))
   inner = ', '.join(
-    _specs.format_entry(e) if rule.kind == MESH else repr(e) for e in entries
+    _partition_specs.format_entry(e) if rule.kind == MESH else repr(e)
+    for e in entries
   )
   if rule.kind == MESH:
     return f'P({inner})'

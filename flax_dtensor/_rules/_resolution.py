@@ -23,7 +23,12 @@ from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _logical, _meshes, _missing_axes, _specs
+from flax_dtensor._rules import (
+  _logical,
+  _meshes,
+  _missing_axes,
+  _partition_specs,
+)
 
 FLAX_SEMANTICS = 'flax'
 FDT_SEMANTICS = 'flax_dtensor'
@@ -38,7 +43,7 @@ class SkippedCandidate:
   reason: str
 
   def __str__(self) -> str:
-    return f'{_specs.format_entry(self.target)}: {self.reason}'
+    return f'{_partition_specs.format_entry(self.target)}: {self.reason}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,12 +298,12 @@ def _unfit(
   Its mesh axes must not shard another (assigned) dim already, must exist
   in the mesh and must divide the dimension (when mesh and shape are known).
   """
-  wanted = _specs.axes_of(target)
+  wanted = _partition_specs.axes_of(target)
   used_by = {
     m: i
     for i, t in enumerate(targets)
     if assigned[i] and i != pos
-    for m in _specs.axes_of(t)
+    for m in _partition_specs.axes_of(t)
   }
   clash = [m for m in wanted if m in used_by]
   if clash:
@@ -351,7 +356,7 @@ def fit_spec(
   """
   entries = tuple(entries)
   sizes = _meshes.axis_sizes(mesh) if mesh is not None else None
-  labels = [f'spec {_specs.format_entry(e)}' for e in entries]
+  labels = [f'spec {_partition_specs.format_entry(e)}' for e in entries]
   targets: list[_logical.Target] = [None] * len(entries)
   assigned = [False] * len(entries)
   skipped: list[tuple[SkippedCandidate, ...]] = [() for _ in entries]
@@ -364,7 +369,7 @@ def fit_spec(
       continue
     if strict:
       raise _errors.ShardingResolutionError(
-        f'The mesh axes {_specs.format_entry(entry)} of {source} cannot '
+        f'The mesh axes {_partition_specs.format_entry(entry)} of {source} cannot '
         f'shard dim {pos}{where(path)} (shape '
         f'{tuple(shape) if shape is not None else None}, '
         f"{_meshes.describe(mesh)}): {reason}. Change the rule's "
@@ -460,7 +465,7 @@ def resolve_flax(
   for pos, target in enumerate(targets):
     if target is PartitionSpec.UNCONSTRAINED:
       continue
-    wanted = _specs.axes_of(target)
+    wanted = _partition_specs.axes_of(target)
     missing = [m for m in wanted if m not in sizes]
     if missing:
       raise _errors.UnknownLogicalAxisError(
@@ -480,7 +485,7 @@ def resolve_flax(
       if shape[pos] % product:
         raise _errors.ShardingResolutionError(
           f'Dim {pos} ({axes[pos]!r}){where_} has size {shape[pos]}, which '
-          f'{_specs.format_entry(target)} (size {product}) does not divide '
+          f'{_partition_specs.format_entry(target)} (size {product}) does not divide '
           f'{_context_text(axes, shape, context, mesh)}. {flax_fix(rules)}'
         )
   return resolution

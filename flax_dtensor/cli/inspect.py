@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from flax_dtensor import _text
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 from flax_dtensor.cli import _command, _run_folder
 
 
@@ -38,7 +38,9 @@ def sharding_texts(record: Any) -> tuple[str, str]:
   if record.kind == 'single_device':
     jax_text = 'one device'
   else:
-    jax_text = f'{_specs.format_spec(record.spec)} @ {record.mesh.text()}'
+    jax_text = (
+      f'{_partition_specs.format_spec(record.spec)} @ {record.mesh.text()}'
+    )
   specs = ','.join(record.dtensor_specs) or 'scalar'
   return jax_text, f'{specs} @ {record.dtensor_mesh.text()}'
 

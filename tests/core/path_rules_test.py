@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _spec
 
 SIZES = {'data': 2, 'model': 4}
 # Auto axes, as the messages below spell them (the default axis type of an
@@ -190,9 +190,7 @@ def _variable(kind, shape, annotation=None):
 
 
 def _place(variable, path, rules):
-  return _variables.spec_of_variable(
-    variable, rules=rules, mesh=MESH, path=path
-  )
+  return _spec.spec_of_variable(variable, rules=rules, mesh=MESH, path=path)
 
 
 def test_the_first_matching_rule_wins_and_annotations_win_unless_override():
@@ -223,7 +221,7 @@ def test_the_first_matching_rule_wins_and_annotations_win_unless_override():
   # Without a path, path rules cannot apply (nnx.get_partition_spec lends
   # one, see hook_test.py).
   assert (
-    _variables.spec_of_variable(
+    _spec.spec_of_variable(
       _variable(nnx.Param, (8, 16)), rules=rules, mesh=MESH
     )
     is None
@@ -438,7 +436,7 @@ def _ours(case):
   value = jax.ShapeDtypeStruct(case['shape'], np.float32)
   kind = KINDS[case['kind']]
   if kind is None:
-    resolution = _variables.spec_of_array(
+    resolution = _spec.spec_of_array(
       value,
       path=case['path'],
       logical_axes=case['annotation'],

@@ -336,11 +336,11 @@ def test_planning_a_factory_never_walks_the_trace(monkeypatch):
   ],
 )
 def test_same_placement_is_what_jax_says(a, b, ndim, same):
-  from flax_dtensor._rules import _specs
+  from flax_dtensor._rules import _partition_specs
 
   mesh = many_axes.mesh()
-  assert _specs.same_placement(a, b, ndim, many_axes.SIZES) is same
-  assert _specs.same_placement(b, a, ndim, many_axes.SIZES) is same
+  assert _partition_specs.same_placement(a, b, ndim, many_axes.SIZES) is same
+  assert _partition_specs.same_placement(b, a, ndim, many_axes.SIZES) is same
   # JAX's own answer: the same devices hold the same blocks.
   jax_says = NamedSharding(mesh, a).is_equivalent_to(
     NamedSharding(mesh, b), ndim

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 
 RULES = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
 
@@ -58,9 +58,9 @@ def test_a_weights_dict_is_placed_like_the_model(any_mesh):
   assert set(got) == {e.path for e in model_plan.entries}
   for path, array in got.items():
     n = array.ndim
-    want = _specs.canonical(model_plan[path].spec, n)
-    assert _specs.canonical(tree_plan[path].spec, n) == want, path
-    assert _specs.canonical(array.sharding.spec, n) == want, path
+    want = _partition_specs.canonical(model_plan[path].spec, n)
+    assert _partition_specs.canonical(tree_plan[path].spec, n) == want, path
+    assert _partition_specs.canonical(array.sharding.spec, n) == want, path
     assert tree_plan[path].source == model_plan[path].source, path
     assert array.sharding.mesh == any_mesh
   # The placed tree's own plan reports where the arrays are.

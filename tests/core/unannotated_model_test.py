@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 
 RULES = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
 ABSTRACT = AbstractMesh((2, 4), ('data', 'model'))
@@ -31,7 +31,7 @@ def _flat(tree):
 
 
 def _canonical(spec, ndim):
-  return _specs.canonical(spec, ndim)
+  return _partition_specs.canonical(spec, ndim)
 
 
 def _check_shards_by_value(array):

@@ -5,7 +5,7 @@ What ``flax-dtensor export`` starts from: `find_checkpoint` accepts a
 latest step); `restore` checks the checkpoint's variables and shapes
 against the model (`_sources`, as every restore does), then reads every
 array directly into the sharding the rules give its variable
-(`_variables.spec_of_variable`); damage TensorStore detects as it reads is
+(`_spec.spec_of_variable`); damage TensorStore detects as it reads is
 a `DamagedExportError`, and `unverified` says what it cannot detect.
 Orbax is imported when these run (``pip install "flax-dtensor[cli]"``).
 """
@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _parts, _sources, _variables
-from flax_dtensor._rules import _logical
+from flax_dtensor._rules import _logical, _spec
 
 _FIX = (
   'Expected the directory written by orbax.checkpoint.StandardCheckpointer()'
@@ -186,7 +186,7 @@ def _check_matches(
   for keypath, variable in jax.tree_util.tree_flatten_with_path(
     abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )[0]:
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     if not hasattr(value, 'shape') or jax.dtypes.issubdtype(
       value.dtype, jax.dtypes.prng_key
     ):
@@ -269,14 +269,14 @@ def restore(
   graphdef, abstract_state = nnx.split(abstract_model)
 
   def target(keypath: Any, variable: nnx.Variable) -> nnx.Variable:
-    resolution = _variables.spec_of_variable(
+    resolution = _spec.spec_of_variable(
       variable,
       rules=rules_,
       mesh=mesh,
       path=_variables.keypath_str(keypath),
     )
     spec = resolution.spec if resolution is not None else PartitionSpec()
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     return variable.replace(
       jax.ShapeDtypeStruct(
         value.shape, value.dtype, sharding=NamedSharding(mesh, spec)

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from flax_dtensor._placement import _parts, _sources, _variables
-from flax_dtensor._rules import _logical
+from flax_dtensor._rules import _logical, _spec
 from flax_dtensor.dtensor._conversion import _selection, _target
 from flax_dtensor.dtensor._format import _manifest
 from flax_dtensor.dtensor._layout import _dtypes
@@ -95,10 +95,10 @@ def restore(
   placed = {}
   for entry in _selection.select(state, ..., nnx.RngState, what='target'):
     sharding = _target.target_sharding(entry, mesh, rules_)
-    value = _variables.value_of(entry.variable)
+    value = _spec.value_of(entry.variable)
     placed[_variables.path_str(entry.path)] = entry.variable.replace(
       jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
-      out_sharding=_variables.sharding_for(
+      out_sharding=_spec.sharding_for(
         entry.variable, sharding.mesh, sharding.spec
       ),
     )

@@ -19,6 +19,7 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
+from flax_dtensor._rules import _spec
 from flax_dtensor.dtensor._conversion import _names
 from flax_dtensor.dtensor._layout import _dtypes
 
@@ -92,7 +93,7 @@ def select(
     name = _names.path_text(path)
     for key in path:
       _names.component(key)  # Raises on keys that are neither str nor int.
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     shape, dtype = getattr(value, 'shape', None), getattr(value, 'dtype', None)
     if shape is None or dtype is None:
       raise _errors.ExportError(
@@ -143,7 +144,7 @@ def to_jax_array(entry: Entry, *, across_processes: bool = True) -> jax.Array:
   In a multi-process run the array must span every process, unless
   `across_processes` is False (a copy one process writes alone).
   """
-  value = _variables.value_of(entry.variable)
+  value = _spec.value_of(entry.variable)
   if isinstance(value, jax.ShapeDtypeStruct):
     raise _errors.ExportError(
       f'Expected a concrete array in the NNX variable {entry.name!r}, got an '

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _text
-from flax_dtensor._rules import _meshes, _specs
+from flax_dtensor._rules import _meshes, _partition_specs
 from flax_dtensor.dtensor._conversion import _selection
 from flax_dtensor.dtensor._layout import _layouts, _pieces
 
@@ -80,7 +80,8 @@ class SingleMeshReport:
       f'({_text.human_bytes(self.moved_bytes)}).'
     ]
     rows = [('variable', 'was', 'now')] + [
-      (r.path, r.original, _specs.format_spec(r.spec)) for r in self.relaid
+      (r.path, r.original, _partition_specs.format_spec(r.spec))
+      for r in self.relaid
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for i, row in enumerate(rows):
@@ -129,7 +130,7 @@ def spec_on(
   Returns it with one note per dimension it changes.
   """
   if isinstance(sharding, NamedSharding):
-    dims = _specs.canonical(sharding.spec, len(shape))
+    dims = _partition_specs.canonical(sharding.spec, len(shape))
   else:
     dims = ((),) * len(shape)
   used: set[str] = set()
@@ -237,12 +238,12 @@ def onto_one_mesh(
         notes = ['on one device: laid out on the mesh', *notes]
       elif not same_mesh:
         original = (
-          f'{_specs.format_spec(sharding.spec)} on '
+          f'{_partition_specs.format_spec(sharding.spec)} on '
           f'{_meshes.describe(sharding.mesh)}'
         )
         notes = ['on another mesh: laid out on this one', *notes]
       else:
-        original = _specs.format_spec(sharding.spec)
+        original = _partition_specs.format_spec(sharding.spec)
       # On the array's own mesh when it is this one (its axis types kept).
       target = NamedSharding(sharding.mesh if same_mesh else mesh, spec)
     out.append(_moved(v, target))

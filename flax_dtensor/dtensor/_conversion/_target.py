@@ -2,7 +2,7 @@
 
 Shared by `restore_checkpoint` (from disk) and `from_tf_module` (from TF
 variables in memory). `target_shardings` gives each selected variable the
-sharding the rules in effect say (`_variables.spec_of_variable`), or its
+sharding the rules in effect say (`_spec.spec_of_variable`), or its
 value's own; `fill` puts the placed arrays into the target, an abstract
 one entirely. What a source must hold is checked by `_sources`.
 """
@@ -21,7 +21,7 @@ from jax.experimental.layout import Format, Layout
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
-from flax_dtensor._rules import _logical, _meshes
+from flax_dtensor._rules import _logical, _meshes, _spec
 from flax_dtensor.dtensor._conversion import _names, _selection
 from flax_dtensor.dtensor._layout import _dtypes
 
@@ -33,7 +33,7 @@ def _own_sharding(
   entry: _selection.Entry, mesh: jax.sharding.Mesh | None
 ) -> jax.sharding.Sharding:
   """The target value's own sharding, made concrete."""
-  value = _variables.value_of(entry.variable)
+  value = _spec.value_of(entry.variable)
   sharding = getattr(value, 'sharding', None)
   own = entry.variable.get_metadata('mesh', None)
   if (
@@ -121,7 +121,7 @@ def target_sharding(
   ):
     placement = None
   if placement is not None:
-    resolution = _variables.spec_of_variable(
+    resolution = _spec.spec_of_variable(
       entry.variable, rules=rules, mesh=placement, path=entry.name
     )
     if resolution is not None:
@@ -182,9 +182,9 @@ def target_layout(entry: _selection.Entry) -> Layout | None:
   abstract value, as ``nnx.get_abstract_model`` and ``nnx.as_abstract``
   type it (a ``jax.ShapeDtypeStruct`` made with a ``Format``).
   """
-  layout = _variables.layout_of(entry.variable)
+  layout = _spec.layout_of(entry.variable)
   if layout is None:
-    value = _variables.value_of(entry.variable)
+    value = _spec.value_of(entry.variable)
     if isinstance(value, jax.ShapeDtypeStruct):
       layout = getattr(getattr(value, 'format', None), 'layout', None)
   return layout
@@ -227,7 +227,7 @@ def _fill_abstract(
   """Values for target variables that stay abstract; or an error naming them."""
   filled, missing = [], []
   for path, variable in _variables.iter_variables(target):
-    value = _variables.value_of(variable)
+    value = _spec.value_of(variable)
     if tuple(path) in restored or not isinstance(value, jax.ShapeDtypeStruct):
       continue
     if rng_seed is not None and isinstance(variable, nnx.RngState):

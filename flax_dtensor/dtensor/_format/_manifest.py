@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 from flax_dtensor.dtensor._conversion import _names
 from flax_dtensor.dtensor._format import _grid, _paths
 from flax_dtensor.dtensor._layout import _index
@@ -219,7 +219,7 @@ def sharding_record(
   if isinstance(sharding, jax.sharding.NamedSharding):
     entries = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
     kind = 'named'
-    spec = tuple(tuple(_specs.axes_of(entry)) for entry in entries)
+    spec = tuple(tuple(_partition_specs.axes_of(entry)) for entry in entries)
     mesh = _axes(sharding.mesh.axis_names, sharding.mesh.axis_sizes)
   else:
     kind = 'single_device'

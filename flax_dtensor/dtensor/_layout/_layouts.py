@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _specs
+from flax_dtensor._rules import _partition_specs
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._layout import _topology
 
@@ -217,7 +217,7 @@ def _dim_axes(
         'P.UNCONSTRAINED, which only has a meaning inside jax.jit. Convert '
         'the array returned by the jitted function instead.'
       )
-    dim_axes.append(_specs.axes_of(entry))
+    dim_axes.append(_partition_specs.axes_of(entry))
   # NamedSharding itself rejects unknown and repeated mesh axes.
   used = [name for axes in dim_axes for name in axes]
   assert set(used) <= set(mesh.axis_names), (spec, mesh)

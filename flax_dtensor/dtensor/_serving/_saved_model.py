@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 
 from flax_dtensor import _errors, _output, _text
 from flax_dtensor._placement import _variables
-from flax_dtensor._rules import _meshes
+from flax_dtensor._rules import _meshes, _spec
 from flax_dtensor.dtensor import _processes, _tf, _tf_errors
 from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import _convert, _selection, _single_mesh
@@ -521,7 +521,7 @@ def _nbytes(value: Any) -> int:
 def _arrays_of(module: Any) -> list[tuple[Any, nnx.Variable, Any]]:
   """Every variable of `module` with its value, in one fixed order."""
   return [
-    (path, variable, _variables.value_of(variable))
+    (path, variable, _spec.value_of(variable))
     for path, variable in _variables.iter_variables(module)
   ]
 

@@ -6,8 +6,9 @@ layouts and TF variables, files/ for checkpoints, serving/ for SavedModels,
 each with its multi-process and fault tests; the bridge as a whole at the
 top), cli/, docs/ (the README, the pages, the
 docstrings and notebooks run); support/ holds what is not a test (helpers,
-case tables, and workers/, the scripts run in processes of their own), on
-sys.path here so that tests import them by bare name.
+case tables, and workers/, the scripts run in processes of their own), a
+package that tests import as ``support`` (``pythonpath`` in pyproject.toml;
+the processes they start get it on PYTHONPATH).
 """
 
 import fnmatch
@@ -16,10 +17,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-
-SUPPORT_DIR = pathlib.Path(__file__).resolve().parent / 'support'
-if str(SUPPORT_DIR) not in sys.path:
-  sys.path.insert(0, str(SUPPORT_DIR))
 
 # Both knobs, before `jax` is imported anywhere: XLA_FLAGS for subprocesses
 # that inherit the environment, the config option for this process.
@@ -52,8 +49,8 @@ os.environ.update(
 )
 
 import jax  # noqa: E402
-import profiles  # noqa: E402
 import pytest  # noqa: E402
+from support import profiles  # noqa: E402
 
 # Hypothesis: the suite's quick profile, or $HYPOTHESIS_PROFILE's
 # (tests/support/profiles.py).
@@ -65,7 +62,7 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 NUM_DEVICES = 8
 
 # What each test costs, for tools/suite_profile.py (`--suite-profile`).
-pytest_plugins = ('suite_cost',)
+pytest_plugins = ('support.suite_cost',)
 
 
 def pytest_unconfigure(config):
@@ -134,7 +131,7 @@ def warm_pool():
   with every script still running at the session's end; the pool that
   multiprocess_util's workers are forked from, too (`warm.shared()`).
   """
-  import warm
+  from support import warm
 
   pool = warm.shared()
   yield pool
@@ -146,7 +143,7 @@ def tf_pool():
   """The session's TensorFlow-only `warm.Pool` (`warm.tf_only()`): the
   serving and reading scripts that block JAX (`processes.NO_JAX`) run in
   its forks, TensorFlow imported once a worker."""
-  import warm
+  from support import warm
 
   pool = warm.tf_only()
   yield pool
@@ -210,7 +207,7 @@ def pytest_xdist_make_scheduler(config, log):
   """Under `--dist loadfile` (the suite's): whole files, dearest first."""
   if config.getoption('dist') != 'loadfile':
     return None
-  import scheduling
+  from support import scheduling
 
   return scheduling.CostFirstScheduling(config, log)
 

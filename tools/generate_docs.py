@@ -113,9 +113,11 @@ def _qualified(error: type) -> str:
 def troubleshooting(args: str) -> str:
   """A section per error class: its description, then a row per case."""
   del args
-  if str(SUPPORT) not in sys.path:
-    sys.path.insert(0, str(SUPPORT))
-  cases = importlib.import_module('bad_input_cases').CASES
+  # The tests' package `support` (tests/ is on the path in pytest, by
+  # pyproject.toml's `pythonpath`; here, by this tool).
+  if str(SUPPORT.parent) not in sys.path:
+    sys.path.insert(0, str(SUPPORT.parent))
+  cases = importlib.import_module('support.bad_input_cases').CASES
   by_error: dict[type, list] = {}
   for case in cases:
     by_error.setdefault(case.error, []).append(case)

@@ -136,8 +136,8 @@ def write_costs(
   runs: list[tuple[dict, list[dict]]], path: pathlib.Path
 ) -> None:
   """Each file's mean seconds over `runs`, for tests/support/scheduling."""
-  sys.path.insert(0, str(COSTS_FILE.parent))
-  import scheduling  # tests/support: how the scheduler splits files.
+  sys.path.insert(0, str(COSTS_FILE.parents[1]))  # tests/, for `support`.
+  from support import scheduling  # How the scheduler splits files.
 
   seconds: dict[str, list[float]] = collections.defaultdict(list)
   parts: dict[str, list[float]] = collections.defaultdict(list)

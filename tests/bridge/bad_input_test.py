@@ -5,9 +5,9 @@ troubleshooting page), and checks that the matrix covers every error class
 and every public entry point.
 """
 
-import fault_runs
 import pytest
-from bad_input_cases import CASES, Context
+from support import fault_runs
+from support.bad_input_cases import CASES, Context
 
 import flax_dtensor as fdt
 

@@ -22,15 +22,12 @@ import textwrap
 import warnings
 from typing import Any
 
-import context_matrix as cm
-import creation_values
 import jax
-import maxtext_style
 import numpy as np
-import processes
 import pytest
-import scheduling
 from flax import nnx
+from support import context_matrix as cm
+from support import creation_values, maxtext_style, processes, scheduling
 
 import flax_dtensor as fdt
 

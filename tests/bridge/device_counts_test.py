@@ -19,14 +19,12 @@ import dataclasses
 import json
 import textwrap
 
-import creation_values
 import jax
 import numpy as np
-import processes
 import pytest
-import warm
 from flax import nnx
 from jax.sharding import AxisType
+from support import creation_values, processes, warm
 
 import flax_dtensor as fdt
 

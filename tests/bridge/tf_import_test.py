@@ -3,7 +3,7 @@
 import os
 import sys
 
-import processes
+from support import processes
 
 from flax_dtensor.dtensor import _tf
 

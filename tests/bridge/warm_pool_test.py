@@ -13,9 +13,8 @@ import subprocess
 import textwrap
 import time
 
-import processes
 import pytest
-import warm
+from support import processes, warm
 
 pytest.importorskip('tensorflow')
 

@@ -25,10 +25,10 @@ import shutil
 import textwrap
 
 import numpy as np
-import output_util
 import pytest
 import typer
 from flax import nnx
+from support import output_util
 
 import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _inputs
@@ -170,7 +170,7 @@ def user_lm() -> UserLM:
 
 def clean_env(**overrides: str | None) -> dict[str, str]:
   """`processes.clean_env`: the environment of a process a test starts."""
-  import processes
+  from support import processes
 
   return processes.clean_env(**overrides)
 
@@ -181,14 +181,14 @@ def run_cli(*args: str, env: dict[str, str | None] | None = None):
   Piped, the CLI prints at COLUMNS (80 when unset); unless `env` says
   otherwise, 200 columns keep one table row per line to parse.
   """
-  import cli_runner
+  from support import cli_runner
 
   return cli_runner.run(*args, env={'COLUMNS': '200', **(env or {})})
 
 
 def run_cli_process(*args: str, env: dict[str, str] | None = None):
   """Runs `python -m flax_dtensor ARGS`; returns the CompletedProcess."""
-  import processes
+  from support import processes
 
   if env is None:
     env = clean_env(COLUMNS='200')
@@ -205,7 +205,7 @@ def ok(proc) -> str:
 
 
 def assert_fits(text: str, width: int, paths=()) -> None:
-  import output_util
+  from support import output_util
 
   output_util.assert_fits(text, width, paths)
 
@@ -231,7 +231,7 @@ def bad_input(proc, *fragments: str) -> str:
 
 
 def run_python(script: str, *args: str, timeout: float = TIMEOUT) -> str:
-  import processes
+  from support import processes
 
   proc = processes.run_python('-c', script, *args, timeout=timeout)
   assert proc.returncode == 0, proc.stderr
@@ -665,9 +665,9 @@ PATH_RULES_YAML = textwrap.dedent("""\
 
 
 def test_plan_with_path_rules_shows_sources_and_diffs_them(tmp_path):
-  import unannotated_model as um
   from jax.sharding import AbstractMesh
   from jax.sharding import PartitionSpec as P
+  from support import unannotated_model as um
 
   import flax_dtensor as fdt
 
@@ -1248,7 +1248,7 @@ def test_plan_check_is_clean_when_eager_sharding_is_on(tmp_path):
 
 
 def test_plan_shows_specs_without_the_mesh_axes_of_size_1(tmp_path):
-  import many_axes
+  from support import many_axes
 
   rules = tmp_path / 'rules.yaml'
   rules.write_text(many_axes.RULES.to_yaml_text())

@@ -176,7 +176,7 @@ def test_summary_at_80_columns_keeps_paths_whole():
   import io
 
   import rich.console
-  from output_util import assert_fits
+  from support.output_util import assert_fits
 
   from flax_dtensor.demo import run
 

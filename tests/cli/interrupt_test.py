@@ -22,9 +22,8 @@ import subprocess
 import sys
 import time
 
-import processes
 import pytest
-import signal_sweep
+from support import processes, signal_sweep
 
 # The exit-time bound asserted here is loose (shared machines); the 2 s
 # promise is measured by the longer sweep.

@@ -10,9 +10,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-import big_model
-import output_util
 import pytest
+from support import big_model, output_util
 from typer.testing import CliRunner
 
 from flax_dtensor import _text

@@ -2,15 +2,14 @@
 
 import json
 
-import cli_runner
 import flax
 import jax
 import jax.numpy as jnp
-import many_axes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from support import cli_runner, many_axes
 
 import flax_dtensor as fdt
 from flax_dtensor._planning import _check

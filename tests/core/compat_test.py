@@ -5,8 +5,8 @@ import tomllib
 
 import flax
 import jax
-import processes
 import pytest
+from support import processes
 
 import flax_dtensor as fdt
 from flax_dtensor import _compat

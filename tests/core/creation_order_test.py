@@ -8,12 +8,12 @@ says how each was created. A constructor whose second build differs from
 the abstract one is detected and never misplaced.
 """
 
-import creation_values
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _creation, _creation_order, _init

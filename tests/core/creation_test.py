@@ -10,7 +10,6 @@ once per distinct initializer, not once per layer.
 import contextlib
 import functools
 
-import creation_values
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _creation

@@ -9,7 +9,7 @@ need none of it.
 
 import json
 
-import processes
+from support import processes
 
 RUN = processes.REPO_ROOT / 'benchmarks' / 'run.py'
 

@@ -15,15 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import processes
 import pytest
-import warm
 from flax import nnx
 from flax.core import spmd as core_spmd
 from flax.nnx import variablelib
 from jax.experimental.layout import Format, Layout
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import processes, warm
 
 import flax_dtensor as fdt
 from flax_dtensor._hook import _install, _wrappers

@@ -11,7 +11,6 @@ wrong are built as before.
 import collections
 import functools
 
-import creation_values
 import jax
 import numpy as np
 import optax
@@ -19,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init, _replay

@@ -2,7 +2,6 @@
 
 import contextlib
 
-import creation_values
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init

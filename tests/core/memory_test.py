@@ -7,11 +7,11 @@ their bytes once; a build that made any kernel whole on every device (8 copies)
 or kept every initializer's temporaries alive at once would exceed 1.5x.
 """
 
+import importlib.util
 import json
-import sys
 
-import processes
 import pytest
+from support import processes
 
 MEASURE = processes.REPO_ROOT / 'benchmarks' / 'measure.py'
 
@@ -71,11 +71,12 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   import flax_dtensor as fdt
   from flax_dtensor._placement import _creation, _init
 
-  sys.path.insert(0, str(MEASURE.parent))
-  try:
-    import models  # The benchmarks' model builders.
-  finally:
-    sys.path.remove(str(MEASURE.parent))
+  # The benchmarks' model builders, by file (benchmarks/ is no package).
+  spec = importlib.util.spec_from_file_location(
+    'benchmark_models', MEASURE.parent / 'models.py'
+  )
+  models = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(models)
   width = 256
   factory = models.mlp_stack(2, width, annotated=False)
   mesh = jax.make_mesh((2, 4), ('data', 'model'))

@@ -12,17 +12,14 @@ import json
 import os
 import warnings
 
-import creation_values
 import flax
-import forwards
 import jax
 import numpy as np
-import processes
 import pytest
-import warm
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values, forwards, processes, warm
 
 import flax_dtensor as fdt
 
@@ -42,7 +39,7 @@ def gemma():
   """The module, imported as a user's program imports it: from then on the
   flag is off. Restored after the test, so no other test sees it."""
   before = flax.config.flax_always_shard_variable
-  import gemma_style
+  from support import gemma_style
 
   flax.config.update('flax_always_shard_variable', False)
   try:
@@ -61,7 +58,7 @@ def initialized():
 
   def get(kind='auto'):
     if kind not in built:
-      import gemma_style
+      from support import gemma_style
 
       mesh = _mesh(kind)
       rules = fdt.LogicalRules.for_mesh_axes(mesh)
@@ -321,7 +318,7 @@ def _cli(*args):
   sharding off: the tests that call it take the `gemma` fixture, which
   turns it back on after them.
   """
-  import cli_runner
+  from support import cli_runner
 
   return cli_runner.run(*args, env={'COLUMNS': '200'})
 

@@ -12,12 +12,11 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
-import profiles
 import pytest
-import reference_semantics
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
+from support import profiles, reference_semantics
 
 import flax_dtensor as fdt
 from flax_dtensor._rules import _spec

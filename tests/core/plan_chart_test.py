@@ -10,11 +10,11 @@ import html
 import re
 import xml.etree.ElementTree as ET
 
-import big_model
 import optax
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from support import big_model
 
 import flax_dtensor as fdt
 from flax_dtensor import _text

@@ -2,13 +2,12 @@
 
 import json
 
-import cli_runner
 import jax.numpy as jnp
-import many_axes
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from support import cli_runner, many_axes
 
 import flax_dtensor as fdt
 

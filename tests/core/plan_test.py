@@ -5,12 +5,12 @@ import re
 
 import jax
 import jax.numpy as jnp
-import many_axes
 import optax
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import many_axes
 
 import flax_dtensor as fdt
 

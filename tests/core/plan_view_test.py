@@ -12,12 +12,12 @@ import pathlib
 import re
 
 import jax
-import many_axes
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import many_axes
 
 import flax_dtensor as fdt
 from flax_dtensor._planning import _plan_view

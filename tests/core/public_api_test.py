@@ -5,8 +5,8 @@ import io
 import pathlib
 import tokenize
 
-import processes
 import pytest
+from support import processes
 
 import flax_dtensor as fdt
 from flax_dtensor import _lazy

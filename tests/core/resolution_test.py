@@ -9,10 +9,9 @@ and raise exactly when it does.
 
 import hypothesis
 import hypothesis.strategies as st
-import profiles
 import pytest
-import reference_semantics
 from jax.sharding import AbstractMesh
+from support import profiles, reference_semantics
 
 import flax_dtensor as fdt
 from flax_dtensor._rules import _logical, _resolution

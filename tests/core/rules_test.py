@@ -6,7 +6,6 @@ import threading
 
 import flax.linen as nn
 import jax
-import profiles
 import pytest
 from flax import nnx
 from flax.core import spmd as core_spmd
@@ -14,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
+from support import profiles
 
 import flax_dtensor as fdt
 

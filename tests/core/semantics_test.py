@@ -13,12 +13,11 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
-import profiles
 import pytest
-import reference_semantics
 from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import AxisType
+from support import profiles, reference_semantics
 
 import flax_dtensor as fdt
 from flax_dtensor._hook import _wrappers

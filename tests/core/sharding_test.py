@@ -3,8 +3,6 @@
 import concurrent.futures
 import threading
 
-import context_matrix as cm
-import creation_values
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import context_matrix as cm
+from support import creation_values
 
 import flax_dtensor as fdt
 

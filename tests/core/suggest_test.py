@@ -9,16 +9,16 @@ unsharded build's bit for bit; every suggestion is `fdt.check`-clean.
 
 import importlib.resources
 
-import creation_values
 import jax
 import numpy as np
 import optax
 import pytest
-import suggest_models as sm
-import unannotated_model as um
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values
+from support import suggest_models as sm
+from support import unannotated_model as um
 
 import flax_dtensor as fdt
 

@@ -2,9 +2,9 @@
 
 import re
 
-import profiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import profiles
 
 from flax_dtensor import _text
 

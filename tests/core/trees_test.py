@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import unannotated_model as um
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from support import unannotated_model as um
 
 import flax_dtensor as fdt
 from flax_dtensor._rules import _partition_specs

@@ -8,14 +8,14 @@ dtensor_export_test.py); on Explicit, Auto and mixed meshes. Placements
 are checked by each array's spec and by the values of its shards.
 """
 
-import creation_values
 import jax
 import numpy as np
 import pytest
-import unannotated_model as um
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
+from support import creation_values
+from support import unannotated_model as um
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init

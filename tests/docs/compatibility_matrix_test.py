@@ -1,7 +1,7 @@
 """docs/compatibility.md holds exactly the context matrix's generated table."""
 
-import context_matrix
-from processes import REPO_ROOT
+from support import context_matrix
+from support.processes import REPO_ROOT
 
 
 def test_the_page_holds_the_generated_table():

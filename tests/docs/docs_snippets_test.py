@@ -17,7 +17,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import script_util
+from support import script_util
 
 import flax_dtensor as fdt
 

@@ -7,7 +7,7 @@ devices), the export block after the quickstart it continues.
 
 import pathlib
 
-import script_util
+from support import script_util
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -20,13 +20,10 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-import fault_runs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import processes
-import scale_runs
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command
+from support import fault_runs, processes, scale_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +244,7 @@ def _group_results(group: str) -> list[list[str] | None]:
   if group in _IMPORTING:
     proc = processes.run_python('-c', program)
   else:
-    import warm
+    from support import warm
 
     proc = warm.shared().run_code(program)
   assert proc.returncode == 0, proc.stderr[-3000:]

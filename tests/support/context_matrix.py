@@ -38,12 +38,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import maxtext_style
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
+from support import maxtext_style
 
 ENTRY_POINTS = (
   'eager creation',

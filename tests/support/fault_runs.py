@@ -47,8 +47,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import multiprocess_util
-import processes
+from support import multiprocess_util, processes
 
 TIMEOUT = 400
 NOBODY = 65534
@@ -294,7 +293,7 @@ def _remove_tree(path: str) -> None:
 def _run(script: str, *args: str) -> tuple[dict[str, Any], str]:
   """Runs `script` in a fork of the warm pool (its limits its own);
   returns its RESULT line's JSON and its whole stdout."""
-  import warm
+  from support import warm
 
   proc = warm.shared().run_code(
     script, *args, timeout=TIMEOUT, cwd=processes.REPO_ROOT
@@ -363,7 +362,7 @@ def unwritable() -> dict[str, Any]:
   'before' is the tree as the child left it after its setup, 'after' as it
   is once the child is gone.
   """
-  import warm
+  from support import warm
 
   base = _scratch('fdt_unwritable_')
   script = pathlib.Path(_scratch('fdt_unwritable_script_'), 'unwritable.py')
@@ -432,7 +431,7 @@ PEER_TIMEOUT = 10
 _ABSENT_PEER = textwrap.dedent(
   """
   import json, os, pathlib, sys, time
-  import multiprocess_util
+  from support import multiprocess_util
   multiprocess_util.initialize_jax()
   import jax
   done = pathlib.Path(sys.argv[1], 'done')
@@ -480,7 +479,7 @@ def absent_peer() -> dict[str, Any]:
 _LAGGING_PEER = textwrap.dedent(
   """
   import json, os, signal, sys, time
-  import multiprocess_util
+  from support import multiprocess_util
   multiprocess_util.initialize_jax()
   import jax
   from flax_dtensor import dtensor as fdt_tf

@@ -11,12 +11,12 @@ sit exactly where the rules say: the plan must not call them misplaced.
 from __future__ import annotations
 
 import jax
-import maxtext_style
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
+from support import maxtext_style
 
 AXES = maxtext_style.MESH_AXES  # MaxText's 12 mesh axes, in its order.
 SIZES = {a: {'fsdp': 2, 'tensor': 4}.get(a, 1) for a in AXES}

@@ -7,7 +7,7 @@ failure it raises `WorkerError` with every process's output.
 
 Worker side (first thing in the script, before anything touches JAX):
 
-    import multiprocess_util
+    from support import multiprocess_util
     multiprocess_util.initialize_jax()
 
 which calls `jax.distributed.initialize` from the environment set here. The
@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-import processes
+from support import processes
 
 # Environment variables read by `initialize_jax`.
 COORDINATOR_ENV = 'FDT_MP_COORDINATOR'
@@ -224,7 +224,7 @@ def _start(argv: list[str], *, env: dict[str, str], log, fresh: bool):
       stderr=subprocess.STDOUT,
       stdin=subprocess.DEVNULL,
     )
-  import warm
+  from support import warm
 
   return warm.shared().start(
     *argv,

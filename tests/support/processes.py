@@ -59,8 +59,9 @@ def clean_env(
   """The environment of a process a test starts.
 
   Args:
-    support: Put tests/support on PYTHONPATH too (after the repository), so
-      the process imports the helpers by bare name.
+    support: Put tests/ on PYTHONPATH too (after the repository), so the
+      process imports the helpers as the package ``support``, as the tests
+      do.
     **overrides: Variables to set; None removes one.
   """
   env = {
@@ -69,7 +70,7 @@ def clean_env(
   env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = os.pathsep.join(
     [str(REPO_ROOT)]
-    + ([str(SUPPORT_DIR)] if support else [])
+    + ([str(SUPPORT_DIR.parent)] if support else [])
     + [p for p in [os.environ.get('PYTHONPATH')] if p]
   )
   for key, value in overrides.items():

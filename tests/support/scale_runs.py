@@ -30,9 +30,9 @@ import tempfile
 from typing import Any
 
 import ml_dtypes
-import multiprocess_util
 import numpy as np
-import processes
+
+from support import multiprocess_util, processes
 
 TIMEOUT = 600
 WORKER = processes.WORKERS_DIR / '_mp_worker_scale.py'

@@ -30,9 +30,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-import multiprocess_util
-import processes
-import warm
+from support import multiprocess_util, processes, warm
 
 _FENCE = re.compile(
   r'^(?P<indent>[ ]*)```(?P<language>[\w-]*)[^\n]*\n(?P<code>.*?)^(?P=indent)```',

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import processes
+from support import processes
 
 CLI_MAIN = processes.WORKERS_DIR / 'cli_main.py'
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
@@ -402,7 +402,7 @@ def main() -> None:
     '--small', action='store_true', help="The normal suite's small demo."
   )
   flags = parser.parse_args()
-  import warm
+  from support import warm
 
   pool = warm.Pool()
   root = pathlib.Path(tempfile.mkdtemp(prefix='fdt-signal-sweep-'))

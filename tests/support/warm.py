@@ -46,7 +46,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 
-import processes
+from support import processes
 
 SERVER = processes.WORKERS_DIR / 'warm_server.py'
 # What a pool imports by default: the stack every test script uses.

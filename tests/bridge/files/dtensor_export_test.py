@@ -714,7 +714,7 @@ def test_an_unannotated_model_exports_and_restores_by_its_path_rules(
   """A model without sharding metadata (tests/support/unannotated_model.py): the
   DVariables' layouts, and a restore into a target built without a mesh,
   follow the path rules as the plan reports them."""
-  import unannotated_model as um
+  from support import unannotated_model as um
 
   rules = fdt.LogicalRules(um.LOGICAL_RULES, path_rules=um.PATH_RULES)
   with jax.set_mesh(auto_mesh), fdt.logical_axis_rules(rules):

@@ -16,15 +16,14 @@ import os
 import re
 import threading
 
-import fault_runs
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import fault_runs, processes
 
 import flax_dtensor as fdt
 

@@ -18,8 +18,8 @@ import math
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
-import profiles
 import pytest
+from support import profiles
 
 from flax_dtensor.dtensor._format import _grid, _manifest
 from flax_dtensor.dtensor._layout import _pieces

@@ -14,13 +14,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
 import pytest
 import tensorflow as tf
-import warm
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import processes, warm
 
 import flax_dtensor.dtensor as fdt_dt
 from flax_dtensor.dtensor._storage import _background
@@ -695,7 +694,7 @@ def test_inspect_lists_the_steps_and_verifies_each(explicit_mesh, tmp_path):
   manager = fdt_dt.CheckpointManager(tmp_path / 'run', max_to_keep=2)
   run(manager, explicit_mesh, [1, 2, 3])
   (tmp_path / 'run' / '.4.tmp-host-1-2').mkdir()  # A save stopped midway.
-  import cli_runner  # The command line, in this process.
+  from support import cli_runner  # The command line, in this process.
 
   env = {'COLUMNS': '200'}
   proc = cli_runner.run('inspect', str(tmp_path / 'run'), env=env)
@@ -732,7 +731,7 @@ def test_a_state_file_that_is_not_text_names_no_latest_step(
 ):
   """TensorFlow's `checkpoint` state file comes from elsewhere: bytes that
   are not UTF-8 leave the steps readable, and `inspect` names no latest."""
-  import cli_runner  # The command line, in this process.
+  from support import cli_runner  # The command line, in this process.
 
   manager = fdt_dt.CheckpointManager(tmp_path / 'run')
   run(manager, explicit_mesh, [1, 2])
@@ -747,7 +746,7 @@ def test_a_state_file_that_is_not_text_names_no_latest_step(
 
 
 def test_resume_from_a_steps_folder_that_is_not_there_is_refused(tmp_path):
-  import cli_runner  # The command line, in this process.
+  from support import cli_runner  # The command line, in this process.
 
   missing = tmp_path / 'no-such-run'
   proc = cli_runner.run(
@@ -766,7 +765,7 @@ def test_resume_from_a_steps_folder_that_is_not_there_is_refused(tmp_path):
 
 
 def test_resume_is_refused_only_past_an_intact_step(explicit_mesh, tmp_path):
-  import cli_runner  # The command line, in this process.
+  from support import cli_runner  # The command line, in this process.
 
   from flax_dtensor.cli import demo
 

@@ -38,11 +38,11 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import numpy as np
-import profiles
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import profiles
 
 import flax_dtensor as fdt
 

@@ -14,11 +14,9 @@ import json
 import os
 import textwrap
 
-import multiprocess_util
 import numpy as np
-import processes
 import pytest
-import warm
+from support import multiprocess_util, processes, warm
 
 pytest.importorskip('tensorflow')
 

@@ -15,10 +15,9 @@ killed during a background save: the three others raise at `wait()`. And
 import os
 import re
 
-import fault_runs
 import numpy as np
 import pytest
-import scale_runs
+from support import fault_runs, scale_runs
 
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')

@@ -8,14 +8,13 @@ plain TensorFlow reads it, each with the values of an uninterrupted run.
 
 import jax
 import jax.numpy as jnp
-import multiprocess_util
 import numpy as np
-import processes
 import pytest
 import tensorflow as tf
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import multiprocess_util, processes
 
 import flax_dtensor.dtensor as fdt_dt
 

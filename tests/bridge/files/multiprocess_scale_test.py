@@ -17,8 +17,8 @@ import re
 
 import jax
 import pytest
-import scale_runs
 from flax import nnx
+from support import scale_runs
 
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')

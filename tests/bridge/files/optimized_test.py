@@ -14,8 +14,8 @@ our words, the target unchanged.
 
 import re
 
-import processes
 import pytest
+from support import processes
 
 pytest.importorskip('tensorflow')
 

@@ -21,12 +21,11 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
-import profiles
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import processes, profiles
 
 import flax_dtensor as fdt
 

@@ -17,10 +17,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import processes
-import profiles
 import pytest
-import warm
+from support import processes, profiles, warm
 
 tf = pytest.importorskip('tensorflow')
 

@@ -1,8 +1,7 @@
 """Multi-process tests: 2 local JAX processes, one DTensor client each."""
 
-import multiprocess_util
-import processes
 import pytest
+from support import multiprocess_util, processes
 
 pytest.importorskip('tensorflow')
 

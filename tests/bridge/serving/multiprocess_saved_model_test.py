@@ -16,11 +16,9 @@ import re
 import sys
 import textwrap
 
-import multiprocess_util
 import numpy as np
-import processes
 import pytest
-import warm
+from support import multiprocess_util, processes, warm
 
 pytest.importorskip('tensorflow')
 

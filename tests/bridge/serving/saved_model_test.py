@@ -7,16 +7,14 @@ import re
 import textwrap
 import threading
 
-import forwards
 import jax
 import jax.numpy as jnp
 import numpy as np
-import processes
 import pytest
-import warm
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import forwards, processes, warm
 
 import flax_dtensor as fdt
 

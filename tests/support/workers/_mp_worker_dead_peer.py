@@ -25,7 +25,7 @@ JSON line starting with 'RESULT ', then leaves at once: at exit, JAX's
 shutdown would wait for the dead process until its heartbeat timeout.
 """
 
-import multiprocess_util
+from support import multiprocess_util
 
 multiprocess_util.initialize_jax()
 

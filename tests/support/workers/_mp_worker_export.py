@@ -10,7 +10,7 @@ OUT_DIR/expected.npz for the parent to compare with a plain TF read. Prints
 one JSON line starting with 'RESULT '.
 """
 
-import multiprocess_util
+from support import multiprocess_util
 
 multiprocess_util.initialize_jax()
 

@@ -7,8 +7,7 @@ there is one, then takes one exact step at a time (+1) up to LAST_STEP,
 saving each in the background. Prints one JSON line starting with 'RESULT '.
 """
 
-import multiprocess_util
-import processes
+from support import multiprocess_util, processes
 
 multiprocess_util.initialize_jax()
 

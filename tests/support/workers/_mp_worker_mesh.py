@@ -12,17 +12,17 @@ mixed one over both processes, variables are created under our rules
 closure): each placed by the rules, with an unsharded build's values.
 """
 
-import multiprocess_util
+from support import multiprocess_util
 
 multiprocess_util.initialize_jax()
 
 # ruff: noqa: E402
-import creation_values
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental import multihost_utils
+from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor import dtensor as fdt_dtensor

@@ -10,8 +10,7 @@ to save at (`reached_preemption`), save it, and stop. Prints one JSON line
 starting with 'RESULT '.
 """
 
-import multiprocess_util
-import processes
+from support import multiprocess_util, processes
 
 multiprocess_util.initialize_jax()
 

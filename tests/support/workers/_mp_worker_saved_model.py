@@ -19,7 +19,7 @@ over both processes' devices (each mesh row mixes them), then, together:
 Prints one JSON line starting with 'RESULT '.
 """
 
-import multiprocess_util
+from support import multiprocess_util
 
 multiprocess_util.initialize_jax()
 

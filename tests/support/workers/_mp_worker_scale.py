@@ -21,7 +21,7 @@ alone. Prints 'RESULT ' JSON lines as it goes (merged by scale_runs):
   for the dead process).
 """
 
-import multiprocess_util
+from support import multiprocess_util
 
 multiprocess_util.initialize_jax()
 
@@ -37,9 +37,9 @@ import flax_dtensor.dtensor as fdt_tf
 
 fdt_tf.initialize()  # No DTENSOR_* variable: set from JAX.
 
-import scale_runs
 import tensorflow as tf
 from flax import nnx
+from support import scale_runs
 
 import flax_dtensor as fdt
 

@@ -1,11 +1,12 @@
 """Test configuration: 8 virtual CPU devices, set before any backend starts.
 
-The tests are laid out as the package is: core/ (rules, placement,
-planning), bridge/ (flax_dtensor.dtensor, in its rooms: layout/ for arrays,
-layouts and TF variables, files/ for checkpoints, serving/ for SavedModels,
-each with its multi-process and fault tests; the bridge as a whole at the
-top), cli/, docs/ (the README, the pages, the
-docstrings and notebooks run); support/ holds what is not a test (helpers,
+The tests are laid out as the package is: rules/, placement/, hook/ and
+planning/ for the core's rooms, core/ for the package as a whole (its
+layers, public names, supported versions), bridge/ (flax_dtensor.dtensor,
+in its rooms: layout/, conversion/, format/, storage/, checkpoints/,
+serving/, each with its multi-process and fault tests; the bridge as a
+whole at the top), cli/, docs/ (the README, the pages, the docstrings and
+notebooks run); support/ holds what is not a test (helpers,
 case tables, and workers/, the scripts run in processes of their own), a
 package that tests import as ``support`` (``pythonpath`` in pyproject.toml;
 the processes they start get it on PYTHONPATH).

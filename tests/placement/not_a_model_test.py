@@ -3,7 +3,7 @@
 `None`, a number or a string handed where a module, state or factory
 belongs is a `NotAModelError` (a TypeError) that says what arrived, never
 an empty plan, a clean check or another library's error. The export's
-entry points are checked in tests/bridge/files/reliability_test.py.
+entry points are checked in tests/bridge/checkpoints/reliability_test.py.
 """
 
 import jax

@@ -1,7 +1,7 @@
 """How a ShardingPlan looks: widths, grouping, notebooks, block maps.
 
 The text views are snapshot-tested at 80, 120 and 200 columns against
-files in tests/core/snapshots/ (regenerate with ``UPDATE_SNAPSHOTS=1``), and
+files in tests/planning/snapshots/ (regenerate with ``UPDATE_SNAPSHOTS=1``), and
 checked for what must hold at any width: every path whole on one line, no
 line wider than asked, each fallback reason once.
 """

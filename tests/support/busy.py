@@ -4,8 +4,8 @@ Usage (from the repository root)::
 
   python tests/support/busy.py -- python -m pytest
   python tests/support/busy.py --loops 2 --repeat 20 -- \\
-      python -m pytest tests/bridge/files/kill_test.py \\
-      tests/bridge/files/multiprocess_export_test.py
+      python -m pytest tests/bridge/storage/kill_test.py \\
+      tests/bridge/checkpoints/multiprocess_export_test.py
 
 Starts LOOPS processes that each keep one core busy (pure Python
 arithmetic, at normal priority), runs the command REPEAT times, stops the

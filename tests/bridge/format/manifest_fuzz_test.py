@@ -19,7 +19,7 @@ The suite runs the quick profile (100 cases); the thorough one runs 5,000
 cases::
 
     HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest \\
-      tests/bridge/files/manifest_fuzz_test.py -p no:cacheprovider -n 0
+      tests/bridge/format/manifest_fuzz_test.py -p no:cacheprovider -n 0
 """
 
 import base64

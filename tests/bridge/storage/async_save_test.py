@@ -4,8 +4,8 @@
 is copied. The checkpoint must hold the values of the call even when the
 caller overwrites or donates its arrays right after; a pending save must
 finish when the interpreter exits; a second save to the same path waits for
-the first. The full disk (tests/bridge/files/faults_test.py) and the kills
-(tests/bridge/files/kill_test.py) cover background saves too.
+the first. The full disk (tests/bridge/storage/faults_test.py) and the kills
+(tests/bridge/storage/kill_test.py) cover background saves too.
 """
 
 import os

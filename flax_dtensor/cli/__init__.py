@@ -2,8 +2,11 @@
 
 Run ``flax-dtensor --help`` (or ``python -m flax_dtensor --help``). Each
 command is a module here that parses its flags and calls the library;
-`_command` holds what they share (console, errors, exit statuses) and
-`_inputs` the parsers of meshes, input shapes, rules files and targets.
+`_command` holds what they share (console, errors, exit statuses),
+`_options` the options they declare alike, `_parsing` the parsers of
+meshes, axis types, sizes and ``--out``, `_served` the served inputs
+(``--input-shape``), and `_loading` what they load (rules files,
+optimizers, TARGET factories, devices, the abstract model).
 The command line needs the ``cli`` extra (typer, rich, orbax-checkpoint).
 """
 

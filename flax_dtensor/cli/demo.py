@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from flax_dtensor import _interrupts
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _loading, _options, _parsing
 
 DEFAULT_OUT = 'flax_dtensor_out'
 
@@ -18,8 +18,8 @@ def demo(
   steps: Annotated[
     int, typer.Option(min=1, metavar='N', help='Training steps.')
   ] = 300,
-  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
-  rules: _inputs.RulesOption = None,
+  mesh: _options.MeshOption = _options.DEFAULT_MESH,
+  rules: _options.RulesOption = None,
   out: Annotated[
     pathlib.Path,
     typer.Option(
@@ -41,7 +41,7 @@ def demo(
     typer.Option(
       min=1,
       metavar='N',
-      help=_inputs.CPU_DEVICES_HELP + ' Default: the size of --mesh.',
+      help=_options.CPU_DEVICES_HELP + ' Default: the size of --mesh.',
     ),
   ] = None,
   save_every: Annotated[
@@ -100,10 +100,10 @@ def demo(
   --resume goes on.
   """
   with _command.handle_errors(debug):
-    axes = _inputs.parse_mesh(mesh)
-    rules_ = _inputs.load_rules(rules)
-    _inputs.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
-    _inputs.check_out(out, overwrite=True, flag=False)
+    axes = _parsing.parse_mesh(mesh)
+    rules_ = _loading.load_rules(rules)
+    _loading.configure_cpu_devices(cpu_devices or math.prod(s for _, s in axes))
+    _parsing.check_out(out, overwrite=True, flag=False)
     steps_dir_ = steps_dir or out.parent / f'{out.absolute().name}-steps'
     if steps_dir_.exists() and not steps_dir_.is_dir():
       raise _command.BadInputError(
@@ -116,8 +116,8 @@ def demo(
       steps_dir_ = None
     if steps_dir_ is not None:
       _interrupts.on_interrupted(lambda: _how_to_go_on(steps_dir_, steps))
-    mesh_ = _inputs.make_mesh(axes, mesh)
-    _inputs.initialize_dtensor()  # Before any other TF operation.
+    mesh_ = _loading.make_mesh(axes, mesh)
+    _loading.initialize_dtensor()  # Before any other TF operation.
     from flax_dtensor.demo import run, train
 
     run.run(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _loading, _options, _parsing, _served
 
 
 def export(
@@ -72,10 +72,10 @@ def export(
       ),
     ),
   ] = False,
-  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
-  rules: _inputs.RulesOption = None,
-  mesh_axis_names: _inputs.MeshAxisNamesOption = False,
-  axis_types: _inputs.AxisTypesOption = 'auto',
+  mesh: _options.MeshOption = _options.DEFAULT_MESH,
+  rules: _options.RulesOption = None,
+  mesh_axis_names: _options.MeshAxisNamesOption = False,
+  axis_types: _options.AxisTypesOption = 'auto',
   saved_model: Annotated[
     bool,
     typer.Option(
@@ -128,7 +128,7 @@ def export(
     typer.Option(
       min=1,
       metavar='N',
-      help=_inputs.CPU_DEVICES_HELP
+      help=_options.CPU_DEVICES_HELP
       + ' Default: the size of --mesh, on the CPU (an accelerator, if JAX '
       'has one, is kept).',
     ),
@@ -144,13 +144,13 @@ def export(
   """
   with _command.handle_errors(debug):
     console = _command.console()
-    axes = _inputs.parse_mesh(mesh)
-    types = _inputs.parse_axis_types(axis_types, axes)
-    rules_ = _inputs.load_rules(
+    axes = _parsing.parse_mesh(mesh)
+    types = _parsing.parse_axis_types(axis_types, axes)
+    rules_ = _loading.load_rules(
       rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
     )
     specs = [
-      _inputs.parse_input_shape(s, static_batch=static_batch)
+      _served.parse_input_shape(s, static_batch=static_batch)
       for s in (input_shape or [])
     ]
     if saved_model and not specs:
@@ -180,15 +180,15 @@ def export(
       )
     else:
       source = _orbax.find_checkpoint(checkpoint)
-    factory = _inputs.load_target(target)
-    _inputs.check_out(out, overwrite=overwrite, flag=True, reads=source)
+    factory = _loading.load_target(target)
+    _parsing.check_out(out, overwrite=overwrite, flag=True, reads=source)
     outputs = {'checkpoint': out / 'checkpoint'}
     if saved_model:
       outputs['saved_model'] = out / 'saved_model'
     if cpu_devices is not None:
-      _inputs.configure_cpu_devices(cpu_devices)
+      _loading.configure_cpu_devices(cpu_devices)
     else:  # As `demo` does, without leaving an accelerator.
-      _inputs.configure_cpu_devices(
+      _loading.configure_cpu_devices(
         math.prod(s for _, s in axes), only_cpu=False
       )
     import jax
@@ -198,10 +198,10 @@ def export(
     from flax_dtensor import _text
     from flax_dtensor.cli import _run_folder
 
-    mesh_ = _inputs.make_mesh(axes, mesh, types)
+    mesh_ = _loading.make_mesh(axes, mesh, types)
     start = time.perf_counter()
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
-      abstract = _inputs.build_abstract(factory, target)
+      abstract = _loading.build_abstract(factory, target)
       # Every variable resolves under the rules (else an error naming it).
       planned = fdt.plan(abstract, mesh=mesh_, rules=rules_)
       # The checkpoint (or the part of it holding the model) holds the
@@ -229,10 +229,10 @@ def export(
         highlight=False,
         markup=False,
       )
-    dtensor = _inputs.initialize_dtensor()  # Before any other TF op.
+    dtensor = _loading.initialize_dtensor()  # Before any other TF op.
     with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
       if saved_model:
-        _inputs.check_served_inputs(abstract, method, specs)
+        _served.check_served_inputs(abstract, method, specs)
       if ours and choice.part:
         model = _part_restore.restore(
           str(source), abstract, choice.part, mesh=mesh_, rules=rules_

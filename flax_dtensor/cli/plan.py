@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _loading, _options, _parsing, _served
 
 
 def plan(
@@ -18,21 +18,21 @@ def plan(
       metavar='TARGET',
       help=(
         'package.module:factory (or path/to/file.py:factory), a callable '
-        f'returning an NNX module, e.g. {_inputs.DEMO_TARGET}.'
+        f'returning an NNX module, e.g. {_options.DEMO_TARGET}.'
       ),
       show_default=False,
     ),
   ],
-  mesh: _inputs.MeshOption = _inputs.DEFAULT_MESH,
-  rules: _inputs.RulesOption = None,
-  mesh_axis_names: _inputs.MeshAxisNamesOption = False,
-  axis_types: _inputs.AxisTypesOption = 'auto',
+  mesh: _options.MeshOption = _options.DEFAULT_MESH,
+  rules: _options.RulesOption = None,
+  mesh_axis_names: _options.MeshAxisNamesOption = False,
+  axis_types: _options.AxisTypesOption = 'auto',
   missing_mesh_axes: Annotated[
     str | None,
     typer.Option(
       '--missing-mesh-axes',
       metavar='fallback|error',
-      help=_inputs.MISSING_MESH_AXES_HELP,
+      help=_options.MISSING_MESH_AXES_HELP,
       show_default=False,
     ),
   ] = None,
@@ -41,7 +41,7 @@ def plan(
     typer.Option(
       '--optimizer',
       metavar='NAME',
-      help=_inputs.OPTIMIZER_HELP,
+      help=_options.OPTIMIZER_HELP,
       show_default=False,
     ),
   ] = None,
@@ -143,7 +143,7 @@ def plan(
         'tokens:16,128:int32 (repeat for each, in order; NAME:none passes '
         'None). The forward is traced on them (nothing is computed) and the '
         'logical names it constrains activations with (such as batch) get '
-        f'rules too. For {_inputs.DEMO_TARGET}, its own inputs by default.'
+        f'rules too. For {_options.DEMO_TARGET}, its own inputs by default.'
       ),
       show_default=False,
     ),
@@ -242,45 +242,45 @@ def plan(
         '--input-shape gives the inputs --suggest traces the forward on: add '
         '--suggest.'
       )
-    traced_on = _inputs.traced_inputs(input_shape or [], target)
-    axes = _inputs.parse_mesh(mesh)
-    types = _inputs.parse_axis_types(axis_types, axes)
+    traced_on = _served.traced_inputs(input_shape or [], target)
+    axes = _parsing.parse_mesh(mesh)
+    types = _parsing.parse_axis_types(axis_types, axes)
     budget_ = None
     if budget is not None:  # One wording for 0, -5KiB and lots.
-      budget_ = _inputs.parse_size(budget, '--budget', minimum=1)
+      budget_ = _parsing.parse_size(budget, '--budget', minimum=1)
     min_bytes_ = None
     if min_bytes is not None:
-      min_bytes_ = _inputs.parse_size(min_bytes, '--min-bytes')
+      min_bytes_ = _parsing.parse_size(min_bytes, '--min-bytes')
     if suggest:
       from flax_dtensor._rules import _logical
 
       rules_ = _logical.LogicalRules([], unknown='replicate')
     else:
-      rules_ = _inputs.with_missing_mesh_axes(
-        _inputs.load_rules(
+      rules_ = _loading.with_missing_mesh_axes(
+        _loading.load_rules(
           rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
         ),
         missing_mesh_axes,
       )
-      note = _inputs.demo_rules_note(rules, mesh_axis_names, target)
+      note = _options.demo_rules_note(rules, mesh_axis_names, target)
       if note is not None:  # Above the plan; JSON on stdout stays JSON.
         _command.console(stderr=json_output).print(
           note, highlight=False, markup=False
         )
-    tx = None if optimizer is None else _inputs.load_optimizer(optimizer)
+    tx = None if optimizer is None else _loading.load_optimizer(optimizer)
     import jax
 
     import flax_dtensor as fdt
 
-    mesh_ = _inputs.abstract_mesh(axes, types)
+    mesh_ = _loading.abstract_mesh(axes, types)
     # The user's code may print; --json keeps stdout for the JSON alone.
     with _command.user_prints_to_stderr(json_output):
-      factory = _inputs.load_target(target)
+      factory = _loading.load_target(target)
       with (
         jax.sharding.use_abstract_mesh(mesh_),
         fdt.logical_axis_rules(rules_),
       ):
-        model = _inputs.build_abstract(factory, target)
+        model = _loading.build_abstract(factory, target)
     suggestion = None
     if suggest:
       suggestion = fdt.suggest_rules(

@@ -31,7 +31,7 @@ from flax import nnx
 from support import output_util
 
 import flax_dtensor.dtensor as fdt_tf
-from flax_dtensor.cli import _command, _inputs
+from flax_dtensor.cli import _command, _loading, _parsing, _served
 from flax_dtensor.cli import inspect as inspect_command
 from flax_dtensor.demo import verify
 from flax_dtensor.dtensor._format import _manifest
@@ -252,7 +252,7 @@ def make_checkpoint(
 
   import flax_dtensor as fdt
 
-  factory = _inputs.load_target(target)
+  factory = _loading.load_target(target)
   if target.endswith('make_model'):
     model = factory()
   else:
@@ -321,8 +321,8 @@ def user_checkpoint(tmp_path_factory):
 
 
 def test_parse_mesh():
-  assert _inputs.parse_mesh('data=2,model=4') == (('data', 2), ('model', 4))
-  assert _inputs.parse_mesh(' x=8 ') == (('x', 8),)
+  assert _parsing.parse_mesh('data=2,model=4') == (('data', 2), ('model', 4))
+  assert _parsing.parse_mesh(' x=8 ') == (('x', 8),)
 
 
 @pytest.mark.parametrize(
@@ -339,7 +339,7 @@ def test_parse_mesh():
 )
 def test_parse_mesh_errors(text, match):
   with pytest.raises(_command.BadInputError, match=match):
-    _inputs.parse_mesh(text)
+    _parsing.parse_mesh(text)
 
 
 @pytest.mark.parametrize(
@@ -357,28 +357,28 @@ def test_a_bad_budget_has_one_wording(flags, budget):
 
 
 def test_parse_input_shape():
-  spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=False)
-  assert spec == _inputs.InputSpec('x', ('b', 128), 'int32')
+  spec = _served.parse_input_shape('x:1,128:int32', static_batch=False)
+  assert spec == _served.InputSpec('x', ('b', 128), 'int32')
   assert spec.shape == (None, 128)
   assert spec.polymorphic_shape(0) == '(b, 128)'
   # Echoed as given, the example batch size too (its symbol is b).
   assert spec.text() == 'x:1,128:int32'
   assert spec.text(spec.dims) == 'x:b,128:int32'
-  spec = _inputs.parse_input_shape('x:1,128:int32', static_batch=True)
+  spec = _served.parse_input_shape('x:1,128:int32', static_batch=True)
   assert spec.shape == (1, 128)
   assert spec.polymorphic_shape(0) is None
-  spec = _inputs.parse_input_shape('y:b,?,3:float32', static_batch=True)
+  spec = _served.parse_input_shape('y:b,?,3:float32', static_batch=True)
   assert spec.shape == (None, None, 3)
   # ? is a size of its own: the symbol save_saved_model gives a None.
   assert spec.polymorphic_shape(2) == '(b, d2_1, 3)'
   assert spec.text() == 'y:b,?,3:float32'
   # Names: one size wherever they appear.
-  spec = _inputs.parse_input_shape('mask:1,t,t:bool', static_batch=False)
-  assert spec == _inputs.InputSpec('mask', ('b', 't', 't'), 'bool')
+  spec = _served.parse_input_shape('mask:1,t,t:bool', static_batch=False)
+  assert spec == _served.InputSpec('mask', ('b', 't', 't'), 'bool')
   assert spec.polymorphic_shape(3) == '(b, t, t)'
   # An argument passed as None.
-  spec = _inputs.parse_input_shape('cache:none', static_batch=False)
-  assert spec == _inputs.InputSpec('cache', None, None)
+  spec = _served.parse_input_shape('cache:none', static_batch=False)
+  assert spec == _served.InputSpec('cache', None, None)
   assert spec.tensor_spec() is None and spec.polymorphic_shape(2) is None
   assert spec.text() == 'cache:none'
 
@@ -397,7 +397,7 @@ def test_parse_input_shape():
 )
 def test_parse_input_shape_errors(text, match):
   with pytest.raises(_command.BadInputError, match=match):
-    _inputs.parse_input_shape(text, static_batch=False)
+    _served.parse_input_shape(text, static_batch=False)
 
 
 def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
@@ -1485,9 +1485,9 @@ def test_an_input_of_the_wrong_width_is_named_as_save_saved_model_does():
   """The check before an export, in `save_saved_model`'s words
   (tests/bridge/serving): the input, the shape it needs, the one given."""
   abstract = nnx.eval_shape(lambda: nnx.Linear(64, 8, rngs=nnx.Rngs(0)))
-  specs = [_inputs.parse_input_shape('x:1,48:float32', static_batch=False)]
+  specs = [_served.parse_input_shape('x:1,48:float32', static_batch=False)]
   with pytest.raises(_command.BadInputError) as raised:
-    _inputs.check_served_inputs(abstract, '__call__', specs)
+    _served.check_served_inputs(abstract, '__call__', specs)
   assert str(raised.value) == (
     '--input-shape x:1,48:float32 does not fit Linear.__call__: calling it '
     'on inputs of these shapes fails with TypeError: dot_general requires '
@@ -2180,7 +2180,7 @@ def lm_checkpoint(tmp_path_factory):
       [('features', 'data'), ('hidden', None), ('classes', None)]
     ),
   ):
-    model = _inputs.load_target(LM_TARGET)()
+    model = _loading.load_target(LM_TARGET)()
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp / 'orbax', nnx.state(model))
     checkpointer.wait_until_finished()
@@ -2522,7 +2522,7 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   assert '(traced on int32[16,128])' in said
   assert "'batch' -> 'data', None" in said
   assert 'per device fits the budget of 300.0 KiB' in said
-  assert _inputs.load_rules(str(suggested)).candidates('batch') == (
+  assert _loading.load_rules(str(suggested)).candidates('batch') == (
     'data',
     None,
   )

@@ -1,0 +1,309 @@
+"""The served inputs: ``--input-shape`` entries, checked against the method.
+
+`parse_input_shape` reads an entry (`InputSpec`); `check_served_inputs`
+asks the SavedModel export (`flax_dtensor.dtensor._serving`) whether the
+method takes them, before any write, and says its answer in the flags'
+words; `traced_inputs` gives ``plan --suggest`` its inputs. JAX and
+TensorFlow are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from flax_dtensor.cli import _options
+from flax_dtensor.cli._command import BadInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+  """One ``--input-shape`` entry: ``NAME:DIMS:DTYPE``, or ``NAME:none``.
+
+  Attributes:
+    name: The name of the input in the served signature.
+    dims: Each dimension: a size, a name (dimensions of one name are one
+      size), or None (a size of its own). None for an argument passed as
+      None.
+    dtype: The dtype's name; None for an argument passed as None.
+    given: The entry as the user wrote it (messages echo it so), or None.
+  """
+
+  name: str
+  dims: tuple[int | str | None, ...] | None
+  dtype: str | None
+  given: str | None = dataclasses.field(default=None, compare=False)
+
+  @property
+  def shape(self) -> tuple[int | None, ...] | None:
+    """The TF shape: None for each polymorphic dimension."""
+    if self.dims is None:
+      return None
+    return tuple(d if isinstance(d, int) else None for d in self.dims)
+
+  def tensor_spec(self) -> Any:
+    """The `tf.TensorSpec` of the input, or None (imports TensorFlow)."""
+    from flax_dtensor.dtensor import _tf
+
+    if self.dims is None:
+      return None
+    tf = _tf.tf()
+    return tf.TensorSpec(self.shape, tf.dtypes.as_dtype(self.dtype), self.name)
+
+  def polymorphic_shape(self, index: int) -> str | None:
+    """jax2tf's polymorphic shape of the input (`index`: its position)."""
+    from flax_dtensor.dtensor._serving import _signature
+
+    if self.dims is None:
+      return None
+    return _signature.shape_text(_signature.symbolic_dims(self.dims, index))
+
+  def text(self, dims: Sequence[int | str | None] | None = None) -> str:
+    """The entry as the user wrote it; with `dims` instead of its own if
+    given (a suggestion)."""
+    if dims is None and self.given is not None:
+      return self.given
+    dims = self.dims if dims is None else dims
+    if dims is None:
+      return f'{self.name}:none'
+    written = ','.join('?' if d is None else str(d) for d in dims)
+    return f'{self.name}:{written}:{self.dtype}'
+
+
+_DTYPES = (
+  'bool',
+  'int8',
+  'int16',
+  'int32',
+  'int64',
+  'uint8',
+  'uint32',
+  'float16',
+  'bfloat16',
+  'float32',
+  'float64',
+)
+_DIM_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
+INPUT_SHAPE_FIX = (
+  'Pass --input-shape NAME:DIMS:DTYPE, e.g. x:1,128:int32, or NAME:none for '
+  'an argument passed as None (one per positional parameter of the '
+  'method, in order).'
+)
+
+
+def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
+  """Parses ``'x:1,128:int32'``, ``'mask:b,t,t:bool'`` or ``'cache:none'``.
+
+  A dimension is a size, a name (a polymorphic dimension; those of one name
+  are one size, across inputs too), or ``?`` (``None``): a polymorphic
+  dimension of its own. Unless `static_batch`, a leading size is the batch
+  ``b`` (the size only serves as an example). ``NAME:none`` passes None.
+
+  Raises:
+    BadInputError: If the text is malformed.
+  """
+  parts = text.split(':')
+  if len(parts) == 2 and parts[0] and parts[1].lower() == 'none':
+    return InputSpec(parts[0], None, None, given=text)
+  if len(parts) != 3 or not parts[0] or not parts[1]:
+    raise BadInputError(f'Malformed --input-shape {text!r}. {INPUT_SHAPE_FIX}')
+  name, dims_text, dtype = parts
+  if dtype not in _DTYPES:
+    raise BadInputError(
+      f'Malformed --input-shape {text!r}: unknown dtype {dtype!r}; expected '
+      f'one of {", ".join(_DTYPES)}. {INPUT_SHAPE_FIX}'
+    )
+  dims: list[int | str | None] = []
+  for d in dims_text.split(','):
+    d = d.strip()
+    if d in ('?', 'None', 'none'):
+      dims.append(None)
+    elif d.isdigit() and int(d) > 0:
+      dims.append(int(d))
+    elif _DIM_NAME.match(d):
+      dims.append(d)
+    else:
+      raise BadInputError(
+        f'Malformed --input-shape {text!r}: dimension {d!r} is not a '
+        'positive integer, a name (a polymorphic dimension: b, t, ...; '
+        'those of one name are one size) or ? (one of its own). '
+        f'{INPUT_SHAPE_FIX}'
+      )
+  if not static_batch and isinstance(dims[0], int):
+    dims[0] = 'b'  # The batch symbol, `_signature.BATCH`.
+  return InputSpec(name, tuple(dims), dtype, given=text)
+
+
+def check_served_inputs(
+  abstract: Any, method: str, specs: Sequence[InputSpec]
+) -> None:
+  """Traces `method` of the abstract model on the inputs, before any write.
+
+  The inputs have the polymorphic shapes the SavedModel will have, and the
+  arguments given as ``NAME:none`` are None. Nothing is computed.
+
+  Raises:
+    BadInputError: If the model has no such method, the inputs do not fit
+      its positional parameters, or it fails on inputs of these shapes and
+      dtypes (e.g. a forgotten batch dimension, or ``?`` dimensions that
+      must be equal); the message shows the shapes given and the error.
+    ExportError: If the method's result holds something other than arrays
+      and None.
+  """
+  import jax
+  from flax import nnx
+
+  from flax_dtensor import _errors, _text
+  from flax_dtensor.dtensor._serving import _saved_model, _signature
+
+  if not callable(getattr(abstract, method, None)):
+    raise BadInputError(
+      f'--method {method!r}: the model ({type(abstract).__name__}) has no '
+      'such method. Pass --method NAME of a method that takes the inputs.'
+    )
+  given = ', '.join(s.text() for s in specs)
+  where = f'{type(abstract).__name__}.{method}'
+  parameters = _signature.parameters(abstract, method)
+  if parameters is not None and not parameters.fits(len(specs)):
+    raise BadInputError(
+      f'--input-shape {given} gives '
+      f'{_text.count(len(specs), "argument")}, but '
+      f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
+      'per positional parameter, in order, and NAME:none for an argument '
+      'passed as None (e.g. --input-shape cache:none).'
+    )
+  scope = jax.export.SymbolicScope()
+  examples = []
+  for index, s in enumerate(specs):
+    if s.dims is None:
+      continue
+    text = s.polymorphic_shape(index)
+    try:
+      shape = (
+        s.dims if text is None else jax.export.symbolic_shape(text, scope=scope)
+      )
+    except ValueError as e:  # A name JAX reads otherwise, e.g. max.
+      raise BadInputError(
+        f'Malformed --input-shape {s.text()}: JAX cannot read its dimensions '
+        f'{text} ({_signature.summary(e)}). Name polymorphic dimensions with '
+        'other names, e.g. b, t.'
+      ) from e
+    examples.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(s.dtype)))
+  slots = []
+  for s in specs:
+    slots.append(None if s.dims is None else sum(x is not None for x in slots))
+
+  def call(model: Any, *arrays: Any) -> Any:
+    arguments = [None if i is None else arrays[i] for i in slots]
+    return _signature.named_outputs(getattr(model, method)(*arguments), where)
+
+  # The exported function gets the variables as plain arrays, on no mesh.
+  graphdef, state = nnx.split(abstract)
+  plain = nnx.merge(
+    graphdef,
+    jax.tree.map(
+      lambda a: (
+        jax.ShapeDtypeStruct(a.shape, a.dtype)
+        if isinstance(a, jax.ShapeDtypeStruct | jax.Array)
+        else a
+      ),
+      state,
+    ),
+  )
+  try:
+    _saved_model.traced_where_served(
+      lambda: nnx.eval_shape(call, plain, *examples),
+      lambda: nnx.eval_shape(call, abstract, *examples),
+    )
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:
+    own = _signature.own_symbols([s.dims for s in specs])
+    if own and _signature.names_a_symbol(e, own):
+      examples_text = [
+        ' '.join(
+          f'--input-shape {s.text(dims)}'
+          for s, dims in zip(specs, suggested, strict=True)
+        )
+        for suggested in _signature.suggested_dims([s.dims for s in specs])
+      ]
+      which = [
+        f'{examples_text[0]} if all are one length (e.g. a sequence length)',
+        *(f'{t} if those at the same position are' for t in examples_text[1:]),
+      ]
+      symbols = ', '.join(
+        s.text(_signature.symbolic_dims(s.dims, index))
+        for index, s in enumerate(specs)
+        if s.dims is not None and None in s.dims[1:]
+      )
+      raise BadInputError(
+        f'--input-shape {given}: tracing {where} fails where its '
+        f'polymorphic dimensions meet ({_signature.summary(e)}). Each ? '
+        f'dimension is a size of its own (to JAX: {symbols}), which JAX '
+        'cannot know to equal another: name the dimensions that are always '
+        f'equal alike, e.g. {", or ".join(which)}.'
+      ) from e
+    if re.search(r'of type:? (AxisType\.)?Auto', str(e)):
+      raise BadInputError(
+        f'{where} is written for Explicit mesh axes (it says where results '
+        "go, with out_sharding= or jax.sharding.reshard), but the mesh's "
+        f'axes are Auto: JAX refuses it ({_signature.summary(e)}). Pass '
+        '--axis-types explicit (every axis, as jax.make_mesh gives), or '
+        'NAME=explicit for the axes it names.'
+      ) from e
+
+    def shown(index: int, change: tuple[int, int] | None) -> str:
+      # As the user wrote it, with the size at one position changed.
+      name, dims, *dtype = specs[index].text().split(':')
+      written = dims.split(',')
+      if change is not None:
+        written[change[0]] = str(change[1])
+      return ':'.join([name, ','.join(written), *dtype])
+
+    raise BadInputError(
+      _signature.unfit_message(
+        f'--input-shape {given}',
+        where,
+        e,
+        [s.dims for s in specs],
+        [s.name for s in specs],
+        shown,
+        'Pass one --input-shape per positional input, in order, with the '
+        'batch dimension first (e.g. x:1,128:int32).',
+      )
+    ) from e
+
+
+def traced_inputs(texts: Sequence[str], target: str) -> list[Any] | None:
+  """The abstract inputs ``plan --suggest`` traces the forward on: each
+  ``--input-shape`` (sizes only), or for the demo model its own; None for
+  another TARGET without any.
+
+  Raises:
+    BadInputError: If an entry is malformed or has a dimension that is not
+      a size.
+  """
+  if not texts:
+    if target != _options.DEMO_TARGET:
+      return None
+    from flax_dtensor.demo import model
+
+    return model.example_inputs()
+  import jax
+
+  out = []
+  for text in texts:
+    spec = parse_input_shape(text, static_batch=True)
+    if spec.dims is None:
+      out.append(None)
+      continue
+    if not all(isinstance(d, int) for d in spec.dims):
+      raise BadInputError(
+        f'--input-shape {text!r}: tracing the forward for --suggest needs '
+        'sizes, not named or ? dimensions. Pass sizes, e.g. '
+        'tokens:16,128:int32.'
+      )
+    out.append(jax.ShapeDtypeStruct(spec.dims, jax.numpy.dtype(spec.dtype)))
+  return out

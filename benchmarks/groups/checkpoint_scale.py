@@ -193,10 +193,10 @@ def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
   import array
   import random
 
-  from flax_dtensor.dtensor._format import _grid, _manifest
+  from flax_dtensor.dtensor._format import _encode, _grid, _model
 
   hosts = devices // 8
-  mesh = _manifest.MeshAxes(('data', 'model'), (hosts, 8))
+  mesh = _model.MeshAxes(('data', 'model'), (hosts, 8))
   layouts = [
     # (shape, JAX spec, DTensor specs, DTensor mesh)
     ((hosts * 4, 256), (('data',), ('model',)), ('data', 'model'), mesh),
@@ -205,21 +205,21 @@ def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
       (devices * 2, 128),
       (('data', 'model'), ()),
       ('data+model', 'unsharded'),
-      _manifest.MeshAxes(('data+model',), (devices,)),
+      _model.MeshAxes(('data+model',), (devices,)),
     ),
   ]
   rng = random.Random(0)
   records = []
   for i in range(variables):
     shape, spec, dspecs, dmesh = layouts[i % len(layouts)]
-    sharding = _manifest.ShardingRecord('named', spec, mesh, dspecs, dmesh)
-    blocks = _manifest.blocks_of(sharding, shape)
+    sharding = _model.ShardingRecord('named', spec, mesh, dspecs, dmesh)
+    blocks = _model.blocks_of(sharding, shape)
     crcs = array.array(
       _grid.U32, rng.getrandbits(32 * devices).to_bytes(4 * devices, 'little')
     )
     path = ('layers', i // 10, f'w{i % 10}')
     records.append(
-      _manifest.Record(
+      _model.Record(
         path=path,
         key=f'layers/{i // 10}/w{i % 10}/.ATTRIBUTES/VARIABLE_VALUE',
         type='Param',
@@ -232,10 +232,10 @@ def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
       )
     )
   files = {
-    'checkpoint': _manifest.FileSum(65, (0,)),
-    'ckpt.index': _manifest.FileSum(1 << 20, (0,)),
+    'checkpoint': _model.FileSum(65, (0,)),
+    'ckpt.index': _model.FileSum(1 << 20, (0,)),
     **{
-      f'ckpt.data-{h:05d}-of-{hosts:05d}': _manifest.FileSum(1 << 30, (0,) * 16)
+      f'ckpt.data-{h:05d}-of-{hosts:05d}': _model.FileSum(1 << 30, (0,) * 16)
       for h in range(hosts)
     },
   }
@@ -243,10 +243,10 @@ def _synthetic_manifest(root: str, variables: int, devices: int) -> None:
   with open(os.path.join(root, 'checkpoint'), 'w') as f:
     f.write('model_checkpoint_path: "ckpt"\n')
   open(os.path.join(root, 'ckpt.index'), 'w').close()
-  _manifest.write(
-    _manifest.Manifest(
-      _manifest.CHECKPOINT_FORMAT,
-      _manifest.VERSION,
+  _encode.write(
+    _model.Manifest(
+      _model.CHECKPOINT_FORMAT,
+      _model.VERSION,
       root,
       'ckpt',
       files,
@@ -259,7 +259,7 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
   """The manifest of a checkpoint of `devices` devices, in 8-device hosts.
 
   `restore_metadata`: what a restore of host 0 does with the manifest
-  before TF reads anything: reads and checks it (`_manifest.read`), then,
+  before TF reads anything: reads and checks it (`_decode.read`), then,
   for each variable, finds the regions that host's 8 devices read and the
   shards' CRCs it checks them against. `inspect`: ``flax-dtensor
   inspect`` of it, a fresh process timed from outside. `write`: the
@@ -281,13 +281,13 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
       _synthetic_manifest(root, variables, devices)
     nbytes = os.path.getsize(os.path.join(root, 'flax_dtensor.json'))
     if method == 'restore_metadata':
-      from flax_dtensor.dtensor._format import _manifest
+      from flax_dtensor.dtensor._format import _decode
       from flax_dtensor.dtensor._storage import _host_read
 
       harness.release_free_memory()
       before = harness.reset_peak()
       start = time.perf_counter()
-      manifest = _manifest.read(root)
+      manifest = _decode.read(root)
       checked = 0
       for record in manifest.records:
         # Host 0's 8 devices: data index 0, every model index.

@@ -189,13 +189,13 @@ def _intact(step_dir: pathlib.Path) -> bool:
   import concurrent.futures
 
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _checksums, _decode, _verify
 
   try:
-    manifest = _manifest.read(str(step_dir))
+    manifest = _decode.read(str(step_dir))
   except _errors.ExportError:
     return False
   if manifest is None:  # Nothing to check against: read as it is.
     return True
-  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-    return not _manifest.problems_of(manifest, pool)
+  with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+    return not _verify.problems_of(manifest, pool)

@@ -2,7 +2,7 @@
 
 Each variable's type, shape, dtype, JAX sharding and the DTensor layout it
 was written with, and a SavedModel's signatures, come from the manifest
-(`_manifest.read`), read without JAX or TensorFlow. Only an export without
+(`_decode.read`), read without JAX or TensorFlow. Only an export without
 one (a checkpoint written by plain TensorFlow) is read with TensorFlow.
 """
 
@@ -23,8 +23,8 @@ from flax_dtensor.cli import _command, _run_folder
 def sharding_texts(record: Any) -> tuple[str, str]:
   """(JAX sharding, DTensor layout) texts of a flax_dtensor.json record.
 
-  The record is the ``sharding`` of a variable as `_manifest.read` checked
-  it (a `_manifest.ShardingRecord`: the JAX spec as mesh axes per
+  The record is the ``sharding`` of a variable as `_decode.read` checked
+  it (a `_model.ShardingRecord`: the JAX spec as mesh axes per
   dimension, the JAX mesh, and the DTensor layout it was written with),
   e.g. ``P('data', 'model') @ data=2,model=4`` and
   ``data,model @ data=2,model=4``. A dimension over two JAX axes is on a
@@ -48,10 +48,10 @@ def sharding_texts(record: Any) -> tuple[str, str]:
 def _read_manifest(path: pathlib.Path) -> Any:
   """The manifest of the export in `path` itself, or None."""
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _decode
 
   try:
-    manifest = _manifest.read(str(path))
+    manifest = _decode.read(str(path))
   except _errors.ExportError as e:
     raise _command.BadInputError(str(e)) from e
   if manifest is None or manifest.root != os.path.abspath(path):
@@ -216,13 +216,13 @@ def verify_export(
   """(What to print, whether intact) for `inspect --verify` of one export.
 
   Checks where every file the manifest names leads and every file's size
-  and checksums (`_manifest.problems_of`), without JAX or TensorFlow.
+  and checksums (`_verify.problems_of`), without JAX or TensorFlow.
   """
   import concurrent.futures
 
   import rich.text
 
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _checksums, _verify
 
   what = 'DTensor checkpoint' if kind == 'checkpoint' else 'SavedModel'
   manifest = _read_manifest(path)
@@ -232,8 +232,8 @@ def verify_export(
       'verify it against. Only exports written by flax_dtensor can be '
       'verified.'
     )
-  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-    problems = _manifest.problems_of(manifest, pool)
+  with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+    problems = _verify.problems_of(manifest, pool)
   title = _title(what, path, width)
   if not problems:
     size = _text.human_bytes(sum(f.size for f in manifest.files.values()))

@@ -34,7 +34,7 @@ import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command, _loading, _parsing, _served
 from flax_dtensor.cli import inspect as inspect_command
 from flax_dtensor.demo import verify
-from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._format import _decode
 
 THIS_FILE = pathlib.Path(__file__).resolve()
 TESTS_DIR = THIS_FILE.parent
@@ -418,7 +418,7 @@ def _record(spec, mesh, dtensor_specs, dtensor_mesh, kind='named'):
   }
   # As the manifest is read: checked once, into a ShardingRecord, which
   # writes back the JSON it came from.
-  record = _manifest.read_sharding(raw, 'flax_dtensor.json', ('w',))
+  record = _decode.read_sharding(raw, 'flax_dtensor.json', ('w',))
   assert record.to_json() == raw
   return record
 
@@ -506,7 +506,7 @@ def test_a_malformed_sharding_record_is_refused_as_it_is_read(record):
     fdt_tf.MalformedExportError,
     match=r"the sharding of \['w'\] is .*expected its kind, spec, mesh",
   ):
-    _manifest.read_sharding(record, 'flax_dtensor.json', ('w',))
+    _decode.read_sharding(record, 'flax_dtensor.json', ('w',))
 
 
 # plan

@@ -610,7 +610,7 @@ def _bad_peer_timeout(ctx):
 
 def _replaced_while_restoring(ctx):
   """Another save swaps the checkpoint in after the files were checked."""
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _verify
 
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'swapped')
   with jax.set_mesh(ctx.mesh), fdt.logical_axis_rules(ctx.rules):
@@ -622,18 +622,18 @@ def _replaced_while_restoring(ctx):
       rngs=nnx.Rngs(0),
     )
   other = ctx.dt.save_checkpoint(other, ctx.tmp / 'other')
-  real = _manifest.verify_files
+  real = _verify.verify_files
 
   def check_then_swap(manifest, pool, **kwargs):
     real(manifest, pool, **kwargs)
     os.rename(path, ctx.tmp / 'swapped-aside')
     os.rename(other, path)
 
-  _manifest.verify_files = check_then_swap
+  _verify.verify_files = check_then_swap
   try:
     ctx.dt.restore_checkpoint(path, ctx.model())
   finally:
-    _manifest.verify_files = real
+    _verify.verify_files = real
 
 
 CASES = [

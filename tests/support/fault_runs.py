@@ -219,7 +219,7 @@ _UNWRITABLE = textwrap.dedent(
   from flax_dtensor import dtensor as fdt_tf
   from flax_dtensor.dtensor import _tf
   from flax_dtensor.dtensor._storage import _atomic
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _decode
 
   fdt_tf.initialize()
   tf = _tf.tf()
@@ -253,7 +253,7 @@ _UNWRITABLE = textwrap.dedent(
         model, at('ro', 'sm'), input_signature=spec),
     'read-only parent, export command': lambda: _atomic.all_or_nothing(
         at('ro', 'out'), ['checkpoint'], overwrite=False,
-        is_export=_manifest.is_export).__enter__(),
+        is_export=_decode.is_export).__enter__(),
     'parent is a file': lambda: fdt_tf.save_checkpoint(
         model, at('a_file', 'c')),
     'not deletable': lambda: fdt_tf.save_checkpoint(

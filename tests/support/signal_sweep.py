@@ -74,7 +74,7 @@ def leftovers(folder: pathlib.Path) -> list[str]:
 def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
   """What keeps `folder` from being one whole run that verifies."""
   from flax_dtensor.cli import _run_folder
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _decode, _verify
 
   problems = list(_run_folder.problems(folder))
   present = sorted(n for n in os.listdir(folder) if not n.startswith('.'))
@@ -84,13 +84,11 @@ def whole_run_problems(folder: pathlib.Path, parts: Sequence[str]) -> list:
     for part in ('checkpoint', 'saved_model'):
       if not (folder / part).is_dir():
         continue
-      manifest = _manifest.read(str(folder / part))
+      manifest = _decode.read(str(folder / part))
       if manifest is None:
         problems.append(f'{part} has no manifest')
         continue
-      problems += [
-        f'{part}: {p}' for p in _manifest.problems_of(manifest, pool)
-      ]
+      problems += [f'{part}: {p}' for p in _verify.problems_of(manifest, pool)]
   if len({_run_folder.run_of(folder / p) for p in present}) != 1:
     problems.append('parts of several runs')
   return problems

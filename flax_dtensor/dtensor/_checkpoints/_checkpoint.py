@@ -4,7 +4,7 @@
 with TF's plain SaveV2 on the host (`_host_write`: no DTensor op, no
 collective), with the object graph ``tf.train.Checkpoint`` needs; in a
 multi-process run each process writes a bundle of its own and process 0
-merges them (`merge`). The manifest (`_manifest`) comes last, with a CRC-32
+merges them (`merge`). The manifest (`_format._encode`) comes last, with a CRC-32
 of every shard (hashed while TF writes) and of every file. A blocking save
 hands TF the JAX buffers themselves; a background save (`blocking=False`)
 copies them to host memory first and writes on a thread of its own.
@@ -34,7 +34,13 @@ from flax_dtensor.dtensor._conversion import (
   _selection,
   _single_mesh,
 )
-from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._format import (
+  _checksums,
+  _decode,
+  _encode,
+  _model,
+  _paths,
+)
 from flax_dtensor.dtensor._layout import _layouts
 from flax_dtensor.dtensor._storage import _atomic, _background, _host_write
 
@@ -139,7 +145,7 @@ def records(
   shardings: Sequence[jax.sharding.Sharding],
   layouts: Sequence[Any],
   shards: Sequence[Sequence[tuple[Any, int]]],
-) -> tuple[_manifest.Record, ...]:
+) -> tuple[_model.Record, ...]:
   """The manifest's variable records (each array's sharding and layout).
 
   `shards` lists, per variable, every distinct shard's (slice, CRC-32).
@@ -148,9 +154,9 @@ def records(
   for e, sharding, layout, s in zip(
     entries, shardings, layouts, shards, strict=True
   ):
-    record = _manifest.sharding_record(sharding, layout, len(e.shape))
+    record = _encode.sharding_record(sharding, layout, len(e.shape))
     out.append(
-      _manifest.Record(
+      _model.Record(
         path=e.path,
         key=e.key,
         type=type(e.variable).__name__,
@@ -159,7 +165,7 @@ def records(
         shape=tuple(e.shape),
         key_impl=e.key_impl,
         sharding=record,
-        shards=_manifest.shard_grid(record, tuple(e.shape), s),
+        shards=_encode.shard_grid(record, tuple(e.shape), s),
       )
     )
   return tuple(out)
@@ -209,26 +215,26 @@ def write_manifest(
   root: str,
   kind: str,
   prefix: str,
-  recs: tuple[_manifest.Record, ...],
+  recs: tuple[_model.Record, ...],
   pool: concurrent.futures.Executor,
-  signatures: Mapping[str, _manifest.Signature] | None = None,
+  signatures: Mapping[str, _model.Signature] | None = None,
 ) -> None:
   """Hashes every file under `root` and writes the manifest (process 0)."""
   names = [
     n
-    for n in _manifest.files_under(root)
+    for n in _encode.files_under(root)
     if os.path.basename(n) != _atomic.MARKER
   ]
-  manifest = _manifest.Manifest(
+  manifest = _model.Manifest(
     kind=kind,
-    version=_manifest.VERSION,
+    version=_model.VERSION,
     root=root,
     prefix=prefix,
-    files=_manifest.file_sums(root, names, pool),
+    files=_checksums.file_sums(root, names, pool),
     records=recs,
     signatures=signatures or {},
   )
-  _manifest.write(manifest)
+  _encode.write(manifest)
 
 
 @overload
@@ -408,9 +414,9 @@ def save_checkpoint(
     layouts = [_layouts.layout_for(v.sharding, v.ndim) for v in values]
     with (
       _atomic.atomic_directory(
-        directory, overwrite=overwrite, is_export=_manifest.is_export
+        directory, overwrite=overwrite, is_export=_decode.is_export
       ) as tmp,
-      concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+      concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool,
     ):
       # TF reads the JAX buffers themselves: `values` stay alive meanwhile.
       pieces = _host_write.hand_over(entries, values)
@@ -456,7 +462,7 @@ def _save_in_background(
     # its own pace.
     tmp = stack.enter_context(
       _atomic.atomic_directory(
-        directory, overwrite=overwrite, is_export=_manifest.is_export
+        directory, overwrite=overwrite, is_export=_decode.is_export
       )
     )
     try:
@@ -485,7 +491,7 @@ def _save_in_background(
     return (directory, report) if single_mesh else directory
 
   try:
-    return _background.start(directory, work, pools=(_manifest.THREADS,))
+    return _background.start(directory, work, pools=(_checksums.THREADS,))
   except BaseException as e:
     if session is not None:  # Tells the others, and leaves.
       session.fail(e)
@@ -519,8 +525,8 @@ def _write_merged(
     show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
   )
   start = time.perf_counter()
-  # `pool` has `_manifest.THREADS` threads (both callers start it so).
-  count = _host_write.parts(pieces, _manifest.THREADS)
+  # `pool` has `_checksums.THREADS` threads (both callers start it so).
+  count = _host_write.parts(pieces, _checksums.THREADS)
   scratch = os.path.join(tmp, _SCRATCH)
   if jax.process_count() == 1:
     if count == 1:  # One bundle: the checkpoint itself, with the graph.
@@ -549,7 +555,7 @@ def _write_merged(
     try:
       write_manifest(
         tmp,
-        _manifest.CHECKPOINT_FORMAT,
+        _model.CHECKPOINT_FORMAT,
         PREFIX,
         records(entries, shardings, layouts, shards),
         pool,
@@ -571,7 +577,7 @@ def _write_merged(
       merge(entries, bundles, tmp)
       write_manifest(
         tmp,
-        _manifest.CHECKPOINT_FORMAT,
+        _model.CHECKPOINT_FORMAT,
         PREFIX,
         records(entries, shardings, layouts, shards),
         pool,

@@ -16,13 +16,13 @@ import jax
 from flax import nnx
 
 from flax_dtensor._placement import _parts, _sources, _variables
-from flax_dtensor._rules import _logical, _spec
+from flax_dtensor._rules import _context, _logical, _spec
 from flax_dtensor.dtensor._conversion import _selection, _target
-from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._format import _decode, _model
 from flax_dtensor.dtensor._layout import _dtypes
 
 
-def _held(manifest: _manifest.Manifest) -> dict[tuple[Any, ...], _sources.Held]:
+def _held(manifest: _model.Manifest) -> dict[tuple[Any, ...], _sources.Held]:
   out = {}
   for record in manifest.records:
     saved = _dtypes.from_name(record.dtype, manifest.where)
@@ -52,7 +52,7 @@ def check(
       or the part lacks a variable of `target`, holds one `target` lacks
       (unless `allow_extra`), or holds one with another shape or dtype.
   """
-  manifest = _manifest.read(directory)
+  manifest = _decode.read(directory)
   if manifest is None:
     return _parts.Choice((), False, {})
   held = _held(manifest)
@@ -90,7 +90,7 @@ def restore(
   """
   from flax_dtensor.dtensor._checkpoints import _restore
 
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   graphdef, state = nnx.split(target)
   placed = {}
   for entry in _selection.select(state, ..., nnx.RngState, what='target'):

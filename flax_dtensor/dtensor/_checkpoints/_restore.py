@@ -24,7 +24,7 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources, _variables
-from flax_dtensor._rules import _logical
+from flax_dtensor._rules import _context, _logical
 from flax_dtensor.dtensor import _processes, _tf, _tf_errors
 from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import (
@@ -33,7 +33,13 @@ from flax_dtensor.dtensor._conversion import (
   _selection,
   _target,
 )
-from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._format import (
+  _checksums,
+  _decode,
+  _model,
+  _paths,
+  _verify,
+)
 from flax_dtensor.dtensor._layout import _dtypes
 from flax_dtensor.dtensor._storage import _atomic, _background, _host_read
 
@@ -57,7 +63,7 @@ def _no_checkpoint(path: str) -> _errors.ExportError:
   )
 
 
-def locate(path: str) -> tuple[str, _manifest.Manifest | None]:
+def locate(path: str) -> tuple[str, _model.Manifest | None]:
   """(TF checkpoint prefix, its manifest or None) for a path.
 
   A checkpoint is read without its manifest only if one opened directory
@@ -97,7 +103,7 @@ def _plain_at_once(path: str, prefix: str) -> bool:
   up twice by name.)
   """
   if not (os.path.isdir(path) and os.stat in os.supports_dir_fd):
-    return _manifest.locate(path) is None and os.path.exists(prefix + '.index')
+    return _decode.locate(path) is None and os.path.exists(prefix + '.index')
   try:
     fd = os.open(path, os.O_RDONLY | getattr(os, 'O_DIRECTORY', 0))
   except OSError:
@@ -112,15 +118,15 @@ def _plain_at_once(path: str, prefix: str) -> bool:
 
   try:
     return there(os.path.relpath(prefix, path) + '.index') and not (
-      there(_manifest.FILE)
-      or there(os.path.join(_manifest.SAVED_MODEL_ASSETS, _manifest.FILE))
+      there(_model.FILE)
+      or there(os.path.join(_model.SAVED_MODEL_ASSETS, _model.FILE))
     )
   finally:
     os.close(fd)
 
 
-def _locate_once(path: str) -> tuple[str, _manifest.Manifest | None]:
-  manifest = _manifest.read(path)
+def _locate_once(path: str) -> tuple[str, _model.Manifest | None]:
+  manifest = _decode.read(path)
   if manifest is not None:
     prefix = os.path.join(manifest.root, manifest.prefix)
     if os.path.isdir(path) and manifest.root != os.path.abspath(path):
@@ -184,7 +190,7 @@ def _identity(prefix: str) -> tuple[tuple[str, int, int, int, int], ...]:
 
 
 @contextlib.contextmanager
-def _damage_named(manifest: _manifest.Manifest | None) -> Iterator[None]:
+def _damage_named(manifest: _model.Manifest | None) -> Iterator[None]:
   """A read TF fails names the damaged files and bytes, when it can.
 
   The data files are checked as they are read, so when TF fails there (its
@@ -197,15 +203,15 @@ def _damage_named(manifest: _manifest.Manifest | None) -> Iterator[None]:
   except _errors.ExportError as e:
     if manifest is None or not isinstance(e.__cause__, _tf.tf().errors.OpError):
       raise
-    with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-      problems = _manifest.problems_of(manifest, pool)
+    with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+      problems = _verify.problems_of(manifest, pool)
     if not problems:
       raise
-    raise _manifest.damaged(manifest, problems, read=True) from e
+    raise _verify.damaged(manifest, problems, read=True) from e
 
 
 def _plain_identity(
-  prefix: str, manifest: _manifest.Manifest | None
+  prefix: str, manifest: _model.Manifest | None
 ) -> tuple[Any, ...] | None:
   """`_identity` of a plain TF checkpoint; None with a manifest.
 
@@ -227,7 +233,7 @@ def _check_unchanged(prefix: str, before: tuple[Any, ...] | None) -> None:
     )
 
 
-def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:
+def _reader(prefix: str, manifest: _model.Manifest | None) -> Any:
   """TF's checkpoint reader, once the files and index check out.
 
   Every file but the data files is checked whole (where it is, its size,
@@ -237,8 +243,8 @@ def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:
   """
   tf = _tf.tf()
   if manifest is not None:
-    with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-      _manifest.verify_files(manifest, pool, data=False)
+    with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+      _verify.verify_files(manifest, pool, data=False)
   with _tf_errors.translated(
     'Reading the index of the checkpoint',
     prefix,
@@ -250,7 +256,7 @@ def _reader(prefix: str, manifest: _manifest.Manifest | None) -> Any:
     shapes = reader.get_variable_to_shape_map()
     dtypes = reader.get_variable_to_dtype_map()
   if manifest is not None:
-    _manifest.verify_index(manifest, shapes, dtypes)
+    _verify.verify_index(manifest, shapes, dtypes)
   return reader, shapes, dtypes
 
 
@@ -300,7 +306,7 @@ def read_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   _background.wait_for(path)  # A save of this process to it finishes first.
   with _processes.session(f'the read of {path!r}', 'Nothing was returned.'):
-    _atomic.recover_for_reading(path, is_export=_manifest.is_export)
+    _atomic.recover_for_reading(path, is_export=_decode.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   with _tf.cpp_noise_dropped():  # A damaged file's failed op logs first.
@@ -315,7 +321,7 @@ def read_checkpoint(
 
 
 def _read_whole(
-  prefix: str, manifest: _manifest.Manifest | None
+  prefix: str, manifest: _model.Manifest | None
 ) -> dict[_names.Path, np.ndarray]:
   """Every variable of the checkpoint at `prefix`, whole, on the host."""
   reader, shapes, _ = _reader(prefix, manifest)
@@ -335,7 +341,7 @@ def _read_whole(
         saved = _dtypes.from_name(record.dtype, manifest.where)
         if value.dtype != saved:
           value = value.astype(saved)
-        _manifest.verify_read(
+        _verify.verify_read(
           manifest, record, {tuple((0, n) for n in value.shape): value}
         )
       out[nnx_path] = value
@@ -347,7 +353,7 @@ def _read_whole(
 
 
 def _held(
-  shapes: Any, dtypes: Any, manifest: _manifest.Manifest | None
+  shapes: Any, dtypes: Any, manifest: _model.Manifest | None
 ) -> dict[_names.Path, _sources.Held]:
   """What the checkpoint holds, by NNX path (its other keys left out).
 
@@ -476,7 +482,7 @@ def restore_checkpoint(
     ...   model = restore_checkpoint('/tmp/ckpt', abstract)
   """
   path = _paths.local(directory, 'checkpoint directory')
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
   with _processes.session(
     f'the restore from {path!r}', 'The target was not changed.'
@@ -496,14 +502,14 @@ def _read_all(
   target: Any,
   entries: Sequence[_selection.Entry],
   mesh: jax.sharding.Mesh | None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   allow_extra: bool,
   convert_dtypes: bool,
   progress: bool | None,
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
   _background.wait_for(path)  # A save of this process to it finishes first.
-  _atomic.recover_for_reading(path, is_export=_manifest.is_export)
+  _atomic.recover_for_reading(path, is_export=_decode.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)

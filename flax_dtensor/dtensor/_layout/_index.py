@@ -1,7 +1,7 @@
 """Global slices (`Index`): which block of an array a shard or piece is.
 
-Plain tuples, without JAX, NumPy or TensorFlow, so that the manifest
-(`_format._manifest`) reads and checks an export's slices without them
+Plain tuples, without JAX, NumPy or TensorFlow, so that the manifest's
+reader (`_format._decode`) reads and checks an export's slices without them
 (`flax-dtensor inspect`).
 """
 

@@ -3,7 +3,7 @@
 `save_saved_model` exports a module's method through
 ``jax.experimental.jax2tf`` (native serialization, StableHLO) with the
 module's variables as DTensor variables read by the served function, plus
-the manifest (`_manifest`) in ``assets/``. One save op writes the
+the manifest (`_format._encode`) in ``assets/``. One save op writes the
 variables, so they are first brought onto one mesh (`_single_mesh`). In a
 multi-process run the model is gathered onto process 0, which writes it
 alone (`_save_gathered`), under a size limit every process checks first.
@@ -33,7 +33,7 @@ from flax_dtensor._rules import _meshes, _spec
 from flax_dtensor.dtensor import _processes, _tf, _tf_errors
 from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import _convert, _selection, _single_mesh
-from flax_dtensor.dtensor._format import _manifest, _paths
+from flax_dtensor.dtensor._format import _checksums, _decode, _model, _paths
 from flax_dtensor.dtensor._layout import _dtypes, _topology
 from flax_dtensor.dtensor._serving import _serialization, _signature
 from flax_dtensor.dtensor._storage import _atomic
@@ -202,7 +202,7 @@ def save_saved_model(
       )
     else:
       with _atomic.atomic_directory(
-        directory, overwrite=overwrite, is_export=_manifest.is_export
+        directory, overwrite=overwrite, is_export=_decode.is_export
       ) as tmp:
         _write(module, tmp, served)
   return directory
@@ -237,8 +237,8 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     desc='flax_dtensor: to DTensor',
     values=values,
   )
-  with concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool:
-    shards = [f.result() for f in _manifest.shard_checksums(values, pool)]
+  with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+    shards = [f.result() for f in _checksums.shard_checksums(values, pool)]
   recs = _checkpoint.records(
     entries,
     [v.sharding for v in values],
@@ -293,7 +293,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
 
   with (
     _serialization.for_tensorflow(),
-    concurrent.futures.ThreadPoolExecutor(_manifest.THREADS) as pool,
+    concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
     traced = _traced(serving, served.inputs, where, mesh)
@@ -310,7 +310,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       _write_saved_model(tf_module, directory, traced.concrete)
     _checkpoint.write_manifest(
       directory,
-      _manifest.SAVED_MODEL_FORMAT,
+      _model.SAVED_MODEL_FORMAT,
       PREFIX,
       recs,
       pool,
@@ -606,7 +606,7 @@ def _save_gathered(
       f'{directory!r} holds the previous export or the new one, whole.',
     ),
     _atomic.atomic_directory(
-      directory, overwrite=overwrite, is_export=_manifest.is_export
+      directory, overwrite=overwrite, is_export=_decode.is_export
     ) as tmp,
   ):
     local = _gathered(module)
@@ -619,7 +619,7 @@ def _save_gathered(
     _processes.agree(error, 'Writing the SavedModel on process 0')
 
 
-def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
+def written_signatures(directory: str) -> dict[str, _model.Signature]:
   """The signatures of the SavedModel in `directory`, as TF will read them.
 
   Read back from its ``saved_model.pb`` (names, shapes with None for a
@@ -632,14 +632,14 @@ def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
   with open(os.path.join(directory, 'saved_model.pb'), 'rb') as f:
     proto.ParseFromString(f.read())
 
-  def spec(info: Any) -> _manifest.TensorSpec:
+  def spec(info: Any) -> _model.TensorSpec:
     shape = info.tensor_shape
     dims = (
       None
       if shape.unknown_rank
       else tuple(None if d.size < 0 else int(d.size) for d in shape.dim)
     )
-    return _manifest.TensorSpec(dims, tf.dtypes.as_dtype(info.dtype).name)
+    return _model.TensorSpec(dims, tf.dtypes.as_dtype(info.dtype).name)
 
   if len(proto.meta_graphs) != 1:
     raise ValueError(
@@ -647,7 +647,7 @@ def written_signatures(directory: str) -> dict[str, _manifest.Signature]:
     )
   (graph,) = proto.meta_graphs
   return {
-    name: _manifest.Signature(
+    name: _model.Signature(
       inputs={k: spec(v) for k, v in sorted(sig.inputs.items())},
       outputs={k: spec(v) for k, v in sorted(sig.outputs.items())},
     )

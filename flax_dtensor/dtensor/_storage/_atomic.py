@@ -38,7 +38,7 @@ from flax_dtensor.dtensor import _processes
 IsExport = Callable[[str], bool]
 """Whether a directory holds an export of this package, written for it.
 
-Given by the format's layer (`_manifest.is_export`): true for a directory
+Given by the format's layer (`_decode.is_export`): true for a directory
 whose own manifest is valid and describes it, false for anything else.
 """
 

@@ -25,7 +25,7 @@ import numpy as np
 from flax_dtensor import _errors
 from flax_dtensor.dtensor import _tf, _tf_errors
 from flax_dtensor.dtensor._conversion import _selection, _target
-from flax_dtensor.dtensor._format import _grid, _manifest
+from flax_dtensor.dtensor._format import _grid, _model, _verify
 from flax_dtensor.dtensor._layout import _arrays, _index, _layouts, _pieces
 
 AHEAD = 2
@@ -35,7 +35,7 @@ BATCH_BYTES = 64 * 2**20
 """A batch: consecutive variables read by one TF op, up to these bytes."""
 
 
-def slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
+def slice_spec(shape: Sequence[int], index: _model.Index) -> str:
   """TF's ``shape_and_slices`` for one slice: '8 16 0,4:-' ('' if whole)."""
   if all((a, b) == (0, n) for (a, b), n in zip(index, shape, strict=True)):
     return ''
@@ -46,13 +46,13 @@ def slice_spec(shape: Sequence[int], index: _manifest.Index) -> str:
   return ' '.join(map(str, shape)) + ' ' + ':'.join(dims)
 
 
-def _meet(a: _manifest.Index, b: _manifest.Index) -> bool:
+def _meet(a: _model.Index, b: _model.Index) -> bool:
   return all(
     a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b, strict=True)
   )
 
 
-def _bound(boxes: Sequence[_manifest.Index]) -> _manifest.Index:
+def _bound(boxes: Sequence[_model.Index]) -> _model.Index:
   return tuple(
     (min(lo for lo, _ in dims), max(hi for _, hi in dims))
     for dims in zip(*boxes, strict=True)
@@ -61,10 +61,10 @@ def _bound(boxes: Sequence[_manifest.Index]) -> _manifest.Index:
 
 def regions(
   shape: tuple[int, ...],
-  needed: set[_manifest.Index],
+  needed: set[_model.Index],
   whole: bool,
-  record: _manifest.Record | None,
-) -> list[_manifest.Index]:
+  record: _model.Record | None,
+) -> list[_model.Index]:
   """The regions to ask TF for: each slice in `needed` lies in one of them.
 
   With a manifest, each needed slice widened to the saved shards it meets
@@ -97,7 +97,7 @@ def regions(
   return sorted(boxes)
 
 
-def _contiguous(index: _manifest.Index, region: _manifest.Index) -> bool:
+def _contiguous(index: _model.Index, region: _model.Index) -> bool:
   """Whether the slice `index` of a C-order block `region` is contiguous.
 
   It is when, before the last dimension where it is narrower than the
@@ -110,7 +110,7 @@ def _contiguous(index: _manifest.Index, region: _manifest.Index) -> bool:
 
 
 def _cut(
-  read: dict[_manifest.Index, np.ndarray], index: _manifest.Index
+  read: dict[_model.Index, np.ndarray], index: _model.Index
 ) -> np.ndarray:
   """The slice `index` of a variable: a view of the region holding it."""
   for held, data in read.items():
@@ -130,9 +130,9 @@ class _Plan:
 
   entry: _selection.Entry
   kind: tuple[np.dtype, np.dtype]  # (stored, saved)
-  record: _manifest.Record | None
-  needed: set[_manifest.Index]
-  regions: list[_manifest.Index]
+  record: _model.Record | None
+  needed: set[_model.Index]
+  regions: list[_model.Index]
 
   @property
   def nbytes(self) -> int:
@@ -143,7 +143,7 @@ def _plan(
   entry: _selection.Entry,
   kind: tuple[np.dtype, np.dtype],
   sharding: jax.sharding.Sharding,
-  manifest: _manifest.Manifest | None,
+  manifest: _model.Manifest | None,
 ) -> _Plan:
   shape = tuple(entry.shape)
   needed = {
@@ -161,13 +161,13 @@ def _plan(
 def _read(
   prefix: str,
   plans: Sequence[_Plan],
-  manifest: _manifest.Manifest | None,
-) -> list[dict[_manifest.Index, np.ndarray]]:
+  manifest: _model.Manifest | None,
+) -> list[dict[_model.Index, np.ndarray]]:
   """The slices this process's devices hold, of each variable, read by TF.
 
   One TF op (RestoreV2 on the host) reads every region of the batch; the
   values go back to the saved dtype (widened on save; exact both ways) and
-  every byte is checked against the manifest (`_manifest.verify_read`)
+  every byte is checked against the manifest (`_verify.verify_read`)
   before the slices the devices hold are cut from them. So no host reads
   the full model when a variable is sharded over processes, though a
   process may read more of a variable than it holds when the layout
@@ -207,7 +207,7 @@ def _read(
       value = _arrays.tensor_numpy(next(tensors))
       read[region] = value.astype(saved) if stored != saved else value
     if p.record is not None:
-      _manifest.verify_read(manifest, p.record, read)
+      _verify.verify_read(manifest, p.record, read)
     out.append({index: _cut(read, index) for index in p.needed})
   return out
 
@@ -230,7 +230,7 @@ def read_placed(
   entries: Sequence[_selection.Entry],
   kinds: Sequence[tuple[np.dtype, np.dtype]],
   shardings: Sequence[jax.sharding.Sharding],
-  manifest: _manifest.Manifest | None,
+  manifest: _model.Manifest | None,
   advance: Callable[[int], Any],
 ) -> list[jax.Array]:
   """Every entry read from `prefix` and placed as its sharding says.

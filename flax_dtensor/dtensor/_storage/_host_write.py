@@ -27,7 +27,7 @@ import numpy as np
 
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._conversion import _selection
-from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._format import _checksums, _model
 from flax_dtensor.dtensor._layout import _pieces
 from flax_dtensor.dtensor._storage import _host_read
 
@@ -52,19 +52,19 @@ class Piece:
   """
 
   variable: int
-  index: _manifest.Index
+  index: _model.Index
   data: np.ndarray | jax.Array
   saved: np.dtype
 
 
-def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> _manifest.Index:
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> _model.Index:
   return tuple(
     (s.start or 0, n if s.stop is None else s.stop)
     for s, n in zip(index, shape, strict=True)
   )
 
 
-def own(values: Sequence[jax.Array]) -> list[dict[_manifest.Index, Any]]:
+def own(values: Sequence[jax.Array]) -> list[dict[_model.Index, Any]]:
   """Per array, the saved shards this process writes: {slice: a local shard}.
 
   Every distinct slice of an array is written once in the job, by one of
@@ -83,7 +83,7 @@ def own(values: Sequence[jax.Array]) -> list[dict[_manifest.Index, Any]]:
     if value.is_fully_addressable and jax.process_count() == 1:
       out.append(local)  # The only holder of every slice.
       continue
-    holders: dict[_manifest.Index, set[int]] = {}
+    holders: dict[_model.Index, set[int]] = {}
     for device, index in value.sharding.devices_indices_map(shape).items():
       holders.setdefault(_index(index, shape), set()).add(device.process_index)
     mine = {}
@@ -184,9 +184,9 @@ def _crcs(pieces: Sequence[Piece]) -> list[int]:
   for piece in pieces:
     data = piece.data
     if isinstance(data, jax.Array):
-      out.append(_manifest.crc(np.asarray(data)))
+      out.append(_checksums.crc(np.asarray(data)))
     else:
-      out.append(_manifest.crc(data, piece.saved))
+      out.append(_checksums.crc(data, piece.saved))
   return out
 
 
@@ -237,8 +237,8 @@ def _by_variable(
   entries: Sequence[_selection.Entry],
   pieces: Sequence[Piece],
   hashes: Sequence[concurrent.futures.Future],
-) -> list[list[tuple[_manifest.Index, int]]]:
-  out: list[list[tuple[_manifest.Index, int]]] = [[] for _ in entries]
+) -> list[list[tuple[_model.Index, int]]]:
+  out: list[list[tuple[_model.Index, int]]] = [[] for _ in entries]
   crcs = (crc for h in hashes for crc in h.result())
   for p, crc in zip(pieces, crcs, strict=True):
     out[p.variable].append((p.index, crc))
@@ -251,7 +251,7 @@ def write(
   prefix: str,
   pool: concurrent.futures.Executor,
   extra: dict[str, Any] | None = None,
-) -> list[list[tuple[_manifest.Index, int]]]:
+) -> list[list[tuple[_model.Index, int]]]:
   """Writes `pieces` as the TF bundle `prefix`; their CRCs per variable.
 
   TF writes on this thread while `pool` hashes (`flush` then puts the
@@ -287,7 +287,7 @@ def write_parts(
   prefix: str,
   pool: concurrent.futures.Executor,
   count: int,
-) -> tuple[list[list[tuple[_manifest.Index, int]]], list[str]]:
+) -> tuple[list[list[tuple[_model.Index, int]]], list[str]]:
   """Writes `pieces` as `count` TF bundles at once; CRCs and prefixes.
 
   The bundles are `prefix-0`, `prefix-1`, ..., of about equal bytes: this

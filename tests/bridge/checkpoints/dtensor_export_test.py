@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import flax_dtensor as fdt
 from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import _convert
-from flax_dtensor.dtensor._format import _manifest
+from flax_dtensor.dtensor._format import _decode
 from flax_dtensor.dtensor._layout import _dtypes
 from flax_dtensor.dtensor._storage import _atomic
 
@@ -1459,7 +1459,7 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
   monkeypatch.setattr(_atomic.os, 'rename', flaky_rename)
   with pytest.raises(OSError, match='rename failed'):
     with _atomic.atomic_directory(
-      target, overwrite=True, is_export=_manifest.is_export
+      target, overwrite=True, is_export=_decode.is_export
     ) as tmp:
       with open(os.path.join(tmp, 'new.txt'), 'w') as f:
         f.write('new')

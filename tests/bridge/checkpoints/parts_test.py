@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _checksums  # noqa: E402
 from flax_dtensor.dtensor._storage import _host_write  # noqa: E402
 
 SPECS = [P('data', 'model'), P('model', None), P(), P(None, 'data')]
@@ -53,7 +53,7 @@ def _data_files(path):
 def small_parts(monkeypatch):
   """Bundles of at least 4 KiB: a save of 32 KiB writes as many as threads."""
   monkeypatch.setattr(_host_write, 'PART_BYTES', 4096)
-  return min(_manifest.THREADS, 8)
+  return min(_checksums.THREADS, 8)
 
 
 @pytest.mark.parametrize('blocking', [True, False], ids=['blocking', 'async'])

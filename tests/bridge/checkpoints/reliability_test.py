@@ -32,7 +32,7 @@ import flax_dtensor as fdt
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor._conversion import _names  # noqa: E402
-from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _decode, _verify  # noqa: E402
 from flax_dtensor.dtensor._storage import _atomic  # noqa: E402
 
 
@@ -175,9 +175,9 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, where):
     p: np.asarray(v.get_value())
     for p, v in nnx.to_flat_state(nnx.state(target))
   }
-  manifest = _manifest.read(path)
+  manifest = _decode.read(path)
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    (problem,) = _manifest.problems_of(manifest, pool)
+    (problem,) = _verify.problems_of(manifest, pool)
   # The range is the file's checked block: here the whole (small) file.
   size = os.path.getsize(os.path.join(path, name))
   assert re.fullmatch(
@@ -757,7 +757,7 @@ def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
   staging(_dead_pid())
   live = staging(live_pid)
   with _atomic.all_or_nothing(
-    tmp_path, ['out'], overwrite=False, is_export=_manifest.is_export
+    tmp_path, ['out'], overwrite=False, is_export=_decode.is_export
   ) as staged:
     os.mkdir(staged['out'])
     (tmp_path / staged['out'] / 'a.txt').write_text('new')

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from support import profiles
 
-from flax_dtensor.dtensor._format import _grid, _manifest
+from flax_dtensor.dtensor._format import _encode, _grid, _model
 from flax_dtensor.dtensor._layout import _pieces
 from flax_dtensor.dtensor._storage import _host_read
 
@@ -146,20 +146,20 @@ def test_a_grid_of_the_wrong_count_is_an_internal_error():
 
 
 def test_shards_written_off_the_layout_are_an_internal_error():
-  record = _manifest.ShardingRecord(
+  record = _model.ShardingRecord(
     'named',
     (('data',),),
-    _manifest.MeshAxes(('data',), (4,)),
+    _model.MeshAxes(('data',), (4,)),
     ('data',),
-    _manifest.MeshAxes(('data',), (4,)),
+    _model.MeshAxes(('data',), (4,)),
   )
   halves = [(((0, 4),), 1), (((4, 8),), 2)]
   with pytest.raises(
     AssertionError, match=r'are \(2,\) blocks, its layout implies \(4,\)'
   ):
-    _manifest.shard_grid(record, (8,), halves)
+    _encode.shard_grid(record, (8,), halves)
   with pytest.raises(AssertionError, match='flax_dtensor internal error'):
-    _manifest.shard_grid(record, (8,), halves[:1])
+    _encode.shard_grid(record, (8,), halves[:1])
 
 
 def test_pieces_that_leave_a_slice_uncovered_are_an_internal_error():

@@ -9,7 +9,7 @@ deep nesting, duplicate keys, paths that climb out of the export, shard
 grids and checksum counts that disagree with the layout, and checksum
 strings that are not base64 of 4-byte CRCs. Each case goes through what
 every reader does with a manifest before TensorFlow opens a file
-(`_manifest.read`; the check of the files, `inspect --verify`'s; the
+(`_decode.read`; the check of the files, `inspect --verify`'s; the
 regions a process would read and the checksums it would check), and must
 either come back as the original document says or be refused with our
 `ExportError`; within 1 s of CPU time and 64 MiB of Python memory; opening
@@ -48,10 +48,10 @@ import flax_dtensor as fdt
 
 pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
-from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _decode, _model, _verify  # noqa: E402
 from flax_dtensor.dtensor._storage import _host_read  # noqa: E402
 
-MANIFEST = _manifest.FILE
+MANIFEST = _model.FILE
 CPU_SECONDS = 1.0
 MEMORY_BYTES = 64 * 2**20
 
@@ -353,11 +353,11 @@ def _bounded(base, root, *, traced):
 def _consume(root):
   """What readers do with a manifest before TF opens a file: our error or
   the manifest."""
-  manifest = _manifest.read(root)
+  manifest = _decode.read(root)
   if manifest is None:
     return None
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    _manifest.problems_of(manifest, pool)
+    _verify.problems_of(manifest, pool)
   for record in manifest.records:
     # The first device's slice of a 2-way split of each dimension: the
     # regions a process reads, and the checksums it would check.
@@ -442,6 +442,6 @@ def test_the_intact_manifests_read_back_whole(export, version):
   shutil.copytree(path, root)
   meta = v4 if version == 4 else v3
   outcome = _outcome(json.dumps(meta).encode(), base, root)
-  assert isinstance(outcome, _manifest.Manifest), outcome
+  assert isinstance(outcome, _model.Manifest), outcome
   assert outcome.version == version
   assert [len(r.shards) for r in outcome.records] == [1, 8, 8, 1]

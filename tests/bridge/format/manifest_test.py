@@ -36,11 +36,11 @@ fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.cli import _command  # noqa: E402
 from flax_dtensor.cli import inspect as inspect_command  # noqa: E402
 from flax_dtensor.dtensor._checkpoints import _restore  # noqa: E402
-from flax_dtensor.dtensor._format import _manifest  # noqa: E402
+from flax_dtensor.dtensor._format import _checksums, _decode, _model, _verify  # noqa: E402
 
-MANIFEST = _manifest.FILE
-VERSION = _manifest.VERSION
-CHECKSUM = _manifest.READABLE[VERSION]  # The key of per-entry checksums.
+MANIFEST = _model.FILE
+VERSION = _model.VERSION
+CHECKSUM = _model.READABLE[VERSION]  # The key of per-entry checksums.
 
 
 def _model(mesh, seed):
@@ -241,7 +241,7 @@ def _deep(meta, root, theirs):
 
 def _huge_file(meta, root, theirs):
   with open(os.path.join(root, MANIFEST), 'wb') as f:
-    f.truncate(_manifest.MAX_BYTES + 1)  # Sparse: no bytes written.
+    f.truncate(_decode.MAX_BYTES + 1)  # Sparse: no bytes written.
   return 'written'
 
 
@@ -529,8 +529,8 @@ def test_a_version_3_manifest_still_reads(saved, tmp_path, monkeypatch):
     key = path[:-1] if path[-1] == 'value' else path
     np.testing.assert_array_equal(arrays[key], value)
   # The same grid and checksums as the version 4 manifest it came from.
-  old = _manifest.read(root).by_key
-  new = _manifest.read(saved[1]).by_key
+  old = _decode.read(root).by_key
+  new = _decode.read(saved[1]).by_key
   assert {k: r.shards for k, r in old.items()} == {
     k: r.shards for k, r in new.items()
   }
@@ -701,9 +701,9 @@ def test_a_mutated_manifest_gives_our_error_or_an_exact_restore(
     with _watched(monkeypatch, base, root):
       try:
         inspect_command.inspect_checkpoint(pathlib.Path(root), 80)
-        manifest = _manifest.read(root)
+        manifest = _decode.read(root)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-          _manifest.problems_of(manifest, pool)
+          _verify.problems_of(manifest, pool)
       except (_command.BadInputError, fdt.ExportError):
         outcomes['not listed'] += 1
     try:
@@ -837,7 +837,7 @@ def test_a_checkpoint_state_file_naming_elsewhere_is_refused(
 # Hashing files through a small reused buffer
 # ------------------------------------------------------------------------------
 
-_BLOCK = _manifest._READ_BLOCK
+_BLOCK = _checksums._READ_BLOCK
 _FILE_BYTES = 2 * _BLOCK + 12345
 
 
@@ -860,7 +860,7 @@ def test_chunk_crc_is_zlibs_over_the_same_bytes(random_file, offset, length):
   """Block by block, across block edges, equals one CRC of the bytes."""
   path, data = random_file
   length = min(length, _FILE_BYTES - offset)
-  assert _manifest._crc_chunk(path, offset, length) == zlib.crc32(
+  assert _checksums.crc_chunk(path, offset, length) == zlib.crc32(
     data[offset : offset + length]
   )
 
@@ -872,4 +872,4 @@ def test_chunk_crc_of_a_short_file_is_an_os_error(random_file):
     match=rf'^read {_FILE_BYTES - 5} of {_FILE_BYTES} bytes at offset 5$',
   ):
     # The file ends before the chunk: reported, never hashed short.
-    _manifest._crc_chunk(path, 5, _FILE_BYTES)
+    _checksums.crc_chunk(path, 5, _FILE_BYTES)

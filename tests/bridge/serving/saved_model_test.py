@@ -594,15 +594,15 @@ def test_saved_model_variables_are_loaded_model_variables(trained_exports):
   assert {v.name for v in serving.variables} == {f'{k}:0' for k in names}
   # The manifest records the signatures as TF reads them (what `inspect`
   # shows without TensorFlow).
-  from flax_dtensor.dtensor._format import _manifest
+  from flax_dtensor.dtensor._format import _decode, _model
 
   (name,) = loaded.signatures
-  recorded = _manifest.read(sm).signatures
+  recorded = _decode.read(sm).signatures
   assert list(recorded) == [name]
 
   def specs(structure):
     return {
-      k: _manifest.TensorSpec(tuple(v.shape), v.dtype.name)
+      k: _model.TensorSpec(tuple(v.shape), v.dtype.name)
       for k, v in structure.items()
     }
 

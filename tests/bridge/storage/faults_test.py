@@ -31,8 +31,8 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor import _tf_errors  # noqa: E402
 from flax_dtensor.dtensor._checkpoints import _restore  # noqa: E402
+from flax_dtensor.dtensor._format import _checksums, _decode, _model, _verify  # noqa: E402
 from flax_dtensor.dtensor._format import _grid as _grid_module  # noqa: E402
-from flax_dtensor.dtensor._format import _manifest  # noqa: E402
 from flax_dtensor.dtensor._storage import _host_read  # noqa: E402
 
 # A full disk
@@ -266,13 +266,13 @@ def _after_the_check(monkeypatch, damage):
   That is the moment the check cannot see: what changes after it must
   still be refused.
   """
-  real = _manifest.verify_files
+  real = _verify.verify_files
 
   def check_then_damage(manifest, pool, **kwargs):
     real(manifest, pool, **kwargs)
     damage()
 
-  monkeypatch.setattr(_manifest, 'verify_files', check_then_damage)
+  monkeypatch.setattr(_verify, 'verify_files', check_then_damage)
 
 
 def _refused_unchanged(read, path, target, before, kind, match):
@@ -398,7 +398,7 @@ def test_a_manifest_that_vanishes_once_found_is_a_read_failure(
   path = fdt_tf.save_checkpoint(
     Blocks(explicit_mesh, P('data', 'model'), 1.0, nnx.Rngs(0)), tmp_path / 'c'
   )
-  real = _manifest.locate
+  real = _decode.locate
 
   def locate_then_move(where):
     found = real(where)
@@ -406,7 +406,7 @@ def test_a_manifest_that_vanishes_once_found_is_a_read_failure(
       os.rename(path, tmp_path / 'moved')
     return found
 
-  monkeypatch.setattr(_manifest, 'locate', locate_then_move)
+  monkeypatch.setattr(_decode, 'locate', locate_then_move)
   with pytest.raises(
     fdt_tf.SaveInProgressError,
     match=r"failed to read the manifest '.*c/flax_dtensor\.json': it "
@@ -429,7 +429,7 @@ def test_an_unreadable_manifest_is_a_read_failure(
   def refuse(file, *args, **kwargs):
     raise PermissionError(13, 'Permission denied', file)
 
-  monkeypatch.setattr(_manifest, 'open', refuse, raising=False)
+  monkeypatch.setattr(_decode, 'open', refuse, raising=False)
   with pytest.raises(
     fdt.ExportError,
     match=r"failed to read the manifest '.*flax_dtensor\.json': "
@@ -550,13 +550,13 @@ def _grid(shape, blocks, full=None):
   out = []
   for i in np.ndindex(*blocks):
     index = tuple((k * s, (k + 1) * s) for k, s in zip(i, steps, strict=True))
-    value = 0 if full is None else _manifest.crc(_view(full, index))
+    value = 0 if full is None else _checksums.crc(_view(full, index))
     out.append((index, value))
   return _grid_module.from_shards(tuple(shape), out)
 
 
 def _record(shape, shards):
-  return _manifest.Record(
+  return _model.Record(
     path=('w',),
     key='w',
     type='Param',
@@ -665,25 +665,25 @@ def test_contiguous_slices_are_told_apart(index):
 def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
-  manifest = _manifest.Manifest(
-    _manifest.CHECKPOINT_FORMAT, 4, str(tmp_path), 'ckpt', {}, ()
+  manifest = _model.Manifest(
+    _model.CHECKPOINT_FORMAT, 4, str(tmp_path), 'ckpt', {}, ()
   )
   record = _record(shape, _grid(shape, (2, 2), full))
   whole = {((0, 8), (0, 16)): full}
-  _manifest.verify_read(manifest, record, whole)  # Every byte checked.
-  _manifest.verify_read(manifest, record, {((4, 8), (0, 8)): full[4:, :8]})
+  _verify.verify_read(manifest, record, whole)  # Every byte checked.
+  _verify.verify_read(manifest, record, {((4, 8), (0, 8)): full[4:, :8]})
   with pytest.raises(
     fdt_tf.MalformedExportError,
     match=r'the shards recorded for w do not cover \[0:6, 0:16\] whole, so '
     r'its bytes cannot be checked',
   ):
-    _manifest.verify_read(manifest, record, {((0, 6), (0, 16)): full[:6]})
+    _verify.verify_read(manifest, record, {((0, 6), (0, 16)): full[:6]})
   changed = full.copy()
   changed[7, 15] += 1
   with pytest.raises(
     fdt_tf.DamagedExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
   ):
-    _manifest.verify_read(manifest, record, {((0, 8), (0, 16)): changed})
+    _verify.verify_read(manifest, record, {((0, 8), (0, 16)): changed})
 
 
 def test_every_process_raises_the_kind_found_of_the_export():

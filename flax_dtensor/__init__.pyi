@@ -49,17 +49,17 @@ from flax_dtensor._planning._plan import plan as plan
 from flax_dtensor._planning._plan_diff import PlanDiff as PlanDiff
 from flax_dtensor._planning._suggest import RulesSuggestion as RulesSuggestion
 from flax_dtensor._planning._suggest import suggest_rules as suggest_rules
-from flax_dtensor._rules._logical import LogicalRules as LogicalRules
-from flax_dtensor._rules._logical import (
+from flax_dtensor._rules._context import (
   get_logical_axis_rules as get_logical_axis_rules,
 )
-from flax_dtensor._rules._logical import (
+from flax_dtensor._rules._context import (
   logical_axis_rules as logical_axis_rules,
 )
-from flax_dtensor._rules._logical import propagate as propagate
-from flax_dtensor._rules._logical import (
+from flax_dtensor._rules._context import propagate as propagate
+from flax_dtensor._rules._context import (
   set_logical_axis_rules as set_logical_axis_rules,
 )
+from flax_dtensor._rules._logical import LogicalRules as LogicalRules
 from flax_dtensor._rules._path_rules import PathRule as PathRule
 from flax_dtensor._rules._resolution import (
   logical_to_mesh_axes as logical_to_mesh_axes,

@@ -22,7 +22,7 @@ from flax.nnx.transforms import transforms as nnx_transforms
 from flax_dtensor import _compat, _errors
 from flax_dtensor._hook import _wrappers
 from flax_dtensor._placement import _switches
-from flax_dtensor._rules import _logical
+from flax_dtensor._rules import _first_made, _logical
 
 _install_lock = threading.Lock()
 _installed = False
@@ -114,7 +114,7 @@ def install() -> None:
     setattr(hook, _wrappers.MARK, True)
     for owner in owners:
       setattr(owner, attribute, hook)
-  _logical.when_first_made(_route_modules)
+  _first_made.when_first_made(_route_modules)
 
 
 def _module_call(flax_call: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,7 +146,7 @@ def _route_modules() -> None:
 
   Only rules of ours need it (path rules, and saying that eager sharding is
   off), so it goes in when the first `LogicalRules` is made
-  (`_logical.when_first_made`), and a process that never makes rules
+  (`_first_made.when_first_made`), and a process that never makes rules
   builds its modules at Flax's cost.
   """
   with _routing_lock:

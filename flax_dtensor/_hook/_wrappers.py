@@ -29,7 +29,7 @@ from flax_dtensor._placement import (
   _switches,
   _variables,
 )
-from flax_dtensor._rules import _logical, _meshes, _resolution, _spec
+from flax_dtensor._rules import _context, _logical, _meshes, _resolution, _spec
 
 # Set on each wrapper `_install` puts into Flax.
 MARK = '__flax_dtensor_hook__'
@@ -89,7 +89,7 @@ def _shard_value(flax_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return flax_fn(*args, **kwargs)
   if _switches.state.building:
     return value
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   local = named.get('sharding_rules')
   if isinstance(out_sharding, NamedSharding | Format):
     # Flax fails on these under a context mesh (its assertion compares the
@@ -172,7 +172,7 @@ def _get_var_pspec(
     return flax_fn(*args, **kwargs)
   if _switches.state.probe is not None:
     _switches.state.probe.append('get_var_pspec')
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   local = variable.get_metadata('sharding_rules', None)
   uses_ours = isinstance(rules, _logical.LogicalRules) or (
     not rules.pairs and isinstance(local, _logical.LogicalRules)

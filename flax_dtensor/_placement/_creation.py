@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_dtensor._placement import _replay
-from flax_dtensor._rules import _logical, _meshes, _resolution
+from flax_dtensor._rules import _context, _logical, _meshes, _resolution
 
 # Modules whose initializers are pure functions of their arguments.
 _PURE_MODULES = ('jax.', 'flax.')
@@ -288,7 +288,7 @@ def _spec_for(
     return None
   if not metadata.get('eager_sharding', _using_eager_sharding()):
     return None
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   local = metadata.get('sharding_rules')
   if not (
     isinstance(rules, _logical.LogicalRules)

@@ -31,7 +31,7 @@ from flax_dtensor._placement import (
   _switches,
   _variables,
 )
-from flax_dtensor._rules import _logical, _meshes, _spec
+from flax_dtensor._rules import _context, _logical, _meshes, _spec
 
 M = TypeVar('M')
 
@@ -68,7 +68,7 @@ def scope(
     if mesh is not None:
       stack.enter_context(jax.set_mesh(mesh))
     if rules is not None:
-      stack.enter_context(_logical.logical_axis_rules(rules))
+      stack.enter_context(_context.logical_axis_rules(rules))
     yield
 
 
@@ -249,7 +249,7 @@ def init(
         )
         + f'. {hint or _placing.NO_MESH_MSG}'
       )
-    rules_ = _logical.rules_in_effect()
+    rules_ = _context.rules_in_effect()
     leaves, treedef = jax.tree_util.tree_flatten(
       (args, kwargs), is_leaf=_is_node
     )
@@ -402,7 +402,7 @@ def _builds_in_shards(
   """
   found: list[Any] = []
   verdict: list[bool] = []
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   path_rules = isinstance(rules, _logical.LogicalRules) and bool(
     rules.path_rules
   )
@@ -467,7 +467,7 @@ def _builds_in_shards(
 
 def _traced_build(
   factory: Callable[..., Any],
-  rules_: _logical.LogicalRules | _logical.FlaxRules,
+  rules_: _logical.LogicalRules | _context.FlaxRules,
   mesh_: Mesh,
   leaves: list[Any],
   treedef: Any,
@@ -540,7 +540,7 @@ def _compile(create: Any, values: list[Any], key: Any) -> Any:
 
 def _creator(
   factory: Callable[..., Any],
-  rules_: _logical.LogicalRules | _logical.FlaxRules,
+  rules_: _logical.LogicalRules | _context.FlaxRules,
   mesh_: Mesh,
   leaves: list[Any],
   treedef: Any,
@@ -592,7 +592,7 @@ def compiled_build(
       i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
     ]
     create = _creator(
-      factory, _logical.rules_in_effect(), mesh, leaves, treedef, dynamic
+      factory, _context.rules_in_effect(), mesh, leaves, treedef, dynamic
     )
     with jax.set_mesh(_meshes.auto_copy(mesh)):
       return create.lower([leaves[i] for i in dynamic]).compile(
@@ -604,7 +604,7 @@ def build_abstract(
   factory: Callable[[], M],
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _logical.RulesLike | _logical.FlaxRules | None = None,
+  rules: _logical.RulesLike | _context.FlaxRules | None = None,
 ) -> M:
   """``factory()`` built abstractly (nothing allocated), in linear time.
 
@@ -621,15 +621,15 @@ def build_abstract(
       stack.enter_context(jax.set_mesh(mesh))
     elif mesh is not None:
       stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-    if rules is not None and not isinstance(rules, _logical.FlaxRules):
-      stack.enter_context(_logical.logical_axis_rules(rules))
+    if rules is not None and not isinstance(rules, _context.FlaxRules):
+      stack.enter_context(_context.logical_axis_rules(rules))
     stack.enter_context(_switches.building())
     return nnx.eval_shape(checked(factory))
 
 
 def _constrain(
   built: Any,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: Mesh,
   auto: Mesh,
 ) -> None:
@@ -653,7 +653,7 @@ def _constrain(
 
 def _place_result(
   built: Any,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: Mesh | None,
 ) -> None:
   """Moves the built variables onto `mesh` (zero-copy), where planned.
@@ -696,7 +696,7 @@ def _without_own_mesh(
   that none is needed; None when the abstract build fails or no variable
   names a mesh (the caller's error stands as it is).
   """
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   found: list[tuple[list[str], int]] = []
 
   # Graph nodes and arrays are passed (abstract), the rest closed over.
@@ -759,7 +759,7 @@ def _build_on_own_meshes(
   if mesh is None:
     with nnx.use_eager_sharding(True):
       built = expect_module(factory(*args, **kwargs), factory)
-    _place_result(built, _logical.rules_in_effect(), None)
+    _place_result(built, _context.rules_in_effect(), None)
     return built
   # The caller's graph nodes (nnx.Rngs) and arrays cross onto `mesh`, the
   # context of the build, zero-copy where they can, and the nodes back.
@@ -772,5 +772,5 @@ def _build_on_own_meshes(
     )
     with nnx.use_eager_sharding(True):
       built = expect_module(factory(*a, **k), factory)
-    _place_result(built, _logical.rules_in_effect(), mesh)
+    _place_result(built, _context.rules_in_effect(), mesh)
   return built

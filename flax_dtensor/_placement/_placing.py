@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _creation, _creation_order, _variables
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _partition_specs,
@@ -255,7 +256,7 @@ def shard_value(
     logical_axes,
     value.shape,
     mesh=mesh,
-    rules=_logical.rules_in_effect(rules),
+    rules=_context.rules_in_effect(rules),
     path=path,
   )
   return apply_spec(value, resolution.spec, mesh, path=path)
@@ -295,10 +296,10 @@ def with_logical_constraint(
     UnknownLogicalAxisError: If a name is in no rule.
     ShardingResolutionError: If the names cannot be resolved.
   """
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   mesh = _meshes.mesh_for(mesh=mesh)
   if mesh is None or (
-    isinstance(rules_, _logical.FlaxRules) and not rules_.pairs
+    isinstance(rules_, _context.FlaxRules) and not rules_.pairs
   ):
     return x
   resolution = _resolution.resolve(
@@ -327,7 +328,7 @@ def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
 
   Called when the outermost ``nnx.Module`` constructor returns under our
   rules while eager sharding is off. Said once per rules context
-  (`_logical.first_time_in_context`), with `EagerShardingOffWarning`, when
+  (`_context.first_time_in_context`), with `EagerShardingOffWarning`, when
   the global flag ``flax_always_shard_variable`` is off (another library
   may have turned it off at import) and a concrete mesh is set: the user
   asked for placement with the rules and the mesh, and got none. A
@@ -342,7 +343,7 @@ def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
   mesh = _meshes.mesh_for()
   if not isinstance(mesh, jax.sharding.Mesh):
     return
-  if not _logical.first_time_in_context('eager-sharding-off'):
+  if not _context.first_time_in_context('eager-sharding-off'):
     return
   unplaced = []
   for where, variable in _variables.iter_variables(module):
@@ -361,7 +362,7 @@ def warn_unplaced(module: Any, rules: _logical.LogicalRules) -> None:
       unplaced.append(_variables.path_str(where))
   if not unplaced:
     # Nothing to say here: ask again in this context for the next module.
-    _logical.forget_in_context('eager-sharding-off')
+    _context.forget_in_context('eager-sharding-off')
     return
   _output.warn(
     f'flax_dtensor did not place {len(unplaced)} variables of '
@@ -456,7 +457,7 @@ def place_concrete(
   value: Any,
   out_sharding: NamedSharding | Format,
   *,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   local_rules: Any = None,
 ) -> Any:
   """A new variable's value placed by its concrete ``out_sharding``.
@@ -496,7 +497,7 @@ def type_concrete(out: Any) -> None:
   ``out_sharding`` is a ``NamedSharding`` or ``Format`` gets that sharding
   (its spec as `_spec.spec_of_variable` resolves it), in its layout.
   """
-  rules = _logical.rules_in_effect()
+  rules = _context.rules_in_effect()
   for where, variable in _variables.iter_variables(out):
     concrete = _spec.concrete_sharding_of(variable)
     value = _spec.value_of(variable)
@@ -585,7 +586,7 @@ def shard_module(
     ShardingResolutionError: If a variable's axes cannot be resolved, or a
       path rule's target does not fit a variable it matches.
   """
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   mesh_ = require_mesh(mesh, 'the variables of a module')
   for where, variable, resolution in _variables.resolved(
     module, rules=rules_, mesh=mesh_

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _placing, _variables
-from flax_dtensor._rules import _logical, _meshes, _resolution, _spec
+from flax_dtensor._rules import _context, _logical, _meshes, _resolution, _spec
 
 T = TypeVar('T')
 
@@ -73,7 +73,7 @@ def _axes_leaves(tree: Any, treedef: Any, logical_axes: Any) -> list[Any]:
 def resolved(
   tree: Any,
   *,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: _meshes.MeshLike | None,
   logical_axes: Any = None,
 ) -> tuple[list[tuple[str, Any, _resolution.Resolution | None]], Any]:
@@ -152,7 +152,7 @@ def shard_tree(
     >>> fdt.gather_tree(placed)['dense']['kernel'].shape
     (8, 16)
   """
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   mesh_ = _placing.require_mesh(mesh, 'a tree of arrays')
   if not isinstance(mesh_, Mesh):
     raise _errors.MeshError(

@@ -15,12 +15,7 @@ import jax
 from flax import nnx
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import (
-  _logical,
-  _meshes,
-  _resolution,
-  _spec,
-)
+from flax_dtensor._rules import _context, _logical, _meshes, _resolution, _spec
 
 Path = tuple[Any, ...]
 
@@ -136,7 +131,7 @@ def natural_key(path: str) -> tuple[Any, ...]:
 def resolved(
   node: Any,
   *,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: _meshes.MeshLike | None,
 ) -> list[tuple[str, nnx.Variable, _resolution.Resolution | None]]:
   """``(path text, variable, _spec.spec_of_variable(...))`` for every variable."""

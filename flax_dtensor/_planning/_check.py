@@ -20,6 +20,7 @@ from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _placing, _trees, _variables
 from flax_dtensor._planning import _plan, _plan_view, _suggest
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _missing_axes,
@@ -138,12 +139,12 @@ class CheckReport:
 
 
 def _rule_findings(
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   used: set[str],
   sizes: dict[str, int] | None,
 ) -> list[Finding]:
   """Findings about the rules themselves, under their own semantics."""
-  flax = isinstance(rules, _logical.FlaxRules)
+  flax = isinstance(rules, _context.FlaxRules)
   pairs = [(n, _flax_target(t)) for n, t in rules.pairs] if flax else rules
   out = []
   names = list(dict.fromkeys(n for n, _ in pairs))
@@ -403,7 +404,7 @@ def _short_annotation_findings(target: Any) -> list[Finding]:
 
 
 def _activation_clash_findings(
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   used: set[str],
   entries: Sequence[_plan.PlanEntry],
   mesh: _meshes.MeshLike | None,
@@ -429,7 +430,7 @@ def _activation_clash_findings(
   }
   if not explicit:
     return []
-  pairs = rules.pairs if isinstance(rules, _logical.FlaxRules) else rules
+  pairs = rules.pairs if isinstance(rules, _context.FlaxRules) else rules
   activations = [
     n
     for n in dict.fromkeys(n for n, _ in pairs)
@@ -648,7 +649,7 @@ def check(
       f'allow= names unknown finding codes {unknown}; expected some of '
       f'{sorted(CODES)}.'
     )
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   # The semantics creation takes: ours (unknown names replicated, so that

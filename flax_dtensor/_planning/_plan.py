@@ -31,6 +31,7 @@ from flax_dtensor._placement import (
   _variables,
 )
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _missing_axes,
@@ -600,7 +601,7 @@ def _optimizer_of(model: Any, optimizer: Any, mesh: Any, rules: Any) -> Any:
       abstract = getattr(mesh, 'abstract_mesh', mesh)
       stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
     if isinstance(rules, _logical.LogicalRules):
-      stack.enter_context(_logical.logical_axis_rules(rules))
+      stack.enter_context(_context.logical_axis_rules(rules))
     return nnx.eval_shape(
       lambda m: nnx.Optimizer(m, optimizer, wrt=nnx.Param), model
     )
@@ -633,7 +634,7 @@ def _dim_label(resolution: Any, i: int) -> str:
 
 def _variable_rows(
   module_or_state: Any,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: Any,
   optimizer: Any,
 ) -> list[tuple[str, str, str, Any, Any, type, bool, str | None, Any]]:
@@ -799,7 +800,7 @@ def plan(
     ...          mesh=mesh, rules=rules)['kernel'].spec
     P('data', None)
   """
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   mesh_ = _meshes.mesh_for(mesh=mesh)
   sizes = _meshes.axis_sizes(mesh_) if mesh_ is not None else None
   with _missing_axes.reported_elsewhere():  # By the headline.
@@ -856,7 +857,7 @@ def _unknown_name_typos(entries: Sequence[PlanEntry], rules: Any) -> list[str]:
 
 def _entries(
   module_or_state: Any,
-  rules_: _logical.LogicalRules | _logical.FlaxRules,
+  rules_: _logical.LogicalRules | _context.FlaxRules,
   mesh_: Any,
   sizes: dict[str, int] | None,
   optimizer: Any,

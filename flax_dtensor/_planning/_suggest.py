@@ -32,6 +32,7 @@ from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _trees
 from flax_dtensor._planning import _plan, _presets
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _missing_axes,
@@ -927,7 +928,7 @@ def _forward_names(
   try:
     with (
       jax.sharding.use_abstract_mesh(abstract),
-      _logical.logical_axis_rules(lenient),
+      _context.logical_axis_rules(lenient),
       _missing_axes.reported_elsewhere(),
       _resolution.recorded() as found,
     ):

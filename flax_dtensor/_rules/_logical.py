@@ -1,29 +1,22 @@
-"""Logical-axis rules: the rule set and its thread-local context.
+"""Logical-axis rules: the rule set, its options and its pickled form.
 
 `LogicalRules` is an ordered, immutable set of ``(logical_name, target)``
-pairs. The context (`logical_axis_rules`) keeps the rules in Flax's own
-thread-local holder, the single source of truth; `rules_in_effect` says which
-rules apply here and so whose semantics. Resolution lives in `_resolution`.
+pairs with options (path rules, thresholds, what unknown names and missing
+mesh axes do), each declared once in `_OPTIONS`. Its YAML forms are read
+and written by `_yaml`, the thread-local context that sets rules is
+`_context`, and resolution lives in `_resolution`.
 """
 
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import dataclasses
-import functools
 import os
-import pathlib
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar
-
-import jax
-import yaml
-from flax.core import spmd as core_spmd
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 from flax_dtensor import _errors
-from flax_dtensor._rules import _meshes, _path_rules
+from flax_dtensor._rules import _first_made, _path_rules, _yaml
 
 Target = str | tuple[str, ...] | None
 LogicalAxes = Sequence[str | None]
@@ -114,41 +107,6 @@ class _Option:
   default: Any
   check: Callable[[Any], Any]
   doc: str
-
-
-class _FirstMade:
-  """What runs once, when the first `LogicalRules` of the process is made.
-
-  The hook routes module construction through itself only from then on
-  (`when_first_made`): nothing else needs it, so a process that never makes
-  rules of ours builds its modules at Flax's cost.
-  """
-
-  def __init__(self) -> None:
-    self.waiting: list[Callable[[], None]] = []
-    self.made = False
-    self.lock = threading.Lock()
-
-  def call(self) -> None:
-    # Under the lock: rules made at the same time in another thread are
-    # returned only once every callback ran (none of them makes rules).
-    with self.lock:
-      for callback in self.waiting:
-        callback()
-      self.waiting = []
-      self.made = True
-
-
-_first_made = _FirstMade()
-
-
-def when_first_made(callback: Callable[[], None]) -> None:
-  """Calls `callback` when the first `LogicalRules` is made (now if made)."""
-  with _first_made.lock:
-    if not _first_made.made:
-      _first_made.waiting.append(callback)
-      return
-  callback()
 
 
 # Every option of LogicalRules, once, in their pickled order.
@@ -315,8 +273,7 @@ class LogicalRules(tuple):
       normalized.append((name, _normalize_target(target, where)))
     self = super().__new__(cls, normalized)
     object.__setattr__(self, '_options', options)
-    if _first_made.waiting:
-      _first_made.call()
+    _first_made.made()
     return self
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -477,20 +434,8 @@ class LogicalRules(tuple):
       LogicalRulesError: If the file cannot be read, is not valid YAML or
         holds no rules.
     """
-    source = os.fspath(path)
-    try:
-      text = pathlib.Path(source).read_text()
-    except OSError as e:
-      hint = (
-        ' It looks like YAML text: use `LogicalRules.from_yaml_text`.'
-        if '\n' in source or ':' in source
-        else ''
-      )
-      raise _errors.LogicalRulesError(
-        f'Cannot read rules file {source!r}: {e.strerror}. Expected the '
-        f'path of a YAML file.{hint}'
-      ) from e
-    return cls._from_document(text, repr(source), unknown, strict)
+    text, source = _yaml.read_file(path)
+    return cls._from_document(text, source, unknown, strict)
 
   def to_yaml_text(self) -> str:
     """The rules as a YAML document that `from_yaml_text` reads back.
@@ -498,8 +443,8 @@ class LogicalRules(tuple):
     Logical rules under ``logical_axis_rules``, path rules under
     ``path_rules`` (one flow-style dict per rule, with its note), and the
     thresholds and `missing_mesh_axes` when not the default; `unknown` and
-    `strict` are options of the reader, not of the file. Every string is single-quoted, so a regular expression reads
-    as it is written.
+    `strict` are options of the reader, not of the file. Every string is
+    single-quoted, so a regular expression reads as it is written.
 
     Returns:
       The YAML text.
@@ -513,25 +458,16 @@ class LogicalRules(tuple):
       path_rules:
         - {pattern: 'up/kernel$', logical: ['embed', null]}
     """
-    lines = ['logical_axis_rules:' + ('' if self else ' []')]
-    lines += [
-      f'  - [{_yaml_scalar(name)}, {_yaml_scalar(target)}]'
-      for name, target in self
-    ]
-    if self.path_rules:
-      lines.append('path_rules:')
-      for rule in self.path_rules:
-        fields = ', '.join(
-          f'{key}: {_yaml_scalar(value)}'
-          for key, value in rule.to_yaml_dict().items()
-        )
-        lines.append(f'  - {{{fields}}}')
-    for key in ('min_size', 'min_bytes'):
-      if getattr(self, key):
-        lines.append(f'{key}: {getattr(self, key)}')
-    if self.missing_mesh_axes != _OPTIONS['missing_mesh_axes'].default:
-      lines.append(f'missing_mesh_axes: {_yaml_scalar(self.missing_mesh_axes)}')
-    return '\n'.join(lines) + '\n'
+    written = ('min_size', 'min_bytes', 'missing_mesh_axes')
+    return _yaml.dump(
+      self,
+      self.path_rules,
+      {
+        name: self._options[name]
+        for name in written
+        if self._options[name] != _OPTIONS[name].default
+      },
+    )
 
   @classmethod
   def from_yaml_text(
@@ -575,90 +511,13 @@ class LogicalRules(tuple):
     unknown: Unknown | None,
     strict: bool | None,
   ) -> LogicalRules:
-    try:
-      document = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-      raise _errors.LogicalRulesError(
-        f'{source} is not valid YAML: {_yaml_problem(e)}. Expected '
-        "MaxText's format, e.g. logical_axis_rules: [['batch', 'data'], "
-        "['embed', 'fsdp']]."
-      ) from e
-    options: dict[str, Any] = {}
-    if isinstance(document, Mapping):
-      if 'missing_mesh_axes' in document:
-        options['missing_mesh_axes'] = document['missing_mesh_axes']
-      if 'logical_axis_rules' not in document and 'path_rules' not in document:
-        raise _errors.LogicalRulesError(
-          f'{source} has no `logical_axis_rules` key (keys: '
-          f"{sorted(map(str, document))}). Expected MaxText's format, e.g. "
-          "logical_axis_rules: [['batch', 'data'], ['embed', 'fsdp']], "
-          'or a `path_rules` list.'
-        )
-      if 'path_rules' in document:
-        path_rules = document['path_rules']
-        if not isinstance(path_rules, list):
-          raise _errors.LogicalRulesError(
-            f'{source}: `path_rules` must be a list of path rules; got '
-            f'{type(path_rules).__name__} {path_rules!r:.100}. '
-            f'{_path_rules.PATH_RULES_FIX_MSG}'
-          )
-        options['path_rules'] = path_rules
-        for key in ('min_size', 'min_bytes'):
-          if key in document:
-            options[key] = document[key]
-      document = document.get('logical_axis_rules', [])
-    # A list of pairs, or a mapping of each name to its one target: the
-    # same two spellings `LogicalRules` takes in Python.
-    if not isinstance(document, list | Mapping):
-      raise _errors.LogicalRulesError(
-        f'{source}: expected a list of [logical_name, target] pairs (or a '
-        f'mapping of logical names to targets); got '
-        f'{type(document).__name__} {document!r:.100}. {RULES_FIX_MSG}'
-      )
+    """The rules of a YAML document (`_yaml.parse`), named `source` in
+    messages."""
+    document, options = _yaml.parse(text, source)
     try:
       return cls(document, unknown=unknown, strict=strict, **options)
     except (_errors.LogicalRulesError, _errors.RuleTargetTypeError) as e:
       raise type(e)(f'{source}: {e}') from e
-
-
-def _yaml_scalar(value: Any) -> str:
-  """`value` (a str, None, bool, int or a list/tuple of them) as YAML flow
-  text, strings single-quoted."""
-  if value is None:
-    return 'null'
-  if isinstance(value, bool):
-    return 'true' if value else 'false'
-  if isinstance(value, int):
-    return str(value)
-  if isinstance(value, str):
-    return "'" + value.replace("'", "''") + "'"
-  return '[' + ', '.join(_yaml_scalar(v) for v in value) + ']'
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-  """YAML's complaint on one line, with its line and column, once.
-
-  PyYAML's own text spans several lines, quotes the offending line and marks
-  the column with a caret; this keeps what and where, e.g. "line 2, column
-  1: expected ',' or ']', but got '<stream end>' (while parsing a flow
-  sequence started at line 1, column 22)".
-  """
-  problem = getattr(error, 'problem', None)
-  mark = getattr(error, 'problem_mark', None)
-  if not problem or mark is None:
-    return ' '.join(str(error).split())
-  text = f'line {mark.line + 1}, column {mark.column + 1}: {problem}'
-  context = getattr(error, 'context', None)
-  context_mark = getattr(error, 'context_mark', None)
-  if context:
-    text += f' ({context}'
-    if context_mark is not None:
-      text += (
-        f' started at line {context_mark.line + 1}, column '
-        f'{context_mark.column + 1}'
-      )
-    text += ')'
-  return text
 
 
 # Pickled, printed and documented as `flax_dtensor.LogicalRules`.
@@ -666,259 +525,3 @@ LogicalRules.__module__ = 'flax_dtensor'
 
 
 RulesLike = LogicalRules | Sequence[tuple[str, Any]] | Mapping[str, Any]
-
-
-# Context
-# ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FlaxRules:
-  """Rules set with Flax's own context (a plain tuple): Flax's semantics.
-
-  Flax NNX applies such rules as a dict (the last rule for a name wins, and
-  a name no rule mentions is used as a mesh axis name). flax_dtensor reads
-  them the same way everywhere, so that what it reports and places agrees
-  with what Flax creates.
-
-  Attributes:
-    pairs: The rules exactly as set, ``()`` when none are set.
-  """
-
-  pairs: tuple[Any, ...] = ()
-
-
-def rules_in_effect(
-  rules: RulesLike | FlaxRules | None = None,
-) -> LogicalRules | FlaxRules:
-  """The rules that apply here, and by that, whose semantics.
-
-  The one decision, applied by every API of the package: rules passed to a
-  flax_dtensor function (`rules=`), or set with `logical_axis_rules` /
-  `set_logical_axis_rules`, are `LogicalRules` and get flax_dtensor's
-  semantics (priority, fallbacks, mesh and shape checks). Rules set with
-  Flax's own ``nnx.logical_axis_rules`` or
-  ``flax.core.spmd.set_logical_axis_rules`` (plain tuples), and no rules at
-  all, keep Flax's semantics.
-
-  Args:
-    rules: Rules passed explicitly, or None for the context's.
-  """
-  if isinstance(rules, FlaxRules):
-    return rules
-  if rules is not None:
-    return LogicalRules(rules)
-  context = core_spmd.get_logical_axis_rules()
-  if isinstance(context, LogicalRules):
-    return context
-  return FlaxRules(tuple(context) if context else ())
-
-
-def get_logical_axis_rules() -> LogicalRules | tuple[Any, ...] | None:
-  """Returns the logical-axis rules in effect in this thread, or None.
-
-  A `LogicalRules` when they were set by flax_dtensor (its semantics
-  apply); the plain tuple when they were set with Flax's own
-  ``nnx.logical_axis_rules`` (Flax's semantics apply, see the concepts
-  page); None when no rules are set.
-
-  Example:
-    >>> import flax_dtensor as fdt
-    >>> with fdt.logical_axis_rules([('embed', 'data')]):
-    ...   fdt.get_logical_axis_rules()
-    LogicalRules([('embed', 'data')])
-    >>> fdt.get_logical_axis_rules() is None
-    True
-  """
-  rules = core_spmd.get_logical_axis_rules()
-  if isinstance(rules, LogicalRules):
-    return rules
-  return tuple(rules) if rules else None
-
-
-def set_logical_axis_rules(rules: RulesLike | None) -> None:
-  """Sets the logical-axis rules of this thread until changed again.
-
-  Prefer the `logical_axis_rules` context manager, which restores the outer
-  rules on exit. ``None`` clears the rules.
-
-  Args:
-    rules: The rules, or None.
-
-  Raises:
-    LogicalRulesError: If the rules are malformed.
-    RuleTargetTypeError: If a target is not a str, a sequence of str or None.
-  """
-  if rules is None:
-    core_spmd.set_logical_axis_rules(())
-    return
-  core_spmd.set_logical_axis_rules(LogicalRules(rules))
-
-
-@contextlib.contextmanager
-def logical_axis_rules(rules: RulesLike) -> Iterator[LogicalRules]:
-  """Sets the logical-axis rules of the current thread within a block.
-
-  The rules are thread-local: other threads never see them (use `propagate`
-  to hand them to a worker). Nesting replaces the outer rules and restores
-  them on exit, also when the block raises. While the block is active, NNX
-  variables annotated with logical axes (``nnx.with_partitioning``) are
-  placed at creation by these rules, those the path rules cover when the
-  outermost ``nnx.Module`` constructor returns, and Flax's
-  ``nnx.get_partition_spec`` reports the same placement.
-
-  Args:
-    rules: A `LogicalRules`, or anything its constructor accepts.
-
-  Like Flax's, the context is per thread, not per asyncio task: blocks of
-  tasks that interleave in one thread (an ``await`` inside the block) would
-  see each other's rules. That is detected: on exit, the block checks that
-  the rules in effect are still its own, and raises otherwise.
-
-  Yields:
-    The rules as `LogicalRules`.
-
-  Raises:
-    LogicalRulesError: If the rules are malformed, or, on exit, the rules in
-      effect are not the block's own (another block was interleaved with it,
-      or rules were set inside it and not restored).
-    RuleTargetTypeError: If a target is not a str, a sequence of str or None.
-
-  Example:
-    >>> import flax_dtensor as fdt
-    >>> with fdt.logical_axis_rules([('batch', 'data'), ('mlp', 'model')]):
-    ...   fdt.logical_to_mesh_axes(('batch', 'mlp'))
-    P('data', 'model')
-  """
-  rules = LogicalRules(rules)
-  block = _Block(rules, core_spmd.get_logical_axis_rules())
-  _blocks.stack.append(block)
-  core_spmd.set_logical_axis_rules(rules)
-  try:
-    yield rules
-  except BaseException:
-    _leave(block)
-    raise
-  interleaved = _leave(block)
-  if interleaved is not None:
-    raise _errors.LogicalRulesError(
-      'A `logical_axis_rules` block ended while other rules were in effect '
-      f'({interleaved!r}, expected its own {rules!r}): another block was '
-      'interleaved with it in this thread (e.g. asyncio tasks awaiting '
-      'inside their blocks), or rules were set inside it and not '
-      'restored. Enter the rules in code that does not await, give each '
-      'task its own thread (`fdt.propagate`), or restore what you set.'
-    )
-
-
-@dataclasses.dataclass
-class _Block:
-  rules: LogicalRules
-  outer: Any
-  said: set[str] = dataclasses.field(default_factory=set)
-
-
-class _Blocks(threading.local):
-  """This thread's active `logical_axis_rules` blocks, innermost last."""
-
-  def __init__(self) -> None:
-    self.stack: list[_Block] = []
-    # For rules set by `set_logical_axis_rules` (no block): what was said.
-    self.said: dict[int, tuple[Any, set[str]]] = {}
-
-
-def first_time_in_context(what: str) -> bool:
-  """True the first time `what` is asked about in the rules context in
-  effect (the innermost `logical_axis_rules` block, or the rules set by
-  `set_logical_axis_rules`), False after: for saying a thing once."""
-  rules = core_spmd.get_logical_axis_rules()
-  stack = _blocks.stack
-  if stack and stack[-1].rules is rules:
-    said = stack[-1].said
-  else:
-    kept = _blocks.said.get(id(rules))
-    if kept is None or kept[0] is not rules:
-      kept = _blocks.said[id(rules)] = (rules, set())
-    said = kept[1]
-  if what in said:
-    return False
-  said.add(what)
-  return True
-
-
-def forget_in_context(what: str) -> None:
-  """Undoes `first_time_in_context(what)` in the rules context in effect."""
-  rules = core_spmd.get_logical_axis_rules()
-  stack = _blocks.stack
-  if stack and stack[-1].rules is rules:
-    stack[-1].said.discard(what)
-  elif id(rules) in _blocks.said:
-    _blocks.said[id(rules)][1].discard(what)
-
-
-_blocks = _Blocks()
-
-
-def _leave(block: _Block) -> Any:
-  """Ends `block`; returns the rules found in effect if not its own.
-
-  The innermost block restores the rules it found. A block ending while an
-  inner one is still active (interleaved) leaves the inner one's rules in
-  effect, and hands it its outer rules, so that every block restores what
-  was there before all of them.
-  """
-  stack = _blocks.stack
-  position = next(i for i, b in enumerate(stack) if b is block)
-  current = core_spmd.get_logical_axis_rules()
-  del stack[position]
-  if position < len(stack):  # Inner blocks are still active.
-    stack[position].outer = block.outer
-    return current
-  core_spmd.set_logical_axis_rules(block.outer)
-  return None if current is block.rules else current
-
-
-# Threads
-# ------------------------------------------------------------------------------
-
-C = TypeVar('C', bound=Callable[..., Any])
-
-
-def propagate(fn: C) -> C:
-  """Wraps `fn` so it runs with the caller's rules and mesh in any thread.
-
-  Rules and ``jax.set_mesh`` meshes are thread-local: a new thread starts
-  with none. ``propagate`` captures both when it is called and re-enters
-  them around every call of the wrapper, so a worker thread sees exactly
-  the caller's context (and nothing leaks back).
-
-  Args:
-    fn: The callable to run in another thread.
-
-  Returns:
-    A wrapper with the same signature.
-
-  Example:
-    >>> import concurrent.futures, flax_dtensor as fdt
-    >>> with fdt.logical_axis_rules([('embed', 'data')]):
-    ...   work = fdt.propagate(fdt.get_logical_axis_rules)
-    >>> with concurrent.futures.ThreadPoolExecutor() as pool:
-    ...   pool.submit(work).result()
-    LogicalRules([('embed', 'data')])
-  """
-  rules = core_spmd.get_logical_axis_rules()
-  abstract, concrete = _meshes.context_meshes()
-
-  @functools.wraps(fn)
-  def wrapper(*args: Any, **kwargs: Any) -> Any:
-    with contextlib.ExitStack() as stack:
-      if concrete is not None:
-        stack.enter_context(jax.set_mesh(concrete))
-      if abstract is not None and (
-        concrete is None or concrete.abstract_mesh != abstract
-      ):
-        stack.enter_context(jax.sharding.use_abstract_mesh(abstract))
-      stack.enter_context(core_spmd.logical_axis_rules(rules))
-      return fn(*args, **kwargs)
-
-  return wrapper  # type: ignore[return-value]

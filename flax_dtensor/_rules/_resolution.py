@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _missing_axes,
@@ -402,7 +403,7 @@ NO_RULES_FIX_MSG = (
 )
 
 
-def flax_fix(rules: _logical.FlaxRules) -> str:
+def flax_fix(rules: _context.FlaxRules) -> str:
   """The fix for a resolution error under Flax's semantics."""
   return FLAX_FIX_MSG if rules.pairs else NO_RULES_FIX_MSG
 
@@ -412,7 +413,7 @@ def resolve_flax(
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _logical.FlaxRules,
+  rules: _context.FlaxRules,
   local_rules: Sequence[Any] | None = None,
   path: str | None = None,
 ) -> Resolution:
@@ -496,7 +497,7 @@ def resolve(
   shape: Sequence[int] | None = None,
   *,
   mesh: _meshes.MeshLike | None = None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   local_rules: Sequence[Any] | None = None,
   path: str | None = None,
 ) -> Resolution:
@@ -511,7 +512,7 @@ def resolve(
       `rules` (flax_dtensor), or composed with them (Flax).
     path: The variable path, for error messages.
   """
-  if isinstance(rules, _logical.FlaxRules):
+  if isinstance(rules, _context.FlaxRules):
     if isinstance(local_rules, _logical.LogicalRules) and not rules.pairs:
       rules = local_rules
       local_rules = None
@@ -581,6 +582,6 @@ def logical_to_mesh_axes(
   """
   mesh = _meshes.mesh_for(mesh=mesh)
   resolution = resolve(
-    logical_axes, shape, mesh=mesh, rules=_logical.rules_in_effect(rules)
+    logical_axes, shape, mesh=mesh, rules=_context.rules_in_effect(rules)
   )
   return resolution.spec

@@ -19,6 +19,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor._rules import (
+  _context,
   _logical,
   _meshes,
   _missing_axes,
@@ -96,7 +97,7 @@ def sharding_for(
 def spec_of_variable(
   variable: nnx.Variable,
   *,
-  rules: _logical.LogicalRules | _logical.FlaxRules | None = None,
+  rules: _logical.LogicalRules | _context.FlaxRules | None = None,
   mesh: _meshes.MeshLike | None = None,
   path: str | None = None,
 ) -> _resolution.Resolution | None:
@@ -113,13 +114,13 @@ def spec_of_variable(
 
   Args:
     variable: The variable.
-    rules: The rules in effect; default `_logical.rules_in_effect()`.
+    rules: The rules in effect; default `_context.rules_in_effect()`.
     mesh: A mesh the caller named; see `_meshes.mesh_for` for the order.
     path: The variable's '/'-joined path: path rules match it, and errors
       name it. Without it, path rules do not apply.
   """
   if rules is None:
-    rules = _logical.rules_in_effect()
+    rules = _context.rules_in_effect()
   value = value_of(variable)
   shape = _shape_of(value)
   concrete = concrete_sharding_of(variable)
@@ -139,7 +140,7 @@ def spec_of_variable(
       )
   if concrete is not None:
     spec = concrete.spec
-    if isinstance(rules, _logical.FlaxRules):
+    if isinstance(rules, _context.FlaxRules):
       spec = _flax_renamed(variable, spec)
     return _resolution.Resolution(
       logical_axes=tuple(spec),
@@ -229,7 +230,7 @@ def spec_of_array(
   *,
   path: str,
   logical_axes: Any = None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
   mesh: _meshes.MeshLike | None,
 ) -> _resolution.Resolution | None:
   """Where a plain array in a pytree goes; None if nothing governs it.
@@ -257,7 +258,7 @@ def source_of(
   variable_type: type | None,
   shape: tuple[int, ...] | None,
   value: Any,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
 ) -> str:
   """What decided a variable's placement, in words (the plan's `source`).
 

@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh
 from support import profiles, reference_semantics
 
 import flax_dtensor as fdt
-from flax_dtensor._rules import _logical, _resolution
+from flax_dtensor._rules import _context, _resolution
 
 NAMES = ('batch', 'embed', 'mlp', 'heads', 'vocab')
 AXES = ('data', 'fsdp', 'model', 'expert')
@@ -161,7 +161,7 @@ def test_fewer_names_than_dims_leave_the_rest_none(axes, shape, expected):
   assert tuple(d.target for d in ours.dims) == expected
   assert ours.logical_axes == axes + (None,) * (len(shape) - len(axes))
   flax = _resolution.resolve_flax(
-    axes, shape, mesh=mesh, rules=_logical.FlaxRules(tuple(rules))
+    axes, shape, mesh=mesh, rules=_context.FlaxRules(tuple(rules))
   )
   assert tuple(flax.spec) == expected
 
@@ -184,6 +184,6 @@ def test_more_names_than_dims_is_an_error_under_both_semantics(semantics):
       (8,),
       rules=rules
       if semantics == 'flax_dtensor'
-      else _logical.FlaxRules(tuple(rules)),
+      else _context.FlaxRules(tuple(rules)),
       path="'w'",
     )

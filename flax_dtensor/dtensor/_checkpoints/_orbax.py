@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _parts, _sources, _variables
-from flax_dtensor._rules import _logical, _spec
+from flax_dtensor._rules import _context, _logical, _spec
 
 _FIX = (
   'Expected the directory written by orbax.checkpoint.StandardCheckpointer()'
@@ -265,7 +265,7 @@ def restore(
   """
   import orbax.checkpoint as ocp
 
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   graphdef, abstract_state = nnx.split(abstract_model)
 
   def target(keypath: Any, variable: nnx.Variable) -> nnx.Variable:

@@ -21,7 +21,7 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources
-from flax_dtensor._rules import _logical, _meshes
+from flax_dtensor._rules import _context, _logical, _meshes
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._conversion import (
   _convert,
@@ -265,7 +265,7 @@ def from_tf_module(
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """
-  rules_ = _logical.rules_in_effect(rules)
+  rules_ = _context.rules_in_effect(rules)
   entries = _selection.select(target, include, exclude, what='target')
   variables, source = _variables_of(tf_module_or_dvariables)
   held = {p: _held(v) for p, v in variables.items()}

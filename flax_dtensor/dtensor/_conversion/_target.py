@@ -21,7 +21,7 @@ from jax.experimental.layout import Format, Layout
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import _variables
-from flax_dtensor._rules import _logical, _meshes, _spec
+from flax_dtensor._rules import _context, _logical, _meshes, _spec
 from flax_dtensor.dtensor._conversion import _names, _selection
 from flax_dtensor.dtensor._layout import _dtypes
 
@@ -102,7 +102,7 @@ def _names_mesh_axes(variable: Any, mesh: jax.sharding.Mesh) -> bool:
 def target_sharding(
   entry: _selection.Entry,
   mesh: jax.sharding.Mesh | None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
 ) -> jax.sharding.Sharding:
   """The concrete sharding the restored array of `entry` must have.
 
@@ -112,7 +112,7 @@ def target_sharding(
   other variable keeps its value's own sharding.
   """
   sharding = None
-  no_rules = isinstance(rules, _logical.FlaxRules) and not rules.pairs
+  no_rules = isinstance(rules, _context.FlaxRules) and not rules.pairs
   placement = _meshes.mesh_for(entry.variable, mesh=mesh)
   if not isinstance(placement, jax.sharding.Mesh) or (
     no_rules
@@ -144,7 +144,7 @@ def target_sharding(
 def target_shardings(
   entries: Sequence[_selection.Entry],
   mesh: jax.sharding.Mesh | None,
-  rules: _logical.LogicalRules | _logical.FlaxRules,
+  rules: _logical.LogicalRules | _context.FlaxRules,
 ) -> list[jax.sharding.Sharding]:
   """`target_sharding` of each entry; each over every process if several."""
   out = []

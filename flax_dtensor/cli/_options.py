@@ -7,9 +7,16 @@ texts beside them are the help the commands print.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+
+def valued(flag: str, metavar: str, help: str) -> Any:
+  """The `typer.Option` of ``FLAG VALUE``, whose default (None) is not
+  shown."""
+  return typer.Option(flag, metavar=metavar, help=help, show_default=False)
+
 
 DEMO_TARGET = 'flax_dtensor.demo.model:make_model'
 DEFAULT_MESH = 'data=2,model=4'

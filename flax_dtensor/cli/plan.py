@@ -29,21 +29,13 @@ def plan(
   axis_types: _options.AxisTypesOption = 'auto',
   missing_mesh_axes: Annotated[
     str | None,
-    typer.Option(
-      '--missing-mesh-axes',
-      metavar='fallback|error',
-      help=_options.MISSING_MESH_AXES_HELP,
-      show_default=False,
+    _options.valued(
+      '--missing-mesh-axes', 'fallback|error', _options.MISSING_MESH_AXES_HELP
     ),
   ] = None,
   optimizer: Annotated[
     str | None,
-    typer.Option(
-      '--optimizer',
-      metavar='NAME',
-      help=_options.OPTIMIZER_HELP,
-      show_default=False,
-    ),
+    _options.valued('--optimizer', 'NAME', _options.OPTIMIZER_HELP),
   ] = None,
   json_output: Annotated[
     bool, typer.Option('--json', help='Print the plan as JSON.')
@@ -60,15 +52,14 @@ def plan(
   ] = False,
   diff: Annotated[
     pathlib.Path | None,
-    typer.Option(
+    _options.valued(
       '--diff',
-      metavar='LAYOUT.json',
-      help=(
+      'LAYOUT.json',
+      (
         'Compare with a golden layout written by --json: print what moved, '
         'what changed size per device and which fallbacks changed. Exit 0 '
         'when nothing changed, 1 when something did (a CI check).'
       ),
-      show_default=False,
     ),
   ] = None,
   check: Annotated[
@@ -84,37 +75,34 @@ def plan(
   ] = False,
   allow: Annotated[
     list[str] | None,
-    typer.Option(
+    _options.valued(
       '--allow',
-      metavar='CODE',
-      help='With --check: a finding code not to report (repeatable).',
-      show_default=False,
+      'CODE',
+      'With --check: a finding code not to report (repeatable).',
     ),
   ] = None,
   budget: Annotated[
     str | None,
-    typer.Option(
+    _options.valued(
       '--budget',
-      metavar='SIZE',
-      help=(
+      'SIZE',
+      (
         'Bytes per device not to exceed, e.g. 16GiB: with --check, a '
         'finding above it; with --suggest, shard further until it fits '
         '(exit 1 when nothing does).'
       ),
-      show_default=False,
     ),
   ] = None,
   min_bytes: Annotated[
     str | None,
-    typer.Option(
+    _options.valued(
       '--min-bytes',
-      metavar='SIZE',
-      help=(
+      'SIZE',
+      (
         'With --check: report replicated variables from this size on '
         '(default 1MiB). With --suggest: replicate smaller ones (default '
         '64KiB).'
       ),
-      show_default=False,
     ),
   ] = None,
   suggest: Annotated[
@@ -135,17 +123,16 @@ def plan(
   ] = False,
   input_shape: Annotated[
     list[str] | None,
-    typer.Option(
+    _options.valued(
       '--input-shape',
-      metavar='NAME:DIMS:DTYPE',
-      help=(
+      'NAME:DIMS:DTYPE',
+      (
         'With --suggest: a positional input of the forward, e.g. '
         'tokens:16,128:int32 (repeat for each, in order; NAME:none passes '
         'None). The forward is traced on them (nothing is computed) and the '
         'logical names it constrains activations with (such as batch) get '
         f'rules too. For {_options.DEMO_TARGET}, its own inputs by default.'
       ),
-      show_default=False,
     ),
   ] = None,
   method: Annotated[
@@ -156,26 +143,24 @@ def plan(
   ] = '__call__',
   write: Annotated[
     pathlib.Path | None,
-    typer.Option(
+    _options.valued(
       '--write',
-      metavar='RULES.yaml',
-      help=(
+      'RULES.yaml',
+      (
         'With --suggest: write the proposed rules to this YAML file, to '
         'edit and pass to --rules.'
       ),
-      show_default=False,
     ),
   ] = None,
   show: Annotated[
     str | None,
-    typer.Option(
+    _options.valued(
       '--show',
-      metavar='PATH',
-      help=(
+      'PATH',
+      (
         'Draw which device holds which block of the variable at PATH '
         '(e.g. layers/0/mlp/up/kernel), for any number of dimensions.'
       ),
-      show_default=False,
     ),
   ] = None,
   expand: Annotated[
@@ -191,15 +176,14 @@ def plan(
   ] = False,
   html_file: Annotated[
     pathlib.Path | None,
-    typer.Option(
+    _options.valued(
       '--html',
-      metavar='FILE',
-      help=(
+      'FILE',
+      (
         'Also write one self-contained HTML page: the bytes per device as '
         'a chart (with --budget as a line), the mesh coloured by load, '
         'and the plan.'
       ),
-      show_default=False,
     ),
   ] = None,
   debug: _command.DebugOption = False,

@@ -4,8 +4,50 @@ Every error the package raises on bad input is one of these. Each subclasses
 the builtin callers already catch (`ValueError` or `TypeError`) and
 `FlaxDTensorError`, so ``except fdt.FlaxDTensorError`` catches them all.
 Messages say what was expected, what arrived, where (the variable path when
-there is one), and how to fix it.
+there is one), and how to fix it. `causes` walks an error's chain (what it
+was raised from), and `errno_in` finds the OS's error number in it, for
+every layer that puts a library's failure in our words.
 """
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Iterable, Iterator
+
+
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+  """`error`, then what it was raised from (its ``__cause__``, else its
+  ``__context__``), and so on: each exception once, so a cycle ends."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def errno_in(
+  error: BaseException | None,
+  codes: Collection[int],
+  found_in_text: Callable[[str], Iterable[int]] = lambda text: (),
+) -> int | None:
+  """The first of `codes` that `error` or one of its `causes` reports.
+
+  An ``OSError`` carries its errno; another library's error only the OS's
+  words (TensorFlow's ``...; File too large``), so each one's text is
+  searched for them, after the numbers `found_in_text` reads in it (e.g.
+  TensorStore's ``os_error_code='13'``).
+  """
+  for cause in causes(error):
+    if isinstance(cause, OSError) and cause.errno in codes:
+      return cause.errno
+    text = str(getattr(cause, 'message', None) or cause)
+    for code in found_in_text(text):
+      if code in codes:
+        return code
+    for code in codes:
+      if os.strerror(code) in text:
+        return code
+  return None
 
 
 class FlaxDTensorError(Exception):

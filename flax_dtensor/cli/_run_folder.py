@@ -145,20 +145,9 @@ def _os_error_code(e: BaseException | None) -> int | None:
   """An errno of `_WRITE_FIXES` that `e` or one of its causes reports: an
   ``OSError``'s, or one named in a library's text (TensorStore's
   ``os_error_code='13'``, TensorFlow's ``Permission denied``)."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, OSError) and e.errno in _WRITE_FIXES:
-      return e.errno
-    text = str(getattr(e, 'message', None) or e)
-    for found in _TS_ERRNO.findall(text):
-      if int(found) in _WRITE_FIXES:
-        return int(found)
-    for code in _WRITE_FIXES:
-      if os.strerror(code) in text:
-        return code
-    e = e.__cause__ or e.__context__
-  return None
+  return _errors.errno_in(
+    e, _WRITE_FIXES, lambda text: map(int, _TS_ERRNO.findall(text))
+  )
 
 
 def _part_named(e: BaseException, tmp: pathlib.Path | None) -> str:

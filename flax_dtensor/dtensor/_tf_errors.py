@@ -105,17 +105,7 @@ def out_of_room(e: BaseException) -> int | None:
   words (``...tempstate123; File too large``), so its text is searched for
   them, as is that of an error another process reported.
   """
-  seen = set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    if isinstance(e, OSError) and e.errno in _NO_ROOM:
-      return e.errno
-    text = str(getattr(e, 'message', None) or e)
-    for code in _NO_ROOM:
-      if os.strerror(code) in text:
-        return code
-    e = e.__cause__ or e.__context__
-  return None
+  return _errors.errno_in(e, _NO_ROOM)
 
 
 def _free_bytes(path: str) -> int | None:

@@ -18,9 +18,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 # The public namespace names the diff (`flax_dtensor.PlanDiff`) for type
-# checkers without importing it: the views (`_plan_view`, `_plan_chart`)
-# and the diff (`_plan_diff`) import this model, and its methods reach them
-# by a late import.
+# checkers without importing it: the views (`_plan_view`, `_plan_html`,
+# `_plan_blocks`, `_plan_chart`) and the diff (`_plan_diff`) import this
+# model, and its methods reach them by a late import.
 import flax_dtensor
 from flax_dtensor import _errors
 from flax_dtensor._placement import (
@@ -445,10 +445,10 @@ class PlanView:
   __repr__ = __str__
 
   def _repr_html_(self) -> str:
-    from flax_dtensor._planning import _plan_chart, _plan_view
+    from flax_dtensor._planning import _plan_chart, _plan_html
 
     if self.is_summary:
-      return _plan_view.render_html(self.plan, summary=True)
+      return _plan_html.render_html(self.plan, summary=True)
     return _plan_chart.notebook_html(self.plan, expand=self.expand)
 
 
@@ -464,16 +464,16 @@ class BlockMap:
   def __init__(
     self, entry: PlanEntry, mesh_axes: dict[str, int] | None
   ) -> None:
-    from flax_dtensor._planning import _plan_view
+    from flax_dtensor._planning import _plan_blocks
 
     self.entry = entry
     self.mesh_axes = mesh_axes
-    self.blocks = _plan_view.device_blocks(entry.shape, entry.spec, mesh_axes)
+    self.blocks = _plan_blocks.device_blocks(entry.shape, entry.spec, mesh_axes)
 
   def render(self, width: int | None = None) -> str:
-    from flax_dtensor._planning import _plan_view
+    from flax_dtensor._planning import _plan_blocks
 
-    return _plan_view.blocks_text(self.entry, self.mesh_axes, width)
+    return _plan_blocks.blocks_text(self.entry, self.mesh_axes, width)
 
   def __str__(self) -> str:
     return self.render()

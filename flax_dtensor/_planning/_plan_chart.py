@@ -14,7 +14,7 @@ import html
 import math
 
 from flax_dtensor import _text
-from flax_dtensor._planning import _plan, _plan_view
+from flax_dtensor._planning import _plan, _plan_blocks, _plan_html, _plan_view
 
 CATEGORIES = ('params', 'optimizer', 'other')
 COLOURS = {'params': '#4878a8', 'optimizer': '#e0904a', 'other': '#9a9a9a'}
@@ -46,7 +46,7 @@ def _entry_bytes(e: _plan.PlanEntry, positions: int) -> list[int]:
   elements = math.prod(e.shape)
   itemsize = e.bytes // elements if elements else 0
   try:
-    blocks = _plan_view.device_blocks(e.shape, spec, e.mesh_axes)
+    blocks = _plan_blocks.device_blocks(e.shape, spec, e.mesh_axes)
   except KeyError:
     return [e.bytes_per_device] * positions
   out = [0] * positions
@@ -333,7 +333,7 @@ def page(
       f'budget {_text.human_bytes(budget)} per device: {verdict} '
       f'(the heaviest device holds {_text.human_bytes(worst)})'
     )
-  table = _plan_view.render_html(plan, expand=expand, header=False)
+  table = _plan_html.render_html(plan, expand=expand, header=False)
   return (
     '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
     f'<title>{html.escape(title)}</title><style>{_PAGE_CSS}</style></head>'
@@ -353,6 +353,6 @@ def notebook_html(
   plan: _plan.ShardingPlan, *, expand: bool = False, budget: int | None = None
 ) -> str:
   """The plan for a notebook: the header, the chart, the table."""
-  return _plan_view.render_html(
+  return _plan_html.render_html(
     plan, expand=expand, chart=memory_svg(plan, budget=budget)
   )

@@ -1,22 +1,20 @@
-"""How a ShardingPlan looks: in a terminal of any width, piped, in Jupyter.
+"""How a ShardingPlan looks in a terminal of any width, or piped.
 
 Paths are never cut. Variables alike but for an integer path component
 share a row (`rows`: ``layers/{0..23}/attn/kernel ×24``) unless expanded.
 A table is used when every path fits whole beside the other columns; below
 that width each row takes two lines, its path on the first, the second
-broken only between its parts. Fallbacks are grouped by reason under the table, with the
-variables each one affects. `blocks` draws which mesh position holds which
-block of one variable, for any number of dimensions. Sizes, counts and
-paths are written by `_text`.
+broken only between its parts. Fallbacks are grouped by reason under the
+table, with the variables each one affects. Sizes, counts and paths are
+written by `_text`; the same rows in Jupyter are `_plan_html`'s, which
+device holds which block `_plan_blocks`'.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import html
 import io
-import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -240,7 +238,7 @@ def by_path_rules(entries: Iterable[_plan.PlanEntry]) -> bool:
   return any('path rule' in (e.source or '') for e in entries)
 
 
-def _columns(entries: Sequence[_plan.PlanEntry]) -> tuple[str, ...]:
+def columns_of(entries: Sequence[_plan.PlanEntry]) -> tuple[str, ...]:
   """The table's columns: 'type' only when the variables' types differ,
   'mesh' only when a variable names a mesh of its own, 'source' only when
   a path rule placed or matched a variable."""
@@ -254,7 +252,7 @@ def _columns(entries: Sequence[_plan.PlanEntry]) -> tuple[str, ...]:
   return tuple(c for c in _COLUMNS if c not in drop)
 
 
-def _cells(row: Row, columns: Sequence[str]) -> list[str]:
+def cells_of(row: Row, columns: Sequence[str]) -> list[str]:
   e = row.entry
   values = {
     'path': row.label,
@@ -280,7 +278,7 @@ def _table(rows_: Sequence[Row], columns: Sequence[str]) -> rich.table.Table:
       justify='right' if name == 'per device' else 'left',
     )
   for row in rows_:
-    table.add_row(*(rich.markup.escape(c) for c in _cells(row, columns)))
+    table.add_row(*(rich.markup.escape(c) for c in cells_of(row, columns)))
   return table
 
 
@@ -363,61 +361,25 @@ def _listed(labels: Sequence[str], width: int) -> list[Any]:
   return _lines((' ' * 6 + line for line in lines), style='dim')
 
 
-def _fallbacks(
+def _fallbacks_and_notes(
   entries: Sequence[_plan.PlanEntry],
   width: int,
   *,
   list_paths: bool,
   expand: bool = False,
 ) -> list[Any]:
+  """What the table's rows leave out, grouped by the reason: the
+  fallbacks, the variables not where the rules say, and the path-ruled
+  ones created, then moved (`_creation_order.MOVED`)."""
   groups = fallback_groups(entries)
-  if not groups:
-    return []
-  out: list[Any] = [rich.text.Text(fallbacks_text(groups), style='bold')]
-  for reason, paths in groups:
-    n = _text.count(len(paths), 'variable')
-    out.extend(_lines(_text.hanging_lines(f'{reason} ({n})', width)))
-    if list_paths:
-      out.extend(_listed(path_labels(paths, expand=expand), width))
-  return out
-
-
-def _by_reason(
-  title: str,
-  found: Iterable[tuple[str, str]],
-  width: int,
-  *,
-  list_paths: bool,
-  expand: bool = False,
-) -> list[Any]:
-  """'TITLE: N variables', then each reason with its count (and paths)."""
-  groups: dict[str, list[str]] = {}
-  for reason, path in found:
-    groups.setdefault(reason, []).append(path)
-  if not groups:
-    return []
-  total = sum(len(p) for p in groups.values())
-  out: list[Any] = [
-    rich.text.Text(f'{title}: {_text.count(total, "variable")}', style='bold')
-  ]
-  for reason, paths in groups.items():
-    n = _text.count(len(paths), 'variable')
-    out.extend(_lines(_text.hanging_lines(f'{reason} ({n})', width)))
-    if list_paths:
-      out.extend(_listed(path_labels(paths, expand=expand), width))
-  return out
-
-
-def _notes(
-  entries: Sequence[_plan.PlanEntry],
-  width: int,
-  *,
-  list_paths: bool,
-  expand: bool = False,
-) -> list[Any]:
-  """Variables not where the rules say, and path-ruled ones created, then
-  moved (`_creation_order.MOVED`), each grouped by the reason."""
+  fallbacks: list[Any] = []
+  if groups:
+    fallbacks = [
+      rich.text.Text(fallbacks_text(groups), style='bold'),
+      *_reasons(groups, width, list_paths=list_paths, expand=expand),
+    ]
   return [
+    *fallbacks,
     *_by_reason(
       'Not where the rules say',
       (
@@ -441,6 +403,44 @@ def _notes(
       expand=expand,
     ),
   ]
+
+
+def _by_reason(
+  title: str,
+  found: Iterable[tuple[str, str]],
+  width: int,
+  *,
+  list_paths: bool,
+  expand: bool = False,
+) -> list[Any]:
+  """'TITLE: N variables', then each reason with its count (and paths)."""
+  groups: dict[str, list[str]] = {}
+  for reason, path in found:
+    groups.setdefault(reason, []).append(path)
+  if not groups:
+    return []
+  total = sum(len(p) for p in groups.values())
+  return [
+    rich.text.Text(f'{title}: {_text.count(total, "variable")}', style='bold'),
+    *_reasons(groups.items(), width, list_paths=list_paths, expand=expand),
+  ]
+
+
+def _reasons(
+  groups: Iterable[tuple[str, list[str]]],
+  width: int,
+  *,
+  list_paths: bool,
+  expand: bool,
+) -> list[Any]:
+  """Each reason with its count of variables (and their paths)."""
+  out: list[Any] = []
+  for reason, paths in groups:
+    n = _text.count(len(paths), 'variable')
+    out.extend(_lines(_text.hanging_lines(f'{reason} ({n})', width)))
+    if list_paths:
+      out.extend(_listed(path_labels(paths, expand=expand), width))
+  return out
 
 
 def renderables(
@@ -484,17 +484,17 @@ def renderables(
             (0, 0, 0, 2),
           )
         )
-    out.extend(_fallbacks(plan.entries, width, list_paths=False))
-    out.extend(_notes(plan.entries, width, list_paths=False))
+    out.extend(_fallbacks_and_notes(plan.entries, width, list_paths=False))
     return out
   if plan.entries:
     rows_ = rows(plan.entries, expand=expand)
-    columns = _columns(plan.entries)
+    columns = columns_of(plan.entries)
     table = _table(rows_, columns)
     fits = _text.measure(table) <= width
     out.append(table if fits else _stacked(rows_, columns, width))
-  out.extend(_fallbacks(plan.entries, width, list_paths=True, expand=expand))
-  out.extend(_notes(plan.entries, width, list_paths=True, expand=expand))
+  out.extend(
+    _fallbacks_and_notes(plan.entries, width, list_paths=True, expand=expand)
+  )
   return out
 
 
@@ -512,225 +512,3 @@ def render_text(
   for item in renderables(plan, width, summary=summary, expand=expand):
     console.print(item)
   return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
-
-
-# Jupyter (HTML)
-# ------------------------------------------------------------------------------
-
-_CSS = (
-  'border-collapse:collapse;font-family:monospace;font-size:12px;'
-  'table-layout:auto;max-width:100%'
-)
-
-
-def _path_html(path: str) -> str:
-  """The path, breakable only after its slashes."""
-  return '/<wbr>'.join(html.escape(p) for p in path.split('/'))
-
-
-def table_html(rows_: Sequence[Row], columns: Sequence[str]) -> str:
-  """The rows as an HTML table that wraps to its container's width."""
-  head = ''.join(
-    f'<th style="text-align:left;padding:2px 6px">{h}</th>' for h in columns
-  )
-  body = []
-  for row in rows_:
-    cells = [_path_html(row.label)] + [
-      html.escape(c).replace(' ', '&nbsp;')
-      if n == 'per device'
-      else (html.escape(c))
-      for n, c in zip(columns[1:], _cells(row, columns)[1:], strict=True)
-    ]
-    body.append(
-      '<tr>'
-      + ''.join(
-        f'<td style="text-align:{"right" if n == "per device" else "left"};'
-        f'padding:2px 6px;vertical-align:top">{c}</td>'
-        for n, c in zip(columns, cells, strict=True)
-      )
-      + '</tr>'
-    )
-  return (
-    f'<table style="{_CSS}"><thead><tr>{head}</tr></thead>'
-    f'<tbody>{"".join(body)}</tbody></table>'
-  )
-
-
-def render_html(
-  plan: _plan.ShardingPlan,
-  *,
-  summary: bool = False,
-  expand: bool = False,
-  chart: str = '',
-  header: bool = True,
-) -> str:
-  """The plan as an HTML fragment that wraps to the notebook's width.
-
-  `chart` (an SVG, `_plan_chart`) goes below the totals; without `header`,
-  neither they nor the mesh are shown (a page that says them already).
-  """
-  parts = ['<div style="max-width:100%">']
-  if header:
-    parts.append(
-      f'<b>Sharding plan: {html.escape(mesh_text(plan))}</b><br>'
-      + ''.join(
-        f'<b style="color:#b00">{html.escape(line)}</b><br>'
-        for line in typo_headlines(plan)
-      )
-      + html.escape(totals_text(plan))
-    )
-  if chart:
-    parts.append(f'<div style="max-width:100%">{chart}</div>')
-  if not summary and plan.entries:
-    parts.append(
-      table_html(rows(plan.entries, expand=expand), _columns(plan.entries))
-    )
-  if summary:
-    largest = largest_replicated(plan)
-    if largest:
-      items = ''.join(
-        f'<li><code>{_path_html(e.path)}</code> {html.escape(shape_text(e))} '
-        f'{_text.human_bytes(e.bytes)}</li>'
-        for e in largest
-      )
-      parts.append(f'<b>Largest replicated</b><ul>{items}</ul>')
-  groups = fallback_groups(plan.entries)
-  if groups:
-    items = ''.join(
-      f'<li>{html.escape(reason)} ({len(paths)})'
-      + (
-        ''
-        if summary
-        else '<br><small>'
-        + ', '.join(
-          f'<code>{_path_html(p)}</code>'
-          for p in path_labels(paths, expand=expand)
-        )
-        + '</small>'
-      )
-      + '</li>'
-      for reason, paths in groups
-    )
-    parts.append(f'<b>Fallbacks</b><ul>{items}</ul>')
-  return ''.join(parts) + '</div>'
-
-
-# Which device holds which block
-# ------------------------------------------------------------------------------
-
-
-def device_blocks(
-  shape: Sequence[int],
-  spec: Any,
-  mesh_axes: dict[str, int] | None,
-) -> dict[tuple[tuple[int, int], ...], list[int]]:
-  """{block (start, stop) per dimension: mesh positions holding it}.
-
-  A mesh position is a device's index in the mesh's devices, read in row
-  order (``mesh.devices.flat``). A dimension split over several mesh axes
-  is split major to minor in the order the spec names them, as in JAX.
-  """
-  axes = dict(mesh_axes or {})
-  names = list(axes)
-  size = math.prod(axes.values()) if axes else 1
-  entries = _partition_specs.canonical(spec, len(shape))
-  blocks: dict[tuple[tuple[int, int], ...], list[int]] = {}
-  for position in range(size):
-    coords: dict[str, int] = {}
-    rest = position
-    for name in reversed(names):
-      coords[name] = rest % axes[name]
-      rest //= axes[name]
-    block = []
-    for dim, dim_axes in zip(shape, entries, strict=True):
-      n, k = 1, 0
-      for name in dim_axes:
-        k = k * axes[name] + coords[name]
-        n *= axes[name]
-      step = -(-dim // n) if n else dim
-      block.append((min(k * step, dim), min((k + 1) * step, dim)))
-    blocks.setdefault(tuple(block), []).append(position)
-  return blocks
-
-
-def _range_text(block: Sequence[tuple[int, int]], shape: Sequence[int]) -> str:
-  return (
-    '['
-    + ', '.join(
-      ':' if (a, b) == (0, n) else f'{a}:{b}'
-      for (a, b), n in zip(block, shape, strict=True)
-    )
-    + ']'
-  )
-
-
-def _devices_text(positions: Sequence[int]) -> str:
-  return ','.join(map(str, positions))
-
-
-def blocks_text(
-  entry: _plan.PlanEntry,
-  mesh_axes: dict[str, int] | None,
-  width: int | None = None,
-) -> str:
-  """Which mesh position holds which block of `entry`, as text.
-
-  A grid when at most two dimensions are split (rows: the first split
-  dimension's blocks; columns: the second's), then one line per block.
-  """
-  width = _text.terminal_width() if width is None else width
-  blocks = device_blocks(entry.shape, entry.spec, mesh_axes)
-  split = [
-    d for d in range(len(entry.shape)) if len({b[d] for b in blocks}) > 1
-  ]
-  buffer = io.StringIO()
-  console = _text.console(buffer, width)
-  console.print(
-    rich.text.Text(
-      f'{entry.path}  {shape_text(entry)}  {spec_text(entry)}', overflow='fold'
-    )
-  )
-  console.print(
-    f'{_text.count(len(blocks), "block")} of '
-    f'{_text.count(sum(map(len, blocks.values())), "mesh position")} '
-    f'({mesh_text_axes(mesh_axes)}); each block held by the positions listed'
-  )
-  if 1 <= len(split) <= 2:
-    rows_dim = split[0]
-    cols_dim = split[1] if len(split) == 2 else None
-    row_keys = sorted({b[rows_dim] for b in blocks})
-    col_keys = (
-      sorted({b[cols_dim] for b in blocks}) if cols_dim is not None else [None]
-    )
-    grid = rich.table.Table(
-      box=rich.box.SQUARE, show_header=cols_dim is not None
-    )
-    grid.add_column(f'dim {rows_dim}', no_wrap=True)
-    for c in col_keys:
-      grid.add_column(
-        f'dim {cols_dim} {c[0]}:{c[1]}' if c is not None else 'devices',
-        justify='center',
-      )
-    for r in row_keys:
-      cells = []
-      for c in col_keys:
-        held = sorted(
-          p
-          for b, ps in blocks.items()
-          for p in ps
-          if b[rows_dim] == r and (cols_dim is None or b[cols_dim] == c)
-        )
-        cells.append(_devices_text(held))
-      grid.add_row(f'{r[0]}:{r[1]}', *cells)
-    console.print(grid)
-  for block, positions in sorted(blocks.items()):
-    console.print(
-      f'  {_range_text(block, entry.shape)} -> {_devices_text(positions)}'
-    )
-  return '\n'.join(line.rstrip() for line in buffer.getvalue().splitlines())
-
-
-def mesh_text_axes(mesh_axes: dict[str, int] | None) -> str:
-  if not mesh_axes:
-    return 'no mesh'
-  return ', '.join(f'{k}={v}' for k, v in mesh_axes.items())

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from support import many_axes
 
 import flax_dtensor as fdt
-from flax_dtensor._planning import _plan_view
+from flax_dtensor._planning import _plan_blocks, _plan_view
 from flax_dtensor.demo import model as demo_model
 from flax_dtensor.demo import train as demo_train
 
@@ -207,7 +207,7 @@ def test_blocks_match_jax(shape, spec):
       for s, n in zip(index, shape, strict=True)
     )
     expected.setdefault(block, []).append(position)
-  blocks = _plan_view.device_blocks(shape, spec, {'data': 2, 'model': 4})
+  blocks = _plan_blocks.device_blocks(shape, spec, {'data': 2, 'model': 4})
   assert blocks == expected
   # The blocks tile the array: every element is held by as many positions.
   cover = np.zeros(shape, int)
@@ -218,7 +218,7 @@ def test_blocks_match_jax(shape, spec):
 
 def test_uneven_blocks_end_short():
   """JAX pads the last block of a dimension that does not divide evenly."""
-  blocks = _plan_view.device_blocks((5, 7), P('data', None), {'data': 2})
+  blocks = _plan_blocks.device_blocks((5, 7), P('data', None), {'data': 2})
   assert blocks == {((0, 3), (0, 7)): [0], ((3, 5), (0, 7)): [1]}
 
 

@@ -156,11 +156,11 @@ def check_out(
   here = out.is_dir() and _run_folder.holds_cwd(out)
   writes_in = existing if here or existing != out else existing.parent
   if writes_in.is_dir() and not os.access(writes_in, os.W_OK | os.X_OK):
-    from flax_dtensor.dtensor._storage import _atomic
+    from flax_dtensor.dtensor._storage import _writable
 
     raise BadInputError(
       f'--out {str(out)!r} cannot be written: {str(writes_in)!r} is not '
-      f'writable ({_atomic._who_may_write(str(writes_in))}). Pass a '
+      f'writable ({_writable.who_may_write(str(writes_in))}). Pass a '
       'directory you may write in.'
     )
   if not out.is_dir():

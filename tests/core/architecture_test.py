@@ -405,12 +405,24 @@ def test_the_room_check_catches_an_upward_import():
   ]
 
 
-def test_the_atomic_layer_knows_no_export_format():
-  """`_atomic` writes directories atomically and knows nothing of what an
-  export holds: the format's layer passes what it must know (`is_export`),
-  so it imports no other module of its room (the manifest, what writes or
-  reads one) and nothing of serving."""
-  imported = _internal(GRAPH[f'{BRIDGE}._storage._atomic'])
+# The atomic layer: atomic directories, the temporaries beside them, their
+# recovery, and where an export may be written.
+ATOMIC_LAYER = (
+  f'{BRIDGE}._storage._atomic',
+  f'{BRIDGE}._storage._recovery',
+  f'{BRIDGE}._storage._temporaries',
+  f'{BRIDGE}._storage._writable',
+)
+
+
+@pytest.mark.parametrize('module', ATOMIC_LAYER)
+def test_the_atomic_layer_knows_no_export_format(module):
+  """The atomic layer writes directories atomically and knows nothing of
+  what an export holds: the format's layer passes what it must know
+  (`is_export`), so each of its modules imports no other module of its
+  room but the layer's own (not the manifest, what writes or reads one)
+  and nothing of serving."""
+  imported = _internal(GRAPH[module])
   format_layer = {
     m
     for m in imported
@@ -422,5 +434,6 @@ def test_the_atomic_layer_knows_no_export_format():
         f'{BRIDGE}._serving',
       )
     )
+    and m not in ATOMIC_LAYER
   }
   assert not format_layer, format_layer

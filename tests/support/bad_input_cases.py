@@ -587,9 +587,9 @@ def _no_space(ctx):
 
 def _in_progress(ctx):
   """A temporary whose name says a live process (pid 1) writes it."""
-  from flax_dtensor.dtensor._storage import _atomic
+  from flax_dtensor.dtensor._storage import _temporaries
 
-  writer = _atomic.Writer.on_this_host(1)
+  writer = _temporaries.Writer.on_this_host(1)
   path = ctx.tmp / 'busy'
   (ctx.tmp / f'.busy.tmp-{writer.tag()}').mkdir()
   ctx.dt.save_checkpoint(ctx.model(), path)

@@ -42,7 +42,12 @@ from flax_dtensor.dtensor._format import (
   _paths,
 )
 from flax_dtensor.dtensor._layout import _layouts
-from flax_dtensor.dtensor._storage import _atomic, _background, _host_write
+from flax_dtensor.dtensor._storage import (
+  _atomic,
+  _background,
+  _host_write,
+  _temporaries,
+)
 
 # The checkpoint prefix inside a `save_checkpoint` directory.
 PREFIX = 'ckpt'
@@ -223,7 +228,7 @@ def write_manifest(
   names = [
     n
     for n in _encode.files_under(root)
-    if os.path.basename(n) != _atomic.MARKER
+    if os.path.basename(n) != _temporaries.MARKER
   ]
   manifest = _model.Manifest(
     kind=kind,
@@ -551,7 +556,7 @@ def _write_merged(
     # page cache; the directory's final flush then finds little to do.
     # On one of `pool`'s threads (the CRCs take the others): a background
     # save at the interpreter's exit may start no thread (Python 3.12).
-    flushed = pool.submit(_atomic.flush_files, tmp)
+    flushed = pool.submit(_temporaries.flush_files, tmp)
     try:
       write_manifest(
         tmp,

@@ -35,7 +35,7 @@ from flax.nnx import filterlib
 from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import _processes
 from flax_dtensor.dtensor._checkpoints import _checkpoint, _restore
-from flax_dtensor.dtensor._storage import _atomic, _background, _steps
+from flax_dtensor.dtensor._storage import _background, _steps, _temporaries
 
 STATE_FILE = _steps.STATE_FILE
 METRICS_FILE = _steps.METRICS_FILE
@@ -65,7 +65,7 @@ def _replace_file(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
-  _atomic._fsync_dir(folder)
+  _temporaries.fsync_dir(folder)
 
 
 def _read_metrics(directory: str) -> dict[int, dict[str, float]]:
@@ -468,7 +468,7 @@ class CheckpointManager:
           path = os.path.join(self.directory, str(step))
           if os.path.isdir(path):
             os.rename(path, _aside(self.directory, step))
-        _atomic._fsync_dir(self.directory)
+        _temporaries.fsync_dir(self.directory)
         self._write_files(self.all_steps())
     if jax.process_count() > 1:  # Gone for every process before the save.
       with _processes.session(

@@ -41,7 +41,7 @@ from flax_dtensor.dtensor._format import (
   _verify,
 )
 from flax_dtensor.dtensor._layout import _dtypes
-from flax_dtensor.dtensor._storage import _atomic, _background, _host_read
+from flax_dtensor.dtensor._storage import _background, _host_read, _recovery
 
 A = TypeVar('A')
 
@@ -306,7 +306,7 @@ def read_checkpoint(
   path = _paths.local(directory, 'checkpoint directory')
   _background.wait_for(path)  # A save of this process to it finishes first.
   with _processes.session(f'the read of {path!r}', 'Nothing was returned.'):
-    _atomic.recover_for_reading(path, is_export=_decode.is_export)
+    _recovery.recover_for_reading(path, is_export=_decode.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   with _tf.cpp_noise_dropped():  # A damaged file's failed op logs first.
@@ -509,7 +509,7 @@ def _read_all(
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
   _background.wait_for(path)  # A save of this process to it finishes first.
-  _atomic.recover_for_reading(path, is_export=_decode.is_export)
+  _recovery.recover_for_reading(path, is_export=_decode.is_export)
   prefix, manifest = locate(path)
   before = _plain_identity(prefix, manifest)
   _, shapes, dtypes = _reader(prefix, manifest)

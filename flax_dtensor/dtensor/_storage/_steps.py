@@ -18,8 +18,8 @@ STATE_FILE = 'checkpoint'
 METRICS_FILE = 'flax_dtensor_steps.json'
 STEP = re.compile(r'[0-9]{1,18}')
 """A folder named by a step, and only it."""
-# A step's folder being written (or left by a killed save): `_atomic`'s
-# hidden siblings, `.STEP.tmp-...` and `.STEP.old-...`.
+# A step's folder being written (or left by a killed save): the hidden
+# siblings of `_temporaries`, `.STEP.tmp-...` and `.STEP.old-...`.
 UNFINISHED = re.compile(r'\.([0-9]{1,18})\.(tmp|old)-.*')
 
 

@@ -24,7 +24,7 @@ from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import _convert
 from flax_dtensor.dtensor._format import _decode
 from flax_dtensor.dtensor._layout import _dtypes
-from flax_dtensor.dtensor._storage import _atomic
+from flax_dtensor.dtensor._storage import _atomic, _temporaries
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
@@ -1464,7 +1464,7 @@ def test_interrupted_rename_keeps_the_old_export(tmp_path, monkeypatch):
       with open(os.path.join(tmp, 'new.txt'), 'w') as f:
         f.write('new')
   # Both names say who writes them: token, pid, start time, host.
-  label = re.escape(_atomic._host_label(socket.gethostname()))
+  label = re.escape(_temporaries._host_label(socket.gethostname()))
   writer = rf'[0-9a-f]{{8}}-{os.getpid()}-\d+-{label}'
   assert re.fullmatch(rf'\.out\.old-{writer}', calls[0][1])
   assert re.fullmatch(rf'\.out\.tmp-{writer}', calls[1][0])

@@ -33,7 +33,7 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 from flax_dtensor.dtensor._conversion import _names  # noqa: E402
 from flax_dtensor.dtensor._format import _decode, _verify  # noqa: E402
-from flax_dtensor.dtensor._storage import _atomic  # noqa: E402
+from flax_dtensor.dtensor._storage import _atomic, _temporaries  # noqa: E402
 
 
 def _model(mesh, seed=0, width=16):
@@ -636,7 +636,7 @@ def _dead_pid():
 
 
 def _mark(directory, state, pid=None, host=None):
-  with open(os.path.join(directory, _atomic.MARKER), 'w') as f:
+  with open(os.path.join(directory, _temporaries.MARKER), 'w') as f:
     json.dump(
       {
         'pid': pid if pid is not None else _dead_pid(),
@@ -653,11 +653,11 @@ def _killed_between_renames(mesh, tmp_path, *, new_complete):
   old = fdt_tf.save_checkpoint(_model(mesh, seed=1), tmp_path / 'old-src')
   new = fdt_tf.save_checkpoint(_model(mesh, seed=2), tmp_path / 'new-src')
   os.rename(old, tmp_path / '.c.old-0000aaaa')
-  _mark(tmp_path / '.c.old-0000aaaa', _atomic.REPLACED)
+  _mark(tmp_path / '.c.old-0000aaaa', _temporaries.REPLACED)
   os.rename(new, tmp_path / '.c.tmp-0000bbbb')
   _mark(
     tmp_path / '.c.tmp-0000bbbb',
-    _atomic.COMPLETE if new_complete else _atomic.WRITING,
+    _temporaries.COMPLETE if new_complete else _temporaries.WRITING,
   )
   return str(tmp_path / 'c')
 
@@ -673,7 +673,7 @@ def test_a_kill_between_the_renames_is_recovered_by_a_read(
   read = fdt_tf.read_checkpoint(path)
   _same(read, _model(explicit_mesh, seed=2 if new_complete else 1))
   assert _listing(tmp_path) == ['c']
-  assert _atomic.MARKER not in os.listdir(path)
+  assert _temporaries.MARKER not in os.listdir(path)
 
 
 def test_a_kill_between_the_renames_is_recovered_by_a_save(
@@ -703,9 +703,9 @@ def live_pid():
 
 def _named(directory, infix, pid, host=None):
   """A temporary's path whose name says its writer (as saves name them)."""
-  writer = _atomic.Writer.on_this_host(pid)
+  writer = _temporaries.Writer.on_this_host(pid)
   if host is not None:
-    writer = _atomic.Writer(pid, host, None)
+    writer = _temporaries.Writer(pid, host, None)
   name = f'.{os.path.basename(directory)}{infix}{writer.tag()}'
   path = os.path.join(os.path.dirname(directory), name)
   os.mkdir(path)
@@ -725,7 +725,7 @@ def test_a_temporary_is_owned_from_the_moment_it_exists(
   ]
   other_host = _named(path, '.tmp-', _dead_pid(), host='another-host')
   # A pid reused by a live process: another start time, so dead.
-  reused = _atomic.Writer(live_pid, _atomic.Writer.me().host, '1')
+  reused = _temporaries.Writer(live_pid, _temporaries.Writer.me().host, '1')
   os.mkdir(tmp_path / f'.c.tmp-{reused.tag()}')
   # A failed save of this very process, not being written any more.
   dead.append(_named(path, '.tmp-', os.getpid()))
@@ -748,7 +748,7 @@ def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
 
   def staging(pid):
     path = tmp_path / (
-      '.flax_dtensor-staging-' + _atomic.Writer.on_this_host(pid).tag()
+      '.flax_dtensor-staging-' + _temporaries.Writer.on_this_host(pid).tag()
     )
     (path / 'checkpoint').mkdir(parents=True)
     (path / 'checkpoint' / 'ckpt.index').write_text('partial')
@@ -763,8 +763,8 @@ def test_staging_directories_of_dead_writers_are_removed(tmp_path, live_pid):
     (tmp_path / staged['out'] / 'a.txt').write_text('new')
     # Its own scratch directory stays while it writes.
     mine = os.path.basename(os.path.dirname(staged['out']))
-    assert _atomic.Writer.from_name(mine, '.flax_dtensor-staging-') == (
-      _atomic.Writer.me()
+    assert _temporaries.Writer.from_name(mine, '.flax_dtensor-staging-') == (
+      _temporaries.Writer.me()
     )
     assert _listing(tmp_path) == sorted([live, mine])
   assert _listing(tmp_path) == sorted([live, 'out'])
@@ -784,14 +784,14 @@ def test_temporaries_of_older_versions_are_judged_by_their_marker(
   ]:
     os.mkdir(tmp_path / name)
     (tmp_path / name / 'ckpt.index').write_text('partial')
-    _mark(tmp_path / name, _atomic.WRITING, **kwargs)
+    _mark(tmp_path / name, _temporaries.WRITING, **kwargs)
   os.mkdir(tmp_path / '.c.tmp-00000004')  # Killed before its marker: empty.
   # Killed while renaming its marker into place: the copy says who.
   os.mkdir(tmp_path / '.c.tmp-00000007')
-  _mark(tmp_path / '.c.tmp-00000007', _atomic.WRITING)
+  _mark(tmp_path / '.c.tmp-00000007', _temporaries.WRITING)
   os.rename(
-    tmp_path / '.c.tmp-00000007' / _atomic.MARKER,
-    tmp_path / '.c.tmp-00000007' / (_atomic.MARKER + '.new'),
+    tmp_path / '.c.tmp-00000007' / _temporaries.MARKER,
+    tmp_path / '.c.tmp-00000007' / (_temporaries.MARKER + '.new'),
   )
   # Unmarked and not empty: nothing says whose, so it is kept.
   os.mkdir(tmp_path / '.c.tmp-00000008')
@@ -814,10 +814,10 @@ def test_the_parent_directory_is_synced_after_the_rename(
   explicit_mesh, tmp_path, monkeypatch
 ):
   synced = []
-  real = _atomic._fsync_dir
+  real = _temporaries.fsync_dir
   monkeypatch.setattr(
-    _atomic,
-    '_fsync_dir',
+    _temporaries,
+    'fsync_dir',
     lambda p: (synced.append(os.path.abspath(p)), real(p)),
   )
   fdt_tf.save_checkpoint(_model(explicit_mesh), tmp_path / 'c')

@@ -142,20 +142,22 @@ def check_served_inputs(
   """Traces `method` of the abstract model on the inputs, before any write.
 
   The inputs have the polymorphic shapes the SavedModel will have, and the
-  arguments given as ``NAME:none`` are None. Nothing is computed.
+  arguments given as ``NAME:none`` are None. Nothing is computed. The
+  SavedModel export decides (`_saved_model.check_served`), as
+  `save_saved_model` would; its message says the inputs as flags.
 
   Raises:
     BadInputError: If the model has no such method, the inputs do not fit
-      its positional parameters, or it fails on inputs of these shapes and
-      dtypes (e.g. a forgotten batch dimension, or ``?`` dimensions that
-      must be equal); the message shows the shapes given and the error.
-    ExportError: If the method's result holds something other than arrays
-      and None.
+      its positional parameters, JAX cannot read their dimensions, or it
+      fails on inputs of these shapes and dtypes (e.g. a forgotten batch
+      dimension, ``?`` dimensions that must be equal, or a forward written
+      for Explicit mesh axes on Auto ones), or its result holds something
+      other than arrays and None; the message shows the shapes given and
+      the error.
   """
   import jax
-  from flax import nnx
 
-  from flax_dtensor import _errors, _text
+  from flax_dtensor import _errors
   from flax_dtensor.dtensor._serving import _saved_model, _signature
 
   if not callable(getattr(abstract, method, None)):
@@ -163,17 +165,17 @@ def check_served_inputs(
       f'--method {method!r}: the model ({type(abstract).__name__}) has no '
       'such method. Pass --method NAME of a method that takes the inputs.'
     )
-  given = ', '.join(s.text() for s in specs)
-  where = f'{type(abstract).__name__}.{method}'
-  parameters = _signature.parameters(abstract, method)
-  if parameters is not None and not parameters.fits(len(specs)):
-    raise BadInputError(
-      f'--input-shape {given} gives '
-      f'{_text.count(len(specs), "argument")}, but '
-      f'{parameters.method} {parameters.takes()}. Pass one --input-shape '
-      'per positional parameter, in order, and NAME:none for an argument '
-      'passed as None (e.g. --input-shape cache:none).'
+  try:
+    inputs = _signature.inputs(
+      abstract,
+      method,
+      [s.tensor_spec() for s in specs],
+      [s.polymorphic_shape(i) for i, s in enumerate(specs)],
+      wording=_wording(specs),
+      written=[s.dims for s in specs],
     )
+  except _errors.ExportError as e:
+    raise BadInputError(str(e)) from e
   scope = jax.export.SymbolicScope()
   examples = []
   for index, s in enumerate(specs):
@@ -191,89 +193,52 @@ def check_served_inputs(
         'other names, e.g. b, t.'
       ) from e
     examples.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(s.dtype)))
-  slots = []
-  for s in specs:
-    slots.append(None if s.dims is None else sum(x is not None for x in slots))
+  try:
+    _saved_model.check_served(abstract, method, inputs, examples)
+  except _errors.ExportError as e:
+    raise BadInputError(str(e)) from e
 
-  def call(model: Any, *arrays: Any) -> Any:
-    arguments = [None if i is None else arrays[i] for i in slots]
-    return _signature.named_outputs(getattr(model, method)(*arguments), where)
 
-  # The exported function gets the variables as plain arrays, on no mesh.
-  graphdef, state = nnx.split(abstract)
-  plain = nnx.merge(
-    graphdef,
-    jax.tree.map(
-      lambda a: (
-        jax.ShapeDtypeStruct(a.shape, a.dtype)
-        if isinstance(a, jax.ShapeDtypeStruct | jax.Array)
-        else a
-      ),
-      state,
+def _wording(specs: Sequence[InputSpec]) -> Any:
+  """The `_signature.Wording` of ``--input-shape`` flags: `specs`."""
+  from flax_dtensor.dtensor._serving import _signature
+
+  def show(index: int, change: tuple[int, int] | None) -> str:
+    # As the user wrote it, with the size at one position changed.
+    name, dims, *dtype = specs[index].text().split(':')
+    written = dims.split(',')
+    if change is not None:
+      written[change[0]] = str(change[1])
+    return ':'.join([name, ','.join(written), *dtype])
+
+  return _signature.Wording(
+    name='--input-shape',
+    listing=', '.join(s.text() for s in specs),
+    write=lambda index, dims: specs[index].text(dims),
+    show=show,
+    suggest=lambda arguments: ' '.join(
+      f'--input-shape {s.text(dims)}'
+      for s, dims in zip(specs, arguments, strict=True)
+    ),
+    own_symbols=lambda listing: (
+      f'Each ? dimension is a size of its own (to JAX: {listing}), which '
+      'JAX cannot know to equal another.'
+    ),
+    arity_fix=(
+      'Pass one --input-shape per positional parameter, in order, and '
+      'NAME:none for an argument passed as None (e.g. --input-shape '
+      'cache:none).'
+    ),
+    alike_fix='Name the dimensions that are always equal alike',
+    unfit_fix=(
+      'Pass one --input-shape per positional input, in order, with the '
+      'batch dimension first (e.g. x:1,128:int32).'
+    ),
+    auto_fix=(
+      'Pass --axis-types explicit (every axis, as jax.make_mesh gives), or '
+      'NAME=explicit for the axes it names.'
     ),
   )
-  try:
-    _saved_model.traced_where_served(
-      lambda: nnx.eval_shape(call, plain, *examples),
-      lambda: nnx.eval_shape(call, abstract, *examples),
-    )
-  except _errors.FlaxDTensorError:
-    raise
-  except Exception as e:
-    own = _signature.own_symbols([s.dims for s in specs])
-    if own and _signature.names_a_symbol(e, own):
-      examples_text = [
-        ' '.join(
-          f'--input-shape {s.text(dims)}'
-          for s, dims in zip(specs, suggested, strict=True)
-        )
-        for suggested in _signature.suggested_dims([s.dims for s in specs])
-      ]
-      which = [
-        f'{examples_text[0]} if all are one length (e.g. a sequence length)',
-        *(f'{t} if those at the same position are' for t in examples_text[1:]),
-      ]
-      symbols = ', '.join(
-        s.text(_signature.symbolic_dims(s.dims, index))
-        for index, s in enumerate(specs)
-        if s.dims is not None and None in s.dims[1:]
-      )
-      raise BadInputError(
-        f'--input-shape {given}: tracing {where} fails where its '
-        f'polymorphic dimensions meet ({_signature.summary(e)}). Each ? '
-        f'dimension is a size of its own (to JAX: {symbols}), which JAX '
-        'cannot know to equal another: name the dimensions that are always '
-        f'equal alike, e.g. {", or ".join(which)}.'
-      ) from e
-    if re.search(r'of type:? (AxisType\.)?Auto', str(e)):
-      raise BadInputError(
-        f'{where} is written for Explicit mesh axes (it says where results '
-        "go, with out_sharding= or jax.sharding.reshard), but the mesh's "
-        f'axes are Auto: JAX refuses it ({_signature.summary(e)}). Pass '
-        '--axis-types explicit (every axis, as jax.make_mesh gives), or '
-        'NAME=explicit for the axes it names.'
-      ) from e
-
-    def shown(index: int, change: tuple[int, int] | None) -> str:
-      # As the user wrote it, with the size at one position changed.
-      name, dims, *dtype = specs[index].text().split(':')
-      written = dims.split(',')
-      if change is not None:
-        written[change[0]] = str(change[1])
-      return ':'.join([name, ','.join(written), *dtype])
-
-    raise BadInputError(
-      _signature.unfit_message(
-        f'--input-shape {given}',
-        where,
-        e,
-        [s.dims for s in specs],
-        [s.name for s in specs],
-        shown,
-        'Pass one --input-shape per positional input, in order, with the '
-        'batch dimension first (e.g. x:1,128:int32).',
-      )
-    ) from e
 
 
 def traced_inputs(texts: Sequence[str], target: str) -> list[Any] | None:

@@ -2254,10 +2254,10 @@ def test_export_llm_style_saved_model(lm_checkpoint):
     (
       [*LM_SHAPES[:4], *LM_SHAPES[6:]],  # No cache:none.
       [
-        # Echoed as given.
-        '--input-shape tokens:1,t:int32, positions:1,t:int32, '
-        'mask:1,t,t:bool gives 3 arguments, but UserLM.__call__(tokens, '
-        'positions, cache, attention_mask) takes 4 positional arguments',
+        # Echoed as given, in save_saved_model's words.
+        'Expected --input-shape to fit UserLM.__call__(tokens, positions, '
+        'cache, attention_mask), which takes 4 positional arguments; got 3 '
+        'entries: tokens:1,t:int32, positions:1,t:int32, mask:1,t,t:bool.',
         'NAME:none for an argument passed as None (e.g. --input-shape '
         'cache:none)',
       ],
@@ -2270,7 +2270,8 @@ def test_export_llm_style_saved_model(lm_checkpoint):
         *('--input-shape', 'mask:1,?,?:bool'),
       ],
       [
-        'tracing UserLM.__call__ fails where its polymorphic dimensions meet',
+        'Tracing UserLM.__call__ for the SavedModel failed where its '
+        'polymorphic dimensions meet',
         'Each ? dimension is a size of its own (to JAX: '
         'tokens:b,d0_1:int32, positions:b,d1_1:int32, mask:b,d3_1,d3_2:bool)',
         'e.g. --input-shape tokens:b,t:int32 --input-shape '
@@ -2301,6 +2302,143 @@ def test_export_llm_style_bad_inputs(lm_checkpoint, args, fragments):
   out = tmp / 'bad'
   bad_input(_export_lm(tmp, out, *args), *fragments)
   assert not out.exists()
+
+
+def _lm_signature(*, cache=True, extra=False, lengths='t'):
+  """The Python `input_signature` that LM_SHAPES-like flags give."""
+  import tensorflow as tf
+
+  own = lengths == '?'
+  signature = [
+    tf.TensorSpec([None, None], tf.int32, name='tokens'),
+    tf.TensorSpec([None, None], tf.int32, name='positions'),
+    *([None] if cache else []),
+    tf.TensorSpec([None, None, None], tf.bool, name='mask'),
+    *([None] if extra else []),
+  ]
+  polymorphic = None if own else ['(b, t)', '(b, t)', None, '(b, t, t)']
+  return signature, polymorphic
+
+
+# The same bad input, as flags and as `input_signature`: (the flags, the
+# keywords of `save_saved_model`, the words both say).
+SAID_ALIKE = {
+  'arity': (
+    [*LM_SHAPES[:4], *LM_SHAPES[6:]],
+    dict(cache=False),
+    r'to fit UserLM\.__call__\(tokens, positions, cache, attention_mask\), '
+    r'which takes 4 positional arguments; got 3 entries: ',
+  ),
+  'slot': (
+    [*LM_SHAPES, '--input-shape', 'extra:none'],
+    dict(extra=True),
+    r'to fit UserLM\.__call__\(tokens, positions, cache, attention_mask\), '
+    r'which takes 4 positional arguments; got 5 entries: ',
+  ),
+  'own-symbol': (
+    [
+      *('--input-shape', 'tokens:1,?:int32'),
+      *('--input-shape', 'positions:1,?:int32'),
+      *('--input-shape', 'cache:none'),
+      *('--input-shape', 'mask:1,?,?:bool'),
+    ],
+    dict(lengths='?'),
+    r'^(error: )?Tracing UserLM\.__call__ for the SavedModel failed where '
+    r'its polymorphic dimensions meet \(.+\)\. .*a size of its own.*which '
+    r'JAX cannot know to equal another.* e\.g\. .* if all are one length '
+    r'\(e\.g\. a sequence length\), or .* if those at the same position '
+    r'are\.$',
+  ),
+}
+
+
+@pytest.mark.parametrize('check', list(SAID_ALIKE), ids=list(SAID_ALIKE))
+def test_served_inputs_are_refused_in_save_saved_model_s_words(
+  lm_checkpoint, tmp_path, check
+):
+  """One check of the served inputs (dtensor._serving): `flax-dtensor
+  export` and `fdt_tf.save_saved_model` refuse the same bad input with
+  the same message, each naming the inputs its own way."""
+  import jax
+
+  import flax_dtensor as fdt
+
+  flags, keywords, said = SAID_ALIKE[check]
+  tmp, _ = lm_checkpoint
+  line = bad_input(_export_lm(tmp, tmp_path / 'cli', *flags))
+  assert re.search(said, line), line
+  mesh = jax.make_mesh(
+    (8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  rules = [('features', 'data'), ('hidden', None), ('classes', None)]
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    model = user_lm()
+    signature, polymorphic = _lm_signature(**keywords)
+    with pytest.raises(fdt.ExportError, match=said):
+      fdt_tf.save_saved_model(
+        model,
+        tmp_path / 'python',
+        input_signature=signature,
+        polymorphic_shapes=polymorphic,
+      )
+  assert not (tmp_path / 'python').exists()
+  assert not (tmp_path / 'cli').exists()
+
+
+def test_a_forward_for_explicit_axes_on_auto_ones_is_refused_alike(tmp_path):
+  """The Auto-axes check of the served inputs: `flax-dtensor export` on
+  the default Auto axes and `fdt_tf.save_saved_model` of the model on an
+  Auto mesh say the same, each with its own fix."""
+  import jax
+  import orbax.checkpoint as ocp
+  import tensorflow as tf
+
+  import flax_dtensor as fdt
+
+  said = (
+    r'ExplicitNet\.__call__ is written for Explicit mesh axes \(it says '
+    r'where results go, with out_sharding= or jax\.sharding\.reshard\), but '
+    r"the mesh's axes are Auto: JAX refuses it \(.+\)\. "
+  )
+  (tmp_path / 'explicit_net.py').write_text(EXPLICIT_NET)
+  (tmp_path / 'rules.yaml').write_text(
+    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
+  )
+  namespace: dict = {}
+  exec(compile(EXPLICIT_NET, 'explicit_net.py', 'exec'), namespace)
+  with nnx.use_eager_sharding(False):
+    model = namespace['make']()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
+    checkpointer.wait_until_finished()
+  line = bad_input(
+    run_cli(
+      'export',
+      f'{tmp_path / "explicit_net.py"}:make',
+      *('--checkpoint', tmp_path / 'orbax', '--out', tmp_path / 'cli'),
+      *('--rules', tmp_path / 'rules.yaml'),
+      *('--saved-model', '--input-shape', 'x:1,16:float32'),
+    ),
+    'Pass --axis-types explicit',
+  )
+  assert re.search(said, line), line
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  with (
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules([('embed', None), ('mlp', 'model')]),
+  ):
+    model = namespace['make']()
+    with pytest.raises(
+      fdt.ExportError, match=said + r'Place the model on a mesh of Explicit'
+    ):
+      fdt_tf.save_saved_model(
+        model,
+        tmp_path / 'python',
+        input_signature=[tf.TensorSpec([None, 16], tf.float32, name='x')],
+      )
+  assert not (tmp_path / 'python').exists()
 
 
 @pytest.fixture(scope='module')

@@ -153,10 +153,10 @@ def save_saved_model(
       polymorphic dimensions of their own meet (with a
       `polymorphic_shapes` that names them alike), an input has a size
       the forward cannot take (JAX's refusal to contract two sizes: the
-      message names the input and the shape it needs), the result holds
-      something other than arrays and None, `directory` exists and
-      `overwrite` is false,
-      its parent is not writable, a variable cannot be exported,
+      message names the input and the shape it needs), the forward is
+      written for Explicit mesh axes and the mesh's are Auto, the result
+      holds something other than arrays and None, `directory` exists and
+      `overwrite` is false, its parent is not writable, a variable cannot be exported,
       `max_gather_bytes` is not a non-negative int, or, in a multi-process
       run, the variables take more than `max_gather_bytes`. Each error below
       is an ExportError too.
@@ -296,7 +296,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    traced = _traced(serving, served.inputs, where, mesh)
+    traced = _traced(_Forward(serving, where, mesh), served.inputs)
     _serialization.check_readable(traced.concrete, 'save_saved_model')
     if traced.inputs.multiples:
       _output.warn(
@@ -340,6 +340,17 @@ class _Traced:
   refused_serving_mesh: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """What `_traced` traces: the served `tf.function` for given inputs
+  (`serving`), the method's name in messages, and the mesh the model's
+  variables are on (None if not one)."""
+
+  serving: Callable[[_signature.Inputs], Any]
+  where: str
+  mesh: jax.sharding.Mesh | None
+
+
 # The most times the served function is traced on the caller's mesh: once,
 # once more under the model's mesh, and once per symbol made a multiple of
 # a mesh axis's size.
@@ -367,7 +378,61 @@ def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
   )
 
 
-def traced_where_served(
+def check_served(
+  module: Any,
+  method: str,
+  inputs: _signature.Inputs,
+  examples: Sequence[jax.ShapeDtypeStruct],
+) -> None:
+  """Traces `method` of the abstract `module` on abstract inputs, before
+  any work, where `save_saved_model` traces it (`_traced_where_served`):
+  refuses what the export would, and only that, in the caller's words
+  (`inputs.wording`). Nothing is computed.
+
+  `examples` are the inputs of `inputs.specs`, in order, with their
+  polymorphic shapes (``jax.export.symbolic_shape``).
+
+  Raises:
+    ExportError: If tracing fails: where polymorphic dimensions of their
+      own meet, where a forward written for Explicit mesh axes meets Auto
+      ones, or otherwise (the inputs do not fit the method, with JAX's
+      error); or if the result holds something other than arrays and None.
+  """
+  where = f'{type(module).__name__}.{method}'
+
+  def call(model: Any, *arrays: Any) -> Any:
+    result = getattr(model, method)(*inputs.arguments(arrays))
+    return _signature.named_outputs(result, where)
+
+  # The exported function gets the variables as plain arrays, on no mesh.
+  graphdef, state = nnx.split(module)
+  plain = nnx.merge(
+    graphdef,
+    jax.tree.map(
+      lambda a: (
+        jax.ShapeDtypeStruct(a.shape, a.dtype)
+        if isinstance(a, jax.ShapeDtypeStruct | jax.Array)
+        else a
+      ),
+      state,
+    ),
+  )
+  try:
+    _traced_where_served(
+      lambda: nnx.eval_shape(call, plain, *examples),
+      lambda: nnx.eval_shape(call, module, *examples),
+    )
+  except _errors.FlaxDTensorError:
+    raise
+  except Exception as e:
+    raise (
+      _signature.shapes_error(inputs, e, where)
+      or _signature.auto_axes_error(inputs, e, where)
+      or _signature.unfit_error(inputs, e, where, any_error=True)
+    ) from e
+
+
+def _traced_where_served(
   on_serving_mesh: Callable[[], Any], in_context: Callable[[], Any]
 ) -> Any:
   """A trace of the forward where `save_saved_model` traces it: under the
@@ -375,9 +440,6 @@ def traced_where_served(
   with the variables as plain arrays (`on_serving_mesh`), as the exported
   function receives them; else, or if it fails there, as the caller has
   it (`in_context`).
-
-  The command line's check of its inputs, before any work, so that it
-  refuses what the export would, and only that.
   """
   served_on = serving_mesh(_meshes.current_mesh())
   if served_on is not None:
@@ -389,42 +451,32 @@ def traced_where_served(
   return in_context()
 
 
-def _traced(
-  serving: Callable[[_signature.Inputs], Any],
-  inputs: _signature.Inputs,
-  where: str,
-  mesh: jax.sharding.Mesh | None,
-) -> _Traced:
+def _traced(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
   """The serving function of `serving(inputs)`, traced as JAX runs it.
 
   On a mesh with Explicit axes (the caller's, else the one the model's
-  variables are on, `mesh`), first under its `serving_mesh`, where every
+  variables are on, `forward.mesh`), first under its `serving_mesh`, where every
   size of a polymorphic dimension traces. If the forward does not trace
   there (it names the mesh itself, say ``NamedSharding(mesh, ...)``), and
   on any other mesh, it is traced as the caller has it, by
   `_traced_in_context`.
   """
   context = _meshes.current_mesh()
-  served_on = serving_mesh(context if context is not None else mesh)
+  served_on = serving_mesh(context if context is not None else forward.mesh)
   if served_on is None:
-    return _traced_in_context(serving, inputs, where, mesh)
-  function = serving(inputs)
+    return _traced_in_context(forward, inputs)
+  function = forward.serving(inputs)
   try:
     with jax.set_mesh(served_on):
       concrete = function.get_concrete_function()
     return _Traced(function, concrete, inputs, served_on)
   except Exception as e:  # Traced again as the caller has it, below.
     refused = _signature.summary(e)
-  traced = _traced_in_context(serving, inputs, where, mesh)
+  traced = _traced_in_context(forward, inputs)
   return dataclasses.replace(traced, refused_serving_mesh=refused)
 
 
-def _traced_in_context(
-  serving: Callable[[_signature.Inputs], Any],
-  inputs: _signature.Inputs,
-  where: str,
-  mesh: jax.sharding.Mesh | None,
-) -> _Traced:
+def _traced_in_context(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
   """The serving function traced as the caller's context has it.
 
   With two exceptions that JAX itself asks for, each traced again:
@@ -441,14 +493,16 @@ def _traced_in_context(
 
   A failure where polymorphic dimensions of their own meet
   (`_signature.shapes_error`), where a dimension cannot be made to divide
-  (`_signature.divisibility_error`), where an input has a size the forward
+  (`_signature.divisibility_error`), where a forward written for Explicit
+  axes meets Auto ones (`_signature.auto_axes_error`), where an input has a
+  size the forward
   cannot take (`_signature.unfit_error`), where the forward changes the model
   (training mode), or a bare constraint with no mesh anywhere, is put in
   our words.
   """
   trace_mesh = None
   for attempt in range(_MOST_TRACES):
-    function = serving(inputs)
+    function = forward.serving(inputs)
     try:
       with _mesh_set(trace_mesh):
         concrete = function.get_concrete_function()
@@ -459,22 +513,22 @@ def _traced_in_context(
       last = attempt == _MOST_TRACES - 1
       needs_mesh = any(words in str(e) for words in _NEEDS_MESH)
       if needs_mesh and trace_mesh is None and not last:
-        if mesh is not None and _meshes.current_mesh() is None:
-          trace_mesh = mesh
+        if forward.mesh is not None and _meshes.current_mesh() is None:
+          trace_mesh = forward.mesh
           continue
       if needs_mesh:
         raise _errors.ExportError(
-          f'Tracing {where} for the SavedModel failed: it constrains a '
-          'sharding with a bare PartitionSpec, which needs a mesh in '
-          'context, and none is set, nor are the exported variables laid '
-          f'out on one ({e}). Export inside `with jax.set_mesh(mesh):`, '
+          f'Tracing {forward.where} for the SavedModel failed: it '
+          'constrains a sharding with a bare PartitionSpec, which needs a '
+          'mesh in context, and none is set, nor are the exported variables '
+          f'laid out on one ({e}). Export inside `with jax.set_mesh(mesh):`, '
           'with the mesh the forward pass constrains over.'
         ) from e
       mutated = _MUTATED.search(str(e))
       if isinstance(e, flax.errors.TraceContextError) and mutated:
         raise _errors.ExportError(
-          f'Tracing {where} for the SavedModel failed: it changes the '
-          f"model's {mutated[1]} (Flax: {_signature.summary(e)}), as a "
+          f'Tracing {forward.where} for the SavedModel failed: it changes '
+          f"the model's {mutated[1]} (Flax: {_signature.summary(e)}), as a "
           'model in training mode does: Dropout draws from its nnx.Rngs, '
           'BatchNorm updates its statistics. A served function cannot '
           'change the model: export it in inference mode, '
@@ -487,9 +541,10 @@ def _traced_in_context(
         inputs = more
         continue
       error = (
-        _signature.shapes_error(inputs, e, where)
-        or _signature.divisibility_error(inputs, e, where)
-        or _signature.unfit_error(inputs, e, where)
+        _signature.shapes_error(inputs, e, forward.where)
+        or _signature.divisibility_error(inputs, e, forward.where)
+        or _signature.auto_axes_error(inputs, e, forward.where)
+        or _signature.unfit_error(inputs, e, forward.where)
       )
       if error is None:
         raise

@@ -5,13 +5,16 @@
 None, and no input of the signature (`inputs`). Each input has a jax2tf
 polymorphic shape: a TF spec's leading None is the batch 'b', any other None
 a size of its own (`symbol`). The method's result is served as named arrays
-(`named_outputs`).
+(`named_outputs`). When the inputs do not fit, one check decides (here and
+in `_saved_model`), and says it in the caller's words (`Wording`): those of
+`input_signature`, or the command line's ``--input-shape`` flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -219,6 +222,93 @@ def parameters(module: Any, method: str) -> Parameters | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Wording:
+  """How the caller writes the served inputs, for the messages about them.
+
+  `save_saved_model` words them as its `input_signature` (the default of
+  `inputs`), the command line as its ``--input-shape`` flags: each check
+  decides once, and says it so.
+
+  Attributes:
+    name: What the inputs are passed as, e.g. '`input_signature`'.
+    listing: Every entry, as the caller wrote it.
+    write: Argument `index` written the caller's way, with dimensions
+      `dims` (sizes and symbols).
+    show: Argument `index` as written, with ``change = (position, size)``
+      if given (`unfit_message`).
+    suggest: Every argument's dimensions (None for None), as the caller
+      would pass them.
+    own_symbols: What the listed symbols of their own are, given their
+      listing (a sentence).
+    arity_fix: How to give one entry per positional parameter.
+    alike_fix: How to name equal dimensions alike (before 'e.g.').
+    unfit_fix: How to give inputs of the shapes the method takes.
+    auto_fix: How to trace on Explicit mesh axes.
+  """
+
+  name: str
+  listing: str
+  write: Callable[[int, Sequence[Any]], str]
+  show: Callable[[int, tuple[int, int] | None], str]
+  suggest: Callable[[Sequence[Dims | None]], str]
+  own_symbols: Callable[[str], str]
+  arity_fix: str
+  alike_fix: str
+  unfit_fix: str
+  auto_fix: str
+
+
+def _signature_wording(
+  input_signature: Sequence[Any], specs: Sequence[Any], slots: Sequence[Any]
+) -> Wording:
+  """The words of `save_saved_model`: its `input_signature`."""
+  names = ['None' if s is None else specs[s].name for s in slots]
+
+  def show(index: int, change: tuple[int, int] | None) -> str:
+    s = slots[index]
+    shape = None if s is None else specs[s].shape
+    dims = [] if shape is None or shape.rank is None else shape.as_list()
+    if change is not None:
+      dims[change[0]] = change[1]
+    return f'{names[index]} {dims}'
+
+  return Wording(
+    name='`input_signature`',
+    listing='[' + ', '.join(_describe(e) for e in input_signature) + ']',
+    write=lambda index, dims: f'{names[index]} {shape_text(dims)}',
+    show=show,
+    suggest=lambda arguments: (
+      'polymorphic_shapes='
+      + repr([None if dims is None else shape_text(dims) for dims in arguments])
+    ),
+    own_symbols=lambda listing: (
+      "In `input_signature`, a leading None is the batch 'b', shared by "
+      'every input, and any other None is a size of its own, which JAX '
+      f'cannot know to equal another: {listing}.'
+    ),
+    arity_fix=(
+      'Give one entry per positional parameter, in order: a tf.TensorSpec '
+      '(or jax.ShapeDtypeStruct) for an array, None for an argument passed '
+      'as None (e.g. an empty cache); give keyword-only parameters a '
+      'default.'
+    ),
+    alike_fix=(
+      'Give the dimensions that are always equal one name with '
+      '`polymorphic_shapes=` (one per entry of `input_signature`)'
+    ),
+    unfit_fix=(
+      'Give one entry per positional parameter, in order, each of the shape '
+      'the method takes (the batch dimension first).'
+    ),
+    auto_fix=(
+      'Place the model on a mesh of Explicit axes, as `jax.make_mesh` gives '
+      'by default (or with `axis_types=` Explicit for the axes it names), '
+      'and export it there.'
+    ),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class Inputs:
   """A served method's arguments: TF inputs, and the ones passed as None.
 
@@ -227,8 +317,11 @@ class Inputs:
     polymorphic: The jax2tf polymorphic shape of each input.
     slots: For each positional argument of the method, the index of its
       input in `specs`, or None for an argument passed as None.
-    derived: Whether `polymorphic` was derived from the specs (by
-      `symbol`), not given by the caller.
+    wording: How the caller wrote them, for messages.
+    written: Each argument's dimensions as the caller wrote them (a size,
+      a name, or None: a symbol of its own), None for an argument passed
+      as None; None when the caller named every dimension itself
+      (`polymorphic_shapes`).
     multiples: (symbol, multiple) of each symbol the export made a
       multiple of a number (`narrowed`), for JAX to split it over devices.
   """
@@ -236,7 +329,8 @@ class Inputs:
   specs: tuple[Any, ...]
   polymorphic: tuple[str | None, ...]
   slots: tuple[int | None, ...]
-  derived: bool
+  wording: Wording
+  written: tuple[Dims | None, ...] | None
   multiples: tuple[tuple[str, int], ...] = ()
 
   def arguments(self, arrays: Sequence[Any]) -> list[Any]:
@@ -269,8 +363,16 @@ def inputs(
   method: str,
   input_signature: Sequence[Any],
   polymorphic_shapes: Sequence[str | None] | None,
+  *,
+  wording: Wording | None = None,
+  written: Sequence[Dims | None] | None = None,
 ) -> Inputs:
   """The served signature's inputs, checked against the method.
+
+  `wording` says them in the caller's words (default: `input_signature`'s);
+  `written` is each argument's dimensions as the caller wrote them (None:
+  a symbol of its own), default those of `input_signature` when no
+  `polymorphic_shapes` names them.
 
   Raises:
     ExportError: If `method` is not a method of `module`, `input_signature`
@@ -299,19 +401,28 @@ def inputs(
     slots.append(len(specs))
     specs.append(spec)
     polymorphic.append(shape)
+  if wording is None:
+    wording = _signature_wording(input_signature, specs, slots)
   found = parameters(module, method)
   if found is not None and not found.fits(len(slots)):
-    given = ', '.join(_describe(e) for e in input_signature)
     entries = 'entry' if len(slots) == 1 else 'entries'
     raise _errors.ExportError(
-      f'Expected `input_signature` to fit {found.method}, which '
-      f'{found.takes()}; got {len(slots)} {entries}: [{given}]. Give one '
-      'entry per positional parameter, in order: a tf.TensorSpec (or '
-      'jax.ShapeDtypeStruct) for an array, None for an argument passed as '
-      'None (e.g. an empty cache); give keyword-only parameters a default.'
+      f'Expected {wording.name} to fit {found.method}, which '
+      f'{found.takes()}; got {len(slots)} {entries}: {wording.listing}. '
+      f'{wording.arity_fix}'
     )
+  if written is None and polymorphic_shapes is None:
+    written = [
+      None
+      if s is None or specs[s].shape.rank is None
+      else tuple(specs[s].shape.as_list())
+      for s in slots
+    ]
+  written = None if written is None else tuple(written)
   if polymorphic_shapes is None:
-    return Inputs(tuple(specs), tuple(polymorphic), tuple(slots), True)
+    return Inputs(
+      tuple(specs), tuple(polymorphic), tuple(slots), wording, written
+    )
   shapes = list(polymorphic_shapes)
   if len(shapes) == len(slots) and len(slots) != len(specs):
     given = [shapes[i] for i, s in enumerate(slots) if s is None]
@@ -334,7 +445,7 @@ def inputs(
       f'Expected one polymorphic shape per input ({len(specs)}){also}, got '
       f'{len(polymorphic_shapes)}: {polymorphic_shapes!r}.'
     )
-  return Inputs(tuple(specs), tuple(shapes), tuple(slots), False)
+  return Inputs(tuple(specs), tuple(shapes), tuple(slots), wording, written)
 
 
 # When tracing fails: symbols of their own
@@ -343,12 +454,7 @@ def inputs(
 
 def _chain_text(error: BaseException | None) -> str:
   """The messages of `error` and of what it was raised from, a line each."""
-  texts, seen = [], set()
-  while error is not None and id(error) not in seen and len(seen) < 8:
-    seen.add(id(error))
-    texts.append(str(error))
-    error = error.__cause__ or error.__context__
-  return '\n'.join(texts)
+  return '\n'.join(str(e) for e in itertools.islice(_errors.causes(error), 8))
 
 
 def names_a_symbol(error: BaseException, symbols: Collection[str]) -> bool:
@@ -409,32 +515,44 @@ def shapes_error(
   the caller did not name, or the error does not name one: then it is not
   about them.
   """
-  arguments = inputs_.dims()
-  own = own_symbols(arguments) if inputs_.derived else set()
+  arguments = inputs_.written
+  own = set() if arguments is None else own_symbols(arguments)
   if not own or not names_a_symbol(error, own):
     return None
+  wording = inputs_.wording
   listing = ', '.join(
-    f'{spec.name} {shape}'
-    for spec, shape in zip(inputs_.specs, inputs_.polymorphic, strict=True)
-    if shape is not None
+    wording.write(index, symbolic_dims(dims, index))
+    for index, dims in enumerate(arguments)
+    if dims is not None and None in dims[1:]
   )
-  examples = [
-    'polymorphic_shapes='
-    + repr([None if dims is None else shape_text(dims) for dims in example])
-    for example in suggested_dims(arguments)
-  ]
+  examples = [wording.suggest(example) for example in suggested_dims(arguments)]
   which = [
     f'{examples[0]} if all are one length (e.g. a sequence length)',
     *(f'{e} if those at the same position are' for e in examples[1:]),
   ]
   return _errors.ExportError(
     f'Tracing {where} for the SavedModel failed where its polymorphic '
-    f'dimensions meet ({summary(error)}). In `input_signature`, a leading '
-    "None is the batch 'b', shared by every input, and any other None is a "
-    f'size of its own, which JAX cannot know to equal another: {listing}. '
-    'Give the dimensions that are always equal one name with '
-    '`polymorphic_shapes=` (one per entry of `input_signature`), e.g. '
-    f'{", or ".join(which)}.'
+    f'dimensions meet ({summary(error)}). {wording.own_symbols(listing)} '
+    f'{wording.alike_fix}, e.g. {", or ".join(which)}.'
+  )
+
+
+# JAX's refusal of a forward written for Explicit mesh axes (it says where
+# results go) on Auto ones.
+_ON_AUTO_AXES = re.compile(r'of type:? (AxisType\.)?Auto')
+
+
+def auto_axes_error(
+  inputs_: Inputs, error: BaseException, where: str
+) -> _errors.ExportError | None:
+  """Our error for a forward written for Explicit mesh axes, traced on Auto
+  ones; None when JAX's error is not that refusal."""
+  if not _ON_AUTO_AXES.search(_chain_text(error)):
+    return None
+  return _errors.ExportError(
+    f'{where} is written for Explicit mesh axes (it says where results go, '
+    "with out_sharding= or jax.sharding.reshard), but the mesh's axes are "
+    f'Auto: JAX refuses it ({summary(error)}). {inputs_.wording.auto_fix}'
   )
 
 
@@ -542,37 +660,30 @@ def unfit_message(
 
 
 def unfit_error(
-  inputs_: Inputs, error: BaseException, where: str
+  inputs_: Inputs,
+  error: BaseException,
+  where: str,
+  *,
+  any_error: bool = False,
 ) -> _errors.ExportError | None:
   """Our error for an input of a size the forward refuses (`misfit`);
-  None when JAX's error is not about two sizes that must be equal.
+  None when JAX's error is not about two sizes that must be equal, unless
+  `any_error` (then JAX's error is said as it is).
   """
-  if not any(p.search(_chain_text(error)) for p in _UNEQUAL_SIZES):
+  if not any_error and not any(
+    p.search(_chain_text(error)) for p in _UNEQUAL_SIZES
+  ):
     return None
-  given = ', '.join(
-    'None' if s is None else _describe(inputs_.specs[s]) for s in inputs_.slots
-  )
-  arguments = inputs_.dims()
-  names = [
-    'None' if s is None else inputs_.specs[s].name for s in inputs_.slots
-  ]
-
-  def show(index: int, change: tuple[int, int] | None) -> str:
-    dims = list(arguments[index] or ())
-    if change is not None:
-      dims[change[0]] = change[1]
-    return f'{names[index]} {dims}'
-
+  wording = inputs_.wording
   return _errors.ExportError(
     unfit_message(
-      f'`input_signature` [{given}]',
+      f'{wording.name} {wording.listing}',
       where,
       error,
-      arguments,
-      names,
-      show,
-      'Give one entry per positional parameter, in order, each of the shape '
-      'the method takes (the batch dimension first).',
+      inputs_.dims(),
+      ['None' if s is None else inputs_.specs[s].name for s in inputs_.slots],
+      wording.show,
+      wording.unfit_fix,
     )
   )
 

@@ -3,7 +3,10 @@
 `_plan` builds a `ShardingPlan` (`_plan_view` renders it for a terminal,
 `_plan_html` for Jupyter, `_plan_blocks` draws the blocks each device
 holds, `_plan_chart` its memory as pictures, `_plan_diff` compares two),
-`_check` lints rules against a model, `_memory` counts a
-training step's bytes per device, `_suggest` proposes rules for a model
-nobody annotated from the `_presets`.
+`_check` lints rules against a model, `_memory` counts a training step's
+bytes per device. `_suggest` proposes rules for a model, composing
+`_suggest_roles` (the mesh axes' roles and each logical name's targets),
+`_suggest_search` (the rules of the variables without logical names, from
+the `_presets` or the generic proposal, for a budget) and
+`_suggest_forward` (the names only the forward uses).
 """

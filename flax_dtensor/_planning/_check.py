@@ -18,7 +18,7 @@ import jax
 
 from flax_dtensor import _errors, _text
 from flax_dtensor._placement import _init, _placing, _trees, _variables
-from flax_dtensor._planning import _plan, _plan_view, _suggest
+from flax_dtensor._planning import _plan, _plan_view, _suggest_forward
 from flax_dtensor._rules import (
   _context,
   _logical,
@@ -434,7 +434,7 @@ def _activation_clash_findings(
   activations = [
     n
     for n in dict.fromkeys(n for n, _ in pairs)
-    if n not in used and _suggest.batch_like(n)
+    if n not in used and _suggest_forward.batch_like(n)
   ]
   out = []
   for name in activations:

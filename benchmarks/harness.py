@@ -6,11 +6,12 @@ launcher of a case's several processes (`launch`, `jax_of_process`).
 
 In `run.py`'s process: a case's record (`case`: its parameters, the method
 of each role, the ratios to report), the fresh-process runner (`measure`:
-one ``measure.py CASE METHOD PARAMS``, its one JSON line), the repeats
-taking turns between the roles and their min / median / max and ratios of
-the medians (`run`), the growth of the scaling groups (`growth`), the
-machine's description, and the terminal's lines (`print_line`,
-`print_growth`).
+one ``measure.py CASE METHOD PARAMS``, its one JSON line), the one-process
+runner (`measure_in_one`: a case's every measurement in one ``measure.py
+--jobs`` process, ``run.py --one-process``), the repeats taking turns
+between the roles and their min / median / max and ratios of the medians
+(`run`), the growth of the scaling groups (`growth`), the machine's
+description, and the terminal's lines (`print_line`, `print_growth`).
 """
 
 from __future__ import annotations
@@ -159,11 +160,16 @@ def case(case, params, methods, ratios=(), repeat=None, note=''):
   }
 
 
-def measure(case, method, params, repo, timeout):
+def _measure_env(repo):
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
     [str(repo)] + [p for p in [env.get('PYTHONPATH')] if p]
   )
+  return env
+
+
+def measure(case, method, params, repo, timeout):
+  env = _measure_env(repo)
   try:
     proc = subprocess.run(
       [
@@ -185,6 +191,46 @@ def measure(case, method, params, repo, timeout):
     tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
     return {'error': f'exit {proc.returncode}: {tail[:300]}'}
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_in_one(jobs, repo, timeout):
+  """Every ``(case, method, params)`` of `jobs` in one fresh process, in
+  turn: their results, in order (``run.py --one-process``).
+
+  What one process cannot give is each method's own peak: the device's
+  peak bytes are the process's since its start (JAX cannot reset them), so
+  none is claimed (`device_peak_bytes` is None, and where the device kept
+  a count, `device_peak_unattributed` says so); the RSS window is each
+  step's (`reset_peak`), but over the heap and caches the methods before
+  it left.
+  """
+  env = _measure_env(repo)
+  try:
+    proc = subprocess.run(
+      [sys.executable, str(MEASURE), '--jobs', json.dumps(jobs)],
+      capture_output=True,
+      text=True,
+      timeout=timeout * max(1, len(jobs)),
+      env=env,
+      check=False,
+    )
+  except subprocess.TimeoutExpired:
+    return [{'error': f'timed out after {timeout:.0f} s a job'}] * len(jobs)
+  results = [
+    json.loads(line.removeprefix('JOB '))
+    for line in proc.stdout.splitlines()
+    if line.startswith('JOB ')
+  ]
+  for r in results:
+    if r.get('device_peak_bytes') is not None:
+      # The process's peak, not the method's: none is claimed.
+      r['device_peak_bytes'] = None
+      r['device_peak_unattributed'] = True
+  if len(results) < len(jobs):  # The process died: the rest did not run.
+    tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
+    error = {'error': f'exit {proc.returncode}: {tail[:300]}'}
+    results += [error] * (len(jobs) - len(results))
+  return results
 
 
 def _spread(values):
@@ -217,6 +263,7 @@ def _summary(runs):
     'shard_shape',
     'device',
     'tensorflow_imported',
+    'device_peak_unattributed',
   ):
     if key in ok[0]:
       out[key] = ok[0][key]
@@ -377,7 +424,10 @@ def print_growth(grown):
       )
 
 
-def run(groups, repeat, repo, timeout, label, roles):
+def run(groups, repeat, repo, timeout, label, roles, one_process=False):
+  """Measures each case of `groups`: each measurement in a fresh process,
+  or, `one_process`, each case's every measurement in one
+  (`measure_in_one`)."""
   results = []
   for group, cases in groups.items():
     for spec in cases:
@@ -397,6 +447,8 @@ def run(groups, repeat, repo, timeout, label, roles):
         },
         'methods': {},
       }
+      if one_process:  # Not a benchmark of memory (`measure_in_one`).
+        entry['measured']['one_process'] = True
       chosen = {
         role: method
         for role, method in spec['methods'].items()
@@ -405,11 +457,20 @@ def run(groups, repeat, repo, timeout, label, roles):
       # Repeats take turns between the roles, so that a machine busier for
       # a while slows every role alike rather than one.
       runs = {role: [] for role in chosen}
-      for _ in range(n):
-        for role, method in chosen.items():
-          runs[role].append(
-            measure(spec['case'], method, spec['params'], repo, timeout)
-          )
+      turns = [role for _ in range(n) for role in chosen]
+      if one_process:
+        measured = measure_in_one(
+          [[spec['case'], chosen[r], spec['params']] for r in turns],
+          repo,
+          timeout,
+        )
+      else:
+        measured = (
+          measure(spec['case'], chosen[r], spec['params'], repo, timeout)
+          for r in turns
+        )
+      for role, result in zip(turns, measured, strict=True):
+        runs[role].append(result)
       for role, method in chosen.items():
         entry['methods'][role] = {'method': method} | _summary(runs[role])
         print_line(group, spec['params'], role, entry['methods'][role])

@@ -16,6 +16,12 @@ step. Results go to ``--out`` as JSON, under ``--label`` (the docs'
 benchmarks page reads ``benchmarks/results.json``: ``current``, and
 ``before`` if present), and to the terminal. ``--repo`` measures another
 checkout of flax_dtensor (its package first on ``PYTHONPATH``).
+
+``--one-process`` runs each case's measurements in one fresh process
+instead of one each (`harness.measure_in_one`): a check that the groups
+run, not a benchmark of memory (no device peak is claimed, and each RSS
+window starts over what the methods before it left); the suite runs the
+`gpu` group so (tests/core/gpu_benchmark_test.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ def main() -> None:
     '--roles', help='Comma-separated roles to measure (default: all).'
   )
   parser.add_argument('--timeout', type=float, default=3600)
+  parser.add_argument(
+    '--one-process',
+    action='store_true',
+    help="Each case's measurements in one process (no memory peaks).",
+  )
   parser.add_argument('--out', default=str(HERE / 'results.json'))
   args = parser.parse_args()
   groups = benchmark_groups.grids(quick=args.quick)
@@ -58,7 +69,13 @@ def main() -> None:
     f'{"min":>8} {"median":>8} {"max":>8}     peak RSS above baseline'
   )
   report = harness.run(
-    groups, repeat, args.repo, args.timeout, args.label, roles
+    groups,
+    repeat,
+    args.repo,
+    args.timeout,
+    args.label,
+    roles,
+    one_process=args.one_process,
   )
   out = pathlib.Path(args.out)
   previous = json.loads(out.read_text()) if out.exists() else {}

@@ -19,12 +19,9 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from flax import nnx
-from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources, _variables
-from flax_dtensor._rules import _context, _logical
 from flax_dtensor.dtensor import _processes, _tf, _tf_errors
 from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import (
@@ -384,18 +381,11 @@ def _translated(path: str) -> Iterator[None]:
     yield
 
 
+@_target.takes_restore_options
 def restore_checkpoint(
   directory: str | os.PathLike[str],
   target: A,
-  *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = nnx.RngState,
-  mesh: jax.sharding.Mesh | None = None,
-  rules: _logical.RulesLike | None = None,
-  allow_extra: bool = False,
-  convert_dtypes: bool = False,
-  rng_seed: int | None = None,
-  progress: bool | None = None,
+  options: _target.RestoreOptions,
 ) -> A:
   """Restores NNX variables from a checkpoint, sharded as the target says.
 
@@ -482,17 +472,14 @@ def restore_checkpoint(
     ...   model = restore_checkpoint('/tmp/ckpt', abstract)
   """
   path = _paths.local(directory, 'checkpoint directory')
-  rules_ = _context.rules_in_effect(rules)
-  entries = _selection.select(target, include, exclude, what='target')
+  entries = options.entries(target)
   with _processes.session(
     f'the restore from {path!r}', 'The target was not changed.'
   ):
-    arrays = _read_all(
-      path, target, entries, mesh, rules_, allow_extra, convert_dtypes, progress
-    )
+    arrays = _read_all(path, target, entries, options)
     # Every process has its part, or none changes its target.
     _processes.sync('restored')
-  return _target.fill(target, entries, arrays, rng_seed)
+  return _target.fill(target, entries, arrays, options.rng_seed)
 
 
 # A damaged file fails a TF op, which logs to stderr before our error.
@@ -501,11 +488,7 @@ def _read_all(
   path: str,
   target: Any,
   entries: Sequence[_selection.Entry],
-  mesh: jax.sharding.Mesh | None,
-  rules: _logical.LogicalRules | _context.FlaxRules,
-  allow_extra: bool,
-  convert_dtypes: bool,
-  progress: bool | None,
+  options: _target.RestoreOptions,
 ) -> list[jax.Array]:
   """The restore's reading: checks, then every entry read and placed."""
   _background.wait_for(path)  # A save of this process to it finishes first.
@@ -517,15 +500,17 @@ def _read_all(
   source = _sources.Source(
     f'The checkpoint {prefix!r}', 'a checkpoint', 'saved', keys=True
   )
-  extra = _sources.check_extra(target, held, source, allow_extra)
+  extra = _sources.check_extra(target, held, source, options.allow_extra)
   kinds = [
     (h.stored, h.saved)
     for h in _sources.check_held(
-      entries, held, source, convert_dtypes, extra=extra
+      entries, held, source, options.convert_dtypes, extra=extra
     )
   ]
-  show = _convert.show_progress(progress, len(entries))
-  shardings = _target.target_shardings(entries, mesh, rules)
+  show = _convert.show_progress(options.progress, len(entries))
+  shardings = _target.target_shardings(
+    entries, options.mesh, options.rules_in_effect()
+  )
   _output.announce(show, f'reading {len(entries)} variables from {prefix}')
   with (
     _damage_named(manifest),

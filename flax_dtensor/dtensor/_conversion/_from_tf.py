@@ -16,17 +16,14 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from flax import nnx
-from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor._placement import _sources
-from flax_dtensor._rules import _context, _logical, _meshes
+from flax_dtensor._rules import _meshes
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._conversion import (
   _convert,
   _names,
-  _selection,
   _target,
 )
 from flax_dtensor.dtensor._layout import _arrays, _layouts, _pieces, _topology
@@ -178,18 +175,11 @@ def _placed_by_jax(
   return jax.device_put(array, sharding)
 
 
+@_target.takes_restore_options
 def from_tf_module(
   tf_module_or_dvariables: Any,
   target: A,
-  *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = nnx.RngState,
-  mesh: jax.sharding.Mesh | None = None,
-  rules: _logical.RulesLike | None = None,
-  allow_extra: bool = False,
-  convert_dtypes: bool = False,
-  rng_seed: int | None = None,
-  progress: bool | None = None,
+  options: _target.RestoreOptions,
 ) -> A:
   """Returns TF variables as a sharded NNX model or state, in memory.
 
@@ -265,19 +255,20 @@ def from_tf_module(
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """
-  rules_ = _context.rules_in_effect(rules)
-  entries = _selection.select(target, include, exclude, what='target')
+  entries = options.entries(target)
   variables, source = _variables_of(tf_module_or_dvariables)
   held = {p: _held(v) for p, v in variables.items()}
-  extra = _sources.check_extra(target, held, source, allow_extra)
+  extra = _sources.check_extra(target, held, source, options.allow_extra)
   kinds = _sources.check_held(
-    entries, held, source, convert_dtypes, extra=extra
+    entries, held, source, options.convert_dtypes, extra=extra
   )
-  shardings = _target.target_shardings(entries, mesh, rules_)
-  show = _convert.show_progress(progress, len(entries))
+  shardings = _target.target_shardings(
+    entries, options.mesh, options.rules_in_effect()
+  )
+  show = _convert.show_progress(options.progress, len(entries))
   several = jax.process_count() > 1
   # A DTensor mesh not built here is looked up in this mesh's axes.
-  context = _meshes.mesh_for(mesh=mesh)
+  context = _meshes.mesh_for(mesh=options.mesh)
   jax_mesh = context if isinstance(context, jax.sharding.Mesh) else None
   tf = _tf.tf()
   arrays = []
@@ -299,4 +290,4 @@ def from_tf_module(
         array = _placed_on_host(value, e.shape, sharding)
       arrays.append(_target.as_target(array, e, h.saved))
       advance(1)
-  return _target.fill(target, entries, arrays, rng_seed)
+  return _target.fill(target, entries, arrays, options.rng_seed)

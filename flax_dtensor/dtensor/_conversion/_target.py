@@ -1,22 +1,27 @@
 """Restore targets: where each array goes, and what a source must hold.
 
 Shared by `restore_checkpoint` (from disk) and `from_tf_module` (from TF
-variables in memory). `target_shardings` gives each selected variable the
-sharding the rules in effect say (`_spec.spec_of_variable`), or its
-value's own; `fill` puts the placed arrays into the target, an abstract
-one entirely. What a source must hold is checked by `_sources`.
+variables in memory), which take the same keywords (`RestoreOptions`,
+given to each by `takes_restore_options`). `target_shardings` gives each
+selected variable the sharding the rules in effect say
+(`_spec.spec_of_variable`), or its value's own; `fill` puts the placed
+arrays into the target, an abstract one entirely. What a source must hold is checked by `_sources`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import filterlib
 from jax.experimental.layout import Format, Layout
 
 from flax_dtensor import _errors
@@ -260,3 +265,77 @@ def _rng_value(path: Any, abstract: jax.ShapeDtypeStruct, seed: int) -> Any:
   else:
     value = jnp.zeros(abstract.shape, abstract.dtype)  # An nnx.Rngs count.
   return jax.device_put(value, sharding) if sharding is not None else value
+
+
+# The keywords of a restore
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestoreOptions:
+  """The keywords of every restore, with their defaults, written once.
+
+  `restore_checkpoint` and `from_tf_module` take them (`takes_restore_options`
+  gives each its public signature); see either for what each means.
+  """
+
+  include: filterlib.Filter = ...
+  exclude: filterlib.Filter = nnx.RngState
+  mesh: jax.sharding.Mesh | None = None
+  rules: _logical.RulesLike | None = None
+  allow_extra: bool = False
+  convert_dtypes: bool = False
+  rng_seed: int | None = None
+  progress: bool | None = None
+
+  def entries(self, target: Any) -> list[_selection.Entry]:
+    """The target's variables these options select."""
+    return _selection.select(target, self.include, self.exclude, what='target')
+
+  def rules_in_effect(self) -> _logical.LogicalRules | _context.FlaxRules:
+    """The rules these options place annotated variables by."""
+    return _context.rules_in_effect(self.rules)
+
+
+_S = TypeVar('_S')
+_T = TypeVar('_T')
+_P = ParamSpec('_P')
+
+
+def _keywords_of(
+  options: Callable[_P, RestoreOptions],
+) -> Callable[
+  [Callable[[_S, _T, RestoreOptions], _T]],
+  Callable[Concatenate[_S, _T, _P], _T],
+]:
+  """A decorator giving `fn(source, target, options)` the public signature.
+
+  The decorated function is called as `fn(source, target, *, <each field
+  of RestoreOptions>=default)`, and `inspect.signature` shows that: its
+  own two parameters, then every option as a keyword-only parameter with
+  its type and default.
+  """
+  keywords = list(inspect.signature(options).parameters.values())
+
+  def decorate(
+    fn: Callable[[_S, _T, RestoreOptions], _T],
+  ) -> Callable[Concatenate[_S, _T, _P], _T]:
+    own = inspect.signature(fn)
+    source, target = list(own.parameters.values())[:2]
+    signature = own.replace(parameters=[source, target, *keywords])
+
+    @functools.wraps(fn)
+    def restore(*args: Any, **kwargs: Any) -> _T:
+      bound = signature.bind(*args, **kwargs)
+      given = dict(bound.arguments)
+      return fn(
+        given.pop(source.name), given.pop(target.name), options(**given)
+      )
+
+    restore.__signature__ = signature  # type: ignore[attr-defined]
+    return restore
+
+  return decorate
+
+
+takes_restore_options = _keywords_of(RestoreOptions)

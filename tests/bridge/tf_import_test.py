@@ -3,7 +3,8 @@
 import os
 import sys
 
-from support import processes
+import pytest
+from support import processes, warm
 
 from flax_dtensor.dtensor import _tf
 
@@ -96,22 +97,56 @@ TF_LINES = (
 )
 
 
-def _run_tf_first(**env):
+# What the user's program had imported before flax_dtensor, in its order:
+# TensorFlow first, with TF_CPP_MIN_LOG_LEVEL unset, then JAX and Flax. A
+# pool of forks that imported these once (and neither flax_dtensor, the
+# subject, nor TF's runtime or JAX's backend, which each fork starts).
+TF_FIRST_IMPORTS = ('numpy', 'tensorflow', 'jax', 'jax.numpy', 'flax.nnx')
+
+
+@pytest.fixture(scope='module')
+def tf_first_pool():
+  pool = warm.Pool(
+    TF_FIRST_IMPORTS,
+    env=processes.clean_env(
+      TF_CPP_MIN_LOG_LEVEL=None,
+      XLA_FLAGS=None,
+      OPENBLAS_NUM_THREADS='1',
+      OMP_NUM_THREADS='1',
+    ),
+  )
+  yield pool
+  pool.close()
+
+
+def _run_tf_first(pool, **env):
+  """TF_FIRST in a fork of `pool`: what it wrote to stderr after the mark.
+
+  TensorFlow read TF_CPP_MIN_LOG_LEVEL (unset) at its import, in the pool;
+  the script's own environment is what flax_dtensor then reads, as a
+  program's that set the variable after importing TensorFlow (unset and
+  '0' are the same level to TensorFlow's C++ logging).
+  """
   env = processes.clean_env(**{'TF_CPP_MIN_LOG_LEVEL': None, **env})
-  proc = processes.run_python('-c', TF_FIRST, env=env)
+  proc = pool.run_code(TF_FIRST, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.strip() == 'saved 128.0'
   return proc.stderr.partition('MARK\n')[2]
 
 
-def test_initialize_quiets_tensorflow_imported_before_flax_dtensor():
-  """Slow: two fresh processes import TensorFlow first (what the test is
-  about: nothing imported before it), each writing a SavedModel."""
-  after = _run_tf_first()
+def test_initialize_quiets_tensorflow_imported_before_flax_dtensor(
+  tf_first_pool,
+):
+  """Two programs that import TensorFlow first (what the test is about:
+  nothing of ours imported before it), each writing a SavedModel: forks of
+  a pool that imported TensorFlow, JAX and Flax as they do."""
+  after = _run_tf_first(tf_first_pool)
   for line in TF_LINES:
     assert line not in after, after
   # Our own messages come through.
   assert 'flax_dtensor: tracing and writing a SavedModel' in after, after
   # The user's own setting stands: with TF_CPP_MIN_LOG_LEVEL=0 TF's INFO
   # lines stay (and prove that there is something to keep away).
-  assert 'cache key lookup missed' in _run_tf_first(TF_CPP_MIN_LOG_LEVEL='0')
+  assert 'cache key lookup missed' in _run_tf_first(
+    tf_first_pool, TF_CPP_MIN_LOG_LEVEL='0'
+  )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flax_dtensor._placement import _creation, _variables
+from flax_dtensor._placement import _calls, _creation, _variables
 from flax_dtensor._rules import _logical, _meshes, _spec
 
 IN_SHARDS = 'in its shards'
@@ -78,26 +78,24 @@ class Recording:
 
 def split_args(
   args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[list[Any], Any, list[int], tuple[Any, ...]] | None:
-  """A constructor's arguments as (leaves, treedef, dynamic, static key).
+) -> tuple[_calls.Split, tuple[Any, ...]] | None:
+  """A constructor's arguments, split (`_calls.split`), and their static
+  key.
 
   Graph nodes (``nnx.Rngs``) and arrays are passed to the compiled
   constructor; everything else is compiled in and must determine it
   (`_creation.static_key`). None if something does not (a function of the
   user's, an object).
   """
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
-  dynamic = [
-    i for i, x in enumerate(leaves) if _is_node(x) or isinstance(x, jax.Array)
-  ]
+  split = _calls.split(args, kwargs)
   try:
     static = tuple(
-      ('dynamic',) if i in dynamic else _creation.static_key(x)
-      for i, x in enumerate(leaves)
+      ('dynamic',) if i in split.dynamic else _creation.static_key(x)
+      for i, x in enumerate(split.leaves)
     )
   except _creation.Unkeyable:
     return None
-  return leaves, treedef, dynamic, static
+  return split, static
 
 
 def _children(module: Any) -> list[tuple[Any, Any]]:
@@ -204,7 +202,8 @@ class Order:
     if self.stopped is not None or record is None or record.path is None:
       return build()
     if record.leaf and not traced(args, kwargs):
-      module = self._jitted(flax_call, cls, args, kwargs, record)
+      split = split_args(args, kwargs)
+      module = None if split is None else self._jitted(flax_call, split, record)
       if module is not None:
         return module
       if self.strict and any(
@@ -241,47 +240,32 @@ class Order:
   def _jitted(
     self,
     flax_call: Callable[..., Any],
-    cls: type,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    split: tuple[_calls.Split, tuple[Any, ...]],
     record: Record,
   ) -> Any:
-    """The leaf built under a cached jit, in its shards; None if it cannot."""
-    split = split_args(args, kwargs)
-    if split is None:
-      return None
-    leaves, treedef, dynamic, static = split
+    """The leaf (`split`: its arguments, `split_args`) built under a
+    cached jit, in its shards; None if it cannot."""
+    call, static = split
+    cls = record.cls
     specs = self._partition_specs(record)
     if specs is None:
       return None
     auto = _meshes.auto_copy(self.mesh)
-    values = [leaves[i] for i in dynamic]
-    key = (cls, treedef, static, tuple(sorted(specs.items())), auto)
-    nodes = [v for v in values if _is_node(v)]
-    originals = nnx.state(nodes, graph=True)
-    shardings = jax.tree.map(lambda x: getattr(x, 'sharding', None), originals)
-    try:
-      nnx.update(
-        nodes, jax.tree.map(lambda x: _meshes.retype(x, auto), originals)
-      )
-      inputs = [v if _is_node(v) else _meshes.retype(v, auto) for v in values]
+    key = (cls, call.treedef, static, tuple(sorted(specs.items())), auto)
+    with _calls.nodes_on(call.nodes, auto):
+      inputs = [
+        v if _calls.is_node(v) else _meshes.retype(v, auto) for v in call.passed
+      ]
       with jax.set_mesh(auto):
         compiled = _creation.leaves.get(
           key,
           lambda: (
-            _creator(
-              flax_call, cls, leaves, treedef, dynamic, specs, self.quiet
-            )
+            _creator(flax_call, cls, call, specs, self.quiet)
             .lower(inputs)
             .compile(_creation.COMPILER_OPTIONS)
           ),
         )
         module = compiled(inputs)
-    finally:
-      nnx.update(
-        nodes,
-        jax.tree.map(put_back, nnx.state(nodes, graph=True), shardings),
-      )
     built = {
       _variables.path_str(path): variable
       for path, variable in _variables.iter_variables(module)
@@ -369,10 +353,6 @@ def _join(prefix: str | None, rest: str) -> str:
   return f'{prefix}/{rest}' if rest else prefix
 
 
-def _is_node(x: Any) -> bool:
-  return nnx.graph.is_graph_node(x) or isinstance(x, nnx.Variable)
-
-
 def traced(args: Any, kwargs: Any) -> bool:
   """Whether a construction runs inside a JAX transform."""
   if any(
@@ -388,35 +368,20 @@ def traced(args: Any, kwargs: Any) -> bool:
     return False
 
 
-def put_back(x: Any, sharding: Any) -> Any:
-  """`x` moved back to `sharding` (a leaf of a state; None leaves it)."""
-  if sharding is None or not isinstance(x, jax.Array) or x.sharding == sharding:
-    return x
-  return _meshes.put(x, sharding)
-
-
 def _creator(
   flax_call: Callable[..., Any],
   cls: type,
-  leaves: list[Any],
-  treedef: Any,
-  dynamic: Sequence[int],
+  split: _calls.Split,
   specs: dict[str, PartitionSpec],
   quiet: Callable[[], Any],
 ) -> Any:
   """The jitted constructor of a leaf, its variables constrained."""
-
-  def rebuild(values: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    full = list(leaves)
-    for i, v in zip(dynamic, values, strict=True):
-      full[i] = v
-    return jax.tree_util.tree_unflatten(treedef, full)
+  construct = split.calling(lambda *a, **k: flax_call(cls, *a, **k))
 
   @nnx.jit(graph=True, graph_updates=True)
   def create(values: list[Any]) -> Any:
-    a, k = rebuild(values)
     with quiet():
-      module = flax_call(cls, *a, **k)
+      module = construct(values)
     for path, variable in _variables.iter_variables(module):
       spec = specs.get(_variables.path_str(path), PartitionSpec())
       variable.set_value(

@@ -17,7 +17,12 @@ from typing import Any
 import jax
 
 from flax_dtensor import _errors, _text
-from flax_dtensor._placement import _init, _placing, _trees, _variables
+from flax_dtensor._placement import (
+  _abstract_build,
+  _placing,
+  _trees,
+  _variables,
+)
 from flax_dtensor._planning import _plan, _plan_view, _suggest_forward
 from flax_dtensor._rules import (
   _context,
@@ -664,7 +669,9 @@ def check(
   target = module_or_state
   with _missing_axes.reported_elsewhere():  # As findings.
     if _plan._is_factory(target) and not _trees.is_array_tree(target):
-      target = _init.build_abstract(target, mesh=mesh_, rules=planning)
+      target = _abstract_build.build_abstract(
+        target, mesh=mesh_, rules=planning
+      )
     result = _plan.plan(target, mesh=mesh_, rules=planning)
   used = {
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None

@@ -57,12 +57,7 @@ def parse(text: str, source: str) -> tuple[Any, dict[str, Any]]:
   Raises:
     LogicalRulesError: If the text is not valid YAML or holds no rules.
   """
-  try:
-    document = yaml.safe_load(text)
-  except yaml.YAMLError as e:
-    raise _errors.LogicalRulesError(
-      f'{source} is not valid YAML: {_problem(e)}. {FORMAT_MSG}.'
-    ) from e
+  document = _load(text, source)
   options: dict[str, Any] = {}
   if isinstance(document, Mapping):
     if 'missing_mesh_axes' in document:
@@ -95,6 +90,20 @@ def parse(text: str, source: str) -> tuple[Any, dict[str, Any]]:
       f'{type(document).__name__} {document!r:.100}. {FORMAT_MSG}.'
     )
   return document, options
+
+
+def _load(text: str, source: str) -> Any:
+  """`text` read by PyYAML's safe loader (no object it names is made).
+
+  Raises:
+    LogicalRulesError: If it is not valid YAML, with YAML's complaint.
+  """
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError as e:
+    raise _errors.LogicalRulesError(
+      f'{source} is not valid YAML: {_problem(e)}. {FORMAT_MSG}.'
+    ) from e
 
 
 def dump(

@@ -281,7 +281,7 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
 
   from flax_dtensor import _errors
   from flax_dtensor._hook import _install
-  from flax_dtensor._placement import _init
+  from flax_dtensor._placement import _abstract_build
   from flax_dtensor._rules import _context, _logical, _missing_axes
 
   _install.ensure_installed()  # Before the factory builds anything.
@@ -300,9 +300,9 @@ def build_abstract(factory: Callable[[], Any], target: str) -> Any:
     with _missing_axes.reported_elsewhere():
       if lenient is not None:
         with _context.logical_axis_rules(lenient):
-          model = _init.build_abstract(factory)
+          model = _abstract_build.build_abstract(factory)
       else:
-        model = _init.build_abstract(factory)
+        model = _abstract_build.build_abstract(factory)
   except _errors.NotAModelError as e:
     raise BadInputError(f'TARGET {target!r}: {e}') from e
   except _errors.FlaxDTensorError:

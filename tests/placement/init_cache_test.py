@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_dtensor as fdt
-from flax_dtensor._placement import _init, _init_cache
+from flax_dtensor._placement import _calls, _init, _init_cache
 
 RULES = fdt.LogicalRules([('embed', 'data'), ('mlp', 'model')])
 OTHER_RULES = fdt.LogicalRules([('embed', 'model'), ('mlp', 'data')])
@@ -203,7 +203,7 @@ def test_what_a_key_cannot_pin_down_is_never_kept(mesh):
         [*args, nnx.Rngs(0)],
         None,
         [len(args)],
-        _init._is_node,
+        _calls.is_node,
         RULES,
         mesh,
       )

@@ -69,7 +69,7 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
   from flax import nnx
 
   import flax_dtensor as fdt
-  from flax_dtensor._placement import _creation, _init
+  from flax_dtensor._placement import _creation, _traced
 
   # The benchmarks' model builders, by file (benchmarks/ is no package).
   spec = importlib.util.spec_from_file_location(
@@ -94,7 +94,9 @@ def test_path_ruled_creation_never_makes_a_whole_kernel_on_a_device():
     shapes |= set(re.findall(r'\[(\d+),(\d+)\]', leaf.as_text()))
   assert not shapes & whole, shapes
   assert blocks <= shapes, shapes
-  compiled = _init.compiled_build(factory, nnx.Rngs(0), mesh=mesh, rules=rules)
+  compiled = _traced.compiled_build(
+    factory, nnx.Rngs(0), mesh=mesh, rules=rules
+  )
   shapes = set(re.findall(r'\[(\d+),(\d+)\]', compiled.as_text()))
   assert not shapes & whole, shapes
   assert blocks <= shapes, shapes

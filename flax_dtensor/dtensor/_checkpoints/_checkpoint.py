@@ -20,7 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 
 import jax
 from flax import nnx
@@ -242,17 +242,20 @@ def write_manifest(
   _encode.write(manifest)
 
 
+class _SaveKeywords(_convert.ExportKeywords, total=False):
+  """The keywords the overloads of `save_checkpoint` share (`**options`)."""
+
+  overwrite: bool
+
+
 @overload
 def save_checkpoint(
   module_or_state: Any,
   directory: str | os.PathLike[str],
   *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = ...,
-  overwrite: bool = False,
-  progress: bool | None = None,
   single_mesh: Literal[False] = False,
   blocking: Literal[True] = True,
+  **options: Unpack[_SaveKeywords],
 ) -> str: ...
 
 
@@ -261,12 +264,9 @@ def save_checkpoint(
   module_or_state: Any,
   directory: str | os.PathLike[str],
   *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = ...,
-  overwrite: bool = False,
-  progress: bool | None = None,
   single_mesh: Literal[True],
   blocking: Literal[True] = True,
+  **options: Unpack[_SaveKeywords],
 ) -> tuple[str, _single_mesh.SingleMeshReport]: ...
 
 
@@ -275,12 +275,9 @@ def save_checkpoint(
   module_or_state: Any,
   directory: str | os.PathLike[str],
   *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = ...,
-  overwrite: bool = False,
-  progress: bool | None = None,
   single_mesh: bool = False,
   blocking: Literal[False],
+  **options: Unpack[_SaveKeywords],
 ) -> _background.SaveHandle: ...
 
 
@@ -530,6 +527,12 @@ def _write_merged(
     show, f'writing {len(entries)} variables ({nbytes / 2**20:.1f} MiB)'
   )
   start = time.perf_counter()
+
+  def manifest(shards: Sequence[Sequence[tuple[Any, int]]]) -> None:
+    """The manifest of the written shards, last (process 0)."""
+    records_ = records(entries, shardings, layouts, shards)
+    write_manifest(tmp, _model.CHECKPOINT_FORMAT, PREFIX, records_, pool)
+
   # `pool` has `_checksums.THREADS` threads (both callers start it so).
   count = _host_write.parts(pieces, _checksums.THREADS)
   scratch = os.path.join(tmp, _SCRATCH)
@@ -558,13 +561,7 @@ def _write_merged(
     # save at the interpreter's exit may start no thread (Python 3.12).
     flushed = pool.submit(_temporaries.flush_files, tmp)
     try:
-      write_manifest(
-        tmp,
-        _model.CHECKPOINT_FORMAT,
-        PREFIX,
-        records(entries, shardings, layouts, shards),
-        pool,
-      )
+      manifest(shards)
     finally:
       concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
     flushed.result()
@@ -580,13 +577,7 @@ def _write_merged(
     if gathered is not None:
       shards, bundles = gathered
       merge(entries, bundles, tmp)
-      write_manifest(
-        tmp,
-        _model.CHECKPOINT_FORMAT,
-        PREFIX,
-        records(entries, shardings, layouts, shards),
-        pool,
-      )
+      manifest(shards)
   _output.announce(
     show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
   )

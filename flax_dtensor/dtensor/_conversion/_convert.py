@@ -9,7 +9,15 @@ checkpoints and SavedModels are written from.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import (
+  TYPE_CHECKING,
+  Any,
+  Literal,
+  TypedDict,
+  TypeVar,
+  Unpack,
+  overload,
+)
 
 import jax
 from flax import nnx
@@ -140,14 +148,25 @@ def _dvariable(value: tf.Tensor, *, name: str, trainable: bool) -> Any:
   return dtensor.DVariable(value, name=name, trainable=trainable)
 
 
+class ExportKeywords(TypedDict, total=False):
+  """The keywords of an export that its typed overloads share.
+
+  For type checkers only: each overload names what tells its result apart
+  (`single_mesh`, a save's `blocking`) and takes these as `**options`; the
+  implementation's own signature, with the defaults, is what runs.
+  """
+
+  include: filterlib.Filter
+  exclude: filterlib.Filter
+  progress: bool | None
+
+
 @overload
 def to_tf_module(
   module_or_state: Any,
   *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = ...,
-  progress: bool | None = None,
   single_mesh: Literal[False] = False,
+  **options: Unpack[ExportKeywords],
 ) -> tf.Module: ...
 
 
@@ -155,10 +174,8 @@ def to_tf_module(
 def to_tf_module(
   module_or_state: Any,
   *,
-  include: filterlib.Filter = ...,
-  exclude: filterlib.Filter = ...,
-  progress: bool | None = None,
   single_mesh: Literal[True],
+  **options: Unpack[ExportKeywords],
 ) -> tuple[tf.Module, _single_mesh.SingleMeshReport]: ...
 
 

@@ -6,7 +6,7 @@ renamed aside under a name that says the same (`sibling`, `siblings`), so
 a temporary is owned from the instant it exists (`owner`). A marker file
 says a temporary is complete (`write_marker`, `read_marker`). This module
 also keeps the temporaries this process writes (`active`) or removed
-(`removed`), removes one marker last (`remove`), and flushes files and
+(`removed`), removes one, its marker last (`remove`), and flushes files and
 directories to disk (`flush_files`, `fsync_tree`, `fsync_dir`).
 """
 
@@ -46,7 +46,7 @@ WRITING, COMPLETE, REPLACED = 'writing', 'complete', 'replaced'
 active: set[str] = set()
 # Temporaries this process removed after a failure or an interrupt: a
 # library's thread still writing there (Orbax's) may create them again;
-# `abandon` removes them once more before the process ends.
+# `_recovery.abandon` removes them once more before the process ends.
 removed: set[str] = set()
 
 
@@ -229,6 +229,7 @@ def fsync_tree(path: str) -> None:
 
 
 def sibling(directory: str, infix: str) -> str:
+  """A fresh hidden sibling of `directory` (`TMP`, `OLD`), named by me."""
   parent, name = os.path.split(directory)
   return os.path.join(parent, f'.{name}{infix}{Writer.me().tag()}')
 

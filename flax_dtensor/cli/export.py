@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import pathlib
 import time
-from typing import Annotated
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any
 
 import typer
 
@@ -143,158 +146,292 @@ def export(
   from one DTensor mesh) and, with --saved-model, OUT/saved_model.
   """
   with _command.handle_errors(debug):
-    console = _command.console()
     axes = _parsing.parse_mesh(mesh)
     types = _parsing.parse_axis_types(axis_types, axes)
     rules_ = _loading.load_rules(
       rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
     )
-    specs = [
-      _served.parse_input_shape(s, static_batch=static_batch)
-      for s in (input_shape or [])
-    ]
-    if saved_model and not specs:
-      raise _command.BadInputError(
-        '--saved-model needs the shape of the served inputs: pass '
-        '--input-shape NAME:DIMS:DTYPE, e.g. --input-shape x:1,128:int32.'
-      )
-    if specs and not saved_model:
-      raise _command.BadInputError(
-        '--input-shape only applies with --saved-model; add --saved-model '
-        'or drop --input-shape.'
-      )
-    from flax_dtensor._placement import _parts
-    from flax_dtensor.dtensor._checkpoints import _orbax, _part_restore
-    from flax_dtensor.dtensor._storage import _steps
-
-    part_ = None if part is None else _parts.parse(part)
-
-    ours = _steps.is_manager_folder(str(checkpoint))
-    if ours:
-      source = _manager_step(checkpoint, step)
-    elif step is not None:
-      raise _command.BadInputError(
-        f'--step applies to a CheckpointManager directory (one folder per '
-        f'step); {str(checkpoint)!r} is not one. Drop --step, or pass the '
-        "manager's directory."
-      )
-    else:
-      source = _orbax.find_checkpoint(checkpoint)
+    specs = _served_specs(input_shape, saved_model, static_batch=static_batch)
+    source = _find_source(checkpoint, step, part)
     factory = _loading.load_target(target)
-    _parsing.check_out(out, overwrite=overwrite, flag=True, reads=source)
-    outputs = {'checkpoint': out / 'checkpoint'}
-    if saved_model:
-      outputs['saved_model'] = out / 'saved_model'
-    if cpu_devices is not None:
-      _loading.configure_cpu_devices(cpu_devices)
-    else:  # As `demo` does, without leaving an accelerator.
-      _loading.configure_cpu_devices(
-        math.prod(s for _, s in axes), only_cpu=False
-      )
-    import jax
-    from flax import nnx
-
-    import flax_dtensor as fdt
-    from flax_dtensor import _text
-    from flax_dtensor.cli import _run_folder
-
-    mesh_ = _loading.make_mesh(axes, mesh, types)
+    _parsing.check_out(out, overwrite=overwrite, flag=True, reads=source.path)
+    names = ['checkpoint', *(['saved_model'] if saved_model else [])]
+    outputs = {name: out / name for name in names}
+    _set_up_devices(cpu_devices, axes)
+    job = _Job(
+      target,
+      _loading.make_mesh(axes, mesh, types),
+      rules_,
+      source,
+      allow_extra=allow_extra,
+    )
     start = time.perf_counter()
-    with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
-      abstract = _loading.build_abstract(factory, target)
-      # Every variable resolves under the rules (else an error naming it).
-      planned = fdt.plan(abstract, mesh=mesh_, rules=rules_)
-      # The checkpoint (or the part of it holding the model) holds the
-      # model's variables and shapes (else an error naming the variable),
-      # before TensorFlow starts.
-      if ours:
-        choice = _part_restore.check(
-          str(source),
-          abstract,
-          part=part_,
-          allow_extra=allow_extra,
-          rebuild=_orbax.REBUILD,
-        )
-      else:
-        choice = _orbax.check_matches(
-          source, abstract, part=part_, allow_extra=allow_extra
-        )
-    for typo in planned.likely_typos:
-      console.print(f'Likely typo: {typo}', highlight=False, markup=False)
-    if choice.matched:
-      console.print(
-        f'note: {str(source)!r} holds {_parts.listing(choice.groups)}; '
-        f"exporting {choice.prefix}, which holds {target}'s variables "
-        '(--part chooses another).',
-        highlight=False,
-        markup=False,
-      )
-    dtensor = _loading.initialize_dtensor()  # Before any other TF op.
-    with jax.set_mesh(mesh_), fdt.logical_axis_rules(rules_):
-      if saved_model:
-        _served.check_served_inputs(abstract, method, specs)
-      if ours and choice.part:
-        model = _part_restore.restore(
-          str(source), abstract, choice.part, mesh=mesh_, rules=rules_
-        )
-      elif ours:
-        model = dtensor.restore_checkpoint(
-          source, abstract, mesh=mesh_, rules=rules_, allow_extra=allow_extra
-        )
-      else:
-        model = _orbax.restore(
-          source, abstract, mesh_, part=choice.part, allow_extra=allow_extra
-        )
+    abstract, choice = _build_target(job, factory)
+    model = _restore(job, abstract, choice, specs, method)
     restored = time.perf_counter()
-    if not ours:  # Before anything is written: what could not be checked.
-      console.print(
-        f'note: {_orbax.unverified(source)}', highlight=False, markup=False
-      )
-    run = _run_folder.Run.new('export', list(outputs))
-    needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    # Swapped in whole at the end.
-    with _run_folder.writing(out, needed=needed) as tmp:
-      relaid = None
-      if single_mesh:
-        _, relaid = dtensor.save_checkpoint(
-          model, tmp / 'checkpoint', single_mesh=True
-        )
-      else:
-        dtensor.save_checkpoint(model, tmp / 'checkpoint')
-      if saved_model:
-        dtensor.save_saved_model(
-          model,
-          tmp / 'saved_model',
-          input_signature=[s.tensor_spec() for s in specs],
-          polymorphic_shapes=[
-            s.polymorphic_shape(i) for i, s in enumerate(specs)
-          ],
-          method=method,
-        )
-      for name in outputs:
-        run.stamp(tmp / name)
+    relaid = _write_outputs(
+      model, out, outputs, specs, method, single_mesh=single_mesh
+    )
+    written = time.perf_counter()
+    console = _command.console()
     console.print(
       f'Restored onto mesh {mesh} in {restored - start:.1f} s; exported in '
-      f'{time.perf_counter() - restored:.1f} s.',
+      f'{written - restored:.1f} s.',
       highlight=False,
       markup=False,
     )
-    what = f'restored {choice.prefix}' if choice.part else 'restored'
-    rows = [(what, str(source), '')] + [
-      (name, str(path), _text.human_bytes(_command.disk_usage(path)))
-      for name, path in outputs.items()
-    ]
-    console.print(
-      _text.table_or_stacked(
-        ('what', 'path', 'size'),
-        rows,
-        console.width,
-        paths=('path',),
-        right=('size',),
-      )
-    )
+    _print_outputs(console, source, choice, outputs)
     if relaid is not None:
       console.print(str(relaid), highlight=False, markup=False, soft_wrap=True)
+
+
+def _set_up_devices(cpu_devices: int | None, axes: Sequence[Any]) -> None:
+  """``--cpu-devices`` virtual CPU devices, else as many as the mesh needs
+  on the CPU, as `demo` does, without leaving an accelerator."""
+  if cpu_devices is not None:
+    _loading.configure_cpu_devices(cpu_devices)
+  else:
+    _loading.configure_cpu_devices(
+      math.prod(s for _, s in axes), only_cpu=False
+    )
+
+
+def _served_specs(
+  input_shape: list[str] | None, saved_model: bool, *, static_batch: bool
+) -> list[_served.InputSpec]:
+  """The served inputs of ``--input-shape``, which ``--saved-model`` needs
+  and nothing else takes.
+
+  Raises:
+    BadInputError: If one is given without the other, or an entry is
+      malformed.
+  """
+  specs = [
+    _served.parse_input_shape(s, static_batch=static_batch)
+    for s in (input_shape or [])
+  ]
+  if saved_model and not specs:
+    raise _command.BadInputError(
+      '--saved-model needs the shape of the served inputs: pass '
+      '--input-shape NAME:DIMS:DTYPE, e.g. --input-shape x:1,128:int32.'
+    )
+  if specs and not saved_model:
+    raise _command.BadInputError(
+      '--input-shape only applies with --saved-model; add --saved-model '
+      'or drop --input-shape.'
+    )
+  return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """The checkpoint to export: its folder, whether it is a step of a
+  CheckpointManager's run (`ours`), and the ``--part`` asked for."""
+
+  path: pathlib.Path
+  ours: bool
+  part: Any
+
+
+def _find_source(
+  checkpoint: pathlib.Path, step: int | None, part: str | None
+) -> _Source:
+  """The checkpoint ``--checkpoint`` (and ``--step``, ``--part``) names.
+
+  Raises:
+    BadInputError: If ``--step`` is given for an Orbax checkpoint, or
+      names no whole step; or there is no checkpoint there.
+  """
+  from flax_dtensor._placement import _parts
+  from flax_dtensor.dtensor._checkpoints import _orbax
+  from flax_dtensor.dtensor._storage import _steps
+
+  part_ = None if part is None else _parts.parse(part)
+  if _steps.is_manager_folder(str(checkpoint)):
+    return _Source(_manager_step(checkpoint, step), True, part_)
+  if step is not None:
+    raise _command.BadInputError(
+      f'--step applies to a CheckpointManager directory (one folder per '
+      f'step); {str(checkpoint)!r} is not one. Drop --step, or pass the '
+      "manager's directory."
+    )
+  return _Source(_orbax.find_checkpoint(checkpoint), False, part_)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+  """What is exported where: TARGET, the mesh and rules, the source."""
+
+  target: str
+  mesh: Any
+  rules: Any
+  source: _Source
+  allow_extra: bool
+
+  @contextlib.contextmanager
+  def placed(self) -> Iterator[None]:
+    """The mesh and the rules in context."""
+    import jax
+
+    import flax_dtensor as fdt
+
+    with jax.set_mesh(self.mesh), fdt.logical_axis_rules(self.rules):
+      yield
+
+
+def _build_target(job: _Job, factory: Any) -> tuple[Any, Any]:
+  """TARGET built abstractly, planned, and checked against the source.
+
+  Every variable resolves under the rules (else an error naming it), and
+  the checkpoint (or the part of it holding the model) holds the model's
+  variables and shapes (else an error naming the variable), before
+  TensorFlow starts. Prints the plan's likely typos, and which part holds
+  the model when the source holds more.
+
+  Returns:
+    The abstract model, and the choice of what in the source to restore.
+  """
+  import flax_dtensor as fdt
+  from flax_dtensor._placement import _parts
+  from flax_dtensor.dtensor._checkpoints import _orbax, _part_restore
+
+  source = job.source
+  with job.placed():
+    abstract = _loading.build_abstract(factory, job.target)
+    planned = fdt.plan(abstract, mesh=job.mesh, rules=job.rules)
+    part, extra = source.part, job.allow_extra
+    if source.ours:
+      choice = _part_restore.check(
+        str(source.path),
+        abstract,
+        part=part,
+        allow_extra=extra,
+        rebuild=_orbax.REBUILD,
+      )
+    else:
+      choice = _orbax.check_matches(
+        source.path, abstract, part=part, allow_extra=extra
+      )
+  console = _command.console()
+  for typo in planned.likely_typos:
+    console.print(f'Likely typo: {typo}', highlight=False, markup=False)
+  if choice.matched:
+    console.print(
+      f'note: {str(source.path)!r} holds {_parts.listing(choice.groups)}; '
+      f"exporting {choice.prefix}, which holds {job.target}'s variables "
+      '(--part chooses another).',
+      highlight=False,
+      markup=False,
+    )
+  return abstract, choice
+
+
+def _restore(
+  job: _Job,
+  abstract: Any,
+  choice: Any,
+  specs: Sequence[_served.InputSpec],
+  method: str,
+) -> Any:
+  """The model restored from the source onto the mesh, after TensorFlow
+  DTensor starts and the served inputs (if any) are checked.
+
+  An Orbax checkpoint's values cannot be checked: a note says so, before
+  anything is written.
+  """
+  from flax_dtensor.dtensor._checkpoints import _orbax, _part_restore
+
+  source = job.source
+  dtensor = _loading.initialize_dtensor()  # Before any other TF op.
+  with job.placed():
+    if specs:
+      _served.check_served_inputs(abstract, method, specs)
+    path, mesh, rules, extra = source.path, job.mesh, job.rules, job.allow_extra
+    if source.ours and choice.part:
+      model = _part_restore.restore(
+        str(path), abstract, choice.part, mesh=mesh, rules=rules
+      )
+    elif source.ours:
+      model = dtensor.restore_checkpoint(
+        path, abstract, mesh=mesh, rules=rules, allow_extra=extra
+      )
+    else:
+      model = _orbax.restore(
+        path, abstract, mesh, part=choice.part, allow_extra=extra
+      )
+  if not source.ours:
+    _command.console().print(
+      f'note: {_orbax.unverified(source.path)}', highlight=False, markup=False
+    )
+  return model
+
+
+def _write_outputs(
+  model: Any,
+  out: pathlib.Path,
+  outputs: dict[str, pathlib.Path],
+  specs: Sequence[_served.InputSpec],
+  method: str,
+  *,
+  single_mesh: bool,
+) -> Any:
+  """Writes OUT/checkpoint and, with served inputs, OUT/saved_model,
+  swapped in whole at the end.
+
+  Returns:
+    What moved onto one mesh with `single_mesh`, else None.
+  """
+  import jax
+  from flax import nnx
+
+  from flax_dtensor import dtensor
+  from flax_dtensor.cli import _run_folder
+
+  run = _run_folder.Run.new('export', list(outputs))
+  needed = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  with _run_folder.writing(out, needed=needed) as tmp:
+    relaid = None
+    if single_mesh:
+      _, relaid = dtensor.save_checkpoint(
+        model, tmp / 'checkpoint', single_mesh=True
+      )
+    else:
+      dtensor.save_checkpoint(model, tmp / 'checkpoint')
+    if specs:
+      dtensor.save_saved_model(
+        model,
+        tmp / 'saved_model',
+        input_signature=[s.tensor_spec() for s in specs],
+        polymorphic_shapes=[
+          s.polymorphic_shape(i) for i, s in enumerate(specs)
+        ],
+        method=method,
+      )
+    for name in outputs:
+      run.stamp(tmp / name)
+  return relaid
+
+
+def _print_outputs(
+  console: Any, source: _Source, choice: Any, outputs: dict[str, pathlib.Path]
+) -> None:
+  """The table of what was read and written, with their sizes."""
+  from flax_dtensor import _text
+
+  what = f'restored {choice.prefix}' if choice.part else 'restored'
+  rows = [(what, str(source.path), '')] + [
+    (name, str(path), _text.human_bytes(_command.disk_usage(path)))
+    for name, path in outputs.items()
+  ]
+  console.print(
+    _text.table_or_stacked(
+      ('what', 'path', 'size'),
+      rows,
+      console.width,
+      paths=('path',),
+      right=('size',),
+    )
+  )
 
 
 def _manager_step(directory: pathlib.Path, step: int | None) -> pathlib.Path:

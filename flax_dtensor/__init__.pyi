@@ -45,7 +45,7 @@ from flax_dtensor._planning._memory import MemoryReport as MemoryReport
 from flax_dtensor._planning._memory import memory_report as memory_report
 from flax_dtensor._planning._plan import PlanEntry as PlanEntry
 from flax_dtensor._planning._plan import ShardingPlan as ShardingPlan
-from flax_dtensor._planning._plan import plan as plan
+from flax_dtensor._planning._plan_build import plan as plan
 from flax_dtensor._planning._plan_diff import PlanDiff as PlanDiff
 from flax_dtensor._planning._suggest import RulesSuggestion as RulesSuggestion
 from flax_dtensor._planning._suggest import suggest_rules as suggest_rules

@@ -1,6 +1,7 @@
 """Planning: what goes where and why, before or after anything is placed.
 
-`_plan` builds a `ShardingPlan` (`_plan_view` renders it for a terminal,
+`_plan_build` builds a `ShardingPlan` (`_plan`, the data model and its
+JSON form; `_plan_view` renders it for a terminal,
 `_plan_html` for Jupyter, `_plan_blocks` draws the blocks each device
 holds, `_plan_chart` its memory as pictures, `_plan_diff` compares two),
 `_check` lints rules against a model, `_memory` counts a training step's

@@ -17,13 +17,13 @@ from typing import Any
 import jax
 
 from flax_dtensor import _errors, _text
-from flax_dtensor._placement import (
-  _abstract_build,
-  _placing,
-  _trees,
-  _variables,
+from flax_dtensor._placement import _init, _placing, _trees, _variables
+from flax_dtensor._planning import (
+  _plan,
+  _plan_build,
+  _plan_view,
+  _suggest_forward,
 )
-from flax_dtensor._planning import _plan, _plan_view, _suggest_forward
 from flax_dtensor._rules import (
   _context,
   _logical,
@@ -224,19 +224,11 @@ def _rule_findings(
 def _unknown_name_findings(
   rules: Any, entries: Sequence[_plan.PlanEntry]
 ) -> list[Finding]:
-  """An `unknown-logical-name` for each name of an annotation that no rule
-  mentions (our semantics: replicated, or an error unless
-  ``unknown='replicate'``), with "did you mean" for one spelled like a
-  rule's."""
-  if not isinstance(rules, _logical.LogicalRules):
-    return []
-  where: dict[str, list[str]] = {}
-  for e in entries:
-    for name in e.logical_axes or ():
-      if isinstance(name, str) and name not in rules.names:
-        where.setdefault(name, []).append(e.path)
+  """An `unknown-logical-name` for each logical name that no rule mentions
+  (our semantics: replicated, or an error unless ``unknown='replicate'``),
+  with "did you mean" for one spelled like a rule's."""
   out = []
-  for name, paths in where.items():
+  for name, paths in _plan_build.unknown_names(entries, rules).items():
     hint = _missing_axes.meant_hint(name, rules.names)
     fails = (
       'creating it fails' if rules.unknown == 'error' else 'it is replicated'
@@ -668,11 +660,9 @@ def check(
   )
   target = module_or_state
   with _missing_axes.reported_elsewhere():  # As findings.
-    if _plan._is_factory(target) and not _trees.is_array_tree(target):
-      target = _abstract_build.build_abstract(
-        target, mesh=mesh_, rules=planning
-      )
-    result = _plan.plan(target, mesh=mesh_, rules=planning)
+    if _plan_build.is_factory(target) and not _trees.is_array_tree(target):
+      target = _init.build_abstract(target, mesh=mesh_, rules=planning)
+    result = _plan_build.plan(target, mesh=mesh_, rules=planning)
   used = {
     a for e in result.entries for a in (e.logical_axes or ()) if a is not None
   }

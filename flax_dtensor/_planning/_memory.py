@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from flax_dtensor import _errors, _text
-from flax_dtensor._planning import _plan
+from flax_dtensor._planning import _plan_build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def memory_report(
       f'{type(optimizer).__name__}. Pass nnx.Optimizer(model, tx, '
       'wrt=nnx.Param).'
     )
-  planned = _plan.plan(model, optimizer=optimizer)
+  planned = _plan_build.plan(model, optimizer=optimizer)
   estimate = planned.bytes_per_device_by_category()
   estimate['batch'] = _batch_bytes(batch)
   graphdef, state = nnx.split((model, optimizer))

@@ -26,9 +26,10 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_dtensor import _errors, _text
-from flax_dtensor._placement import _abstract_build, _trees
+from flax_dtensor._placement import _init, _trees
 from flax_dtensor._planning import (
   _plan,
+  _plan_build,
   _presets,
   _suggest_forward,
   _suggest_roles,
@@ -264,8 +265,8 @@ def _abstract(target: Any, mesh: Any, optimizer: Any) -> tuple[Any, Any]:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target
     )
     return tree, optimizer
-  if _plan._is_factory(target):
-    target = _abstract_build.build_abstract(target, mesh=mesh, rules=lenient)
+  if _plan_build.is_factory(target):
+    target = _init.build_abstract(target, mesh=mesh, rules=lenient)
   elif nnx.graph.is_node(target):
     node = (
       (target, optimizer) if isinstance(optimizer, nnx.Optimizer) else target
@@ -282,7 +283,7 @@ def _abstract(target: Any, mesh: Any, optimizer: Any) -> tuple[Any, Any]:
       node if isinstance(optimizer, nnx.Optimizer) else (node, optimizer)
     )
   if optimizer is not None and not isinstance(target, nnx.State):
-    optimizer = _plan._optimizer_of(target, optimizer, mesh, lenient)
+    optimizer = _plan_build.optimizer_of(target, optimizer, mesh, lenient)
   return target, optimizer
 
 
@@ -406,7 +407,9 @@ def suggest_rules(
     else _suggest_forward.forward_names(target, abstract_inputs, method, mesh)
   )
   lenient = _logical.LogicalRules([], unknown='replicate')
-  entries = _plan.plan(target, mesh=mesh, rules=lenient, optimizer=opt).entries
+  entries = _plan_build.plan(
+    target, mesh=mesh, rules=lenient, optimizer=opt
+  ).entries
   variables = _suggest_search.variables_of(entries)
   preset, recognition = _preset(style, variables)
   names = _suggest_roles.Names(entries, mesh, roles, min_bytes)
@@ -420,7 +423,9 @@ def suggest_rules(
     proposal,
     names,
     budget,
-    lambda rules: _plan.plan(target, mesh=mesh, rules=rules, optimizer=opt),
+    lambda rules: _plan_build.plan(
+      target, mesh=mesh, rules=rules, optimizer=opt
+    ),
   )
   rules, forward_names = _suggest_forward.with_forward_names(
     rules, forward, roles

@@ -155,7 +155,7 @@ class Names:
       spec = _resolution.resolve_dims(
         axes, shape, mesh=self.mesh, rules=rules
       ).spec
-      shard = _plan._shard_shape(shape, spec, self.sizes)
+      shard = _plan.shard_shape(shape, spec, self.sizes)
       total += math.prod(shard) * itemsize * count
     return total
 

@@ -13,7 +13,7 @@ from support import creation_values
 
 import flax_dtensor as fdt
 from flax_dtensor._placement import _init
-from flax_dtensor._planning import _plan, _plan_view
+from flax_dtensor._planning import _plan_build, _plan_view
 from flax_dtensor._rules import _meshes
 
 RULES = fdt.LogicalRules(
@@ -394,7 +394,7 @@ def _check_towers(model, rngs, towers, expected, plan, caller):
     entry = plan['/'.join(path)]
     assert _canonical(entry.spec, value.ndim) == _canonical(spec, value.ndim)
     if mesh != caller:  # On a mesh of its own: the plan names it.
-      assert entry.mesh == _plan.mesh_label(mesh), path
+      assert entry.mesh == _plan_build.mesh_label(mesh), path
       assert entry.mesh_axes == _meshes.axis_sizes(mesh), path
     else:
       assert entry.mesh is None, path
@@ -435,7 +435,7 @@ def test_init_meshes_per_model(meshes, mesh_via, types):
   if meshes == 'three':
     text = _plan_view.mesh_text(plan)
     for m in {x for x in named if x != caller}:
-      assert _plan.mesh_label(m) in text
+      assert _plan_build.mesh_label(m) in text
 
 
 def test_init_without_any_mesh_names_the_variables_lacking_one():

@@ -38,9 +38,9 @@ from flax_dtensor._placement._placing import (
 )
 from flax_dtensor._placement._trees import gather_tree as gather_tree
 from flax_dtensor._placement._trees import shard_tree as shard_tree
-from flax_dtensor._planning._check import CheckReport as CheckReport
-from flax_dtensor._planning._check import Finding as Finding
 from flax_dtensor._planning._check import check as check
+from flax_dtensor._planning._check_report import CheckReport as CheckReport
+from flax_dtensor._planning._check_report import Finding as Finding
 from flax_dtensor._planning._memory import MemoryReport as MemoryReport
 from flax_dtensor._planning._memory import memory_report as memory_report
 from flax_dtensor._planning._plan import PlanEntry as PlanEntry

@@ -4,7 +4,9 @@
 JSON form; `_plan_view` renders it for a terminal,
 `_plan_html` for Jupyter, `_plan_blocks` draws the blocks each device
 holds, `_plan_chart` its memory as pictures, `_plan_diff` compares two),
-`_check` lints rules against a model, `_memory` counts a training step's
+`_check` lints rules against a model (its findings about the rules are
+`_check_rules`', about the variables `_check_model`'s, the report
+`_check_report`'s), `_memory` counts a training step's
 bytes per device. `_suggest` proposes rules for a model, composing
 `_suggest_roles` (the mesh axes' roles and each logical name's targets),
 `_suggest_search` (the rules of the variables without logical names, from

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec
 
 from flax_dtensor import _errors
 from flax_dtensor._placement import (
+  _abstract_build,
   _creation_order,
-  _init,
   _placing,
   _trees,
   _variables,
@@ -96,7 +96,7 @@ def _variable_rows(
   sharded, how flax_dtensor created it, the mesh it names if not `mesh`)
   of every variable."""
   if is_factory(module_or_state):
-    module_or_state = _init.build_abstract(
+    module_or_state = _abstract_build.build_abstract(
       module_or_state, mesh=mesh, rules=rules
     )
   variables = list(_variables.iter_variables(module_or_state))

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from flax_dtensor import _errors, _text
-from flax_dtensor._placement import _init, _trees
+from flax_dtensor._placement import _abstract_build, _trees
 from flax_dtensor._planning import (
   _plan,
   _plan_build,
@@ -266,7 +266,7 @@ def _abstract(target: Any, mesh: Any, optimizer: Any) -> tuple[Any, Any]:
     )
     return tree, optimizer
   if _plan_build.is_factory(target):
-    target = _init.build_abstract(target, mesh=mesh, rules=lenient)
+    target = _abstract_build.build_abstract(target, mesh=mesh, rules=lenient)
   elif nnx.graph.is_node(target):
     node = (
       (target, optimizer) if isinstance(optimizer, nnx.Optimizer) else target

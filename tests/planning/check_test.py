@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from support import cli_runner, many_axes
 
 import flax_dtensor as fdt
-from flax_dtensor._planning import _check
+from flax_dtensor._planning import _check_report
 
 # Auto axes, as JAX 0.10 makes an AbstractMesh by default (0.12: Explicit).
 MESH = AbstractMesh(
@@ -144,7 +144,7 @@ def test_allow_and_json():
       'message': report.findings[0].message,
     }
   ]
-  assert set(report.codes()) <= set(_check.CODES)
+  assert set(report.codes()) <= set(_check_report.CODES)
 
 
 def test_rules_from_the_context_and_errors():
@@ -307,7 +307,7 @@ def test_a_factory_built_while_the_flag_is_off_is_reported(eager_flag_off):
     report.findings[0].message
   )
   assert fdt.check(_factory(), GOOD, MESH, allow=['eager-sharding-off']) == (
-    _check.CheckReport((), ('eager-sharding-off',))
+    _check_report.CheckReport((), ('eager-sharding-off',))
   )
   # Built with eager sharding turned back on, nothing is created unplaced.
   with nnx.use_eager_sharding(True):

@@ -7,6 +7,8 @@ the manifest (`_format._encode`) in ``assets/``. One save op writes the
 variables, so they are first brought onto one mesh (`_single_mesh`). In a
 multi-process run the model is gathered onto process 0, which writes it
 alone (`_save_gathered`), under a size limit every process checks first.
+`check_served` traces an abstract model's method where the export would,
+before any work, and refuses what it would (the command line's check).
 """
 
 from __future__ import annotations

@@ -200,15 +200,7 @@ def init(
     nodes = call.nodes
     # The same configuration as an earlier call: its verdict, or its
     # compiled build, is reused.
-    key = _init_cache.key(
-      factory,
-      call.leaves,
-      call.treedef,
-      call.dynamic,
-      _calls.is_node,
-      rules_,
-      mesh_,
-    )
+    key = _init_cache.key(factory, call, rules_, mesh_)
     known = _init_cache.get(key)
     if known is not None and known.replay is not None:
       built = known.replay(nodes, mesh_)

@@ -36,14 +36,14 @@ import functools
 import sys
 import types
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import numpy as np
 
 from flax_dtensor import _output
-from flax_dtensor._placement import _creation
+from flax_dtensor._placement import _calls, _creation
 
 CACHE_SIZE = 32
 """Builds kept (the least recently used go first)."""
@@ -280,27 +280,28 @@ def _settings() -> Hashable:
 
 
 def key(
-  factory: Callable[..., Any],
-  leaves: Sequence[Any],
-  treedef: Any,
-  dynamic: Sequence[int],
-  is_node: Callable[[Any], bool],
-  rules: Any,
-  mesh: Any,
+  factory: Callable[..., Any], call: _calls.Split, rules: Any, mesh: Any
 ) -> Hashable | None:
-  """The configuration of an `init` call, or None if it cannot be pinned
-  down (then nothing is reused or kept)."""
-  passed = set(dynamic)
+  """The configuration of an `init` call (`call`: its arguments, split),
+  or None if it cannot be pinned down (then nothing is reused or kept)."""
+  passed = set(call.dynamic)
   try:
     args = tuple(
       ('node', _node_key(x))
-      if i in passed and is_node(x)
+      if i in passed and _calls.is_node(x)
       else ('array', _aval(x))
       if i in passed
       else ('value', value_key(x))
-      for i, x in enumerate(leaves)
+      for i, x in enumerate(call.leaves)
     )
-    found = (callable_key(factory), treedef, args, rules, mesh, _settings())
+    found = (
+      callable_key(factory),
+      call.treedef,
+      args,
+      rules,
+      mesh,
+      _settings(),
+    )
     hash(found)  # Everything in it must be hashable.
     return found
   except (Uncacheable, TypeError, ValueError):

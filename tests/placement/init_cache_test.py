@@ -200,10 +200,7 @@ def test_what_a_key_cannot_pin_down_is_never_kept(mesh):
     assert (
       _init_cache.key(
         factory,
-        [*args, nnx.Rngs(0)],
-        None,
-        [len(args)],
-        _calls.is_node,
+        _calls.Split([*args, nnx.Rngs(0)], None, [len(args)]),
         RULES,
         mesh,
       )

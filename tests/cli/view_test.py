@@ -19,7 +19,7 @@ from flax_dtensor.cli import _app
 from flax_dtensor.cli import inspect as inspect_cli
 
 DEMO = 'flax_dtensor.demo.model:make_model'
-BIG = 'big_model:make_model'
+BIG = 'support.big_model:make_model'
 SVG = '{http://www.w3.org/2000/svg}'
 
 

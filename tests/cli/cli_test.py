@@ -1,11 +1,5 @@
 """The command line as a whole: usage errors, help and metadata without JAX
-or TensorFlow, what it prints on stderr, and its exit statuses.
-
-Commands run in this process through `cli_runner` (tests/support), with
-TensorFlow DTensor initialized once for the module, as the bridge tests do;
-a test starts a process of its own only where that is what it tests. The
-user's model files are `support.cli_models`, the shared helpers
-`support.cli_helpers`.
+or TensorFlow, what it prints on stderr, and its exit statuses. How the CLI tests run: tests/cli/conftest.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""What several command-line test files read: the demo model's export."""
+"""The command line's tests, one file per command (and cli_test.py for the
+command line as a whole).
+
+Commands run in this process through `cli_runner` (tests/support), with
+TensorFlow DTensor initialized once for the module, as the bridge tests do;
+a test starts a process of its own only where that is what it tests. The
+user's model files are `support.cli_models`, the shared helpers
+`support.cli_helpers`.
+
+Here: what several of those files read, the demo model's export.
+"""
 
 import pytest
 from support.cli_helpers import DEMO_TARGET, make_checkpoint, run_cli

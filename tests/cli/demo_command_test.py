@@ -1,11 +1,5 @@
 """`flax-dtensor demo` run as a user runs it: training, export, verify,
-resume, and what it refuses.
-
-Commands run in this process through `cli_runner` (tests/support), with
-TensorFlow DTensor initialized once for the module, as the bridge tests do;
-a test starts a process of its own only where that is what it tests. The
-user's model files are `support.cli_models`, the shared helpers
-`support.cli_helpers`.
+resume, and what it refuses. How the CLI tests run: tests/cli/conftest.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """`flax-dtensor export`: checkpoints and SavedModels from an Orbax
 checkpoint or a manager's step, the values they hold, the inputs a
-SavedModel serves, and every refusal.
-
-Commands run in this process through `cli_runner` (tests/support), with
-TensorFlow DTensor initialized once for the module, as the bridge tests do;
-a test starts a process of its own only where that is what it tests. The
-user's model files are `support.cli_models`, the shared helpers
-`support.cli_helpers`.
+SavedModel serves, and every refusal. How the CLI tests run: tests/cli/conftest.py.
 """
 
 from __future__ import annotations

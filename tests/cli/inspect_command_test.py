@@ -1,11 +1,5 @@
 """`flax-dtensor inspect`: what an export holds, read from its manifest
-without JAX or TensorFlow, `--verify`, and exports without a manifest.
-
-Commands run in this process through `cli_runner` (tests/support), with
-TensorFlow DTensor initialized once for the module, as the bridge tests do;
-a test starts a process of its own only where that is what it tests. The
-user's model files are `support.cli_models`, the shared helpers
-`support.cli_helpers`.
+without JAX or TensorFlow, `--verify`, and exports without a manifest. How the CLI tests run: tests/cli/conftest.py.
 """
 
 from __future__ import annotations

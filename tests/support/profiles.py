@@ -5,8 +5,8 @@ examples on every host and every run), no deadline (a busy machine is not
 a bug). ``thorough``: each property's full count, random examples, for a
 run that hunts for bugs rather than guards against them:
 
-    HYPOTHESIS_PROFILE=thorough python -m pytest tests/core
-    python -m pytest --hypothesis-profile=thorough tests/core
+    HYPOTHESIS_PROFILE=thorough python -m pytest tests/rules tests/hook
+    python -m pytest --hypothesis-profile=thorough tests/rules tests/hook
 
 A property test writes its thorough count as ``max_examples=examples(N)``:
 N under ``thorough``, at most the profile's count otherwise. Tests whose

@@ -323,22 +323,17 @@ def test_plan_demo_json():
   assert result['ideal_bytes_per_device'] == result['total_bytes'] / 8
 
 
-def test_plan_user_factory_with_rules(tmp_path):
+def _plan_with_user_rules(tmp_path, target, mesh):
+  """The JSON plan of `target` on `mesh`, with USER_RULES as --rules."""
   rules = tmp_path / 'rules.yaml'
   rules.write_text(USER_RULES)
-  result = json.loads(
-    ok(
-      run_cli(
-        'plan',
-        USER_TARGET,
-        '--mesh',
-        'data=2,model=4',
-        '--rules',
-        rules,
-        '--json',
-      )
-    )
+  return json.loads(
+    ok(run_cli('plan', target, '--mesh', mesh, '--rules', rules, '--json'))
   )
+
+
+def test_plan_user_factory_with_rules(tmp_path):
+  result = _plan_with_user_rules(tmp_path, USER_TARGET, 'data=2,model=4')
   variables = {v['path']: v for v in result['variables']}
   # 'features' took 'data', so 'hidden' (6, not divisible by 4) cannot fall
   # back to 'data' either: it stays unsharded, and the plan says why.
@@ -352,20 +347,8 @@ def test_plan_user_factory_with_rules(tmp_path):
 
 
 def test_plan_user_factory_as_module(tmp_path):
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(USER_RULES)
-  result = json.loads(
-    ok(
-      run_cli(
-        'plan',
-        'support.cli_models:user_model',
-        '--mesh',
-        'data=8',
-        '--rules',
-        rules,
-        '--json',
-      )
-    )
+  result = _plan_with_user_rules(
+    tmp_path, 'support.cli_models:user_model', 'data=8'
   )
   variables = {v['path']: v for v in result['variables']}
   assert variables['hidden/kernel']['spec'] == ['data', None]
@@ -373,20 +356,8 @@ def test_plan_user_factory_as_module(tmp_path):
 
 
 def test_plan_allocates_nothing(tmp_path):
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(USER_RULES)
-  result = json.loads(
-    ok(
-      run_cli(
-        'plan',
-        f'{cli_models.FILE}:huge_user_model',
-        '--mesh',
-        'data=2,model=4',
-        '--rules',
-        rules,
-        '--json',
-      )
-    )
+  result = _plan_with_user_rules(
+    tmp_path, f'{cli_models.FILE}:huge_user_model', 'data=2,model=4'
   )
   (kernel,) = [v for v in result['variables'] if v['path'] == 'kernel']
   assert kernel['bytes'] == 100_000 * 100_000 * 4  # 40 GB, never allocated.

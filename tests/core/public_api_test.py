@@ -238,6 +238,21 @@ def _run(code, **env):
   )
 
 
+def _imports_none_of(*packages):
+  """Code asserting that no module of `packages` has been imported."""
+  return (
+    f'bad = sorted(m for m in sys.modules if m.split(".")[0] in {packages})\n'
+    'assert not bad, bad\n'
+  )
+
+
+def _assert_runs_through(code):
+  """Runs `code` in a fresh Python, which must reach its end."""
+  proc = _run(code + "print('ok')\n")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == 'ok'
+
+
 def test_import_pulls_in_only_what_the_core_needs():
   """No TensorFlow, no command-line libraries, no JAX backend at import.
 
@@ -248,33 +263,22 @@ def test_import_pulls_in_only_what_the_core_needs():
     'import sys, flax_dtensor, flax_dtensor.dtensor\n'
     "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n"
     'flax_dtensor.LogicalRules, flax_dtensor.dtensor.save_checkpoint\n'
-    "banned = ('tensorflow', 'typer', 'orbax', 'matplotlib', 'keras')\n"
-    "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned)\n"
-    'assert not bad, bad\n'
-    "assert 'flax_dtensor.cli' not in sys.modules\n"
+    + _imports_none_of('tensorflow', 'typer', 'orbax', 'matplotlib', 'keras')
+    + "assert 'flax_dtensor.cli' not in sys.modules\n"
     '# The backend has not started: the device count can still be set.\n'
     'import jax\n'
     "jax.config.update('jax_num_cpu_devices', 3)\n"
     'assert jax.device_count() == 3, jax.devices()\n'
-    "print('ok')\n"
   )
-  proc = _run(code)
-  assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.strip() == 'ok'
+  _assert_runs_through(code)
 
 
 def test_the_command_line_imports_neither_jax_nor_tensorflow():
   """Each command imports JAX, Flax and TF when it runs, not before."""
-  code = (
-    'import sys, flax_dtensor.cli._app\n'
-    "heavy = ('tensorflow', 'jax', 'flax', 'numpy', 'orbax', 'optax')\n"
-    "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
-    'assert not bad, bad\n'
-    "print('ok')\n"
+  code = 'import sys, flax_dtensor.cli._app\n' + _imports_none_of(
+    'tensorflow', 'jax', 'flax', 'numpy', 'orbax', 'optax'
   )
-  proc = _run(code)
-  assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.strip() == 'ok'
+  _assert_runs_through(code)
 
 
 def test_the_command_line_without_its_extra_says_what_to_install():

@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.core import spmd as core_spmd
+from flax.nnx import spmd as nnx_spmd
 from flax.nnx import variablelib
 from jax.experimental.layout import Format, Layout
 from jax.sharding import AxisType, NamedSharding
@@ -226,25 +227,25 @@ def test_a_flax_that_bypasses_the_hook_is_refused(monkeypatch):
     _install.check_routing()
 
 
-def test_a_flax_whose_pspec_query_bypasses_the_hook_is_refused(monkeypatch):
-  from flax.nnx import spmd as nnx_spmd
-
-  monkeypatch.setattr(
-    nnx_spmd, 'get_var_pspec', nnx_spmd.get_var_pspec.__wrapped__
-  )
+@pytest.mark.parametrize(
+  'module, name',
+  [
+    # What a variable's PartitionSpec is asked through.
+    pytest.param(nnx_spmd, 'get_var_pspec', id='pspec_query'),
+    # `nnx.with_partitioning` no longer wraps through `with_metadata`.
+    pytest.param(variablelib, 'with_metadata', id='initializers'),
+    # `nnx.get_partition_spec` no longer the function the hook wraps: path
+    # rules would see no paths there.
+    pytest.param(nnx, 'get_partition_spec', id='partition_spec'),
+  ],
+)
+def test_a_flax_whose_function_bypasses_the_hook_is_refused(
+  monkeypatch, module, name
+):
+  """A Flax function of the hook's, called unwrapped, is refused by name."""
+  monkeypatch.setattr(module, name, getattr(module, name).__wrapped__)
   with pytest.raises(
-    fdt.FlaxCompatibilityError, match=r"did not call \['get_var_pspec'\]"
-  ):
-    _install.check_routing()
-
-
-def test_a_flax_whose_initializers_bypass_the_hook_is_refused(monkeypatch):
-  """`nnx.with_partitioning` no longer wraps through `with_metadata`."""
-  monkeypatch.setattr(
-    variablelib, 'with_metadata', variablelib.with_metadata.__wrapped__
-  )
-  with pytest.raises(
-    fdt.FlaxCompatibilityError, match=r"did not call \['with_metadata'\]"
+    fdt.FlaxCompatibilityError, match=rf"did not call \['{name}'\]"
   ):
     _install.check_routing()
 
@@ -267,20 +268,6 @@ def test_a_flax_whose_modules_bypass_the_hook_is_refused(monkeypatch):
   monkeypatch.setattr(_install, '_Probe', Probe)
   with pytest.raises(
     fdt.FlaxCompatibilityError, match=r"did not call \['module_call'\]"
-  ):
-    _install.check_routing()
-
-
-def test_a_flax_whose_partition_spec_bypasses_the_hook_is_refused(
-  monkeypatch,
-):
-  """``nnx.get_partition_spec`` no longer the function the hook wraps: path
-  rules would see no paths there."""
-  monkeypatch.setattr(
-    nnx, 'get_partition_spec', nnx.get_partition_spec.__wrapped__
-  )
-  with pytest.raises(
-    fdt.FlaxCompatibilityError, match=r"did not call \['get_partition_spec'\]"
   ):
     _install.check_routing()
 

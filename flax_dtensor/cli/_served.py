@@ -54,11 +54,11 @@ class InputSpec:
 
   def polymorphic_shape(self, index: int) -> str | None:
     """jax2tf's polymorphic shape of the input (`index`: its position)."""
-    from flax_dtensor.dtensor._serving import _signature
+    from flax_dtensor.dtensor._serving import _inputs
 
     if self.dims is None:
       return None
-    return _signature.shape_text(_signature.symbolic_dims(self.dims, index))
+    return _inputs.shape_text(_inputs.symbolic_dims(self.dims, index))
 
   def text(self, dims: Sequence[int | str | None] | None = None) -> str:
     """The entry as the user wrote it; with `dims` instead of its own if
@@ -132,7 +132,7 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
         f'{INPUT_SHAPE_FIX}'
       )
   if not static_batch and isinstance(dims[0], int):
-    dims[0] = 'b'  # The batch symbol, `_signature.BATCH`.
+    dims[0] = 'b'  # The batch symbol, `_inputs.BATCH`.
   return InputSpec(name, tuple(dims), dtype, given=text)
 
 
@@ -158,7 +158,7 @@ def check_served_inputs(
   import jax
 
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._serving import _saved_model, _signature
+  from flax_dtensor.dtensor._serving import _inputs, _saved_model, _signature
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
@@ -166,7 +166,7 @@ def check_served_inputs(
       'such method. Pass --method NAME of a method that takes the inputs.'
     )
   try:
-    inputs = _signature.inputs(
+    inputs = _inputs.inputs(
       abstract,
       method,
       [s.tensor_spec() for s in specs],
@@ -200,8 +200,8 @@ def check_served_inputs(
 
 
 def _wording(specs: Sequence[InputSpec]) -> Any:
-  """The `_signature.Wording` of ``--input-shape`` flags: `specs`."""
-  from flax_dtensor.dtensor._serving import _signature
+  """The `_inputs.Wording` of ``--input-shape`` flags: `specs`."""
+  from flax_dtensor.dtensor._serving import _inputs
 
   def show(index: int, change: tuple[int, int] | None) -> str:
     # As the user wrote it, with the size at one position changed.
@@ -211,7 +211,7 @@ def _wording(specs: Sequence[InputSpec]) -> Any:
       written[change[0]] = str(change[1])
     return ':'.join([name, ','.join(written), *dtype])
 
-  return _signature.Wording(
+  return _inputs.Wording(
     name='--input-shape',
     listing=', '.join(s.text() for s in specs),
     write=lambda index, dims: specs[index].text(dims),

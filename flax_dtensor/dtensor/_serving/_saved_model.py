@@ -37,7 +37,12 @@ from flax_dtensor.dtensor._checkpoints import _checkpoint
 from flax_dtensor.dtensor._conversion import _convert, _selection, _single_mesh
 from flax_dtensor.dtensor._format import _checksums, _decode, _model, _paths
 from flax_dtensor.dtensor._layout import _dtypes, _topology
-from flax_dtensor.dtensor._serving import _serialization, _signature
+from flax_dtensor.dtensor._serving import (
+  _input_checks,
+  _inputs,
+  _serialization,
+  _signature,
+)
 from flax_dtensor.dtensor._storage import _atomic
 
 if TYPE_CHECKING:
@@ -178,9 +183,7 @@ def save_saved_model(
   """
   _topology.require_initialized()
   directory = _paths.local(directory, 'SavedModel directory')
-  inputs = _signature.inputs(
-    module, method, input_signature, polymorphic_shapes
-  )
+  inputs = _inputs.inputs(module, method, input_signature, polymorphic_shapes)
   _check_limit(max_gather_bytes)
   selected = nnx.All(include, nnx.Not(exclude))
   _, exported, _ = nnx.split(module, selected, ...)
@@ -216,7 +219,7 @@ class _Served:
 
   selected: filterlib.Filter
   method: str
-  inputs: _signature.Inputs
+  inputs: _inputs.Inputs
   platforms: Sequence[str] | None
   show: bool
 
@@ -267,7 +270,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     result = getattr(model, served.method)(*served.inputs.arguments(inputs))
     return _signature.named_outputs(result, where)
 
-  def serving(inputs: _signature.Inputs) -> Any:
+  def serving(inputs: _inputs.Inputs) -> Any:
     """The served `tf.function` for these inputs' polymorphic shapes."""
     forward_tf = jax2tf.convert(
       forward,
@@ -302,7 +305,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     _serialization.check_readable(traced.concrete, 'save_saved_model')
     if traced.inputs.multiples:
       _output.warn(
-        _signature.narrowed_warning(
+        _input_checks.narrowed_warning(
           traced.inputs, where, traced.refused_serving_mesh
         ),
         _errors.ServedShapeWarning,
@@ -336,7 +339,7 @@ class _Traced:
 
   function: Any  # The `tf.function` to save.
   concrete: Any  # Its concrete function.
-  inputs: _signature.Inputs  # The inputs it was traced for.
+  inputs: _inputs.Inputs  # The inputs it was traced for.
   mesh: jax.sharding.Mesh | None  # The mesh it was traced under, if set.
   # Why the serving mesh could not be used, when there was one.
   refused_serving_mesh: str | None = None
@@ -348,7 +351,7 @@ class _Forward:
   (`serving`), the method's name in messages, and the mesh the model's
   variables are on (None if not one)."""
 
-  serving: Callable[[_signature.Inputs], Any]
+  serving: Callable[[_inputs.Inputs], Any]
   where: str
   mesh: jax.sharding.Mesh | None
 
@@ -383,7 +386,7 @@ def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
 def check_served(
   module: Any,
   method: str,
-  inputs: _signature.Inputs,
+  inputs: _inputs.Inputs,
   examples: Sequence[jax.ShapeDtypeStruct],
 ) -> None:
   """Traces `method` of the abstract `module` on abstract inputs, before
@@ -428,9 +431,9 @@ def check_served(
     raise
   except Exception as e:
     raise (
-      _signature.shapes_error(inputs, e, where)
-      or _signature.auto_axes_error(inputs, e, where)
-      or _signature.unfit_error(inputs, e, where, any_error=True)
+      _input_checks.shapes_error(inputs, e, where)
+      or _input_checks.auto_axes_error(inputs, e, where)
+      or _input_checks.unfit_error(inputs, e, where, any_error=True)
     ) from e
 
 
@@ -453,7 +456,7 @@ def _traced_where_served(
   return in_context()
 
 
-def _traced(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
+def _traced(forward: _Forward, inputs: _inputs.Inputs) -> _Traced:
   """The serving function of `serving(inputs)`, traced as JAX runs it.
 
   On a mesh with Explicit axes (the caller's, else the one the model's
@@ -478,7 +481,7 @@ def _traced(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
   return dataclasses.replace(traced, refused_serving_mesh=refused)
 
 
-def _traced_in_context(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
+def _traced_in_context(forward: _Forward, inputs: _inputs.Inputs) -> _Traced:
   """The serving function traced as the caller's context has it.
 
   With two exceptions that JAX itself asks for, each traced again:
@@ -490,15 +493,15 @@ def _traced_in_context(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
     is laid out on). Only then: a mesh in context changes what JAX writes;
   - a forward that splits a polymorphic dimension over an Explicit mesh
     axis of `n` devices needs it to be a multiple of `n`: its symbol is
-    made one (`_signature.narrowed`), as JAX itself runs such a forward only
+    made one (`_input_checks.narrowed`), as JAX itself runs such a forward only
     for such sizes; the caller warns.
 
   A failure where polymorphic dimensions of their own meet
-  (`_signature.shapes_error`), where a dimension cannot be made to divide
-  (`_signature.divisibility_error`), where a forward written for Explicit
-  axes meets Auto ones (`_signature.auto_axes_error`), where an input has a
+  (`_input_checks.shapes_error`), where a dimension cannot be made to divide
+  (`_input_checks.divisibility_error`), where a forward written for Explicit
+  axes meets Auto ones (`_input_checks.auto_axes_error`), where an input has a
   size the forward
-  cannot take (`_signature.unfit_error`), where the forward changes the model
+  cannot take (`_input_checks.unfit_error`), where the forward changes the model
   (training mode), or a bare constraint with no mesh anywhere, is put in
   our words.
   """
@@ -537,16 +540,16 @@ def _traced_in_context(forward: _Forward, inputs: _signature.Inputs) -> _Traced:
           '`save_saved_model(nnx.view(model, deterministic=True, '
           'use_running_average=True), ...)` (the arguments its layers take).'
         ) from e
-      found = _signature.narrowing(e)
-      more = None if found is None else _signature.narrowed(inputs, found)
+      found = _input_checks.narrowing(e)
+      more = None if found is None else _input_checks.narrowed(inputs, found)
       if more is not None and not last:
         inputs = more
         continue
       error = (
-        _signature.shapes_error(inputs, e, forward.where)
-        or _signature.divisibility_error(inputs, e, forward.where)
-        or _signature.auto_axes_error(inputs, e, forward.where)
-        or _signature.unfit_error(inputs, e, forward.where)
+        _input_checks.shapes_error(inputs, e, forward.where)
+        or _input_checks.divisibility_error(inputs, e, forward.where)
+        or _input_checks.auto_axes_error(inputs, e, forward.where)
+        or _input_checks.unfit_error(inputs, e, forward.where)
       )
       if error is None:
         raise

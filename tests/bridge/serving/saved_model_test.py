@@ -687,9 +687,9 @@ def test_saved_model_errors(auto_mesh, tmp_path):
 
 
 def test_polymorphic_shape_strings():
-  from flax_dtensor.dtensor._serving import _signature
+  from flax_dtensor.dtensor._serving import _inputs
 
-  shape = _signature.polymorphic_shape
+  shape = _inputs.polymorphic_shape
   assert shape(tf.TensorSpec([None, 16]), 0) == '(b, 16)'
   assert shape(tf.TensorSpec([None]), 1) == '(b,)'
   assert shape(tf.TensorSpec([None, None, 3]), 2) == '(b, d2_1, 3)'
@@ -1319,7 +1319,7 @@ def test_named_outputs():
 
 
 def test_parameters_and_suggestions():
-  from flax_dtensor.dtensor._serving import _signature
+  from flax_dtensor.dtensor._serving import _input_checks, _inputs
 
   class M(nnx.Module):
     def a(self, x, y=None, *, z=1):
@@ -1332,19 +1332,19 @@ def test_parameters_and_suggestions():
       pass
 
   m = M()
-  a = _signature.parameters(m, 'a')
+  a = _inputs.parameters(m, 'a')
   assert a.method == 'M.a(x, y=..., *, z=...)'
   assert a.takes() == 'takes from 1 to 2 positional arguments'
   assert [a.fits(n) for n in range(4)] == [False, True, True, False]
-  b = _signature.parameters(m, 'b')
+  b = _inputs.parameters(m, 'b')
   assert b.takes() == 'takes at least 1 positional argument'
   assert b.fits(9) and not b.fits(0)
-  c = _signature.parameters(m, 'c')
+  c = _inputs.parameters(m, 'c')
   assert c.takes() == (
     'needs the keyword-only argument(s) `mode`, which a signature cannot give'
   )
   assert not c.fits(1)
-  suggested = _signature.suggested_dims
+  suggested = _input_checks.suggested_dims
   assert suggested([(None, None), None, (None, None, None)]) == [
     [('b', 't'), None, ('b', 't', 't')],
     [('b', 'd1'), None, ('b', 'd1', 'd2')],

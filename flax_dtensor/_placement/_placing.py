@@ -7,6 +7,10 @@ one ``jax.device_put`` outside it. `shard_value`, `with_logical_constraint`
 and `shard_module` resolve logical axes first (`_variables`,
 `_resolution`), then place; `place_by_path_rules` places what path rules
 cover when a module's construction ends.
+
+It stays one module past 600 lines: its entry points share one rule by
+axis type (`apply_spec`, what is already placed, `_is_placed`, and what is
+traced, `_is_traced`), which a split would leave half on each side.
 """
 
 from __future__ import annotations

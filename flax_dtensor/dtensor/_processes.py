@@ -16,6 +16,10 @@ errors") once that service is gone. So a process 0 that fails holds its
 error until every other live process has left the session with its own
 (`_hold`): a caller's process 0 that then exits at once takes no other
 process down with it.
+
+It stays one module past 600 lines: the heartbeats, the sessions and the
+waits share one state (the client, the beating thread, the live sessions)
+and one layout of keys in the store, which every part reads and writes.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def check_served_inputs(
 
   The inputs have the polymorphic shapes the SavedModel will have, and the
   arguments given as ``NAME:none`` are None. Nothing is computed. The
-  SavedModel export decides (`_saved_model.check_served`), as
+  SavedModel export decides (`_tracing.check_served`), as
   `save_saved_model` would; its message says the inputs as flags.
 
   Raises:
@@ -158,7 +158,7 @@ def check_served_inputs(
   import jax
 
   from flax_dtensor import _errors
-  from flax_dtensor.dtensor._serving import _inputs, _saved_model, _signature
+  from flax_dtensor.dtensor._serving import _inputs, _signature, _tracing
 
   if not callable(getattr(abstract, method, None)):
     raise BadInputError(
@@ -194,7 +194,7 @@ def check_served_inputs(
       ) from e
     examples.append(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(s.dtype)))
   try:
-    _saved_model.check_served(abstract, method, inputs, examples)
+    _tracing.check_served(abstract, method, inputs, examples)
   except _errors.ExportError as e:
     raise BadInputError(str(e)) from e
 

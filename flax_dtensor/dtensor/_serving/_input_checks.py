@@ -2,7 +2,7 @@
 
 When tracing the served method fails, one check here decides what the
 inputs have to do with it, for `save_saved_model` and the command line's
-check alike (`_saved_model`), and says it in the caller's words
+check alike (`_tracing`), and says it in the caller's words
 (`_inputs.Wording`): symbols of their own that the forward needs equal
 (`shapes_error`), a forward written for Explicit mesh axes on Auto ones
 (`auto_axes_error`), an input of a size the forward cannot take

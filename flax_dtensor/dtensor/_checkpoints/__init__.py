@@ -1,7 +1,8 @@
 """Checkpoint operations: the public steps users call.
 
 `save_checkpoint` (`_checkpoint`), `restore_checkpoint` (`_restore`), a
-training run's checkpoints by step (`_manager`: `CheckpointManager`), one
+training run's checkpoints by step (`_manager`: `CheckpointManager`; the
+state and metrics files beside the steps, `_step_files`), one
 part of a step that holds the model beside other state, restored into the
 model (`_part_restore`: ``export --part``), and an Orbax checkpoint read
 into a model (`_orbax`: ``export`` of an Orbax step).

@@ -8,21 +8,18 @@ TensorFlow's own state file, ``checkpoint``, naming the latest whole step
 whole or not at all (the export is renamed into place once written), so
 every step listed is whole; the state file is replaced atomically once a
 step is. The metrics a save is given (for keeping the best steps) are in
-``flax_dtensor_steps.json``. Process 0 writes both files and applies the
-retention, each once its step is whole.
+``flax_dtensor_steps.json``. Process 0 writes both files (`_step_files`)
+and applies the retention, each once its step is whole.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import math
 import os
 import re
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -34,111 +31,18 @@ from flax.nnx import filterlib
 
 from flax_dtensor import _errors, _output
 from flax_dtensor.dtensor import _processes
-from flax_dtensor.dtensor._checkpoints import _checkpoint, _restore
+from flax_dtensor.dtensor._checkpoints import (
+  _checkpoint,
+  _restore,
+  _step_files,
+)
 from flax_dtensor.dtensor._storage import _background, _steps, _temporaries
 
-STATE_FILE = _steps.STATE_FILE
-METRICS_FILE = _steps.METRICS_FILE
-METRICS_MAX_BYTES = 16 << 20
-"""The largest metrics file read (a run of a million steps fits)."""
-_STEP = _steps.STEP
 _REMOVING = re.compile(r'\.[0-9]{1,18}\.removing-[0-9]+')
 
 
 def _is_process_0() -> bool:
   return jax.process_index() == 0
-
-
-def _replace_file(path: str, text: str) -> None:
-  """Writes `text` to `path` atomically: a reader sees the old or the new."""
-  folder = os.path.dirname(path)
-  fd, tmp = tempfile.mkstemp(
-    prefix=f'.{os.path.basename(path)}.tmp-', dir=folder
-  )
-  try:
-    with os.fdopen(fd, 'w') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  _temporaries.fsync_dir(folder)
-
-
-def _read_metrics(directory: str) -> dict[int, dict[str, float]]:
-  """{step: metrics} from the manager's metrics file ({} without one).
-
-  Raises:
-    MalformedExportError: If the file is not what `save` writes.
-  """
-  path = os.path.join(directory, METRICS_FILE)
-  try:
-    with open(path, 'rb') as f:
-      data = f.read(METRICS_MAX_BYTES + 1)
-  except FileNotFoundError:
-    return {}
-  fix = (
-    'Expected {"steps": {"STEP": {"NAME": number}}}, as '
-    'CheckpointManager.save writes; remove the file to keep every step by '
-    'its number alone.'
-  )
-  if len(data) > METRICS_MAX_BYTES:
-    raise _errors.MalformedExportError(
-      f'{path!r} is over {METRICS_MAX_BYTES} bytes. {fix}'
-    )
-  try:
-    parsed = json.loads(data)
-  except (ValueError, RecursionError) as e:
-    raise _errors.MalformedExportError(
-      f'{path!r} is not JSON ({e}). {fix}'
-    ) from None
-  steps = parsed.get('steps') if isinstance(parsed, dict) else None
-  if not isinstance(steps, dict):
-    raise _errors.MalformedExportError(f'{path!r} has no "steps" object. {fix}')
-  out = {}
-  for key, metrics in steps.items():
-    if not _STEP.fullmatch(key) or not isinstance(metrics, dict):
-      raise _errors.MalformedExportError(
-        f'{path!r}: step {key!r} is not a step number with an object of '
-        f'metrics. {fix}'
-      )
-    for name, value in metrics.items():
-      if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _errors.MalformedExportError(
-          f'{path!r}: step {key}, metric {name!r} is '
-          f'{type(value).__name__}, not a number. {fix}'
-        )
-    out[int(key)] = metrics
-  return out
-
-
-def _checked_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-  if metrics is None:
-    return {}
-  if not isinstance(metrics, Mapping):
-    raise _errors.CheckpointManagerError(
-      f'metrics must be a mapping of names to numbers; got '
-      f'{type(metrics).__name__}. Pass e.g. metrics={{"loss": 0.25}}.'
-    )
-  out = {}
-  for name, value in metrics.items():
-    try:
-      number = float(value)
-    except (TypeError, ValueError):
-      raise _errors.CheckpointManagerError(
-        f'metrics[{name!r}] is {type(value).__name__}, not a number. Pass '
-        'numbers (a JAX scalar is read with float()).'
-      ) from None
-    if not math.isfinite(number):
-      raise _errors.CheckpointManagerError(
-        f'metrics[{name!r}] is {number}; the best steps are kept by finite '
-        'numbers. Pass a finite value, or leave the metric out of this step.'
-      )
-    out[str(name)] = number
-  return out
 
 
 class CheckpointManager:
@@ -284,7 +188,9 @@ class CheckpointManager:
     # Damaged steps the latest restore went past: moved aside by the next
     # save, as the run goes on from the step restored.
     self._damaged: list[int] = []
-    self._metrics = _read_metrics(self.directory) if _is_process_0() else {}
+    self._metrics = (
+      _step_files.read_metrics(self.directory) if _is_process_0() else {}
+    )
     self._pending: concurrent.futures.Future[Any] | None = None
     self.save_on_preemption = save_on_preemption
     self.preemption_seconds = preemption_seconds
@@ -407,7 +313,7 @@ class CheckpointManager:
     preempted = self.reached_preemption(step)
     if not (force or preempted or self.should_save(step)):
       return False
-    checked = _checked_metrics(metrics)
+    checked = _step_files.checked_metrics(metrics)
     previous = self._pending
     if previous is not None and self.when_busy == 'skip':
       busy = not previous.done()
@@ -467,7 +373,7 @@ class CheckpointManager:
         for step in damaged:
           path = os.path.join(self.directory, str(step))
           if os.path.isdir(path):
-            os.rename(path, _aside(self.directory, step))
+            os.rename(path, _step_files.aside(self.directory, step))
         _temporaries.fsync_dir(self.directory)
         self._write_files(self.all_steps())
     if jax.process_count() > 1:  # Gone for every process before the save.
@@ -533,22 +439,7 @@ class CheckpointManager:
     shutil.rmtree(aside, ignore_errors=True)
 
   def _write_files(self, kept: list[int]) -> None:
-    if kept:
-      lines = [f'model_checkpoint_path: "{kept[-1]}/{_checkpoint.PREFIX}"']
-      lines += [
-        f'all_model_checkpoint_paths: "{s}/{_checkpoint.PREFIX}"' for s in kept
-      ]
-      _replace_file(
-        os.path.join(self.directory, STATE_FILE), '\n'.join(lines) + '\n'
-      )
-    _replace_file(
-      os.path.join(self.directory, METRICS_FILE),
-      json.dumps(
-        {'steps': {str(s): m for s, m in sorted(self._metrics.items())}},
-        indent=1,
-      )
-      + '\n',
-    )
+    _step_files.write_files(self.directory, kept, self._metrics)
 
   def wait(self) -> None:
     """Waits until the pending save is whole on disk and its step kept.
@@ -641,7 +532,8 @@ class CheckpointManager:
       self._damaged = [s for s, _ in skipped]
       if skipped:
         aside = ', '.join(
-          repr(os.path.basename(_aside(self.directory, s))) for s, _ in skipped
+          repr(os.path.basename(_step_files.aside(self.directory, s)))
+          for s, _ in skipped
         )
         _output.warn(
           f'Restored step {candidate} of {self.directory!r}, not the latest: '
@@ -687,17 +579,6 @@ def _checked_step(step: Any) -> int:
       f'A step is a non-negative int below 10**18; got {value}.'
     )
   return value
-
-
-def _aside(directory: str, step: int) -> str:
-  """Where a damaged step is moved aside: ``STEP.damaged`` (``-2``, ... if
-  taken), a name no reader lists as a step."""
-  path = os.path.join(directory, f'{step}.damaged')
-  n = 1
-  while os.path.lexists(path):
-    n += 1
-    path = os.path.join(directory, f'{step}.damaged-{n}')
-  return path
 
 
 def _listed(steps: list[int]) -> str:

@@ -1,8 +1,8 @@
 """A served method's outputs: its result as named arrays.
 
-The method's result is served as named arrays (`named_outputs`);
-`summary` is the one line of an error that the serving messages quote.
-The inputs are `_inputs`', and why a trace on them failed `_input_checks`'.
+The method's result is served as named arrays (`named_outputs`), the other
+half of the signature whose inputs `_inputs` reads; `summary` is the one
+line of an error that the serving messages quote.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ RULES_METAVAR = 'RULES.yaml'
 RULES_HELP = (
   "A YAML rules file in MaxText's format (a logical_axis_rules list of "
   '(name, target) pairs), and path_rules for variables without logical '
-  'axes (see the path rules page). Default: the demo rules (a note says '
-  'so: first on stdout, or on stderr with --json).'
+  'axes (see the path rules page). Default: the demo rules '
+  '(flax_dtensor/demo/rules.yaml; plan says so in a note, first on stdout, '
+  'or on stderr with --json).'
 )
 DEMO_RULES_NOTE = (
   "note: no --rules given, so the demo's rules apply "

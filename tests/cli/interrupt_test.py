@@ -198,15 +198,27 @@ def test_inspect_verify_reports_a_folder_mixed_by_hand(
 
 def test_sigterm_to_the_entry_point_while_it_writes(old_runs, tmp_path):
   """`python -m flax_dtensor export`, SIGTERM to its group mid-write."""
+  _assert_an_interrupted_export_keeps_the_old(
+    old_runs, None, tmp_path, _sigterm_once_writing, status=143
+  )
+
+
+def _assert_an_interrupted_export_keeps_the_old(
+  old_runs, warm_pool, tmp_path, stop, *, status
+):
+  """An export over the old one, started (the real entry point where
+  `warm_pool` is None) and stopped by `stop(proc, tmp_path)`: it ends with
+  `status`, soon, says 'interrupted' and leaves the old folder as it was."""
   root = old_runs.root
   export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
   out = tmp_path / 'out'
   shutil.copytree(root / 'export-old', out)
   old = signal_sweep.snapshot(out)
-  proc = signal_sweep.start(None, export.args(out), tmp_path, real=True)
+  real = warm_pool is None
+  proc = signal_sweep.start(warm_pool, export.args(out), tmp_path, real=real)
   with proc.stdout, proc.stderr:  # Closed whatever fails.
-    status, seconds, stderr = _sigterm_once_writing(proc, tmp_path)
-  assert status == 143, stderr
+    got, seconds, stderr = stop(proc, tmp_path)
+  assert got == status, stderr
   assert seconds <= LOOSE_EXIT_SECONDS
   assert stderr.splitlines()[-1] == 'interrupted'
   assert signal_sweep.snapshot(out) == old
@@ -235,19 +247,13 @@ def _sigterm_once_writing(proc, tmp_path):
 @pytest.mark.parametrize('phase', ['restore', 'write'])
 def test_sigint_to_the_process_alone(old_runs, warm_pool, tmp_path, phase):
   """Not the group (`kill -INT PID`): the same stop, the same folder."""
-  root = old_runs.root
-  export = signal_sweep.export_command(root / 'demo-old' / 'orbax')
-  out = tmp_path / 'out'
-  shutil.copytree(root / 'export-old', out)
-  old = signal_sweep.snapshot(out)
-  case = signal_sweep.start(warm_pool, export.args(out), tmp_path, real=False)
-  with case.stdout, case.stderr:  # Closed whatever fails.
-    status, seconds, stderr = _sigint_to_the_process(case, tmp_path, phase)
-  assert status == 130, stderr
-  assert seconds <= LOOSE_EXIT_SECONDS
-  assert stderr.splitlines()[-1] == 'interrupted'
-  assert signal_sweep.snapshot(out) == old
-  assert signal_sweep.leftovers(out) == []
+  _assert_an_interrupted_export_keeps_the_old(
+    old_runs,
+    warm_pool,
+    tmp_path,
+    functools.partial(_sigint_to_the_process, phase=phase),
+    status=130,
+  )
 
 
 def test_an_interrupted_demo_says_how_resume_goes_on(

@@ -48,16 +48,24 @@ def test_the_similarity_rule(axis, mesh_axes, meant):
   assert _missing_axes.likely_meant(axis, mesh_axes) == meant
 
 
+def _built_twice(make, mesh, rules, then=lambda model: None):
+  """`make()` twice under `mesh` and `rules`, the first warning a likely
+  typo: the first model, the first call's warnings, and those of the
+  second call and of `then(model)` after it."""
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
+    with pytest.warns(fdt.LikelyTypoWarning) as caught:
+      model = make()
+    with warnings.catch_warnings(record=True) as again:
+      warnings.simplefilter('always')
+      make()
+      then(model)
+  return model, caught, again
+
+
 def test_building_warns_a_likely_typo_once_per_rules_and_mesh():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   rules = fdt.LogicalRules(TYPO)
-  with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
-    with pytest.warns(fdt.LikelyTypoWarning) as caught:
-      model = _make()
-    with warnings.catch_warnings(record=True) as again:
-      warnings.simplefilter('always')
-      _make()
-      fdt.shard_module(model)
+  model, caught, again = _built_twice(_make, mesh, rules, then=fdt.shard_module)
   (warning,) = caught
   assert str(warning.message).startswith('Likely typo in the rules: ')
   assert TYPO_TEXT in str(warning.message)
@@ -248,12 +256,7 @@ def test_an_unknown_logical_name_is_told_what_it_likely_meant():
   assert "(did you mean 'embedd'?)" in by_code['unused-rule'].message
   # Replicated on creation: warned once per rules and name.
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  with jax.set_mesh(mesh), fdt.logical_axis_rules(lenient):
-    with pytest.warns(fdt.LikelyTypoWarning) as caught:
-      model = _make_embedd()
-    with warnings.catch_warnings(record=True) as again:
-      warnings.simplefilter('always')
-      _make_embedd()
+  model, caught, again = _built_twice(_make_embedd, mesh, lenient)
   (warning,) = [w for w in caught if w.category is fdt.LikelyTypoWarning]
   assert str(warning.message).startswith(
     "Likely typo: the logical axis name(s) 'embedd' (did you mean 'embed'?) "

@@ -182,27 +182,29 @@ def _scratch(prefix: str) -> str:
   return path
 
 
-def _results(outputs: list[str]) -> list[dict[str, Any]]:
-  """Each process's RESULT lines, merged (by process id)."""
-  return [
+def _run(root: str, count: int, role: str, **kwargs) -> dict[str, Any]:
+  """`count` workers of `role` on the 8 devices, in `root`: {'root',
+  'results'}, each process's RESULT lines merged (by process id)."""
+  outputs = multiprocess_util.run_workers(
+    WORKER,
+    count,
+    args=[root, role],
+    timeout=TIMEOUT,
+    devices_per_process=8 // count,
+    dtensor_env=False,
+    **kwargs,
+  )
+  results = [
     processes.result(text, merge=True, context=f'(process {i})')
     for i, text in enumerate(outputs)
   ]
+  return {'root': root, 'results': results}
 
 
 @functools.cache
 def two_processes() -> dict[str, Any]:
   """The two-process run: {'root', 'results' (per process), 'seconds'}."""
-  root = _scratch('fdt_two_')
-  outputs = multiprocess_util.run_workers(
-    WORKER,
-    2,
-    args=[root, 'two'],
-    timeout=TIMEOUT,
-    devices_per_process=4,
-    dtensor_env=False,
-  )
-  return {'root': root, 'results': _results(outputs)}
+  return _run(_scratch('fdt_two_'), 2, 'two')
 
 
 @functools.cache
@@ -211,14 +213,10 @@ def four_processes() -> dict[str, Any]:
   two = two_processes()
   root = _scratch('fdt_four_')
   shutil.copytree(pathlib.Path(two['root'], 'c2'), pathlib.Path(root, 'c2'))
-  outputs = multiprocess_util.run_workers(
-    WORKER,
+  return _run(
+    root,
     4,
-    args=[root, 'four'],
-    timeout=TIMEOUT,
-    devices_per_process=2,
-    dtensor_env=False,
+    'four',
     env={'FLAX_DTENSOR_PEER_TIMEOUT': str(PEER_TIMEOUT)},
     may_die=[DEAD],
   )
-  return {'root': root, 'results': _results(outputs)}

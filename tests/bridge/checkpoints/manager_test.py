@@ -509,6 +509,26 @@ print('DONE', flush=True)
 KILL_MOMENTS = 4
 
 
+def _on_eight_devices():
+  return processes.clean_env(
+    XLA_FLAGS='--xla_force_host_platform_device_count=8'
+  )
+
+
+def _start_piped(warm_pool, script, source, arg):
+  """Writes `source` to `script` and starts it on eight devices, with the
+  run folder (a `run` beside it) and `arg`; its output piped."""
+  script.write_text(source)
+  return warm_pool.start(
+    script,
+    str(script.parent / 'run'),
+    arg,
+    env=_on_eight_devices(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
+
+
 @pytest.mark.parametrize('moment', range(KILL_MOMENTS))
 def test_a_loop_killed_at_any_moment_resumes_from_its_latest_whole_step(
   warm_pool, tmp_path, moment
@@ -523,20 +543,9 @@ def test_a_loop_killed_at_any_moment_resumes_from_its_latest_whole_step(
 
   rng = random.Random(1000 + moment)
   after_step, delay = rng.randint(2, 9), rng.uniform(0.0, 0.3)
-  script = tmp_path / 'train.py'
-  script.write_text(TRAIN)
   run_dir = tmp_path / 'run'
-  env = processes.clean_env(
-    XLA_FLAGS='--xla_force_host_platform_device_count=8'
-  )
-  case = warm_pool.start(
-    script,
-    str(run_dir),
-    '40',
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-  )
+  script = tmp_path / 'train.py'
+  case = _start_piped(warm_pool, script, TRAIN, '40')
   with case.stdout, case.stderr:
     try:
       deadline = time.monotonic() + processes.TIMEOUT
@@ -574,7 +583,7 @@ def test_a_loop_killed_at_any_moment_resumes_from_its_latest_whole_step(
       target['b'].get_value(), np.full((16,), step, np.float32)
     )
   # Resumed to the end: as the uninterrupted run at step 40.
-  proc = warm_pool.run(script, str(run_dir), '40', env=env)
+  proc = warm_pool.run(script, str(run_dir), '40', env=_on_eight_devices())
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines()[0] == f'STEP {latest + 1}'
   assert proc.stdout.splitlines()[-1] == 'DONE'
@@ -626,20 +635,8 @@ def test_a_preempted_loop_saves_its_step_within_the_bound(
   import signal
   import time
 
-  script = tmp_path / 'preempted.py'
-  script.write_text(PREEMPTED)
   run_dir = tmp_path / 'run'
-  env = processes.clean_env(
-    XLA_FLAGS='--xla_force_host_platform_device_count=8'
-  )
-  case = warm_pool.start(
-    script,
-    str(run_dir),
-    loop,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-  )
+  case = _start_piped(warm_pool, tmp_path / 'preempted.py', PREEMPTED, loop)
   with case.stdout, case.stderr:
     try:
       while case.stdout.readline() != b'STEP 5\n':

@@ -22,11 +22,10 @@ device holds. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
-import sys
+
+import harness
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
@@ -181,17 +180,7 @@ def main() -> None:
     budgets = [None, int(total / 4), int(ideal * 1.02), int(ideal * 0.9)]
     trees[name] = (leaves, total, budgets)
     cases.append({'leaves': leaves, 'budgets': [b for b in budgets if b]})
-  proc = subprocess.run(
-    [args.eformer_python, '-c', EFORMER],
-    input=json.dumps(cases),
-    capture_output=True,
-    text=True,
-    timeout=3600,
-    check=False,
-  )
-  if proc.returncode:
-    sys.exit(f'eformer failed:\n{proc.stderr[-3000:]}')
-  theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+  theirs = harness.run_elsewhere(args.eformer_python, EFORMER, cases, 3600)
   print(
     '| tree (params + Adam), MiB | budget | eformer `auto_partition_spec` | '
     'eformer `optimize_sharding_for_memory` | ours `suggest_rules` | fits | '

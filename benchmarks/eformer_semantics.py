@@ -31,8 +31,9 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
+
+import harness
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
@@ -163,17 +164,7 @@ def main() -> None:
   args = parser.parse_args()
   rng = random.Random(args.seed)
   cases = [_case(rng) for _ in range(args.cases)]
-  proc = subprocess.run(
-    [args.eformer_python, '-c', EFORMER],
-    input=json.dumps(cases),
-    capture_output=True,
-    text=True,
-    timeout=1800,
-    check=False,
-  )
-  if proc.returncode:
-    sys.exit(f'eformer failed:\n{proc.stderr[-3000:]}')
-  theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+  theirs = harness.run_elsewhere(args.eformer_python, EFORMER, cases, 1800)
   counts = {
     'compared': 0,
     'agree': 0,

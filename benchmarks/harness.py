@@ -1,8 +1,10 @@
 """The harness every benchmark group shares.
 
 In a case's own process (`measure.py`): the peak-RSS window
-(`reset_peak`, `rss_mib`), JAX on N CPU devices (`cpu_jax`), and the
-launcher of a case's several processes (`launch`, `jax_of_process`).
+(`reset_peak`, `rss_mib`), JAX on N CPU devices (`cpu_jax`), a scratch
+folder (`scratch`), the launcher of a case's several processes (`launch`,
+`jax_of_process`), and a measurement's result (`result`; `slowest`, of
+several processes).
 
 In `run.py`'s process: a case's record (`case`: its parameters, the method
 of each role, the ratios to report), the fresh-process runner (`measure`:
@@ -12,10 +14,14 @@ runner (`measure_in_one`: a case's every measurement in one ``measure.py
 between the roles and their min / median / max and ratios of the medians
 (`run`), the growth of the scaling groups (`growth`), the machine's
 description, and the terminal's lines (`print_line`, `print_growth`).
+
+For the comparisons with eformer (``eformer_*.py``): a peer's code run in
+an interpreter of its own (`run_elsewhere`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import itertools
@@ -24,9 +30,11 @@ import os
 import pathlib
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 # One measurement in a fresh process: ``measure.py CASE METHOD PARAMS``.
@@ -91,6 +99,40 @@ def release_free_memory() -> None:
     ctypes.CDLL('libc.so.6').malloc_trim(0)
   except (OSError, AttributeError):
     pass
+
+
+@contextlib.contextmanager
+def scratch(prefix: str):
+  """A new folder (under $BENCH_DIR where set), removed after the block."""
+  root = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get('BENCH_DIR'))
+  try:
+    yield root
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def result(seconds: float, before: float, peak: float, **more) -> dict:
+  """A measurement's result: its seconds, the RSS before it and its peak
+  (MiB), and what else the case reports."""
+  return {
+    'seconds': seconds,
+    'rss_before_mib': before,
+    'rss_peak_mib': peak,
+    **more,
+  }
+
+
+def slowest(outs: list[dict], *largest: str) -> dict:
+  """The result of a step run in several processes (their results `outs`):
+  the slowest one's seconds, the largest peak above its baseline, the
+  largest of each field in `largest`, and every one's in `per_process`."""
+  return result(
+    max(o['seconds'] for o in outs),
+    0.0,
+    max(o['rss_peak_mib'] - o['rss_before_mib'] for o in outs),
+    **{f: max(o[f] for o in outs) for f in largest},
+    per_process=outs,
+  )
 
 
 def launch(method: str, params: dict, step: str = '_mp_step') -> list[dict]:
@@ -517,3 +559,19 @@ def print_line(group, params, role, summary):
     ),
     flush=True,
   )
+
+
+def run_elsewhere(python: str, code: str, cases: list, timeout: float):
+  """Runs `code` in the interpreter `python`, `cases` as JSON on its stdin:
+  the JSON of its last line; exits with its stderr where it fails."""
+  proc = subprocess.run(
+    [python, '-c', code],
+    input=json.dumps(cases),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+  if proc.returncode:
+    sys.exit(f'eformer failed:\n{proc.stderr[-3000:]}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])

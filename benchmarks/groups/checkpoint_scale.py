@@ -45,22 +45,14 @@ def checkpoint_scale(
 
   if method not in _SCALE_METHODS:
     raise ValueError(method)
-  root = tempfile.mkdtemp(prefix='fdt_scale_', dir=os.environ.get('BENCH_DIR'))
-  params = {'arrays': arrays, 'devices': devices, 'root': root}
-  try:
+  with harness.scratch('fdt_scale_') as root:
+    params = {'arrays': arrays, 'devices': devices, 'root': root}
     if processes == 1:
       return _scale_step(method, **params, processes=1, process=0, port=0)
     outs = harness.launch(
       method, params | {'processes': processes}, step='_scale_step'
     )
-  finally:
-    shutil.rmtree(root, ignore_errors=True)
-  return {
-    'seconds': max(o['seconds'] for o in outs),
-    'rss_before_mib': 0.0,
-    'rss_peak_mib': max(o['rss_peak_mib'] - o['rss_before_mib'] for o in outs),
-    'per_process': outs,
-  }
+  return harness.slowest(outs)
 
 
 def _scale_step(
@@ -144,13 +136,8 @@ def _scale_step(
   seconds = time.perf_counter() - start
   peak = harness.rss_mib()
   multihost_utils.sync_global_devices('after')
-  result = {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': peak,
-    'bytes': arrays * devices * 64 * 4,
-    'process': process,
-  }
+  nbytes = arrays * devices * 64 * 4
+  result = harness.result(seconds, before, peak, bytes=nbytes, process=process)
   if processes == 1:
     shutil.rmtree(root, ignore_errors=True)
     return result
@@ -269,8 +256,7 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
   """
   import subprocess
 
-  root = tempfile.mkdtemp(prefix='fdt_meta_', dir=os.environ.get('BENCH_DIR'))
-  try:
+  with harness.scratch('fdt_meta_') as root:
     if method == 'write':
       before = harness.reset_peak()
       start = time.perf_counter()
@@ -330,15 +316,8 @@ def manifest_scale(method: str, variables: int, devices: int) -> dict:
       before, peak = 0.0, usage.ru_maxrss / 1024
     elif method != 'write':
       raise ValueError(method)
-  finally:
-    shutil.rmtree(root, ignore_errors=True)
-  return {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': peak,
-    'bytes': nbytes,
-    'shards': variables * devices,
-  }
+  shards = variables * devices
+  return harness.result(seconds, before, peak, bytes=nbytes, shards=shards)
 
 
 # that what is measured is what grows with the shards. Orbax does not fsync

@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import harness
@@ -40,9 +38,8 @@ def export_memory(method: str, mib: int) -> dict:
   layers = max(2, mib // 64)
   rules = [('embed', None), ('mlp', 'model')]
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  root = tempfile.mkdtemp(prefix='fdt_export_', dir=os.environ.get('BENCH_DIR'))
   spec = [tf.TensorSpec([None, models.EXPORT_WIDTH], tf.float32)]
-  try:
+  with harness.scratch('fdt_export_') as root:
     with jax.set_mesh(mesh), fdt.logical_axis_rules(rules):
       small = fdt.init(models.explicit_stack(jax, nnx, 2), nnx.Rngs(0))
       fdt_tf.save_saved_model(
@@ -66,14 +63,7 @@ def export_memory(method: str, mib: int) -> dict:
         fdt_tf.save_checkpoint(model, os.path.join(root, 'ckpt'))
       seconds = time.perf_counter() - start
       peak = harness.rss_mib()
-  finally:
-    shutil.rmtree(root, ignore_errors=True)
-  return {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': peak,
-    'param_bytes': param_bytes,
-  }
+  return harness.result(seconds, before, peak, param_bytes=param_bytes)
 
 
 # built and exported inside jax.set_mesh, beside a blocking checkpoint of

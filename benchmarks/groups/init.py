@@ -85,25 +85,40 @@ def init(
     nnx.update(model, jax.lax.with_sharding_constraint(state, specs))
     return model
 
+  model, seconds, before = _time_build(build, again)
+  blocks = model.blocks
+  first = blocks[0] if isinstance(blocks, nnx.List) else blocks
+  return _measured(seconds, before, model, first.up.kernel.get_value())
+
+
+def _time_build(build, again):
+  """What `build` returns, the seconds it took to build and the RSS (MiB)
+  before it; after an untimed first call when `again`."""
+  import jax  # Set up by the caller's `harness.cpu_jax()`.
+  from flax import nnx
+
   if again:  # The first call of this configuration, untimed.
     jax.block_until_ready(nnx.state(build()))
   before = harness.reset_peak()
   start = time.perf_counter()
-  model = build()
-  jax.block_until_ready(nnx.state(model))
-  seconds = time.perf_counter() - start
+  built = build()
+  jax.block_until_ready(nnx.state(built))
+  return built, time.perf_counter() - start, before
+
+
+def _measured(seconds, before, model, kernel):
+  """The result of one build of `model`, whose `kernel` shows its shards."""
+  import jax
+  from flax import nnx
+
   params = nnx.state(model, nnx.Param)
-  nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  blocks = model.blocks
-  first = blocks[0] if isinstance(blocks, nnx.List) else blocks
-  kernel = first.up.kernel.get_value()
-  return {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': harness.rss_mib(),
-    'param_bytes': nbytes,
-    'shard_shape': list(kernel.addressable_shards[0].data.shape),
-  }
+  return harness.result(
+    seconds,
+    before,
+    harness.rss_mib(),
+    param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
+    shard_shape=list(kernel.addressable_shards[0].data.shape),
+  )
 
 
 # The spellings of a factory: where the `nnx.Rngs` lives, and what else the
@@ -180,24 +195,9 @@ def init_spelling(method: str, spelling: str, layers: int, width: int) -> dict:
         return jitted(*a, **k)
     raise ValueError(method)
 
-  if again:  # The first call of this configuration, untimed.
-    jax.block_until_ready(nnx.state(build()))
-  before = harness.reset_peak()
-  start = time.perf_counter()
-  built = build()
-  jax.block_until_ready(nnx.state(built))
-  seconds = time.perf_counter() - start
+  built, seconds, before = _time_build(build, again)
   model = built[0] if isinstance(built, tuple) else built
-  kernel = model.layers[0].kernel.get_value()
-  return {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': harness.rss_mib(),
-    'param_bytes': sum(
-      x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-    ),
-    'shard_shape': list(kernel.addressable_shards[0].data.shape),
-  }
+  return _measured(seconds, before, model, model.layers[0].kernel.get_value())
 
 
 _INIT = {

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 
 import harness
@@ -32,22 +30,13 @@ def multiprocess(method: str, processes: int, arrays: int, mib: float) -> dict:
 
   if method not in _MP_METHODS:
     raise ValueError(method)
-  root = tempfile.mkdtemp(prefix='fdt_mp_', dir=os.environ.get('BENCH_DIR'))
-  params = {'arrays': arrays, 'mib': mib, 'processes': processes, 'root': root}
-  try:
+  with harness.scratch('fdt_mp_') as root:
+    params = {'arrays': arrays, 'mib': mib, 'processes': processes}
+    params['root'] = root
     if method == 'restore':
       harness.launch('prepare', params)
     outs = harness.launch(method, params)
-  finally:
-    shutil.rmtree(root, ignore_errors=True)
-  return {
-    'seconds': max(o['seconds'] for o in outs),
-    'rss_before_mib': 0.0,
-    'rss_peak_mib': max(o['rss_peak_mib'] - o['rss_before_mib'] for o in outs),
-    'shard_bytes': max(o['shard_bytes'] for o in outs),
-    'copied_bytes': max(o['copied_bytes'] for o in outs),
-    'per_process': outs,
-  }
+  return harness.slowest(outs, 'shard_bytes', 'copied_bytes')
 
 
 def _warm_up(jax, nnx, fdt_tf, path: str) -> None:
@@ -162,14 +151,14 @@ def _mp_step(
   )
   peak = harness.rss_mib()
   multihost_utils.sync_global_devices('after')
-  result = {
-    'seconds': seconds,
-    'rss_before_mib': before,
-    'rss_peak_mib': peak,
-    'shard_bytes': sum(d.nbytes for d in shards),
-    'copied_bytes': copied,
-    'process': process,
-  }
+  result = harness.result(
+    seconds,
+    before,
+    peak,
+    shard_bytes=sum(d.nbytes for d in shards),
+    copied_bytes=copied,
+    process=process,
+  )
   print(json.dumps(result), flush=True)
   os._exit(0)  # JAX's shutdown at exit would wait for the slowest process.
 

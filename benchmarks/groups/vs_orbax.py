@@ -86,42 +86,37 @@ _VS_ORBAX_RESTORE = {
 CASES = {}  # Its methods run in the `checkpoint` case.
 
 
+def _mixed(note, methods, ratios, **params):
+  """A `checkpoint` case of 512 MiB in 32 arrays of mixed layouts, 5 runs."""
+  params = {'arrays': 32, 'mib': 16, 'layouts': 'mixed', **params}
+  return harness.case('checkpoint', params, methods, ratios, 5, note)
+
+
 def full():
   return {
     'vs_orbax': [
-      harness.case(
-        'checkpoint',
-        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+      _mixed(
+        'save (ours flushes; orbax does not, peer_fsync adds it)',
         _VS_ORBAX_SAVE,
         _VS_ORBAX_SAVE_RATIOS,
-        repeat=5,
-        note='save (ours flushes; orbax does not, peer_fsync adds it)',
       ),
-      harness.case(
-        'checkpoint',
-        {'arrays': 32, 'mib': 16, 'layouts': 'mixed', 'again': 4},
+      _mixed(
+        'the fifth successive save in one process, each into new files, '
+        'against the fifth write + fsync of the unique bytes',
         {'ours': 'save', 'limit': 'raw_write'},
         [('ours', 'limit')],
-        repeat=5,
-        note='the fifth successive save in one process, each into new '
-        'files, against the fifth write + fsync of the unique bytes',
+        again=4,
       ),
-      harness.case(
-        'checkpoint',
-        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+      _mixed(
+        'what an asynchronous save stalls the caller for, against a host '
+        'copy of every shard',
         _VS_ORBAX_STALL,
         [('ours', 'limit'), ('peer', 'limit')],
-        repeat=5,
-        note='what an asynchronous save stalls the caller for, against a '
-        'host copy of every shard',
       ),
-      harness.case(
-        'checkpoint',
-        {'arrays': 32, 'mib': 16, 'layouts': 'mixed'},
+      _mixed(
+        'restore against reading the unique bytes and placing them',
         _VS_ORBAX_RESTORE,
         [('ours', 'limit_place'), ('ours', 'peer')],
-        repeat=5,
-        note='restore against reading the unique bytes and placing them',
       ),
     ],
   }

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
 from flax_dtensor.cli import _command
-from support import fault_runs, processes, scale_runs
+from support import fault_runs, manifests, processes, scale_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,13 +334,11 @@ def _interleaved_blocks(ctx):
 
 
 def _edited_manifest(ctx):
+  def change(meta):
+    meta['variables'][0]['shape'] = [32]
+
   path = ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'edited')
-  file = os.path.join(path, 'flax_dtensor.json')
-  with open(file) as f:
-    meta = json.load(f)
-  meta['variables'][0]['shape'] = [32]
-  with open(file, 'w') as f:
-    json.dump(meta, f)
+  manifests.edit(path, change)
   ctx.dt.read_checkpoint(path)
 
 
@@ -413,20 +411,7 @@ def _version_3_record_missing(ctx):
   of its records gone."""
 
   def edit(meta, root):
-    meta['version'] = 3
-    for var in meta['variables']:
-      shape, blocks = var['shape'], var['shards']['blocks']
-      steps = [n // b for n, b in zip(shape, blocks, strict=True)]
-      crcs = np.frombuffer(base64.b64decode(var['shards']['crc32']), '<u4')
-      var['shards'] = [
-        {
-          'index': [
-            [k * t, (k + 1) * t] for k, t in zip(i, steps, strict=True)
-          ],
-          'crc32': int(crc),
-        }
-        for i, crc in zip(np.ndindex(*blocks), crcs, strict=True)
-      ]
+    manifests.as_version_3(meta)
     del _kernel(meta)['shards'][-1]
 
   ctx.dt.restore_checkpoint(_crafted(ctx, 'v3', edit), ctx.model())

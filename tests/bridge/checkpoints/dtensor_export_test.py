@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import manifests
 
 import flax_dtensor as fdt
 from flax_dtensor.dtensor._checkpoints import _checkpoint
@@ -1185,15 +1186,6 @@ def test_restore_plain_tf_checkpoint_needs_the_same_dtype(
   )
 
 
-def _rewrite_metadata(path, edit):
-  meta_path = os.path.join(path, 'flax_dtensor.json')
-  with open(meta_path) as f:
-    meta = json.load(f)
-  edit(meta)
-  with open(meta_path, 'w') as f:
-    json.dump(meta, f)
-
-
 def _edit_record(meta, **changes):
   (record,) = meta['variables']
   record.update(changes)
@@ -1207,7 +1199,7 @@ def test_restore_checks_the_metadata(tmp_path):
     original = f.read()
   # A dtype edited to another one stored alike: the index agrees, the
   # shard CRCs (over the saved bytes) do not.
-  _rewrite_metadata(path, lambda m: _edit_record(m, dtype='bfloat16'))
+  manifests.edit(path, lambda m: _edit_record(m, dtype='bfloat16'))
   with pytest.raises(
     fdt_tf.MalformedExportError,
     match=r'is recorded as bfloat16 stored as float32, but bfloat16 is '
@@ -1215,7 +1207,7 @@ def test_restore_checks_the_metadata(tmp_path):
   ):
     fdt_tf.read_checkpoint(path)
 
-  _rewrite_metadata(path, lambda m: _edit_record(m, dtype='float99'))
+  manifests.edit(path, lambda m: _edit_record(m, dtype='float99'))
   for read in (
     lambda: fdt_tf.restore_checkpoint(path, _narrow_target('float16')),
     lambda: fdt_tf.read_checkpoint(path),

@@ -39,16 +39,24 @@ def _version(version):
   return {(f'v{i}',): base + 1000 * version + i for i in range(8)}
 
 
-def test_a_dead_peer_in_a_restore_leaves_the_target_unchanged():
-  run = fault_runs.dead_peer('in-restore')
+def _assert_peer_named(run, during, why):
+  """Process 0 of `run` failed, naming process 1, stopped `during` (e.g.
+  'save to') its checkpoint, for the reason `why` (a regex)."""
   path = os.path.join(run['root'], 'ckpt')
-  assert run['error'] is not None, 'process 0 restored without process 1'
+  doing = during.split()[0]
+  assert run['error'] is not None, f'process 0 ended its {doing} alone'
   assert re.match(
-    rf"Process 1 of 2 stopped during the restore from '{re.escape(path)}': "
-    rf'{_WHY["at-barrier"]}\. The target was not changed\. Restart every '
-    r'process of the job',
+    rf"Process 1 of 2 stopped during the {during} '{re.escape(path)}': "
+    rf'{why}\. Restart every process of the job',
     run['error'],
   ), run['error']
+
+
+def test_a_dead_peer_in_a_restore_leaves_the_target_unchanged():
+  run = fault_runs.dead_peer('in-restore')
+  _assert_peer_named(
+    run, 'restore from', rf'{_WHY["at-barrier"]}\. The target was not changed'
+  )
   assert run['unchanged']
   assert run['listing'] == ['ckpt']
 
@@ -58,13 +66,12 @@ def test_a_dead_peer_is_named_and_the_checkpoint_stays_whole(moment):
   run = fault_runs.dead_peer(moment)
   assert run['process'] == 0
   path = os.path.join(run['root'], 'ckpt')
-  assert run['error'] is not None, 'process 0 saved without process 1'
-  assert re.match(
-    rf"Process 1 of 2 stopped during the save to '{re.escape(path)}': "
+  _assert_peer_named(
+    run,
+    'save to',
     rf'{_WHY[moment]}.*{re.escape(repr(path))} holds the previous checkpoint '
-    r'or the new one, whole\. Restart every process of the job',
-    run['error'],
-  ), run['error']
+    r'or the new one, whole',
+  )
   # Process 0 removed its temporary before reporting, and its TensorFlow
   # still works: it read the checkpoint back.
   assert run['listing'] == ['ckpt']

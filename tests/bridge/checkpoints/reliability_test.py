@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import processes, profiles
+from support import manifests, processes, profiles
 
 import flax_dtensor as fdt
 
@@ -288,15 +288,6 @@ def test_a_damaged_checkpoint_does_not_break_the_next_ones(warm_pool, tmp_path):
   assert lines == ['REFUSED True', 'GOOD 1.0', "SAVED [('w',)]"]
 
 
-def _edit_manifest(path, edit):
-  file = os.path.join(path, 'flax_dtensor.json')
-  with open(file) as f:
-    meta = json.load(f)
-  edit(meta)
-  with open(file, 'w') as f:
-    json.dump(meta, f)
-
-
 def _record_of(meta, name):
   (record,) = [r for r in meta['variables'] if r['path'] == [name]]
   return record
@@ -345,7 +336,7 @@ def test_an_edited_manifest_is_refused(
 ):
   model = _model(explicit_mesh)
   path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
-  _edit_manifest(path, edit)
+  manifests.edit(path, edit)
   for read in (
     lambda: fdt_tf.read_checkpoint(path),
     lambda: fdt_tf.restore_checkpoint(path, _model(explicit_mesh, seed=1)),
@@ -360,12 +351,12 @@ def test_read_checkpoint_never_casts(explicit_mesh, tmp_path):
   # float16, stored as float32 like float32: the shard CRCs disagree.
   model = nnx.Dict(w=nnx.Param(jnp.linspace(0, 1, 512, dtype=jnp.float32)))
   path = fdt_tf.save_checkpoint(model, tmp_path / 'c')
-  _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='float16'))
+  manifests.edit(path, lambda m: _record_of(m, 'w').update(dtype='float16'))
   with pytest.raises(
     fdt_tf.DamagedExportError, match=r'w\[0:512\] read back with CRC-32'
   ):
     fdt_tf.read_checkpoint(path)
-  _edit_manifest(path, lambda m: _record_of(m, 'w').update(dtype='bfloat16'))
+  manifests.edit(path, lambda m: _record_of(m, 'w').update(dtype='bfloat16'))
   with pytest.raises(
     fdt_tf.MalformedExportError, match='bfloat16 is stored as bfloat16'
   ):

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 import tracemalloc
 
@@ -42,7 +41,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import profiles
+from support import manifests, opened, profiles
 
 import flax_dtensor as fdt
 
@@ -81,23 +80,7 @@ def export(tmp_path_factory):
   path = fdt_tf.save_checkpoint(state, base / 'ckpt')
   with open(os.path.join(path, MANIFEST)) as f:
     v4 = json.load(f)
-  return str(base), path, v4, _as_version_3(json.loads(json.dumps(v4)))
-
-
-def _as_version_3(meta):
-  meta['version'] = 3
-  for var in meta['variables']:
-    shape, blocks = var['shape'], var['shards']['blocks']
-    steps = [n // b for n, b in zip(shape, blocks, strict=True)]
-    crcs = np.frombuffer(base64.b64decode(var['shards']['crc32']), '<u4')
-    var['shards'] = [
-      {
-        'index': [[k * s, (k + 1) * s] for k, s in zip(i, steps, strict=True)],
-        'crc32': int(crc),
-      }
-      for i, crc in zip(np.ndindex(*blocks), crcs, strict=True)
-    ]
-  return meta
+  return str(base), path, v4, manifests.as_version_3(json.loads(json.dumps(v4)))
 
 
 # What to break, and how
@@ -127,20 +110,7 @@ HUGE = [
   10**13,
   10**100,
 ]
-_LEAF = (
-  st.none()
-  | st.booleans()
-  | st.integers(-(2**70), 2**70)
-  | st.sampled_from(HUGE)
-  | st.floats(allow_nan=True, allow_infinity=True)
-  | st.text(max_size=8)
-  | st.sampled_from(EVIL_PATHS)
-)
-_ANY = st.recursive(
-  _LEAF,
-  lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c),
-  max_leaves=6,
-)
+_ANY = manifests.json_values(HUGE, EVIL_PATHS, text_size=8, max_leaves=6)
 
 
 def _b64(crcs):
@@ -300,25 +270,12 @@ def broken(draw, v4, v3):
 # What is opened, and the bounds
 # ------------------------------------------------------------------------------
 
-_opened: list[str] | None = None
-
-
-def _audit(event, args):
-  if _opened is not None and event == 'open' and args:
-    path = args[0]
-    if isinstance(path, str | bytes | os.PathLike):
-      _opened.append(os.path.realpath(os.fsdecode(path)))
-
-
-sys.addaudithook(_audit)
-
 
 @contextlib.contextmanager
 def _bounded(base, root, *, traced):
   """Nothing under `base` outside `root` is opened; yields a list that
   then holds its CPU time; with `traced` (which slows Python down), its
   peak of Python memory is bounded."""
-  global _opened
 
   def stuck(signum, frame):
     raise TimeoutError('a manifest read for 60 s of wall time')
@@ -330,10 +287,10 @@ def _bounded(base, root, *, traced):
   if traced:
     tracemalloc.start()
   start = time.thread_time()
-  _opened = []
   spent = []
   try:
-    yield spent
+    with opened.recording() as paths:
+      yield spent
   finally:
     spent.append(time.thread_time() - start)
     peak = tracemalloc.get_traced_memory()[1] if traced else 0
@@ -341,12 +298,7 @@ def _bounded(base, root, *, traced):
     gc.enable()
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
-    opened, _opened = _opened, None
-  inside = os.path.realpath(root) + os.sep
-  top = os.path.realpath(base) + os.sep
-  for path in opened:
-    if path.startswith(top):
-      assert path.startswith(inside), f'opened {path} outside {root}'
+  opened.assert_inside(paths, base, root)
   assert peak < MEMORY_BYTES, f'{peak / 2**20:.0f} MiB'
 
 

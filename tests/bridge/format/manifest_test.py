@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import zlib
 
 import hypothesis
@@ -28,6 +27,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import manifests, opened
 
 import flax_dtensor as fdt
 
@@ -90,23 +90,10 @@ def _write(directory, meta):
 # What Python opens, and what our code hands TensorFlow
 # ------------------------------------------------------------------------------
 
-_opened: list[str] | None = None  # None: not recording (hooks stay for good).
-
-
-def _audit(event, args):
-  if _opened is not None and event == 'open' and args:
-    path = args[0]
-    if isinstance(path, str | bytes | os.PathLike):
-      _opened.append(os.path.realpath(os.fsdecode(path)))
-
-
-sys.addaudithook(_audit)
-
 
 @contextlib.contextmanager
 def _watched(monkeypatch, base, root):
   """Asserts that nothing under `base` outside `root` is opened or read."""
-  global _opened
   prefixes = []
   real = _restore._reader
 
@@ -115,17 +102,13 @@ def _watched(monkeypatch, base, root):
     return real(prefix, manifest)
 
   monkeypatch.setattr(_restore, '_reader', spy)
-  _opened = []
   try:
-    yield
+    with opened.recording() as paths:
+      yield
   finally:
-    opened, _opened = _opened, None
     monkeypatch.setattr(_restore, '_reader', real)
-  top = os.path.realpath(base) + os.sep
+  opened.assert_inside(paths, base, root)
   inside = os.path.realpath(root) + os.sep
-  for path in opened:
-    if path.startswith(top):
-      assert path.startswith(inside), f'opened {path} outside {root}'
   for prefix in prefixes:
     real_prefix = os.path.realpath(prefix)
     assert real_prefix.startswith(inside), f'TF was handed {prefix}'
@@ -585,7 +568,7 @@ def test_an_intact_checkpoint_restores_under_watch(saved, monkeypatch):
   target = _model(mesh, 1)
   with _watched(monkeypatch, base, mine):
     fdt_tf.restore_checkpoint(mine, target)
-  assert _opened is None
+  assert not opened.is_recording()
   expected = _values(_model(mesh, 0))
   for path, value in _values(target).items():
     np.testing.assert_array_equal(value, expected[path])
@@ -617,19 +600,8 @@ EVIL = [
   '',
   'a\\b',
 ]
-_LEAVES = (
-  st.none()
-  | st.booleans()
-  | st.integers(-(2**70), 2**70)
-  | st.sampled_from([0, 1, -1, 2, 3, 16, 2**32, 2**63, 10**13])
-  | st.floats(allow_nan=True, allow_infinity=True)
-  | st.text(max_size=6)
-  | st.sampled_from(EVIL)
-)
-_JSON = st.recursive(
-  _LEAVES,
-  lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c),
-  max_leaves=5,
+_JSON = manifests.json_values(
+  [0, 1, -1, 2, 3, 16, 2**32, 2**63, 10**13], EVIL, text_size=6, max_leaves=5
 )
 
 

@@ -88,34 +88,27 @@ def pytest_configure(config):
     )
 
 
+def _mesh(data, model):
+  """A (2, 4) ('data', 'model') mesh of these axis types."""
+  return jax.make_mesh((2, 4), ('data', 'model'), axis_types=(data, model))
+
+
 @pytest.fixture
 def explicit_mesh():
   """A (2, 4) ('data', 'model') mesh with Explicit axes."""
-  return jax.make_mesh(
-    (2, 4),
-    ('data', 'model'),
-    axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-  )
+  return _mesh(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Explicit)
 
 
 @pytest.fixture
 def auto_mesh():
   """A (2, 4) ('data', 'model') mesh with Auto axes."""
-  return jax.make_mesh(
-    (2, 4),
-    ('data', 'model'),
-    axis_types=(jax.sharding.AxisType.Auto,) * 2,
-  )
+  return _mesh(jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
 
 
 @pytest.fixture
 def mixed_mesh():
   """A (2, 4) mesh: 'data' Explicit, 'model' Auto."""
-  return jax.make_mesh(
-    (2, 4),
-    ('data', 'model'),
-    axis_types=(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto),
-  )
+  return _mesh(jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto)
 
 
 @pytest.fixture(params=['explicit', 'auto', 'mixed'])

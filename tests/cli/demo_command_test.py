@@ -57,17 +57,8 @@ def test_demo_trains_exports_and_verifies(tmp_path):
   starts (twice).
   """
   suggested = tmp_path / 'sug.yaml'
-  said = ok(
-    run_cli(
-      'plan',
-      DEMO_TARGET,
-      '--suggest',
-      '--budget',
-      '300KiB',
-      '--write',
-      suggested,
-    )
-  )
+  suggest = ['--suggest', '--budget', '300KiB', '--write', suggested]
+  said = ok(run_cli('plan', DEMO_TARGET, *suggest))
   said = ' '.join(said.split())
   assert '(traced on int32[16,128])' in said
   assert "'batch' -> 'data', None" in said

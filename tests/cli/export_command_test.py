@@ -23,6 +23,7 @@ from support.cli_helpers import (
   make_checkpoint,
   ok,
   run_cli,
+  user_placement,
 )
 from support.cli_models import (
   LM_TARGET,
@@ -46,16 +47,16 @@ def user_checkpoint(tmp_path_factory):
   return make_checkpoint(USER_TARGET, tmp_path_factory.mktemp('user'))
 
 
+def _export_demo(checkpoint, out, *args):
+  """`export` of the demo's model from `checkpoint` to `out`."""
+  return run_cli(
+    'export', DEMO_TARGET, '--checkpoint', checkpoint, '--out', out, *args
+  )
+
+
 def test_export_missing_checkpoint(tmp_path):
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
-      tmp_path / 'missing',
-      '--out',
-      tmp_path / 'out',
-    ),
+    _export_demo(tmp_path / 'missing', tmp_path / 'out'),
     'Checkpoint',
     'does not exist',
   )
@@ -64,14 +65,7 @@ def test_export_missing_checkpoint(tmp_path):
 def test_export_not_a_checkpoint(tmp_path):
   (tmp_path / 'empty').mkdir()
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
-      tmp_path / 'empty',
-      '--out',
-      tmp_path / 'out',
-    ),
+    _export_demo(tmp_path / 'empty', tmp_path / 'out'),
     'holds no Orbax checkpoint',
   )
 
@@ -82,14 +76,7 @@ def test_export_corrupt_checkpoint(tmp_path):
   (corrupt / '_CHECKPOINT_METADATA').write_text('{not json')
   (corrupt / '_METADATA').write_text('\x00garbage')
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
-      corrupt,
-      '--out',
-      tmp_path / 'out',
-    ),
+    _export_demo(corrupt, tmp_path / 'out'),
     'Cannot restore the Orbax checkpoint',
   )
   assert not (tmp_path / 'out' / 'checkpoint').exists()
@@ -100,17 +87,13 @@ def test_export_mesh_does_not_match_devices(tmp_path):
   (checkpoint).mkdir()
   (checkpoint / '_METADATA').write_text('{}')
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
+    _export_demo(
       checkpoint,
+      tmp_path / 'out',
       '--mesh',
       'data=4,model=4',
       '--cpu-devices',
       '8',
-      '--out',
-      tmp_path / 'out',
     ),
     '--mesh data=4,model=4 needs 16 devices, but JAX has 8 (cpu)',
     '--cpu-devices 16',
@@ -122,15 +105,7 @@ def test_export_saved_model_needs_input_shape(tmp_path):
   checkpoint.mkdir()
   (checkpoint / '_METADATA').write_text('{}')
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
-      checkpoint,
-      '--out',
-      tmp_path / 'out',
-      '--saved-model',
-    ),
+    _export_demo(checkpoint, tmp_path / 'out', '--saved-model'),
     '--saved-model needs',
   )
 
@@ -305,26 +280,34 @@ BATCH_SHARDED_NET = EXPLICIT_NET.replace(
 )
 
 
+def _saved_user_net(tmp_path, source, name):
+  """The user's file `name` of `source` (its factory `make`), rules.yaml
+  and an Orbax checkpoint of its model (orbax/), in `tmp_path`: the
+  factory and the model saved."""
+  import orbax.checkpoint as ocp
+
+  (tmp_path / name).write_text(source)
+  (tmp_path / 'rules.yaml').write_text(
+    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
+  )
+  namespace: dict = {}
+  exec(compile(source, name, 'exec'), namespace)
+  with nnx.use_eager_sharding(False):
+    model = namespace['make']()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
+    checkpointer.wait_until_finished()
+  return namespace['make'], model
+
+
 def test_export_traces_its_inputs_where_save_saved_model_does(tmp_path):
   """A forward that splits its batch over an Explicit axis (as bonsai's
   models do): the command line's check of --input-shape traces it on the
   serving mesh, as `save_saved_model` does, and the export serves every
   batch size (it blamed the right input shape: 'does not evenly divide
   the dimension size b')."""
-  import orbax.checkpoint as ocp
-
   assert 'reshard(x' in BATCH_SHARDED_NET
-  (tmp_path / 'batch_net.py').write_text(BATCH_SHARDED_NET)
-  (tmp_path / 'rules.yaml').write_text(
-    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
-  )
-  namespace: dict = {}
-  exec(compile(BATCH_SHARDED_NET, 'batch_net.py', 'exec'), namespace)
-  with nnx.use_eager_sharding(False):
-    model = namespace['make']()
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
-    checkpointer.wait_until_finished()
+  _, model = _saved_user_net(tmp_path, BATCH_SHARDED_NET, 'batch_net.py')
   out = tmp_path / 'out'
   ok(
     run_cli(
@@ -342,38 +325,33 @@ def test_export_refuses_to_overwrite(demo_export):
   tmp, out, _, proc = demo_export
   ok(proc)
   bad_input(
-    run_cli(
-      'export',
-      DEMO_TARGET,
-      '--checkpoint',
-      tmp / 'orbax',
-      '--out',
-      out,
-    ),
+    _export_demo(tmp / 'orbax', out),
     'already exists',
     '--overwrite',
   )
 
 
+def _export_user(
+  checkpoint, out, *args, target=USER_TARGET, rules=USER_RULES, **kwargs
+):
+  """`export` of `target` from `checkpoint` to `out`, with `rules` written
+  to rules.yaml beside `out`."""
+  rules_file = out.parent / 'rules.yaml'
+  rules_file.write_text(rules)
+  return run_cli(
+    'export',
+    target,
+    *('--checkpoint', checkpoint, '--rules', rules_file, '--out', out),
+    *args,
+    **kwargs,
+  )
+
+
 def test_export_and_inspect_user_factory(user_checkpoint, tmp_path):
   orbax, expected = user_checkpoint
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(USER_RULES)
   out = tmp_path / 'out'
   stdout = ok(
-    run_cli(
-      'export',
-      USER_TARGET,
-      '--checkpoint',
-      orbax,
-      '--mesh',
-      'data=2,model=4',
-      '--rules',
-      rules,
-      '--out',
-      out,
-      env={'COLUMNS': '80'},
-    )
+    _export_user(orbax, out, '--mesh', 'data=2,model=4', env={'COLUMNS': '80'})
   )
   assert_fits(stdout, 80, [orbax, out / 'checkpoint'])
   report = check_checkpoint(out / 'checkpoint', expected)
@@ -470,29 +448,16 @@ def test_export_into_an_empty_current_directory(
 def test_export_single_mesh(user_checkpoint, tmp_path):
   """--single-mesh: one DTensor mesh, what moved printed, values exact."""
   orbax, expected = user_checkpoint
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(
-    textwrap.dedent("""\
-      logical_axis_rules:
-        - ['features', ['data', 'model']]
-        - ['hidden', null]
-        - ['classes', null]
-      """)
-  )
+  rules = textwrap.dedent("""\
+    logical_axis_rules:
+      - ['features', ['data', 'model']]
+      - ['hidden', null]
+      - ['classes', null]
+    """)
   out = tmp_path / 'out'
   stdout = ok(
-    run_cli(
-      'export',
-      USER_TARGET,
-      '--checkpoint',
-      orbax,
-      '--mesh',
-      'data=2,model=4',
-      '--rules',
-      rules,
-      '--out',
-      out,
-      '--single-mesh',
+    _export_user(
+      orbax, out, '--mesh', 'data=2,model=4', '--single-mesh', rules=rules
     )
   )
   assert (
@@ -524,54 +489,40 @@ def test_export_single_mesh(user_checkpoint, tmp_path):
 def test_export_is_all_or_nothing(user_checkpoint, tmp_path):
   """A SavedModel that fails leaves no checkpoint behind, nor the --out."""
   orbax, _ = user_checkpoint
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(USER_RULES)
   out = tmp_path / 'out'
-  args = [
-    'export',
-    USER_TARGET,
-    '--checkpoint',
-    orbax,
-    '--rules',
-    rules,
-    '--out',
-    out,
-    '--saved-model',
-  ]
+  args = (orbax, out, '--saved-model', '--input-shape')
   # A wrong feature size (8, the model takes 16): tracing the model fails,
   # after the checkpoint was written.
-  failed = run_cli(*args, '--input-shape', 'x:1,8:float32')
+  failed = _export_user(*args, 'x:1,8:float32')
   assert failed.returncode != 0
   assert not out.exists()
   assert sorted(os.listdir(tmp_path)) == ['rules.yaml']
   # The corrected command runs, as if the first had never happened.
-  ok(run_cli(*args, '--input-shape', 'x:1,16:float32'))
+  ok(_export_user(*args, 'x:1,16:float32'))
   assert sorted(os.listdir(out)) == ['checkpoint', 'saved_model']
+
+
+def _user_training_state(optimizer, *, ema=False):
+  """`user_model` over 8 devices on 'data' and its `optimizer` (an optax
+  transformation), in an nnx.Dict; with a copy of the model as `ema`."""
+  with user_placement():
+    model = user_model()
+    more = {'ema': user_model()} if ema else {}
+    return nnx.Dict(
+      model=model,
+      **more,
+      optimizer=nnx.Optimizer(model, optimizer, wrt=nnx.Param),
+    )
 
 
 @pytest.fixture(scope='module')
 def user_steps(tmp_path_factory):
   """A CheckpointManager folder of a training state: `user_model` under
   model/, a copy of it under ema/, and its optimizer under optimizer/."""
-  import jax
   import optax
 
-  import flax_dtensor as fdt
-
   steps = tmp_path_factory.mktemp('user_steps') / 'steps'
-  mesh = jax.make_mesh((8,), ('data',))
-  with (
-    jax.set_mesh(mesh),
-    fdt.logical_axis_rules(
-      [('features', 'data'), ('hidden', None), ('classes', None)]
-    ),
-  ):
-    model = user_model()
-    state = nnx.Dict(
-      model=model,
-      ema=user_model(),
-      optimizer=nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
-    )
+  state = _user_training_state(optax.sgd(0.1), ema=True)
   manager = fdt_tf.CheckpointManager(steps)
   manager.save(1, state)
   manager.wait()
@@ -579,26 +530,10 @@ def user_steps(tmp_path_factory):
   return steps
 
 
-def _export_steps(steps, out, *args, target=USER_TARGET):
-  rules = out.parent / 'rules.yaml'
-  rules.write_text(USER_RULES)
-  return run_cli(
-    'export',
-    target,
-    '--checkpoint',
-    steps,
-    '--rules',
-    rules,
-    '--out',
-    out,
-    *args,
-  )
-
-
 def test_export_part_of_a_manager_step(user_steps, tmp_path):
   """--part model exports the model's variables of a training state's
   step, as saved; the other groups are left out."""
-  stdout = ok(_export_steps(user_steps, tmp_path / 'out', '--part', 'model'))
+  stdout = ok(_export_user(user_steps, tmp_path / 'out', '--part', 'model'))
   assert 'restored model/' in stdout and 'note:' not in stdout
   saved = fdt_tf.read_checkpoint(user_steps / '1')
   expected = {
@@ -664,7 +599,7 @@ def test_export_part_of_a_manager_step(user_steps, tmp_path):
 )
 def test_export_part_refused(user_steps, tmp_path, args, target, fragments):
   bad_input(
-    _export_steps(user_steps, tmp_path / 'out', *args, target=target),
+    _export_user(user_steps, tmp_path / 'out', *args, target=target),
     *fragments,
   )
   assert not (tmp_path / 'out').exists()
@@ -673,7 +608,7 @@ def test_export_part_refused(user_steps, tmp_path, args, target, fragments):
 def test_export_part_allow_extra(user_steps, tmp_path):
   """--allow-extra: the part's variables the model lacks are ignored."""
   stdout = ok(
-    _export_steps(
+    _export_user(
       user_steps,
       tmp_path / 'out',
       '--part',
@@ -697,37 +632,23 @@ def test_export_part_allow_extra(user_steps, tmp_path):
 def test_export_the_model_of_an_orbax_training_state(tmp_path):
   """An Orbax checkpoint of nnx.state of a model and its optimizer: the
   model's part is found by its paths, read alone, and exported as saved."""
-  import jax
   import optax
   import orbax.checkpoint as ocp
 
-  import flax_dtensor as fdt
-
-  mesh = jax.make_mesh((8,), ('data',))
-  with (
-    jax.set_mesh(mesh),
-    fdt.logical_axis_rules(
-      [('features', 'data'), ('hidden', None), ('classes', None)]
-    ),
-  ):
-    model = user_model()
-    state = nnx.Dict(
-      model=model,
-      optimizer=nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param),
-    )
+  state = _user_training_state(optax.adam(0.1))
   orbax = tmp_path / 'orbax'
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(orbax, nnx.state(state))
     checkpointer.wait_until_finished()
   out = tmp_path / 'out'
-  stdout = ok(_export_steps(orbax, out))
+  stdout = ok(_export_user(orbax, out))
   assert (
     f"note: '{orbax}' holds model/ (3 variables), optimizer/ (8); exporting "
     'model/'
   ) in ' '.join(stdout.split())
   expected = {
     '/'.join(map(str, k)): np.asarray(v.get_value())
-    for k, v in nnx.to_flat_state(nnx.state(model))
+    for k, v in nnx.to_flat_state(nnx.state(state['model']))
   }
   report = check_checkpoint(out / 'checkpoint', expected)
   assert report['missing'] == [] and report['extra'] == []
@@ -807,19 +728,8 @@ def test_export_refuses_damage_orbax_detects(
   orbax = tmp_path / 'orbax'
   shutil.copytree(user_checkpoint[0], orbax)
   damage(orbax)
-  rules = tmp_path / 'rules.yaml'
-  rules.write_text(USER_RULES)
   out = tmp_path / 'out'
-  proc = run_cli(
-    'export',
-    USER_TARGET,
-    '--checkpoint',
-    orbax,
-    '--rules',
-    rules,
-    '--out',
-    out,
-  )
+  proc = _export_user(orbax, out)
   bad_input(
     proc,
     f'The Orbax checkpoint {str(orbax)!r} is damaged',
@@ -1070,7 +980,6 @@ def test_a_forward_for_explicit_axes_on_auto_ones_is_refused_alike(tmp_path):
   the default Auto axes and `fdt_tf.save_saved_model` of the model on an
   Auto mesh say the same, each with its own fix."""
   import jax
-  import orbax.checkpoint as ocp
   import tensorflow as tf
 
   import flax_dtensor as fdt
@@ -1080,17 +989,7 @@ def test_a_forward_for_explicit_axes_on_auto_ones_is_refused_alike(tmp_path):
     r'where results go, with out_sharding= or jax\.sharding\.reshard\), but '
     r"the mesh's axes are Auto: JAX refuses it \(.+\)\. "
   )
-  (tmp_path / 'explicit_net.py').write_text(EXPLICIT_NET)
-  (tmp_path / 'rules.yaml').write_text(
-    'logical_axis_rules:\n  - [embed, null]\n  - [mlp, model]\n'
-  )
-  namespace: dict = {}
-  exec(compile(EXPLICIT_NET, 'explicit_net.py', 'exec'), namespace)
-  with nnx.use_eager_sharding(False):
-    model = namespace['make']()
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / 'orbax', nnx.state(model))
-    checkpointer.wait_until_finished()
+  make, _ = _saved_user_net(tmp_path, EXPLICIT_NET, 'explicit_net.py')
   line = bad_input(
     run_cli(
       'export',
@@ -1109,7 +1008,7 @@ def test_a_forward_for_explicit_axes_on_auto_ones_is_refused_alike(tmp_path):
     jax.set_mesh(mesh),
     fdt.logical_axis_rules([('embed', None), ('mlp', 'model')]),
   ):
-    model = namespace['make']()
+    model = make()
     with pytest.raises(
       fdt.ExportError, match=said + r'Place the model on a mesh of Explicit'
     ):

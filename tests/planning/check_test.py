@@ -2,14 +2,13 @@
 
 import json
 
-import flax
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
-from support import cli_runner, many_axes
+from support import cli_runner, many_axes, maxtext_style
 
 import flax_dtensor as fdt
 from flax_dtensor._planning import _check_report
@@ -23,19 +22,11 @@ MESH = AbstractMesh(
 class Model(nnx.Module):
   def __init__(self, rngs, *, wide=1024):
     init = nnx.initializers.lecun_normal()
-    self.up = nnx.Linear(
-      16,
-      64,
-      kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
-      rngs=rngs,
-    )
+    up = nnx.with_partitioning(init, ('embed', 'mlp'))
+    self.up = nnx.Linear(16, 64, kernel_init=up, rngs=rngs)
     # 1024 x 512 float32 = 2 MiB, annotated with a name the rules replicate.
-    self.table = nnx.Embed(
-      wide,
-      512,
-      embedding_init=nnx.with_partitioning(init, ('vocab', 'embed_out')),
-      rngs=rngs,
-    )
+    table = nnx.with_partitioning(init, ('vocab', 'embed_out'))
+    self.table = nnx.Embed(wide, 512, embedding_init=table, rngs=rngs)
 
 
 def _factory(**kwargs):
@@ -285,14 +276,10 @@ def test_a_factory_is_checked_for_what_calling_it_creates_unplaced():
 
 @pytest.fixture
 def eager_flag_off():
-  """Flax's eager sharding off for everyone, as some libraries set it at
-  import; restored after the test."""
-  before = flax.config.flax_always_shard_variable
-  flax.config.update('flax_always_shard_variable', False)
-  try:
+  """Flax's eager sharding off for everyone, as some libraries (MaxText)
+  set it at import; restored after the test."""
+  with maxtext_style.imported():
     yield
-  finally:
-    flax.config.update('flax_always_shard_variable', before)
 
 
 def test_a_factory_built_while_the_flag_is_off_is_reported(eager_flag_off):

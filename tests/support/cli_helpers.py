@@ -1,9 +1,10 @@
 """What the CLI tests share: running a command, reading its output, and the
-checkpoints they export from.
+checkpoints they export from (the user model's built in `user_placement`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
@@ -88,6 +89,24 @@ def run_python(script: str, *args: str, timeout: float = TIMEOUT) -> str:
   return proc.stdout
 
 
+@contextlib.contextmanager
+def user_placement():
+  """Where the user model is built: on an (8,) 'data' mesh, 'features'
+  sharded over it."""
+  import jax
+
+  import flax_dtensor as fdt
+
+  mesh = jax.make_mesh((8,), ('data',))
+  with (
+    jax.set_mesh(mesh),
+    fdt.logical_axis_rules(
+      [('features', 'data'), ('hidden', None), ('classes', None)]
+    ),
+  ):
+    yield
+
+
 def make_checkpoint(
   target: str, tmp: pathlib.Path
 ) -> tuple[pathlib.Path, dict]:
@@ -97,22 +116,13 @@ def make_checkpoint(
   kept in an .npz file. The user model is built sharded on a (8,) mesh, so
   `export` restores it onto another layout.
   """
-  import jax
   import orbax.checkpoint as ocp
-
-  import flax_dtensor as fdt
 
   factory = _loading.load_target(target)
   if target.endswith('make_model'):
     model = factory()
   else:
-    mesh = jax.make_mesh((8,), ('data',))
-    with (
-      jax.set_mesh(mesh),
-      fdt.logical_axis_rules(
-        [('features', 'data'), ('hidden', None), ('classes', None)]
-      ),
-    ):
+    with user_placement():
       model = factory()
   state = nnx.state(model)
   path = tmp / 'orbax'

@@ -165,18 +165,10 @@ class _Block(nnx.Module):
 
   def __init__(self, rngs):
     init = nnx.initializers.lecun_normal()
-    self.up = nnx.Linear(
-      16,
-      32,
-      kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')),
-      rngs=rngs,
-    )
-    self.down = nnx.Linear(
-      32,
-      16,
-      kernel_init=nnx.with_partitioning(init, ('mlp', 'embed')),
-      rngs=rngs,
-    )
+    up = nnx.with_partitioning(init, ('embed', 'mlp'))
+    down = nnx.with_partitioning(init, ('mlp', 'embed'))
+    self.up = nnx.Linear(16, 32, kernel_init=up, rngs=rngs)
+    self.down = nnx.Linear(32, 16, kernel_init=down, rngs=rngs)
     self.rngs = rngs
 
 

@@ -76,24 +76,12 @@ class Net(nnx.Module):
   """A sharded MLP with batch norm and dropout, and a two-output method."""
 
   def __init__(self, rngs, *, din=64, hidden=256, dout=16, dtype=jnp.float32):
-    self.up = nnx.Linear(
-      din,
-      hidden,
-      kernel_init=_part(('data', 'model')),
-      param_dtype=dtype,
-      dtype=dtype,
-      rngs=rngs,
-    )
-    self.norm = nnx.BatchNorm(hidden, param_dtype=dtype, dtype=dtype, rngs=rngs)
+    typed = {'param_dtype': dtype, 'dtype': dtype, 'rngs': rngs}
+    up, down = _part(('data', 'model')), _part(('model', None))
+    self.up = nnx.Linear(din, hidden, kernel_init=up, **typed)
+    self.norm = nnx.BatchNorm(hidden, **typed)
     self.drop = nnx.Dropout(0.5, rngs=rngs)
-    self.down = nnx.Linear(
-      hidden,
-      dout,
-      kernel_init=_part(('model', None)),
-      param_dtype=dtype,
-      dtype=dtype,
-      rngs=rngs,
-    )
+    self.down = nnx.Linear(hidden, dout, kernel_init=down, **typed)
 
   def __call__(self, x):
     return self.down(self.drop(self.norm(jax.nn.gelu(self.up(x)))))

@@ -104,7 +104,9 @@ def _assert_agree(model, mesh, rules):
 def test_importing_it_turns_eager_sharding_off():
   """In a process of its own: what importing the module does."""
   code = (
-    'import flax, gemma_style; print(flax.config.flax_always_shard_variable)'
+    'import flax\n'
+    'from support import gemma_style\n'
+    'print(flax.config.flax_always_shard_variable)'
   )
   proc = processes.run_python(
     '-W',

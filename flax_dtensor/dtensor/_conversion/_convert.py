@@ -8,7 +8,7 @@ checkpoints and SavedModels are written from.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import (
   TYPE_CHECKING,
   Any,
@@ -85,7 +85,7 @@ def to_dtensor(
   return t
 
 
-def _nest(pairs: Iterable[tuple[Sequence[Any], A]]) -> dict[str, Any]:
+def nest(pairs: Iterable[tuple[Sequence[Any], A]]) -> dict[str, Any]:
   """Nested dicts {component name: ...} from (path, leaf) pairs."""
   tree: dict[str, Any] = {}
   for path, leaf in pairs:
@@ -101,7 +101,7 @@ def make_module(variables: Iterable[tuple[Sequence[Any], Any]]) -> tf.Module:
   """A tf.Module holding `variables` at their paths under ``state``."""
   tf = _tf.tf()
   module = tf.Module(name='nnx')
-  setattr(module, _names.STATE_ATTRIBUTE, _nest(variables))
+  setattr(module, _names.STATE_ATTRIBUTE, nest(variables))
   return module
 
 
@@ -112,8 +112,14 @@ def dvariables(
   show: bool,
   desc: str,
   values: Sequence[jax.Array | None] | None = None,
+  trainable: Callable[[_selection.Entry], bool] | None = None,
 ) -> list[Any]:
-  """One DVariable per entry, laid out like its JAX array."""
+  """One DVariable per entry, laid out like its JAX array.
+
+  Each is trainable where `trainable` says so (default: the `nnx.Param`s).
+  """
+  if trainable is None:
+    trainable = _is_param
   if values is None:
     values = [None] * len(entries)
   out = []
@@ -124,10 +130,14 @@ def dvariables(
       _dvariable(
         to_dtensor(entry, widen=widen, value=value),
         name=_names.variable_name(entry.path),
-        trainable=isinstance(entry.variable, nnx.Param),
+        trainable=trainable(entry),
       )
     )
   return out
+
+
+def _is_param(entry: _selection.Entry) -> bool:
+  return isinstance(entry.variable, nnx.Param)
 
 
 def _dvariable(value: tf.Tensor, *, name: str, trainable: bool) -> Any:

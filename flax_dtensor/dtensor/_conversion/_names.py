@@ -69,8 +69,9 @@ def parse_path(path: str | Sequence[Any]) -> Path:
   return tuple(path)
 
 
-def _escape(part: str) -> str:
-  # As TF's trackable_utils.escape_local_name.
+def escape(part: str) -> str:
+  """A local name as TF writes it in a checkpoint key (as TF's
+  ``trackable_utils.escape_local_name``)."""
   return part.replace('.', '..').replace('/', '.S')
 
 
@@ -107,7 +108,7 @@ def checkpoint_key(path: str | Sequence[Any]) -> str:
     >>> checkpoint_key(('layers', '0', 'a/b.c'))
     'state/layers/~0/a.Sb..c/.ATTRIBUTES/VARIABLE_VALUE'
   """
-  parts = [_escape(p) for p in components(parse_path(path))]
+  parts = [escape(p) for p in components(parse_path(path))]
   return '/'.join([STATE_ATTRIBUTE, *parts]) + ATTRIBUTES_SUFFIX
 
 

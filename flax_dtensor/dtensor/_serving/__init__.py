@@ -1,11 +1,13 @@
 """SavedModels: an NNX model served by TensorFlow without JAX.
 
-The serving signatures a forward pass takes (`_inputs`) and returns
-(`_signature`); the forward traced where JAX runs it (`_tracing`), and why
+Which method each signature key serves, and the TF functions around it
+(`_signatures`); the inputs a forward pass takes (`_inputs`) and what it
+returns (`_signature`); the forward traced where JAX runs it (`_tracing`), and why
 a trace on those inputs failed, in the caller's words (`_input_checks`);
 the forward pass serialized for TF's StableHLO reader (`_serialization`),
 and `save_saved_model` (`_saved_model`), which writes them with the
-variables and a manifest.
+variables and a manifest, then TF's reusable-SavedModel lists
+(`_conventions`).
 
 May import: `dtensor._checkpoints`, `dtensor._storage`, `dtensor._format`,
 `dtensor._conversion`, `dtensor._layout`, the bridge's top-level helpers and

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,14 +31,21 @@ from flax_dtensor._placement import _variables
 from flax_dtensor._rules import _spec
 from flax_dtensor.dtensor import _processes, _tf, _tf_errors
 from flax_dtensor.dtensor._checkpoints import _checkpoint
-from flax_dtensor.dtensor._conversion import _convert, _selection, _single_mesh
+from flax_dtensor.dtensor._conversion import (
+  _convert,
+  _names,
+  _selection,
+  _single_mesh,
+)
 from flax_dtensor.dtensor._format import _checksums, _decode, _model, _paths
 from flax_dtensor.dtensor._layout import _dtypes, _topology
 from flax_dtensor.dtensor._serving import (
+  _conventions,
   _input_checks,
   _inputs,
   _serialization,
   _signature,
+  _signatures,
   _tracing,
 )
 from flax_dtensor.dtensor._storage import _atomic
@@ -56,8 +64,10 @@ def save_saved_model(
   module: Any,
   directory: str | os.PathLike[str],
   *,
-  input_signature: Sequence[Any],
+  input_signature: Sequence[Any] | None = None,
   method: str = '__call__',
+  signatures: Mapping[str, _signatures.ServingSignature] | None = None,
+  trainable: filterlib.Filter = False,
   include: filterlib.Filter = ...,
   exclude: filterlib.Filter = nnx.RngState,
   polymorphic_shapes: Sequence[str | None] | None = None,
@@ -83,12 +93,26 @@ def save_saved_model(
   SavedModel's files, `assets/flax_dtensor.json` records each variable's
   NNX type, dtype and layout (as for `save_checkpoint`).
 
-  TF writes a SavedModel's variables with one save op, which DTensor runs
-  on one mesh: arrays that are not laid out on the JAX mesh holding most
-  bytes with at most one mesh axis per dimension (a dimension sharded over
-  several axes, another mesh, a single device) are first copied onto it,
-  as `to_tf_module(..., single_mesh=True)` lays them out. The model itself
-  is not changed; the copies cost memory during the export.
+  Several methods, each under its own key (or one method under several),
+  are served with `signatures=`: a dict of keys to `ServingSignature`,
+  each with its own inputs, polymorphic shapes, and TF functions run before
+  (`preprocess`) and after (`postprocess`) the JAX forward, with the TF
+  objects they use (`resources`). The variables are saved once and every
+  signature reads them.
+
+  The loaded object follows TF's reusable-SavedModel convention:
+  ``loaded.variables``, ``loaded.trainable_variables`` and
+  ``loaded.regularization_losses`` (empty) are lists of its variables;
+  ``loaded(...)`` (and ``loaded.serve(...)``, the endpoint Keras's
+  `TFSMLayer` calls by default) runs the 'serving_default' signature (else
+  the first); a signature whose key is a Python name is also an attribute
+  (``loaded.embed(...)``). ``loaded.state`` holds the variables by NNX path
+  (`flat_variables`, `from_tf_module`). With `trainable`, the variables it
+  selects are trainable TF variables and TF differentiates every signature
+  (jax2tf's ``with_gradient=True``): a `tf.GradientTape` over
+  ``loaded.trainable_variables`` gives JAX's gradients, Keras's
+  ``TFSMLayer(..., trainable=True)`` trains them. Without it (the
+  default), no variable is trainable and the SavedModel holds no gradient.
 
   The method's result may be any pytree of arrays and None: its arrays are
   the signature's outputs, None is left out. A dict with str keys names
@@ -115,7 +139,9 @@ def save_saved_model(
   Args:
     module: The NNX module to serve (concrete arrays).
     directory: The SavedModel directory to create. Its parent must exist.
-    input_signature: One entry per positional argument of the method: a
+    input_signature: The inputs of the one method served as
+      'serving_default' (give this or `signatures`). One entry per
+      positional argument of the method: a
       `tf.TensorSpec` or `jax.ShapeDtypeStruct` for an input of the
       signature (named by the spec's name, else 'input_<index>'), or None
       to pass None (e.g. an empty cache; no input of the signature). A TF
@@ -126,6 +152,11 @@ def save_saved_model(
       `jax.ShapeDtypeStruct` may hold symbolic dimensions
       (``jax.export.symbolic_shape('b, 64')``), which keep their names.
     method: Name of the module's method to serve.
+    signatures: Instead of `input_signature`, `method` and
+      `polymorphic_shapes`: the signatures to serve, a dict of signature
+      keys to `ServingSignature`.
+    trainable: NNX filter of the exported variables TF may train
+      (`nnx.Param`, True for every one, default False: serve only).
     include: NNX filter of the variables to export as TF variables (default
       all but `exclude`).
     exclude: NNX filter of variables baked in as constants instead (default
@@ -150,7 +181,11 @@ def save_saved_model(
   Raises:
     DTensorInitializationError: If `flax_dtensor.dtensor.initialize()` was
       not called.
-    ExportError: If `method` is not a method of `module`,
+    ExportError: If neither or both of `input_signature` and `signatures`
+      are given, `signatures` is not a dict of plain names to
+      `ServingSignature`, a preprocess fails on its inputs or returns
+      something other than tensors, a preprocess or postprocess uses a TF
+      resource its `resources` lacks, `method` is not a method of `module`,
       `input_signature` has an entry of the wrong type or does not fit the
       method's positional parameters (checked before tracing),
       `polymorphic_shapes` does not fit it, tracing fails where
@@ -180,13 +215,18 @@ def save_saved_model(
   """
   _topology.require_initialized()
   directory = _paths.local(directory, 'SavedModel directory')
-  inputs = _inputs.inputs(module, method, input_signature, polymorphic_shapes)
+  keyed = _signatures.resolved(
+    input_signature, method, polymorphic_shapes, signatures
+  )
+  prepared = {
+    key: _prepared(module, key, signature) for key, signature in keyed.items()
+  }
   _check_limit(max_gather_bytes)
   selected = nnx.All(include, nnx.Not(exclude))
   _, exported, _ = nnx.split(module, selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   show = _convert.show_progress(progress, len(entries))
-  served = _Served(selected, method, inputs, platforms, show)
+  served = _Served(selected, prepared, trainable, platforms, show)
   with (
     _tf_errors.space_checked(directory, sum(e.nbytes for e in entries)),
     _tf_errors.translated(
@@ -211,33 +251,116 @@ def save_saved_model(
 
 
 @dataclasses.dataclass(frozen=True)
+class _Prepared:
+  """One signature, checked: its method's inputs, and the TF functions
+  around it (`tf.function`s, or None)."""
+
+  key: str
+  signature: _signatures.ServingSignature
+  inputs: _inputs.Inputs  # The method's inputs.
+  specs: tuple[Any, ...]  # The signature's own inputs.
+  preprocess: Any
+  postprocess: Any
+
+
+def _prepared(
+  module: Any, key: str, signature: _signatures.ServingSignature
+) -> _Prepared:
+  """`signature`, checked against the module before anything is traced.
+
+  With a `preprocess`, the method's inputs are what it returns, traced in
+  TF on the signature's inputs.
+  """
+  tf = _tf.tf()
+  post = signature.postprocess
+  post = None if post is None else tf.function(post)
+  if signature.preprocess is None:
+    inputs = _inputs.inputs(
+      module,
+      signature.method,
+      signature.input_signature,
+      signature.polymorphic_shapes,
+    )
+    return _Prepared(key, signature, inputs, inputs.specs, None, post)
+  pre = tf.function(signature.preprocess)
+  specs = _raw_specs(key, signature.input_signature)
+  try:
+    traced = pre.get_concrete_function(*specs)
+  except Exception as e:
+    raise _errors.ExportError(
+      f'The preprocess of `signatures[{key!r}]` failed on its '
+      f'input_signature {list(specs)}: {_signature.summary(e)}. Make it a '
+      "TF function of the signature's inputs that returns the method's "
+      'positional arguments (a tensor, or a tuple of tensors).'
+    ) from e
+  returned = traced.structured_outputs
+  arguments = (
+    list(returned) if isinstance(returned, list | tuple) else [returned]
+  )
+  model_specs = []
+  for i, a in enumerate(arguments):
+    if a is not None and not isinstance(a, tf.Tensor):
+      raise _errors.ExportError(
+        f'Expected the preprocess of `signatures[{key!r}]` to return the '
+        "method's positional arguments, tensors (or None), got "
+        f'{type(a).__name__} at position {i}: {a!r:.80}. Return a tensor, '
+        'or a tuple of tensors; convert a RaggedTensor with .to_tensor().'
+      )
+    model_specs.append(
+      None if a is None else tf.TensorSpec(a.shape, a.dtype, f'input_{i}')
+    )
+  inputs = _inputs.inputs(
+    module, signature.method, model_specs, signature.polymorphic_shapes
+  )
+  return _Prepared(key, signature, inputs, specs, pre, post)
+
+
+def _raw_specs(key: str, input_signature: Any) -> tuple[Any, ...]:
+  """The TF specs of a preprocessed signature's inputs."""
+  if isinstance(input_signature, str | bytes) or not isinstance(
+    input_signature, Sequence
+  ):
+    input_signature = [input_signature]
+  specs = []
+  for index, entry in enumerate(input_signature):
+    if entry is None:
+      raise _errors.ExportError(
+        f'Expected a spec for each input of `signatures[{key!r}]`, got None '
+        f"at position {index}: with a preprocess, the signature's inputs "
+        'are what clients send, and None is no input. Leave it out, and '
+        'let the preprocess return None for that argument.'
+      )
+    specs.append(_inputs.tensor_spec(entry, index)[0])
+  return tuple(specs)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Served:
   """What to serve: the variables, the method and its signature."""
 
   selected: filterlib.Filter
-  method: str
-  inputs: _inputs.Inputs
+  signatures: Mapping[str, _Prepared]
+  trainable: filterlib.Filter
   platforms: Sequence[str] | None
   show: bool
 
 
 def _write(module: Any, directory: str, served: _Served) -> None:
   """Writes the SavedModel of a module on this process's devices."""
-  tf = _tf.tf()
-  from jax.experimental import jax2tf
-
   graphdef, exported, rest = nnx.split(module, served.selected, ...)
   entries = _selection.select(exported, ..., nnx.Nothing, what='module')
   values, _ = _single_mesh.onto_one_mesh(
     entries,
     [_selection.to_jax_array(e, across_processes=False) for e in entries],
   )
+  is_trainable = filterlib.to_predicate(served.trainable)
   dvars = _convert.dvariables(
     entries,
     widen=True,
     show=served.show,
     desc='flax_dtensor: to DTensor',
     values=values,
+    trainable=lambda e: bool(is_trainable(e.path, e.variable)),
   )
   with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
     shards = [f.result() for f in _checksums.shard_checksums(values, pool)]
@@ -249,69 +372,48 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   )
   mesh = _single_mesh.main_mesh(values)
   del values
-  tf_module = _convert.make_module(
-    (e.path, v) for e, v in zip(entries, dvars, strict=True)
+  model = _Model(
+    type(module).__name__,
+    graphdef,
+    rest,
+    entries,
+    dvars,
+    any(v.trainable for v in dvars),
   )
-
-  where = f'{type(module).__name__}.{served.method}'
-
-  def forward(params: list[jax.Array], *inputs: jax.Array) -> Any:
-    flat = []
-    for e, p in zip(entries, params, strict=True):
-      if e.widened_in_jax:
-        p = p.astype(e.dtype)
-      if e.key_impl is not None:
-        p = jax.random.wrap_key_data(p, impl=e.key_impl)
-      flat.append((e.path, e.variable.copy(p)))
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
-    result = getattr(model, served.method)(*served.inputs.arguments(inputs))
-    return _signature.named_outputs(result, where)
-
-  def serving(inputs: _inputs.Inputs) -> Any:
-    """The served `tf.function` for these inputs' polymorphic shapes."""
-    forward_tf = jax2tf.convert(
-      forward,
-      polymorphic_shapes=[None, *inputs.polymorphic],
-      with_gradient=False,
-      native_serialization_platforms=(
-        tuple(served.platforms) if served.platforms is not None else None
-      ),
-    )
-
-    def serve(*tensors: tf.Tensor) -> Any:
-      # Widened variables go back to their dtype in TF, or inside the JAX
-      # function (`forward`) for dtypes TF may lack.
-      params = [
-        tf.cast(v, e.dtype)
-        if e.stored_dtype != e.dtype and not e.widened_in_jax
-        else v
-        for e, v in zip(entries, dvars, strict=True)
-      ]
-      return forward_tf(params, *tensors)
-
-    return tf.function(
-      serve, input_signature=list(inputs.specs), autograph=False
-    )
-
   with (
     _serialization.for_tensorflow(),
     concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool,
   ):
     _output.announce(served.show, 'tracing and writing a SavedModel')
-    traced = _tracing.traced(
-      _tracing.Forward(serving, where, mesh), served.inputs
-    )
-    _serialization.check_readable(traced.concrete, 'save_saved_model')
-    if traced.inputs.multiples:
-      _output.warn(
-        _input_checks.narrowed_warning(
-          traced.inputs, where, traced.refused_serving_mesh
+    traced = {}
+    for key, prepared in served.signatures.items():
+      where = f'{type(module).__name__}.{prepared.signature.method}'
+      found = _tracing.traced(
+        _tracing.Forward(
+          functools.partial(_serving, model, prepared, served.platforms),
+          where,
+          mesh,
+          differentiable=model.with_gradient,
         ),
-        _errors.ServedShapeWarning,
+        prepared.inputs,
       )
-    tf_module.serve = traced.function
-    with _tracing.mesh_set(traced.mesh):  # TF traces again while it saves.
-      _write_saved_model(tf_module, directory, traced.concrete)
+      _serialization.check_readable(found.concrete, 'save_saved_model')
+      if found.inputs.multiples:
+        _output.warn(
+          _input_checks.narrowed_warning(
+            found.inputs, where, found.refused_serving_mesh
+          ),
+          _errors.ServedShapeWarning,
+        )
+      traced[key] = found
+    root = _root(entries, dvars, served.signatures, traced)
+    meshes = [t.mesh for t in traced.values() if t.mesh is not None]
+    with _tracing.mesh_set(meshes[0] if meshes else None):
+      # TF traces again while it saves.
+      _write_saved_model(
+        root, directory, {k: t.concrete for k, t in traced.items()}
+      )
+    _conventions.add_lists(directory, entries)
     _checkpoint.write_manifest(
       directory,
       _model.SAVED_MODEL_FORMAT,
@@ -320,6 +422,113 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       pool,
       signatures=written_signatures(directory),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+  """The exported model, as each signature's forward rebuilds it."""
+
+  name: str  # The module's class name, for messages.
+  graphdef: Any
+  rest: Any  # What is baked in as constants.
+  entries: Sequence[_selection.Entry]
+  dvars: Sequence[Any]  # The SavedModel's variables, one per entry.
+  with_gradient: bool  # Whether TF differentiates the forward.
+
+
+def _serving(
+  model: _Model,
+  prepared: _Prepared,
+  platforms: Sequence[str] | None,
+  inputs: _inputs.Inputs,
+) -> Any:
+  """The served `tf.function` of one signature for these inputs' polymorphic
+  shapes: its preprocess, the method converted by jax2tf, its postprocess.
+  """
+  tf = _tf.tf()
+  from jax.experimental import jax2tf
+
+  method = prepared.signature.method
+  where = f'{model.name}.{method}'
+
+  def forward(params: list[jax.Array], *arrays: jax.Array) -> Any:
+    flat = []
+    for e, p in zip(model.entries, params, strict=True):
+      if e.widened_in_jax:
+        p = p.astype(e.dtype)
+      if e.key_impl is not None:
+        p = jax.random.wrap_key_data(p, impl=e.key_impl)
+      flat.append((e.path, e.variable.copy(p)))
+    merged = nnx.merge(model.graphdef, nnx.from_flat_state(flat), model.rest)
+    result = getattr(merged, method)(*prepared.inputs.arguments(arrays))
+    _signature.named_outputs(result, where)  # Refuses what cannot be served.
+    return result
+
+  forward_tf = jax2tf.convert(
+    forward,
+    polymorphic_shapes=[None, *inputs.polymorphic],
+    with_gradient=model.with_gradient,
+    native_serialization_platforms=(
+      tuple(platforms) if platforms is not None else None
+    ),
+  )
+
+  def serve(*tensors: tf.Tensor) -> Any:
+    if prepared.preprocess is not None:
+      returned = prepared.preprocess(*tensors)
+      if not isinstance(returned, list | tuple):
+        returned = [returned]
+      tensors = tuple(t for t in returned if t is not None)
+    # Widened variables go back to their dtype in TF, or inside the JAX
+    # function (`forward`) for dtypes TF may lack.
+    params = [
+      tf.cast(v, e.dtype)
+      if e.stored_dtype != e.dtype and not e.widened_in_jax
+      else v
+      for e, v in zip(model.entries, model.dvars, strict=True)
+    ]
+    result = forward_tf(params, *tensors)
+    if prepared.postprocess is not None:
+      result = prepared.postprocess(result)
+    return _signature.named_outputs(
+      result, where, arrays=(tf.Tensor, *_signature.ARRAYS)
+    )
+
+  specs = prepared.specs if prepared.preprocess is not None else inputs.specs
+  return tf.function(serve, input_signature=list(specs), autograph=False)
+
+
+def _root(
+  entries: Sequence[_selection.Entry],
+  dvars: Sequence[Any],
+  signatures: Mapping[str, _Prepared],
+  traced: Mapping[str, _tracing.Traced],
+) -> Any:
+  """The SavedModel's root object: the variables by NNX path under
+  ``state`` (what `from_tf_module` and `restore_from_tf` read), the default
+  signature as ``__call__`` (and as ``serve``, the endpoint Keras's
+  `TFSMLayer` calls by default), other signatures under their keys, and
+  what their TF functions use. TF's convention's lists are added once it
+  is written (`_conventions`).
+  """
+  tf = _tf.tf()
+  root = tf.__internal__.tracking.AutoTrackable()
+  setattr(
+    root,
+    _names.STATE_ATTRIBUTE,
+    _convert.nest((e.path, v) for e, v in zip(entries, dvars, strict=True)),
+  )
+  default = traced.get(_signatures.DEFAULT_KEY) or next(iter(traced.values()))
+  root.__call__ = default.function
+  root.serve = default.function
+  for key, found in traced.items():
+    name = _signatures.attribute_name(key)
+    if name is not None:
+      setattr(root, name, found.function)
+  root.resources = [
+    r for p in signatures.values() for r in p.signature.resources
+  ]
+  return root
 
 
 # Several processes: gathered onto process 0
@@ -472,9 +681,18 @@ def written_signatures(directory: str) -> dict[str, _model.Signature]:
 
 
 def _write_saved_model(
-  tf_module: tf.Module, directory: str, serving: Callable[..., Any]
+  root: Any, directory: str, signatures: Mapping[str, Any]
 ) -> None:
   tf = _tf.tf()
-  tf.saved_model.save(
-    tf_module, directory, signatures={'serving_default': serving}
-  )
+  try:
+    tf.saved_model.save(root, directory, signatures=dict(signatures))
+  except AssertionError as e:
+    if 'untracked' not in str(e):
+      raise
+    raise _errors.ExportError(
+      'A preprocess or postprocess of the SavedModel uses a TF resource (a '
+      'lookup table, a variable) that the export does not save '
+      f'({_signature.summary(e)}). Expected every TF object they use in '
+      "their ServingSignature's `resources=`: pass e.g. "
+      'ServingSignature(..., resources=[table]).'
+    ) from e

@@ -18,7 +18,7 @@ from flax_dtensor import _errors
 # Joins the keys of nested dicts in the name of a served output.
 SEPARATOR = '/'
 # What a served result may hold, besides None (left out).
-_ARRAYS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+ARRAYS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def summary(error: BaseException) -> str:
@@ -41,7 +41,9 @@ def _key_text(key: Any) -> str:
   return str(key)
 
 
-def named_outputs(result: Any, where: str) -> dict[str, Any]:
+def named_outputs(
+  result: Any, where: str, *, arrays: tuple[type, ...] = ARRAYS
+) -> dict[str, Any]:
   """The arrays of a method's result, by the name each is served under.
 
   None is left out. A dict with str keys names each array by its keys
@@ -49,7 +51,8 @@ def named_outputs(result: Any, where: str) -> dict[str, Any]:
   by `SEPARATOR`: ``{'logits': x, 'cache': {'k': k}}`` gives 'logits' and
   'cache/k'. Any other result names its arrays ``output_0``,
   ``output_1``, ... in the order of ``jax.tree.leaves``; an array alone is
-  ``output_0``.
+  ``output_0``. The arrays are of the types of `arrays` (TF's tensors, for
+  what a TF postprocessing function returns).
 
   Raises:
     ExportError: If the result holds something other than arrays and None,
@@ -70,7 +73,7 @@ def named_outputs(result: Any, where: str) -> dict[str, Any]:
   paths: dict[str, Any] = {}
   for i, (path, leaf) in enumerate(leaves):
     where_in = 'result' + jax.tree_util.keystr(path)
-    if not isinstance(leaf, _ARRAYS):
+    if not isinstance(leaf, arrays):
       text = repr(leaf)
       text = text if len(text) <= 80 else text[:77] + '...'
       raise _errors.ExportError(

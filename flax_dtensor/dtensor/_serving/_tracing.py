@@ -59,6 +59,10 @@ class Forward:
   serving: Callable[[_inputs.Inputs], Any]
   where: str
   mesh: jax.sharding.Mesh | None
+  # Whether TF differentiates it: jax2tf exports the gradient of a forward
+  # traced on Explicit axes with no devices to run on (jax 0.10 and 0.12),
+  # so such a forward is traced on Auto axes first.
+  differentiable: bool = False
 
 
 # The most times the served function is traced on the caller's mesh: once,
@@ -67,7 +71,7 @@ class Forward:
 _MOST_TRACES = 8
 
 
-def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
+def serving_mesh(mesh: Any, *, auto: bool = False) -> jax.sharding.Mesh | None:
   """The mesh a SavedModel's forward is traced under, for `mesh`'s axes.
 
   TensorFlow serves a SavedModel on one device, whatever mesh it was
@@ -78,14 +82,18 @@ def serving_mesh(mesh: Any) -> jax.sharding.Mesh | None:
   on one device: a forward written for `mesh` with bare `PartitionSpec`s
   traces there for every size, as JAX runs it on one device. None when
   `mesh` (concrete or abstract) has no Explicit axis: JAX checks nothing
-  then, and the forward is traced as the caller has it.
+  then, and the forward is traced as the caller has it. With `auto`, every
+  axis of the copy is Auto (a differentiable forward's, `Forward`).
   """
   if mesh is None or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return None
   devices = np.array(jax.local_devices()[:1]).reshape((1,) * len(mesh.shape))
-  return jax.sharding.Mesh(
-    devices, mesh.axis_names, axis_types=tuple(mesh.axis_types)
+  types = (
+    (jax.sharding.AxisType.Auto,) * len(mesh.axis_types)
+    if auto
+    else tuple(mesh.axis_types)
   )
+  return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=types)
 
 
 def check_served(
@@ -172,7 +180,10 @@ def traced(forward: Forward, inputs: _inputs.Inputs) -> Traced:
   `_traced_in_context`.
   """
   context = _meshes.current_mesh()
-  served_on = serving_mesh(context if context is not None else forward.mesh)
+  served_on = serving_mesh(
+    context if context is not None else forward.mesh,
+    auto=forward.differentiable,
+  )
   if served_on is None:
     return _traced_in_context(forward, inputs)
   function = forward.serving(inputs)

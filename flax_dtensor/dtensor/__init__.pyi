@@ -5,6 +5,9 @@
 from flax_dtensor.dtensor._checkpoints._checkpoint import (
   save_checkpoint as save_checkpoint,
 )
+from flax_dtensor.dtensor._checkpoints._from_tf_files import (
+  restore_from_tf as restore_from_tf,
+)
 from flax_dtensor.dtensor._checkpoints._manager import (
   CheckpointManager as CheckpointManager,
 )
@@ -73,5 +76,8 @@ from flax_dtensor.dtensor._layout._topology import (
 from flax_dtensor.dtensor._layout._topology import shutdown as shutdown
 from flax_dtensor.dtensor._serving._saved_model import (
   save_saved_model as save_saved_model,
+)
+from flax_dtensor.dtensor._serving._signatures import (
+  ServingSignature as ServingSignature,
 )
 from flax_dtensor.dtensor._storage._background import SaveHandle as SaveHandle

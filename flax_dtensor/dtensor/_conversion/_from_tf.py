@@ -81,9 +81,9 @@ def _variables_of(
         )
       name = _TF_NAME_SUFFIX.sub('', v.name)
       pairs.append((_key_path(name, 'a variable named'), v.name, v))
-  elif hasattr(source, _names.STATE_ATTRIBUTE):
+  elif (holder := _state_holder(source)) is not None:
     what = _sources.Source('The tf.Module', 'a tf.Module', 'exported')
-    flat = _convert.flat_variables(source)
+    flat = _convert.flat_variables(holder)
     pairs = [(p, _names.path_text(p), v) for p, v in flat.items()]
   else:
     raise _errors.ExportError(
@@ -105,6 +105,49 @@ def _variables_of(
       )
     out[path], keys[path] = value, key
   return out, what
+
+
+def _state_holder(source: Any) -> Any:
+  """The object holding the `state` variables: `source` itself, or the one
+  object under it that does (a TF user's wrapper, ``wrapper.base =
+  loaded``); None if no object does.
+
+  Raises:
+    ExportError: If several objects under `source` hold one.
+  """
+  if hasattr(source, _names.STATE_ATTRIBUTE):
+    return source
+  if not callable(getattr(source, '_trackable_children', None)):
+    return None
+  found: dict[int, tuple[str, Any]] = {}
+  seen = {id(source)}
+  queue: list[tuple[str, Any]] = [('', source)]
+  while queue:
+    where, node = queue.pop(0)
+    try:
+      children = node._trackable_children()
+    except Exception:  # pragma: no cover - a trackable TF cannot list.
+      continue
+    for name, child in sorted(children.items()):
+      path = f'{where}.{name}' if where else name
+      if id(child) in seen or isinstance(child, _tf.tf().Variable):
+        continue
+      seen.add(id(child))
+      if hasattr(child, _names.STATE_ATTRIBUTE) and not isinstance(
+        child, Mapping
+      ):
+        found.setdefault(id(child), (path, child))
+      else:
+        queue.append((path, child))
+  if len(found) > 1:
+    paths = sorted(p for p, _ in found.values())
+    raise _errors.ExportError(
+      f'{type(source).__name__} holds {len(paths)} objects with a '
+      f'`{_names.STATE_ATTRIBUTE}` of exported variables: '
+      f'{", ".join(paths)}. Expected one; pass the one to restore from '
+      f'(e.g. `from_tf_module(source.{paths[0]}, target)`).'
+    )
+  return next(iter(found.values()))[1] if found else None
 
 
 def _held(value: Any) -> _sources.Held:
@@ -255,8 +298,22 @@ def from_tf_module(
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """
-  entries = options.entries(target)
   variables, source = _variables_of(tf_module_or_dvariables)
+  return place(variables, source, target, options)
+
+
+def place(
+  variables: Mapping[_names.Path, Any],
+  source: _sources.Source,
+  target: A,
+  options: _target.RestoreOptions,
+) -> A:
+  """TF variables or tensors by NNX path into `target`, checked and placed.
+
+  What `from_tf_module` does once it has the variables; `source` names them
+  in its messages (`restore_from_tf` reads them from TF's files).
+  """
+  entries = options.entries(target)
   held = {p: _held(v) for p, v in variables.items()}
   extra = _sources.check_extra(target, held, source, options.allow_extra)
   kinds = _sources.check_held(

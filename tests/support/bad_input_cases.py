@@ -1514,11 +1514,16 @@ CASES = [
   ),
   Case(
     'flax_dtensor.dtensor.save_checkpoint',
-    'a parent directory that does not exist',
+    'a file where a parent directory would be created',
     fdt.ExportError,
-    r'parent directory of export target .* does not exist',
-    'Create the parent directory first.',
-    lambda ctx: ctx.dt.save_checkpoint(ctx.model(), ctx.tmp / 'no' / 'c'),
+    r'An ancestor of export target .* is not a directory: .* is a file',
+    'Move that file away, or choose another path.',
+    lambda ctx: ctx.dt.save_checkpoint(
+      ctx.model(),
+      # The file written first (write_text returns its length, not 0).
+      (ctx.tmp / 'in_the_way').write_text('x')
+      and ctx.tmp / 'in_the_way' / 'no' / 'c',
+    ),
     tf=True,
   ),
   Case(

@@ -31,23 +31,35 @@ from flax_dtensor.dtensor._storage import _recovery, _temporaries, _writable
 
 def _make_way(
   directory: str, overwrite: bool, is_export: _temporaries.IsExport
-) -> None:
+) -> list[str]:
   """Process 0's checks and recovery before an export goes to `directory`.
+
+  Its missing parents are created (as TensorFlow's own save does).
+
+  Returns:
+    The parent directories created (`_writable.make_parents`).
 
   Raises:
     SaveInProgressError: If another save to `directory` is in progress.
-    ExportError: If its parent is not writable, or `directory` exists and
-      `overwrite` is false, or it is not an export of this package.
+    ExportError: If its parent is not writable or cannot be created, or
+      `directory` exists and `overwrite` is false, or it is not an export of
+      this package.
   """
   _writable.check_writable(directory)
-  _recovery.recover(directory, writing=True, is_export=is_export)
-  if os.path.lexists(directory):
-    if not overwrite:
-      raise _errors.ExportError(
-        f'Export target {directory!r} already exists. Pass `overwrite=True` '
-        'to replace it, or choose another directory.'
-      )
-    _writable.check_replaceable(directory, is_export=is_export)
+  created = _writable.make_parents(directory)
+  try:
+    _recovery.recover(directory, writing=True, is_export=is_export)
+    if os.path.lexists(directory):
+      if not overwrite:
+        raise _errors.ExportError(
+          f'Export target {directory!r} already exists. Pass '
+          '`overwrite=True` to replace it, or choose another directory.'
+        )
+      _writable.check_replaceable(directory, is_export=is_export)
+  except BaseException:
+    _writable.remove_parents(created)
+    raise
+  return created
 
 
 def _move_into_place(tmp: str, directory: str) -> None:
@@ -92,13 +104,19 @@ def _move_into_place(tmp: str, directory: str) -> None:
 
 def _prepare(
   directory: str, overwrite: bool, is_export: _temporaries.IsExport
-) -> str:
-  """Process 0's part before writing: checks, recovery; the temporary."""
-  _make_way(directory, overwrite, is_export)
+) -> tuple[str, list[str]]:
+  """Process 0's part before writing: checks, recovery, the missing
+  parents; the temporary, and the parents created."""
+  created = _make_way(directory, overwrite, is_export)
   tmp = _temporaries.sibling(directory, _temporaries.TMP)
   _temporaries.active.add(tmp)
-  os.mkdir(tmp)
-  return tmp
+  try:
+    os.mkdir(tmp)
+  except BaseException:
+    _temporaries.active.discard(tmp)
+    _writable.remove_parents(created)
+    raise
+  return tmp, created
 
 
 @contextlib.contextmanager
@@ -108,7 +126,8 @@ def atomic_directory(
   """Yields a temporary directory that becomes `directory` on success.
 
   Args:
-    directory: The final directory (absolute). Its parent must exist.
+    directory: The final directory (absolute). Its missing parents are
+      created (by process 0), and removed again if the write fails.
     is_export: Whether a directory holds an export of this package (only
       one is replaced, or moved back after an interrupted save).
     overwrite: Whether to replace an existing export at `directory`.
@@ -121,8 +140,8 @@ def atomic_directory(
     SaveInProgressError: If another save to it is in progress.
     PeerError: If another process stopped or failed.
     ExportError: If `directory` exists and `overwrite` is false, is not an
-      export of this package, or its parent does not exist or is not
-      writable.
+      export of this package, or its parent is not writable or cannot be
+      created (a file in the way, a permission).
 
   Example:
     >>> import os, tempfile
@@ -135,10 +154,10 @@ def atomic_directory(
   """
   directory = os.path.abspath(os.fspath(directory))
   lead = jax.process_index() == 0
-  tmp, error = None, None
+  tmp, error, created = None, None, []
   if lead:
     try:
-      tmp = _prepare(directory, overwrite, is_export)
+      tmp, created = _prepare(directory, overwrite, is_export)
     except _errors.ExportError as e:
       error = e
     except OSError as e:
@@ -188,6 +207,7 @@ def atomic_directory(
           _temporaries.remove(tmp)
         _temporaries.removed.add(tmp)
         _temporaries.active.discard(tmp)
+        _writable.remove_parents(created)
     raise
   _temporaries.active.discard(tmp)
 
@@ -250,15 +270,24 @@ def all_or_nothing(
 
   Each export is written to its scratch path; when the block ends, each is
   moved into place (`commit`). If anything fails, nothing of this run is
-  left: no export, no scratch directory, and no `parent` if this created
-  it. One process only.
+  left: no export, no scratch directory, and no `parent` (nor its
+  parents) if this created it. One process only.
   """
   parent = os.path.abspath(parent)
   names = list(names)
-  created = not os.path.exists(parent)
-  if created:
+  created: list[str] = []
+  if not os.path.exists(parent):
     _writable.check_writable(parent)
-  os.makedirs(parent, exist_ok=True)
+    created = _writable.make_parents(parent)
+    try:
+      os.mkdir(parent)
+    except OSError as e:
+      _writable.remove_parents(created)
+      raise _errors.ExportError(
+        f'Cannot create the directory {parent!r}: {e.strerror}. Create it '
+        'yourself, or choose a directory you may write in.'
+      ) from e
+    created.append(parent)
   try:
     for name in names:
       target = os.path.join(parent, name)
@@ -276,7 +305,6 @@ def all_or_nothing(
           is_export=is_export,
         )
   except BaseException:
-    if created:
-      with _interrupts.deferred(), contextlib.suppress(OSError):
-        os.rmdir(parent)  # Only if empty: nothing else was there.
+    with _interrupts.deferred():
+      _writable.remove_parents(created)  # Only where still empty.
     raise

@@ -1,8 +1,10 @@
 """Where an export may be written, and overwriting only what is ours.
 
 `check_writable` refuses, before any byte is written, a place this process
-cannot write (its parent missing, not a directory, not writable:
-`who_may_write` says why); `check_replaceable` refuses to replace what
+cannot write (a file in the way of its parents, an ancestor not writable:
+`who_may_write` says why); `make_parents` then creates its missing parents,
+as TensorFlow's and Orbax's saves do, and `remove_parents` removes them
+again after a failed write; `check_replaceable` refuses to replace what
 this package did not write, or what this process could not remove.
 """
 
@@ -33,37 +35,109 @@ def who_may_write(path: str) -> str:
   )
 
 
+def _nearest_existing(directory: str) -> str:
+  """The nearest ancestor of `directory` that exists (or is a link)."""
+  parent = os.path.dirname(os.path.abspath(directory))
+  while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+    parent = os.path.dirname(parent)
+  return parent
+
+
 def check_writable(directory: str) -> None:
   """Raises unless this process can create `directory`'s temporaries.
 
-  Checked before anything is written: the parent is an existing directory
-  this process may create and rename entries in (permissions, a read-only
-  filesystem). `os.access` answers for the real user, root included.
+  Checked before anything is written: the nearest existing ancestor of
+  `directory` (its parent, or the one below which `make_parents` creates
+  the missing ones) is a directory this process may create and rename
+  entries in (permissions, a read-only filesystem). `os.access` answers
+  for the real user, root included.
 
   Raises:
-    ExportError: Naming the parent, what it is, and the fix.
+    ExportError: Naming the ancestor, what it is, and the fix.
   """
-  parent = os.path.dirname(directory)
-  if not os.path.lexists(parent):
+  parent = os.path.dirname(os.path.abspath(directory))
+  existing = _nearest_existing(directory)
+  if not os.path.isdir(existing):
+    if not os.path.exists(existing):
+      what = 'a symbolic link to nothing'
+    elif os.path.isfile(existing):
+      what = 'a file'
+    else:
+      what = 'not a directory either'
+    where = 'The parent' if existing == parent else 'An ancestor'
     raise _errors.ExportError(
-      f'The parent directory of export target {directory!r} does not '
-      'exist; create it first.'
+      f'{where} of export target {directory!r} is not a directory: '
+      f'{existing!r} is {what}, so the directories the export goes in cannot '
+      'be created. Expected a path inside a directory; move that file '
+      'away, or choose another path.'
     )
-  if not os.path.isdir(parent):
-    what = 'a file' if os.path.isfile(parent) else 'not a directory either'
+  if not os.access(existing, os.W_OK | os.X_OK):
+    if existing == parent:
+      where = f'its parent directory {parent!r} is not writable'
+      why = (
+        'An export is written beside its target and renamed into place, '
+        'so the parent must be writable'
+      )
+    else:
+      where = (
+        f'its parent {parent!r} does not exist, and {existing!r}, where it '
+        'would be created, is not writable'
+      )
+      why = 'The missing parent directories are created first'
     raise _errors.ExportError(
-      f'The parent of export target {directory!r} is not a directory: '
-      f'{parent!r} is {what}. Expected a path inside a directory; choose '
-      'another path.'
+      f'Cannot write export target {directory!r}: {where} '
+      f'({who_may_write(existing)}). {why}: choose a directory you may '
+      'write in, or change its permissions.'
     )
-  if not os.access(parent, os.W_OK | os.X_OK):
+
+
+def make_parents(directory: str) -> list[str]:
+  """Creates the missing parent directories of `directory`.
+
+  Call `check_writable` first. Nothing but the parents is created.
+
+  Returns:
+    The directories created, the outermost first (for `remove_parents`).
+
+  Raises:
+    ExportError: If one cannot be created (something appeared in the way,
+      a permission), naming it and the OS's reason.
+  """
+  missing = []
+  parent = os.path.dirname(os.path.abspath(directory))
+  while not os.path.lexists(parent):
+    missing.append(parent)
+    parent = os.path.dirname(parent)
+  created: list[str] = []
+  for path in reversed(missing):
+    try:
+      os.mkdir(path)
+    except FileExistsError:
+      if os.path.isdir(path):
+        continue  # Another writer made it meanwhile: not ours to remove.
+      error: OSError = NotADirectoryError(f'{path!r} is not a directory')
+    except OSError as e:
+      error = e
+    else:
+      created.append(path)
+      continue
+    remove_parents(created)
     raise _errors.ExportError(
-      f'Cannot write export target {directory!r}: its parent directory '
-      f'{parent!r} is not writable ({who_may_write(parent)}). An export is '
-      'written beside its target and renamed into place, so the parent '
-      'must be writable: choose a directory you may write in, or change its '
-      'permissions.'
-    )
+      f'Cannot create {path!r}, a parent directory of export target '
+      f'{directory!r}: {error.strerror or error}. Create it yourself, or '
+      'choose a directory you may write in.'
+    ) from error
+  return created
+
+
+def remove_parents(created: list[str]) -> None:
+  """Removes the parents `make_parents` created, innermost first, where
+  they are still empty (nothing of anyone else's is removed)."""
+  for path in reversed(created):
+    try:
+      os.rmdir(path)
+    except OSError:
+      return  # Not empty (someone wrote there) or gone: keep the rest.
 
 
 def _check_removable(directory: str) -> None:

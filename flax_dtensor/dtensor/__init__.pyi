@@ -80,4 +80,10 @@ from flax_dtensor.dtensor._serving._saved_model import (
 from flax_dtensor.dtensor._serving._signatures import (
   ServingSignature as ServingSignature,
 )
+from flax_dtensor.dtensor._serving._verify import (
+  VerificationReport as VerificationReport,
+)
+from flax_dtensor.dtensor._serving._verify import (
+  verify_saved_model as verify_saved_model,
+)
 from flax_dtensor.dtensor._storage._background import SaveHandle as SaveHandle

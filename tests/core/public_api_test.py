@@ -73,6 +73,7 @@ EXPECTED_DTENSOR = (
   'ServedShapeWarning',
   'ServingSignature',
   'SingleMeshReport',
+  'VerificationReport',
   'array_to_dtensor',
   'checkpoint_key',
   'dtensor_to_array',
@@ -90,6 +91,7 @@ EXPECTED_DTENSOR = (
   'save_saved_model',
   'shutdown',
   'to_tf_module',
+  'verify_saved_model',
 )
 
 

@@ -225,3 +225,29 @@ def parse_size(text: str, flag: str, *, minimum: int = 0) -> int:
       'an IEC unit (KiB, MiB, GiB, TiB), e.g. 16GiB.'
     )
   return int(float(size) * _UNITS[unit])
+
+
+# TF Serving reads a version directory's name as an int64.
+_MAX_VERSION = 2**63 - 1
+
+
+def parse_version(text: str) -> int:
+  """The SavedModel's version of ``--version``: a positive integer.
+
+  TF Serving serves the SavedModels of a base directory by the versions
+  their directories are named by (``base/1``, ``base/2``: the highest by
+  default), and skips any other name.
+
+  Raises:
+    BadInputError: If the text is not a positive (64-bit) integer.
+  """
+  stripped = text.strip()
+  if not re.fullmatch('[0-9]+', stripped) or not (
+    0 < int(stripped) <= _MAX_VERSION
+  ):
+    raise BadInputError(
+      f'Malformed --version {text!r}: expected a positive integer, the '
+      "SavedModel's version (TF Serving serves OUT/saved_model/<N>, the "
+      'highest N by default), e.g. --version 1.'
+    )
+  return int(stripped)

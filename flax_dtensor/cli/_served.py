@@ -1,6 +1,7 @@
-"""The served inputs: ``--input-shape`` entries, checked against the method.
+"""The served signatures: ``--input-shape`` and ``--signature`` entries.
 
-`parse_input_shape` reads an entry (`InputSpec`); `check_served_inputs`
+`parse_input_shape` reads an input (`InputSpec`), `parse_signature` a
+``--signature KEY=METHOD:INPUT+...`` (`Signature`); `check_served_inputs`
 asks the SavedModel export (`flax_dtensor.dtensor._serving`) whether the
 method takes them, before any write, and says its answer in the flags'
 words; `traced_inputs` gives ``plan --suggest`` its inputs. JAX and
@@ -93,27 +94,36 @@ INPUT_SHAPE_FIX = (
 )
 
 
-def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
+def parse_input_shape(
+  text: str,
+  *,
+  static_batch: bool,
+  what: str | None = None,
+  fix: str = INPUT_SHAPE_FIX,
+) -> InputSpec:
   """Parses ``'x:1,128:int32'``, ``'mask:b,t,t:bool'`` or ``'cache:none'``.
 
   A dimension is a size, a name (a polymorphic dimension; those of one name
   are one size, across inputs too), or ``?`` (``None``): a polymorphic
   dimension of its own. Unless `static_batch`, a leading size is the batch
   ``b`` (the size only serves as an example). ``NAME:none`` passes None.
+  `what` names the entry in messages (default: ``--input-shape TEXT``),
+  and `fix` says how to write it.
 
   Raises:
     BadInputError: If the text is malformed.
   """
+  what = f'--input-shape {text!r}' if what is None else what
   parts = text.split(':')
   if len(parts) == 2 and parts[0] and parts[1].lower() == 'none':
     return InputSpec(parts[0], None, None, given=text)
   if len(parts) != 3 or not parts[0] or not parts[1]:
-    raise BadInputError(f'Malformed --input-shape {text!r}. {INPUT_SHAPE_FIX}')
+    raise BadInputError(f'Malformed {what}. {fix}')
   name, dims_text, dtype = parts
   if dtype not in _DTYPES:
     raise BadInputError(
-      f'Malformed --input-shape {text!r}: unknown dtype {dtype!r}; expected '
-      f'one of {", ".join(_DTYPES)}. {INPUT_SHAPE_FIX}'
+      f'Malformed {what}: unknown dtype {dtype!r}; expected one of '
+      f'{", ".join(_DTYPES)}. {fix}'
     )
   dims: list[int | str | None] = []
   for d in dims_text.split(','):
@@ -126,18 +136,169 @@ def parse_input_shape(text: str, *, static_batch: bool) -> InputSpec:
       dims.append(d)
     else:
       raise BadInputError(
-        f'Malformed --input-shape {text!r}: dimension {d!r} is not a '
-        'positive integer, a name (a polymorphic dimension: b, t, ...; '
-        'those of one name are one size) or ? (one of its own). '
-        f'{INPUT_SHAPE_FIX}'
+        f'Malformed {what}: dimension {d!r} is not a positive integer, a '
+        'name (a polymorphic dimension: b, t, ...; those of one name are '
+        f'one size) or ? (one of its own). {fix}'
       )
   if not static_batch and isinstance(dims[0], int):
     dims[0] = 'b'  # The batch symbol, `_inputs.BATCH`.
   return InputSpec(name, tuple(dims), dtype, given=text)
 
 
+SIGNATURE_FIX = (
+  'Pass --signature KEY=METHOD:INPUT, each INPUT as --input-shape takes it '
+  '(NAME:DIMS:DTYPE or NAME:none), several joined by +, e.g. '
+  '--signature embed=embed:ids:1,8:int32 or '
+  'scores=score:x:1,16:float32+mask:1,16:bool.'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """One signature of the SavedModel: its key, method and inputs.
+
+  Attributes:
+    key: The signature key clients call, e.g. 'serving_default'.
+    method: The name of the module's method it serves.
+    specs: One input per positional parameter of the method, in order.
+    given: The ``--signature`` text as written, or None for the one of
+      ``--input-shape`` and ``--method``.
+  """
+
+  key: str
+  method: str
+  specs: tuple[InputSpec, ...]
+  given: str | None = dataclasses.field(default=None, compare=False)
+
+  def serving_signature(self) -> Any:
+    """The library's `ServingSignature` (imports TensorFlow)."""
+    from flax_dtensor.dtensor._serving import _signatures
+
+    return _signatures.ServingSignature(
+      [s.tensor_spec() for s in self.specs],
+      method=self.method,
+      polymorphic_shapes=[
+        s.polymorphic_shape(i) for i, s in enumerate(self.specs)
+      ],
+    )
+
+
+def parse_signature(text: str, *, static_batch: bool) -> Signature:
+  """Parses ``--signature KEY=METHOD:INPUT[+INPUT...]``.
+
+  Each INPUT is an ``--input-shape`` entry (`parse_input_shape`): e.g.
+  ``'embed=embed:ids:1,8:int32'`` serves ``model.embed(ids)`` as the
+  signature 'embed', and ``'scores=score:x:1,16:float32+mask:1,16:bool'``
+  ``model.score(x, mask)``.
+
+  Raises:
+    BadInputError: If the text is malformed: no KEY or METHOD, a key
+      serving clients cannot call, or a malformed input.
+  """
+  # Imports neither JAX nor TensorFlow.
+  from flax_dtensor.dtensor._serving import _signatures
+
+  key, eq, rest = text.partition('=')
+  method, colon, inputs = rest.partition(':')
+  key, method = key.strip(), method.strip()
+  if not eq or not key or not colon or not method or not inputs.strip():
+    raise BadInputError(
+      f'Malformed --signature {text!r}: expected KEY=METHOD:INPUT. '
+      f'{SIGNATURE_FIX}'
+    )
+  if not _signatures._KEY.fullmatch(key):
+    raise BadInputError(
+      f'Malformed --signature {text!r}: the key {key!r} is not a plain name '
+      '(letters, digits, _ . -; not starting with a digit), which serving '
+      f"clients call it by. Name it e.g. 'embed'. {SIGNATURE_FIX}"
+    )
+  specs = tuple(
+    parse_input_shape(
+      entry.strip(),
+      static_batch=static_batch,
+      what=f'--signature {text!r}: its input {entry.strip()!r} is malformed',
+      fix=SIGNATURE_FIX,
+    )
+    for entry in inputs.split('+')
+  )
+  return Signature(key, method, specs, given=text)
+
+
+def signatures(
+  input_shape: Sequence[str],
+  method: str,
+  signature: Sequence[str],
+  *,
+  static_batch: bool,
+) -> list[Signature]:
+  """The served signatures: ``--input-shape`` (and ``--method``) as
+  'serving_default', then each ``--signature``.
+
+  Raises:
+    BadInputError: If an entry is malformed, a key repeats (or
+      'serving_default' is given both ways), or ``--method`` is given
+      without ``--input-shape``.
+  """
+  from flax_dtensor.dtensor._serving import _signatures
+
+  default = _signatures.DEFAULT_KEY
+  out = []
+  if input_shape:
+    specs = tuple(
+      parse_input_shape(s, static_batch=static_batch) for s in input_shape
+    )
+    out.append(Signature(default, method, specs))
+  elif method != '__call__' and signature:
+    raise BadInputError(
+      f'--method {method!r} applies to the inputs of --input-shape (the '
+      "'serving_default' signature), and none was given. Pass --input-shape "
+      f'too, or name the method in --signature KEY={method}:INPUT.'
+    )
+  seen: dict[str, str] = {}
+  for text in signature:
+    parsed = parse_signature(text, static_batch=static_batch)
+    if parsed.key == default and input_shape:
+      raise BadInputError(
+        f"--signature {text!r}: 'serving_default' is the signature of "
+        '--input-shape and --method. Drop --input-shape (and --method), or '
+        'give this signature another key.'
+      )
+    if parsed.key in seen:
+      raise BadInputError(
+        f'--signature {text!r}: the key {parsed.key!r} was given before, by '
+        f'--signature {seen[parsed.key]!r}. Give each signature its own key.'
+      )
+    seen[parsed.key] = text
+    out.append(parsed)
+  return out
+
+
+def check_signature(abstract: Any, signature: Signature) -> None:
+  """`check_served_inputs` of one signature, in the words of its flag.
+
+  Raises:
+    BadInputError: As `check_served_inputs`.
+  """
+  if signature.given is not None and not callable(
+    getattr(abstract, signature.method, None)
+  ):
+    raise BadInputError(
+      f'--signature {signature.given!r}: the model '
+      f'({type(abstract).__name__}) has no method {signature.method!r}. '
+      'Pass --signature KEY=METHOD:INPUT naming a method that takes the '
+      'inputs.'
+    )
+  check_served_inputs(
+    abstract, signature.method, signature.specs, signature=signature
+  )
+
+
 def check_served_inputs(
-  abstract: Any, method: str, specs: Sequence[InputSpec]
+  abstract: Any,
+  method: str,
+  specs: Sequence[InputSpec],
+  *,
+  signature: Signature | None = None,
 ) -> None:
   """Traces `method` of the abstract model on the inputs, before any write.
 
@@ -171,7 +332,7 @@ def check_served_inputs(
       method,
       [s.tensor_spec() for s in specs],
       [s.polymorphic_shape(i) for i, s in enumerate(specs)],
-      wording=_wording(specs),
+      wording=_wording(specs, signature),
       written=[s.dims for s in specs],
     )
   except _errors.ExportError as e:
@@ -188,7 +349,7 @@ def check_served_inputs(
       )
     except ValueError as e:  # A name JAX reads otherwise, e.g. max.
       raise BadInputError(
-        f'Malformed --input-shape {s.text()}: JAX cannot read its dimensions '
+        f'Malformed {_entry(s, signature)}: JAX cannot read its dimensions '
         f'{text} ({_signature.summary(e)}). Name polymorphic dimensions with '
         'other names, e.g. b, t.'
       ) from e
@@ -199,9 +360,21 @@ def check_served_inputs(
     raise BadInputError(str(e)) from e
 
 
-def _wording(specs: Sequence[InputSpec]) -> Any:
-  """The `_inputs.Wording` of ``--input-shape`` flags: `specs`."""
+def _entry(spec: InputSpec, signature: Signature | None) -> str:
+  """How messages name the input `spec`: as an ``--input-shape`` entry, or
+  an input of a ``--signature``."""
+  if signature is None or signature.given is None:
+    return f'--input-shape {spec.text()}'
+  return f'input {spec.text()} of --signature {signature.given!r}'
+
+
+def _wording(specs: Sequence[InputSpec], signature: Signature | None) -> Any:
+  """The `_inputs.Wording` of ``--input-shape`` flags: `specs`; or of the
+  inputs of a ``--signature``."""
   from flax_dtensor.dtensor._serving import _inputs
+
+  if signature is not None and signature.given is not None:
+    return _signature_wording(specs, signature)
 
   def show(index: int, change: tuple[int, int] | None) -> str:
     # As the user wrote it, with the size at one position changed.
@@ -237,6 +410,30 @@ def _wording(specs: Sequence[InputSpec]) -> Any:
     auto_fix=(
       'Pass --axis-types explicit (every axis, as jax.make_mesh gives), or '
       'NAME=explicit for the axes it names.'
+    ),
+  )
+
+
+def _signature_wording(specs: Sequence[InputSpec], signature: Signature) -> Any:
+  """The `_inputs.Wording` of the inputs of one ``--signature``."""
+  head = f'{signature.key}={signature.method}:'
+  plain = _wording(specs, None)
+  return dataclasses.replace(
+    plain,
+    name=f'--signature {signature.given!r}',
+    suggest=lambda arguments: (
+      '--signature '
+      + head
+      + '+'.join(s.text(dims) for s, dims in zip(specs, arguments, strict=True))
+    ),
+    arity_fix=(
+      'Give the --signature one INPUT per positional parameter, in order, '
+      'joined by +, and NAME:none for an argument passed as None (e.g. '
+      f'{head}ids:1,8:int32+cache:none).'
+    ),
+    unfit_fix=(
+      'Give the --signature one INPUT per positional input, in order, with '
+      f'the batch dimension first (e.g. {head}ids:1,8:int32).'
     ),
   )
 

@@ -82,7 +82,8 @@ def export(
   saved_model: Annotated[
     bool,
     typer.Option(
-      '--saved-model', help='Also write a SavedModel (needs --input-shape).'
+      '--saved-model',
+      help='Also write a SavedModel (needs --input-shape or --signature).',
     ),
   ] = False,
   input_shape: Annotated[
@@ -106,8 +107,52 @@ def export(
     ),
   ] = False,
   method: Annotated[
-    str, typer.Option(metavar='NAME', help='The module method to serve.')
+    str,
+    typer.Option(
+      metavar='NAME',
+      help=(
+        "The module method that --input-shape's signature "
+        "('serving_default') serves."
+      ),
+    ),
   ] = '__call__',
+  signature: Annotated[
+    list[str] | None,
+    typer.Option(
+      metavar='KEY=METHOD:INPUT',
+      help=(
+        'Also serve METHOD as the signature KEY, on its own inputs: each '
+        'INPUT as --input-shape takes it, several joined by +, e.g. '
+        'embed=embed:ids:1,8:int32 or score=score:x:1,16:float32+'
+        "mask:1,16:bool. Repeat for each signature (the model's variables "
+        'are saved once). KEY may be serving_default when no --input-shape '
+        'is given.'
+      ),
+    ),
+  ] = None,
+  version: Annotated[
+    str | None,
+    typer.Option(
+      metavar='N',
+      help=(
+        'Write the SavedModel into OUT/saved_model/N, a positive integer: '
+        "TF Serving's layout (--model_base_path=OUT/saved_model serves its "
+        'highest version).'
+      ),
+      show_default=False,
+    ),
+  ] = None,
+  trainable: Annotated[
+    bool,
+    typer.Option(
+      '--trainable',
+      help=(
+        "Make the SavedModel's nnx.Param variables trainable TF variables "
+        'that TF differentiates (tf.GradientTape, Keras fine-tuning); '
+        'default: serve only.'
+      ),
+    ),
+  ] = False,
   single_mesh: Annotated[
     bool,
     typer.Option(
@@ -143,7 +188,8 @@ def export(
   Builds TARGET abstractly, restores the checkpoint with every array sharded
   by the rules on the mesh, then writes OUT/checkpoint (a TF checkpoint of
   DTensor variables, readable by plain TensorFlow; with --single-mesh, all
-  from one DTensor mesh) and, with --saved-model, OUT/saved_model.
+  from one DTensor mesh) and, with --saved-model, OUT/saved_model (with
+  --version N, OUT/saved_model/N).
   """
   with _command.handle_errors(debug):
     axes = _parsing.parse_mesh(mesh)
@@ -151,7 +197,10 @@ def export(
     rules_ = _loading.load_rules(
       rules, mesh_axes=[n for n, _ in axes] if mesh_axis_names else None
     )
-    specs = _served_specs(input_shape, saved_model, static_batch=static_batch)
+    served = _served_signatures(
+      input_shape, method, signature, saved_model, static_batch=static_batch
+    )
+    served_as = _saved_model_options(saved_model, version, trainable)
     source = _find_source(checkpoint, step, part)
     factory = _loading.load_target(target)
     _parsing.check_out(out, overwrite=overwrite, flag=True, reads=source.path)
@@ -167,10 +216,10 @@ def export(
     )
     start = time.perf_counter()
     abstract, choice = _build_target(job, factory)
-    model = _restore(job, abstract, choice, specs, method)
+    model = _restore(job, abstract, choice, served)
     restored = time.perf_counter()
     relaid = _write_outputs(
-      model, out, outputs, specs, method, single_mesh=single_mesh
+      model, out, outputs, served, served_as, single_mesh=single_mesh
     )
     written = time.perf_counter()
     console = _command.console()
@@ -180,7 +229,7 @@ def export(
       highlight=False,
       markup=False,
     )
-    _print_outputs(console, source, choice, outputs)
+    _print_outputs(console, source, choice, outputs, served_as)
     if relaid is not None:
       console.print(str(relaid), highlight=False, markup=False, soft_wrap=True)
 
@@ -196,31 +245,71 @@ def _set_up_devices(cpu_devices: int | None, axes: Sequence[Any]) -> None:
     )
 
 
-def _served_specs(
-  input_shape: list[str] | None, saved_model: bool, *, static_batch: bool
-) -> list[_served.InputSpec]:
-  """The served inputs of ``--input-shape``, which ``--saved-model`` needs
-  and nothing else takes.
+def _served_signatures(
+  input_shape: list[str] | None,
+  method: str,
+  signature: list[str] | None,
+  saved_model: bool,
+  *,
+  static_batch: bool,
+) -> list[_served.Signature]:
+  """The signatures of ``--input-shape`` and ``--signature``, which
+  ``--saved-model`` needs and nothing else takes.
 
   Raises:
     BadInputError: If one is given without the other, or an entry is
       malformed.
   """
-  specs = [
-    _served.parse_input_shape(s, static_batch=static_batch)
-    for s in (input_shape or [])
-  ]
-  if saved_model and not specs:
+  served = _served.signatures(
+    input_shape or [], method, signature or [], static_batch=static_batch
+  )
+  if saved_model and not served:
     raise _command.BadInputError(
       '--saved-model needs the shape of the served inputs: pass '
-      '--input-shape NAME:DIMS:DTYPE, e.g. --input-shape x:1,128:int32.'
+      '--input-shape NAME:DIMS:DTYPE, e.g. --input-shape x:1,128:int32, or '
+      '--signature KEY=METHOD:INPUT, e.g. --signature '
+      'embed=embed:ids:1,8:int32.'
     )
-  if specs and not saved_model:
+  if served and not saved_model:
+    flag = '--input-shape' if input_shape else '--signature'
     raise _command.BadInputError(
-      '--input-shape only applies with --saved-model; add --saved-model '
-      'or drop --input-shape.'
+      f'{flag} only applies with --saved-model; add --saved-model or drop '
+      f'{flag}.'
     )
-  return specs
+  return served
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedModelOptions:
+  """How the SavedModel is written: its ``--version`` (None: OUT/saved_model
+  itself) and whether ``--trainable``."""
+
+  version: int | None
+  trainable: bool
+
+  def directory(self, folder: pathlib.Path) -> pathlib.Path:
+    """The SavedModel's directory in the run folder `folder`."""
+    base = folder / 'saved_model'
+    return base if self.version is None else base / str(self.version)
+
+
+def _saved_model_options(
+  saved_model: bool, version: str | None, trainable: bool
+) -> _SavedModelOptions:
+  """``--version`` and ``--trainable``, which only ``--saved-model`` takes.
+
+  Raises:
+    BadInputError: If one is given without ``--saved-model``, or the
+      version is not a positive integer.
+  """
+  given = {'--version': version is not None, '--trainable': trainable}
+  for flag in (f for f, on in given.items() if on and not saved_model):
+    raise _command.BadInputError(
+      f'{flag} only applies with --saved-model; add --saved-model (and '
+      f'--input-shape or --signature) or drop {flag}.'
+    )
+  number = None if version is None else _parsing.parse_version(version)
+  return _SavedModelOptions(number, trainable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,8 +419,7 @@ def _restore(
   job: _Job,
   abstract: Any,
   choice: Any,
-  specs: Sequence[_served.InputSpec],
-  method: str,
+  served: Sequence[_served.Signature],
 ) -> Any:
   """The model restored from the source onto the mesh, after TensorFlow
   DTensor starts and the served inputs (if any) are checked.
@@ -344,8 +432,8 @@ def _restore(
   source = job.source
   dtensor = _loading.initialize_dtensor()  # Before any other TF op.
   with job.placed():
-    if specs:
-      _served.check_served_inputs(abstract, method, specs)
+    for signature in served:
+      _served.check_signature(abstract, signature)
     path, mesh, rules, extra = source.path, job.mesh, job.rules, job.allow_extra
     if source.ours and choice.part:
       model = _part_restore.restore(
@@ -370,13 +458,13 @@ def _write_outputs(
   model: Any,
   out: pathlib.Path,
   outputs: dict[str, pathlib.Path],
-  specs: Sequence[_served.InputSpec],
-  method: str,
+  served: Sequence[_served.Signature],
+  served_as: _SavedModelOptions,
   *,
   single_mesh: bool,
 ) -> Any:
-  """Writes OUT/checkpoint and, with served inputs, OUT/saved_model,
-  swapped in whole at the end.
+  """Writes OUT/checkpoint and, with signatures to serve, OUT/saved_model
+  (or OUT/saved_model/VERSION), swapped in whole at the end.
 
   Returns:
     What moved onto one mesh with `single_mesh`, else None.
@@ -397,15 +485,12 @@ def _write_outputs(
       )
     else:
       dtensor.save_checkpoint(model, tmp / 'checkpoint')
-    if specs:
+    if served:
       dtensor.save_saved_model(
         model,
-        tmp / 'saved_model',
-        input_signature=[s.tensor_spec() for s in specs],
-        polymorphic_shapes=[
-          s.polymorphic_shape(i) for i, s in enumerate(specs)
-        ],
-        method=method,
+        served_as.directory(tmp),
+        signatures={s.key: s.serving_signature() for s in served},
+        trainable=nnx.Param if served_as.trainable else False,
       )
     for name in outputs:
       run.stamp(tmp / name)
@@ -413,15 +498,23 @@ def _write_outputs(
 
 
 def _print_outputs(
-  console: Any, source: _Source, choice: Any, outputs: dict[str, pathlib.Path]
+  console: Any,
+  source: _Source,
+  choice: Any,
+  outputs: dict[str, pathlib.Path],
+  served_as: _SavedModelOptions,
 ) -> None:
   """The table of what was read and written, with their sizes."""
   from flax_dtensor import _text
 
   what = f'restored {choice.prefix}' if choice.part else 'restored'
+  shown = {
+    name: served_as.directory(path.parent) if name == 'saved_model' else path
+    for name, path in outputs.items()
+  }
   rows = [(what, str(source.path), '')] + [
     (name, str(path), _text.human_bytes(_command.disk_usage(path)))
-    for name, path in outputs.items()
+    for name, path in shown.items()
   ]
   console.print(
     _text.table_or_stacked(

@@ -292,6 +292,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _no_export_remembered():
+  """Each test's first SavedModel export of a model is traced: what an
+  earlier test exported is not reused (`_serving._reexport`)."""
+  reexport = sys.modules.get('flax_dtensor.dtensor._serving._reexport')
+  if reexport is not None:
+    reexport.clear()
+
+
+@pytest.fixture(autouse=True)
 def _tensorflow_only_where_marked(request):
   """A test not marked `tf` that imports TensorFlow fails, naming TF_PATHS."""
   had = 'tensorflow' in sys.modules

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,7 @@ from flax_dtensor.dtensor._serving import (
   _conventions,
   _input_checks,
   _inputs,
+  _reexport,
   _serialization,
   _signature,
   _signatures,
@@ -353,6 +355,36 @@ def _write(module: Any, directory: str, served: _Served) -> None:
     entries,
     [_selection.to_jax_array(e, across_processes=False) for e in entries],
   )
+  again = _reexport.key(
+    graphdef,
+    entries,
+    values,
+    rest,
+    {k: p.signature for k, p in served.signatures.items()},
+    served.trainable,
+    served.platforms,
+  )
+  written = _reexport.lookup(again[0]) if again is not None else None
+  if written is not None:
+    _output.announce(
+      served.show, 'writing the variables of a SavedModel traced before'
+    )
+    with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
+      shards = _reexport.write(
+        written, directory, PREFIX, entries, values, pool
+      )
+      recs = _checkpoint.records(
+        entries, [v.sharding for v in values], written.layouts, shards
+      )
+      _checkpoint.write_manifest(
+        directory,
+        _model.SAVED_MODEL_FORMAT,
+        PREFIX,
+        recs,
+        pool,
+        signatures=dict(written.signatures),
+      )
+    return
   is_trainable = filterlib.to_predicate(served.trainable)
   dvars = _convert.dvariables(
     entries,
@@ -364,18 +396,16 @@ def _write(module: Any, directory: str, served: _Served) -> None:
   )
   with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
     shards = [f.result() for f in _checksums.shard_checksums(values, pool)]
+  layouts = [_tf.dtensor().fetch_layout(d) for d in dvars]
   recs = _checkpoint.records(
-    entries,
-    [v.sharding for v in values],
-    [_tf.dtensor().fetch_layout(d) for d in dvars],
-    shards,
+    entries, [v.sharding for v in values], layouts, shards
   )
   mesh = _single_mesh.main_mesh(values)
   del values
   model = _Model(
     type(module).__name__,
     graphdef,
-    rest,
+    _on_one_device(rest),
     entries,
     dvars,
     any(v.trainable for v in dvars),
@@ -414,14 +444,41 @@ def _write(module: Any, directory: str, served: _Served) -> None:
         root, directory, {k: t.concrete for k, t in traced.items()}
       )
     _conventions.add_lists(directory, entries)
+    signatures = written_signatures(directory)
     _checkpoint.write_manifest(
       directory,
       _model.SAVED_MODEL_FORMAT,
       PREFIX,
       recs,
       pool,
-      signatures=written_signatures(directory),
+      signatures=signatures,
     )
+  if again is not None:
+    _reexport.remember(
+      *again,
+      directory,
+      os.path.join(_model.SAVED_MODEL_ASSETS, _model.FILE),
+      layouts,
+      signatures,
+    )
+
+
+def _on_one_device(rest: Any) -> Any:
+  """The constants baked into the forward, as NumPy arrays where they can
+  be (typed RNG keys stay).
+
+  A device array the trace captures leaves jax2tf's export of the gradient
+  with no device assignment, which TF then fails to save; a NumPy array
+  is embedded in the exported function as the device array would be.
+  """
+  def host(a: Any) -> Any:
+    if not isinstance(a, jax.Array) or not a.is_fully_addressable:
+      return a
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      return a
+    return np.asarray(a)
+
+  return jax.tree.map(host, rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,6 +741,9 @@ def _write_saved_model(
   root: Any, directory: str, signatures: Mapping[str, Any]
 ) -> None:
   tf = _tf.tf()
+  logger = logging.getLogger('tensorflow')
+  quiet = _OwnSaverRetraced()
+  logger.addFilter(quiet)
   try:
     tf.saved_model.save(root, directory, signatures=dict(signatures))
   except AssertionError as e:
@@ -696,3 +756,15 @@ def _write_saved_model(
       "their ServingSignature's `resources=`: pass e.g. "
       'ServingSignature(..., resources=[table]).'
     ) from e
+  finally:
+    logger.removeFilter(quiet)
+
+
+class _OwnSaverRetraced(logging.Filter):
+  """Drops TF's warning that its saver's function was traced again: every
+  `tf.saved_model.save` builds a new saver (``MultiDeviceSaver``), whose
+  function TF counts as one, so a process's sixth export warned the user
+  of a retracing that is TF's own, not theirs."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return 'tf_function_save' not in record.getMessage()

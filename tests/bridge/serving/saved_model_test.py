@@ -489,7 +489,7 @@ def test_polymorphic_exports_under_explicit_axes(
   it serves, inside the mesh as outside. Proved load-bearing: without the
   removal the export is refused before writing (our check), and written
   anyway, TF cannot serve it."""
-  from flax_dtensor.dtensor._serving import _serialization
+  from flax_dtensor.dtensor._serving import _reexport, _serialization
 
   rules = [('embed', None), ('mlp', 'model')]  # The Auto axis only.
   with jax.set_mesh(mixed_mesh), fdt.logical_axis_rules(rules):
@@ -517,6 +517,7 @@ def test_polymorphic_exports_under_explicit_axes(
   monkeypatch.setattr(
     _serialization, 'unconstrain_shape_checks', lambda module: 0
   )
+  _reexport.clear()  # What was traced before without the patch.
   with jax.set_mesh(mixed_mesh):
     with pytest.raises(
       fdt.ExportError,
@@ -533,6 +534,7 @@ def test_polymorphic_exports_under_explicit_axes(
     monkeypatch.setattr(
       _serialization, 'has_constrained_shape_checks', lambda loaded: False
     )
+    _reexport.clear()
     unchecked = fdt_tf.save_saved_model(
       model, tmp_path / 'unchecked', input_signature=polymorphic
     )

@@ -258,7 +258,7 @@ def test_tf_gradients_equal_jax_gradients(axis_type, tmp_path):
   mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=types)
   # The kernel's output features over 'model' (its input features over
   # 'data' would make JAX's own backward pass ambiguous on Explicit axes).
-  with jax.set_mesh(mesh), fdt.logical_axis_rules([('embed', None)] + RULES):
+  with jax.set_mesh(mesh), fdt.logical_axis_rules([('embed', None), *RULES]):
     layer = nnx.Linear(
       8, 16, kernel_init=_init(('embed', 'mlp')), rngs=nnx.Rngs(0)
     )
@@ -301,7 +301,7 @@ def test_tf_gradients_equal_jax_gradients(axis_type, tmp_path):
   ],
 )
 def test_signature_arguments_are_checked(tagger, tmp_path, kwargs, match):
-  mesh, model = tagger
+  _, model = tagger
   with pytest.raises(fdt.ExportError, match=match):
     fdt_tf.save_saved_model(model, tmp_path / 'sm', **kwargs)
 

@@ -334,3 +334,25 @@ def test_parse_version(text):
 def test_parse_version_refuses(text):
   with pytest.raises(_command.BadInputError, match=r'Malformed --version'):
     _parsing.parse_version(text)
+
+
+def test_signatures_in_order_and_serving_default_from_a_signature():
+  both = _served.signatures(
+    ['x:1,16:float32'],
+    '__call__',
+    ['embed=embed:ids:1,8:int32'],
+    static_batch=False,
+  )
+  assert [(s.key, s.method) for s in both] == [
+    ('serving_default', '__call__'),
+    ('embed', 'embed'),
+  ]
+  # Without --input-shape, a --signature may be the default one.
+  (only,) = _served.signatures(
+    [], '__call__', ['serving_default=embed:ids:1,8:int32'], static_batch=True
+  )
+  assert (only.key, only.method, only.specs[0].dims) == (
+    'serving_default',
+    'embed',
+    (1, 8),
+  )

@@ -144,10 +144,10 @@ class SignatureComparison:
 
   The latencies are wall-clock seconds in each process: the median of
   `VerificationReport.calls` calls on the same inputs, after a first call
-  (timed apart: it compiles in JAX, and traces in TF). JAX's is the
-  reference's whole call (its TF preprocess, the method under `jax.jit`
-  until its result is ready, its TF postprocess); TF's is the signature's
-  call until its outputs are NumPy arrays.
+  (timed apart: it compiles in JAX, and traces in TF), each until its
+  outputs are NumPy arrays. JAX's is the reference's whole call: its TF
+  preprocess, the method under `jax.jit`, its TF postprocess. TF's is the
+  signature's call on the loaded SavedModel.
 
   Attributes:
     key: The signature key ('serving_default').

@@ -333,3 +333,68 @@ def test_a_saved_model_tensorflow_cannot_load_is_reported(exported, tmp_path):
     match=r'(?s)fresh TF process failed \(exit status 1\):.*loads it alone',
   ):
     _bad(exported, path=broken, calls=1)
+
+
+def _one(want, got, **tolerance):
+  from flax_dtensor.dtensor._serving import _verify
+
+  (found,) = _verify._compare({'y': want}, {'y': got}, **tolerance)
+  return found
+
+
+def test_values_are_compared_as_their_dtype_needs():
+  """No TF process: the comparison of one output, by kind of value."""
+  nan = np.array([1.0, np.nan], np.float32)
+  same = _one(nan, nan.copy(), rtol=None, atol=None)
+  assert same.ok and same.max_abs_diff == 0.0  # NaN on both sides: equal.
+  one_side = _one(nan, np.array([1.0, 2.0], np.float32), rtol=None, atol=None)
+  assert not one_side.ok and one_side.mismatches == 1
+  assert one_side.max_abs_diff == math.inf
+  bf16 = jax.numpy.bfloat16
+  close = _one(
+    np.array([1.0, 2.0], bf16),
+    np.array([1.0, 2.015], bf16),
+    rtol=None,
+    atol=None,
+  )
+  assert (close.dtype, close.rtol, close.atol, close.ok) == (
+    'bfloat16',
+    2e-2,
+    1e-2,
+    True,
+  )
+  tight = _one(
+    np.array([1.0, 2.0], bf16),
+    np.array([1.0, 2.015], bf16),
+    rtol=0.0,
+    atol=1e-3,
+  )
+  assert not tight.ok and tight.mismatches == 1
+  ints = _one(np.array([1, 2]), np.array([1, 3]), rtol=1.0, atol=1.0)
+  assert (ints.rtol, ints.atol, ints.mismatches) == (0.0, 0.0, 1)
+  words = _one(
+    np.array([b'a', b'b']), np.array([b'a', b'c']), rtol=None, atol=None
+  )
+  assert (words.dtype, words.mismatches, words.max_abs_diff) == (
+    'string',
+    1,
+    math.inf,
+  )
+  shape = _one(np.zeros((2, 3)), np.zeros((3, 2)), rtol=None, atol=None)
+  assert shape.problem == 'TF shape [3, 2]' and not shape.ok
+
+
+def test_an_output_on_one_side_only_is_reported():
+  from flax_dtensor.dtensor._serving import _verify
+
+  found = _verify._compare(
+    {'a': np.zeros(2), 'b': np.zeros(2)},
+    {'a': np.zeros(2), 'c': np.zeros(2)},
+    None,
+    None,
+  )
+  assert [(o.name, o.ok, o.problem) for o in found] == [
+    ('a', True, None),
+    ('b', False, 'missing in TF'),
+    ('c', False, 'missing in JAX'),
+  ]

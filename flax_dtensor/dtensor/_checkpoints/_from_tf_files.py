@@ -2,9 +2,10 @@
 
 `restore_from_tf` reads a SavedModel or a ``tf.train.Checkpoint`` that a
 TF process wrote after changing the variables of a `save_saved_model`
-export. TF keys each variable by the first path to it it finds (``base/``
-of a wrapper, ``model/`` of a checkpoint, ``variables/3`` of a list), so
-the keys alone do not say the NNX path: the checkpoint's object graph
+export (or, in memory, the loaded object itself, as `from_tf_module`).
+TF keys each variable by the first path to it it finds (``base/`` of a
+wrapper, ``model/`` of a checkpoint, ``variables/3`` of a list), so the
+keys alone do not say the NNX path: the checkpoint's object graph
 (``_CHECKPOINTABLE_OBJECT_GRAPH``) is walked from its root to the object
 holding the variables under ``state``, whose children are the NNX path's
 components (`_names`). The tensors then go where `from_tf_module` puts
@@ -199,7 +200,7 @@ def read_tf_variables(path: str) -> tuple[dict[_names.Path, Any], str]:
 
 @_target.takes_restore_options
 def restore_from_tf(
-  path: str | os.PathLike[str],
+  source: str | os.PathLike[str] | Any,
   target: A,
   options: _target.RestoreOptions,
 ) -> A:
@@ -212,6 +213,12 @@ def restore_from_tf(
   ``tf.train.Checkpoint(model=loaded).write(prefix)`` / ``.save(prefix)``,
   their values come back into an NNX model, sharded by the rules, bit for
   bit, as `from_tf_module` brings them back from memory.
+
+  TF re-saves a trainable export (``trainable=`` of `save_saved_model`)
+  with ``tf.saved_model.save(loaded, directory)`` and no options: the
+  gradients are saved with it, so the re-saved SavedModel trains again.
+  ``options=tf.saved_model.SaveOptions(experimental_custom_gradients=False)``
+  gives one that serves but no longer trains; either restores the same.
 
   TF keys a variable by the first path to it it finds, so the keys alone do
   not say the NNX path: the checkpoint's object graph is walked from its
@@ -226,9 +233,11 @@ def restore_from_tf(
   computed in the wider dtype.
 
   Args:
-    path: A SavedModel directory, a directory holding a ``tf.train.
+    source: A SavedModel directory, a directory holding a ``tf.train.
       Checkpoint`` and TF's ``checkpoint`` file (whose prefix must lie
-      inside it), or a checkpoint prefix.
+      inside it), or a checkpoint prefix; or, where TF and JAX share a
+      process, the object itself: what ``tf.saved_model.load`` returned (or
+      a ``tf.Module`` holding it), read in memory as `from_tf_module` does.
     target: An NNX module (concrete, or abstract from `nnx.eval_shape`),
       which is updated in place and returned; or an `nnx.State`, for which a
       new `nnx.State` of the restored variables is returned.
@@ -250,14 +259,15 @@ def restore_from_tf(
     `target` itself (a module, filled in), or a new `nnx.State`.
 
   Raises:
-    ExportNotFoundError: If `path` holds no TF checkpoint.
+    ExportNotFoundError: If `source` is a path that holds no TF checkpoint.
     MalformedExportError: If TF's ``checkpoint`` file names a prefix outside
       its directory, the checkpoint has no object graph or one without
       exported variables, or its graph is damaged.
     DamagedExportError: If TensorFlow cannot read the files.
-    ExportError: If it holds several exported objects; or lacks a selected variable, holds one the target lacks, or
-      one with another shape or dtype (each named). Each of the above is an
-      ExportError too.
+    ExportError: If `source` is neither a path nor a TF object holding an
+      export; if it holds several exported objects; or if it lacks a
+      selected variable, holds one the target lacks, or one with another
+      shape or dtype (each named). Each of the above is an ExportError too.
     NotAModelError: If `target` is not an NNX module or state.
 
   Example:
@@ -265,10 +275,20 @@ def restore_from_tf(
     ...   abstract = nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0)))
     ...   model = restore_from_tf('/tmp/fine_tuned', abstract)
   """
-  where = _paths.local(path, 'TF checkpoint or SavedModel')
+  if not isinstance(source, str | bytes | os.PathLike):
+    if _from_tf.state_holder(source) is None:
+      raise _errors.ExportError(
+        'Expected the TF checkpoint or SavedModel as a str or os.PathLike, '
+        'or a TF object holding a SavedModel of save_saved_model (what '
+        f'tf.saved_model.load returned, or a module holding it), got '
+        f'{type(source).__name__}: {source!r:.100}. {_FIX}'
+      )
+    variables, named = _from_tf.variables_of(source)
+    return _from_tf.place(variables, named, target, options)
+  where = _paths.local(source, 'TF checkpoint or SavedModel')
   with _tf.cpp_noise_dropped():  # A damaged file's failed op logs first.
     tensors, prefix = read_tf_variables(where)
-  source = _sources.Source(
+  named = _sources.Source(
     f'The TF checkpoint {prefix!r}', 'a TF checkpoint', 'saved'
   )
-  return _from_tf.place(tensors, source, target, options)
+  return _from_tf.place(tensors, named, target, options)

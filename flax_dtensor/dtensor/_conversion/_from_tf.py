@@ -57,7 +57,7 @@ def _key_path(key: Any, where: str) -> _names.Path:
   return path
 
 
-def _variables_of(
+def variables_of(
   source: Any,
 ) -> tuple[dict[_names.Path, Any], _sources.Source]:
   """The TF variables (or tensors) of `source` by NNX path, and its name."""
@@ -81,7 +81,7 @@ def _variables_of(
         )
       name = _TF_NAME_SUFFIX.sub('', v.name)
       pairs.append((_key_path(name, 'a variable named'), v.name, v))
-  elif (holder := _state_holder(source)) is not None:
+  elif (holder := state_holder(source)) is not None:
     what = _sources.Source('The tf.Module', 'a tf.Module', 'exported')
     flat = _convert.flat_variables(holder)
     pairs = [(p, _names.path_text(p), v) for p, v in flat.items()]
@@ -107,7 +107,7 @@ def _variables_of(
   return out, what
 
 
-def _state_holder(source: Any) -> Any:
+def state_holder(source: Any) -> Any:
   """The object holding the `state` variables: `source` itself, or the one
   object under it that does (a TF user's wrapper, ``wrapper.base =
   loaded``); None if no object does.
@@ -298,7 +298,7 @@ def from_tf_module(
     >>> with jax.set_mesh(mesh):  # doctest: +SKIP
     ...   model = from_tf_module(tf_module, model)
   """
-  variables, source = _variables_of(tf_module_or_dvariables)
+  variables, source = variables_of(tf_module_or_dvariables)
   return place(variables, source, target, options)
 
 

@@ -345,7 +345,8 @@ def save_checkpoint(
     module_or_state: An NNX module, graph node (`nnx.Optimizer`) or
       `nnx.State` holding concrete, sharded `jax.Array`s.
     directory: The checkpoint directory to create: a local path (or a
-      locally mounted network filesystem); its parent must exist.
+      locally mounted network filesystem), created with any missing
+      parents.
     include: NNX filter of the variables to save (default: every variable;
       e.g. `nnx.Param` for the parameters only, `nnx.OptState` for an
       `nnx.Optimizer`'s state).
@@ -370,7 +371,7 @@ def save_checkpoint(
     NotAModelError: If `module_or_state` is not an NNX module or state.
     ExportError: If `directory` is a URL, exists and `overwrite` is false,
       is not an export of this package (or one this user may not delete),
-      its parent does not exist or is not writable, no variable is
+      a missing parent cannot be created, no variable is
       selected, a variable cannot be exported (e.g. uint64), or writing
       fails (the message names the cause and the fix). Each error below is
       an ExportError too; with `blocking=False`, errors found while writing

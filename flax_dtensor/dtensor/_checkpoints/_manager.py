@@ -72,7 +72,7 @@ class CheckpointManager:
   and the metrics and removes old steps.
 
   Args:
-    directory: A local directory (created if missing; its parent must exist).
+    directory: A local directory (created, with its parents, if missing).
     save_interval_steps: `should_save` is true for steps divisible by it.
     max_to_keep: Keep the newest this many steps (None: no such limit).
     keep_period: Keep every step divisible by this, whatever else applies.

@@ -140,7 +140,8 @@ def save_saved_model(
 
   Args:
     module: The NNX module to serve (concrete arrays).
-    directory: The SavedModel directory to create. Its parent must exist.
+    directory: The SavedModel directory to create, with any missing
+      parents (TF Serving's `base/<version>`).
     input_signature: The inputs of the one method served as
       'serving_default' (give this or `signatures`). One entry per
       positional argument of the method: a
@@ -197,7 +198,8 @@ def save_saved_model(
       message names the input and the shape it needs), the forward is
       written for Explicit mesh axes and the mesh's are Auto, the result
       holds something other than arrays and None, `directory` exists and
-      `overwrite` is false, its parent is not writable, a variable cannot be exported,
+      `overwrite` is false, a missing parent cannot be created (a file in
+      the way, an unwritable ancestor), a variable cannot be exported,
       `max_gather_bytes` is not a non-negative int, or, in a multi-process
       run, the variables take more than `max_gather_bytes`. Each error below
       is an ExportError too.
@@ -471,6 +473,7 @@ def _on_one_device(rest: Any) -> Any:
   with no device assignment, which TF then fails to save; a NumPy array
   is embedded in the exported function as the device array would be.
   """
+
   def host(a: Any) -> Any:
     if not isinstance(a, jax.Array) or not a.is_fully_addressable:
       return a

@@ -153,6 +153,18 @@ def export(
       ),
     ),
   ] = False,
+  verify: Annotated[
+    bool,
+    typer.Option(
+      '--verify',
+      help=(
+        'Serve the written SavedModel in a fresh TensorFlow-only process on '
+        "inputs of each signature's shapes, compare every output with JAX's "
+        'and print the differences and latencies; exit with status 1 if one '
+        'is beyond the tolerance.'
+      ),
+    ),
+  ] = False,
   single_mesh: Annotated[
     bool,
     typer.Option(
@@ -200,7 +212,7 @@ def export(
     served = _served_signatures(
       input_shape, method, signature, saved_model, static_batch=static_batch
     )
-    served_as = _saved_model_options(saved_model, version, trainable)
+    served_as = _saved_model_options(saved_model, version, trainable, verify)
     source = _find_source(checkpoint, step, part)
     factory = _loading.load_target(target)
     _parsing.check_out(out, overwrite=overwrite, flag=True, reads=source.path)
@@ -232,6 +244,11 @@ def export(
     _print_outputs(console, source, choice, outputs, served_as)
     if relaid is not None:
       console.print(str(relaid), highlight=False, markup=False, soft_wrap=True)
+    if served_as.verify:
+      report = _verify(model, served_as.directory(out), served, job.mesh)
+      console.print(report)
+      if not report.ok:
+        raise typer.Exit(_command.EXIT_FINDINGS)
 
 
 def _set_up_devices(cpu_devices: int | None, axes: Sequence[Any]) -> None:
@@ -286,6 +303,7 @@ class _SavedModelOptions:
 
   version: int | None
   trainable: bool
+  verify: bool = False
 
   def directory(self, folder: pathlib.Path) -> pathlib.Path:
     """The SavedModel's directory in the run folder `folder`."""
@@ -294,22 +312,82 @@ class _SavedModelOptions:
 
 
 def _saved_model_options(
-  saved_model: bool, version: str | None, trainable: bool
+  saved_model: bool, version: str | None, trainable: bool, verify: bool
 ) -> _SavedModelOptions:
-  """``--version`` and ``--trainable``, which only ``--saved-model`` takes.
+  """``--version``, ``--trainable`` and ``--verify``, which only
+  ``--saved-model`` takes.
 
   Raises:
     BadInputError: If one is given without ``--saved-model``, or the
       version is not a positive integer.
   """
-  given = {'--version': version is not None, '--trainable': trainable}
+  given = {
+    '--version': version is not None,
+    '--trainable': trainable,
+    '--verify': verify,
+  }
   for flag in (f for f, on in given.items() if on and not saved_model):
     raise _command.BadInputError(
       f'{flag} only applies with --saved-model; add --saved-model (and '
       f'--input-shape or --signature) or drop {flag}.'
     )
   number = None if version is None else _parsing.parse_version(version)
-  return _SavedModelOptions(number, trainable)
+  return _SavedModelOptions(number, trainable, verify)
+
+
+def _sample_inputs(
+  signature: _served.Signature, batch: int, seed: int
+) -> list[Any]:
+  """Inputs of `signature`'s shapes and dtypes for ``--verify``: `batch`
+  for each dimension of no size (one size per name), values a model of
+  any vocabulary takes (integers 0 and 1, normal floats)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  sizes: dict[str, int] = {}
+  arrays = []
+  for spec in signature.specs:
+    if spec.dims is None:
+      continue
+    shape = tuple(
+      d
+      if isinstance(d, int)
+      else sizes.setdefault(d, batch)
+      if isinstance(d, str)
+      else batch
+      for d in spec.dims
+    )
+    dtype = np.dtype(jnp.dtype(spec.dtype))
+    if dtype.kind == 'b':
+      arrays.append(rng.integers(0, 2, shape).astype(bool))
+    elif dtype.kind in 'iu':
+      arrays.append(rng.integers(0, 2, shape).astype(dtype))
+    else:
+      arrays.append(rng.standard_normal(shape).astype(dtype))
+  return arrays
+
+
+def _verify(
+  model: Any,
+  directory: pathlib.Path,
+  served: Sequence[_served.Signature],
+  mesh: Any,
+) -> Any:
+  """``--verify``: the SavedModel served by TF against JAX, on inputs of
+  every signature's shapes; a dimension of no size is as large as the
+  mesh, a multiple of every axis it may be split over."""
+  import math
+
+  from flax_dtensor import dtensor
+
+  batch = math.prod(mesh.devices.shape)
+  return dtensor.verify_saved_model(
+    model,
+    directory,
+    {s.key: _sample_inputs(s, batch, i) for i, s in enumerate(served)},
+    signatures={s.key: s.serving_signature() for s in served},
+  )
 
 
 @dataclasses.dataclass(frozen=True)

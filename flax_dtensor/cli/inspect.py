@@ -148,6 +148,19 @@ def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
   ]
 
 
+def _versions(base: pathlib.Path) -> list[pathlib.Path]:
+  """The SavedModels under TF Serving's base path `base` (``base/<N>``), by
+  version number."""
+  if not base.is_dir():
+    return []
+  found = [
+    p
+    for p in base.iterdir()
+    if p.name.isdecimal() and (p / 'saved_model.pb').is_file()
+  ]
+  return sorted(found, key=lambda p: int(p.name))
+
+
 def inspect_saved_model(path: pathlib.Path, width: int) -> list[Any]:
   """What to print for a SavedModel: its signatures and its variables."""
   from flax_dtensor import _text
@@ -495,6 +508,10 @@ def inspect(
     for candidate in (directory, directory / 'saved_model'):
       if (candidate / 'saved_model.pb').is_file():
         found.append(('saved_model', candidate))
+        break
+      versions = _versions(candidate)
+      if versions:  # TF Serving's base path (`export --version`).
+        found.extend(('saved_model', v) for v in versions)
         break
     if not found:
       raise _command.BadInputError(

@@ -106,7 +106,7 @@ def tagger(tmp_path_factory):
     tmp,
     tmp / 'out',
     *('--input-shape', 'x:1,16:float32', *SIGNATURES),
-    *('--version', '3', '--trainable'),
+    *('--version', '3', '--trainable', '--verify'),
   )
   return tmp, model, proc
 
@@ -163,8 +163,27 @@ def test_every_signature_serves_jax_s_values(tagger, tmp_path):
     got = np.load(tmp_path / f'{name}.npy')
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
   # The table says where the SavedModel went.
-  (row,) = [line for line in stdout.splitlines() if 'saved_model' in line]
+  (row,) = [
+    line
+    for line in stdout.splitlines()
+    if 'saved_model' in line and 'served by TF' not in line
+  ]
   assert str(tmp / 'out' / 'saved_model' / '3') in row
+
+
+def test_verify_serves_every_signature_without_jax(tagger):
+  """--verify: the written SavedModel against JAX, every signature, in a
+  process without JAX, and the verdict."""
+  tmp, _, proc = tagger
+  stdout = ok(proc)
+  version = tmp / 'out' / 'saved_model' / '3'
+  (verdict,) = [line for line in stdout.splitlines() if 'served by TF' in line]
+  assert 'without JAX' in verdict, stdout
+  assert 'beyond tolerance' not in stdout, stdout
+  table = stdout[stdout.index('served by TF') :]
+  for key in ('serving_default', 'embed', 'score'):
+    assert key in table, table
+  assert str(version) in stdout.replace('\n', '')
 
 
 def test_version_is_tf_serving_s_layout(tagger):
@@ -182,6 +201,14 @@ def test_version_is_tf_serving_s_layout(tagger):
   assert (version / 'saved_model.pb').is_file()
   assert (version / 'variables').is_dir()
   assert not [e for e in os.listdir(out.parent) if e.startswith('.')]
+  # `inspect` finds the version under the output folder, and verifies it.
+  shown = run_cli('inspect', out)
+  ok(shown)
+  assert str(version) in shown.stdout, shown.stdout
+  assert 'next_words' in shown.stdout or 'serving_default' in shown.stdout
+  verified = run_cli('inspect', out, '--verify')
+  ok(verified)
+  assert str(version) in verified.stdout, verified.stdout
 
 
 @pytest.mark.parametrize(
@@ -267,7 +294,7 @@ def test_malformed_flags_are_refused_before_any_work(
 
 
 @pytest.mark.parametrize(
-  'flag', [['--version', '2'], ['--trainable'], SIGNATURES[:2]]
+  'flag', [['--version', '2'], ['--trainable'], ['--verify'], SIGNATURES[:2]]
 )
 def test_saved_model_flags_need_saved_model(tagger, tmp_path, flag):
   tmp, _, _ = tagger

@@ -159,7 +159,16 @@ def save_saved_model(
       `polymorphic_shapes`: the signatures to serve, a dict of signature
       keys to `ServingSignature`.
     trainable: NNX filter of the exported variables TF may train
-      (`nnx.Param`, True for every one, default False: serve only).
+      (`nnx.Param`, True for every one, default False: serve only). TF
+      then differentiates every signature with respect to them
+      (``loaded.trainable_variables``), and re-saves the fine-tuned model
+      with ``tf.saved_model.save(loaded, directory)`` and no options: the
+      gradients are saved with it, so it trains again
+      (``SaveOptions(experimental_custom_gradients=False)`` gives one that
+      serves only), in any process but this one: here, TF resolves the
+      loaded functions' second-order gradients to this export's own and
+      cannot save them again (write a ``tf.train.Checkpoint`` instead).
+      `restore_from_tf` reads any of them back into JAX.
     include: NNX filter of the variables to export as TF variables (default
       all but `exclude`).
     exclude: NNX filter of variables baked in as constants instead (default

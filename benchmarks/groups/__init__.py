@@ -28,6 +28,7 @@ from groups import (
   manager,
   multiprocess,
   plan,
+  saved_model,
   to_tf,
   vs_orbax,
 )
@@ -46,6 +47,7 @@ MODULES = (
   multiprocess,
   checkpoint_scale,
   export_memory,
+  saved_model,
 )
 
 # The order the groups are measured in (and listed in `results.json`).
@@ -59,6 +61,7 @@ ORDER = (
   'hook',
   'plan',
   'to_tf',
+  'saved_model',
   'checkpoint',
   'single_mesh',
   'from_tf',

@@ -124,7 +124,7 @@ KERAS_CASE = next(
 # Keras TFSMLayer trained by model.fit. Arrays in .npy files, the rest JSON.
 _SCRIPT = processes.NO_JAX + textwrap.dedent(
   """
-  import json, os, sys
+  import json, os, sys, traceback
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import numpy as np
   import tensorflow as tf
@@ -133,7 +133,7 @@ _SCRIPT = processes.NO_JAX + textwrap.dedent(
   out = job['out']
   x = tf.constant(np.load(job['x']))
   report = {}
-  for name, path in job['models'].items():
+  def served(name, path):
     loaded = tf.saved_model.load(path)
     entry = {
       'variables': [v.name for v in loaded.variables],
@@ -165,34 +165,44 @@ _SCRIPT = processes.NO_JAX + textwrap.dedent(
         entry['watched'] = None
       except Exception as e:  # Raised by the call, under the tape.
         entry['watched'] = [type(e).__name__, str(e)[:300]]
-    report[name] = entry
+    return entry
 
-  import keras
-  keras_job = job['keras']
-  layer = keras.layers.TFSMLayer(
-    keras_job['path'], call_endpoint='serving_default', trainable=True)
-  weights = {}
-  for i, w in enumerate(layer.trainable_weights):
-    weights[w.value.name] = i
-    np.save(os.path.join(out, f'keras_weight_{i}.npy'), w.numpy())
+  def trained(path, fit_x, fit_y):
+    import keras
+    layer = keras.layers.TFSMLayer(
+      path, call_endpoint='serving_default', trainable=True)
+    weights = {}
+    for i, w in enumerate(layer.trainable_weights):
+      weights[w.value.name] = i
+      np.save(os.path.join(out, f'keras_weight_{i}.npy'), w.numpy())
 
-  class Head(keras.Model):
-    def __init__(self):
-      super().__init__()
-      self.served = layer
+    class Head(keras.Model):
+      def __init__(self):
+        super().__init__()
+        self.served = layer
 
-    def call(self, inputs):
-      return self.served(inputs)['output_0']
+      def call(self, inputs):
+        return self.served(inputs)['output_0']
 
-  model = Head()
-  model.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
-  fit = model.fit(np.load(keras_job['x']), np.load(keras_job['y']),
-                  epochs=5, batch_size=8, shuffle=False, verbose=0)
-  report['keras'] = {
-    'trainable_weights': weights,
-    'non_trainable_weights': len(layer.non_trainable_weights),
-    'losses': fit.history['loss'],
-  }
+    model = Head()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
+    fit = model.fit(np.load(fit_x), np.load(fit_y), epochs=5, batch_size=8,
+                    shuffle=False, verbose=0)
+    return {
+      'trainable_weights': weights,
+      'non_trainable_weights': len(layer.non_trainable_weights),
+      'losses': fit.history['loss'],
+    }
+
+  # Each case on its own: one that fails says why, and the others run.
+  jobs = [(name, served, (name, path)) for name, path in job['models'].items()]
+  if job['keras']:
+    jobs.append(('keras', trained, job['keras']))
+  for name, run, args in jobs:
+    try:
+      report[name] = run(*args)
+    except Exception:
+      report[name] = {'error': traceback.format_exc()[-3000:]}
   print(json.dumps(report))
   """
 )
@@ -270,19 +280,21 @@ def served(tmp_path_factory):
   jax_side, models = {}, {}
   for case in CASES:  # One model per mesh and spelling, exported by each.
     key = (case.kind, case.devices, case.build)
-    if key not in models:
-      mesh = _mesh(case)
-      models[key] = _built(case, mesh), mesh
-    jax_side[case.id] = _exported(case, *models[key], folder / case.id, x)
+    try:
+      if key not in models:
+        mesh = _mesh(case)
+        models[key] = _built(case, mesh), mesh
+      jax_side[case.id] = _exported(case, *models[key], folder / case.id, x)
+    except Exception as e:  # That case's tests fail with it.
+      jax_side[case.id] = e
+  exported = {k: e for k, e in jax_side.items() if isinstance(e, dict)}
+  keras = exported.get(KERAS_CASE.id)
   job = {
     'out': str(folder),
     'x': str(folder / 'x.npy'),
-    'models': {name: e['path'] for name, e in jax_side.items()},
-    'keras': {
-      'path': jax_side[KERAS_CASE.id]['path'],
-      'x': str(folder / 'fit_x.npy'),
-      'y': str(folder / 'fit_y.npy'),
-    },
+    'models': {name: e['path'] for name, e in exported.items()},
+    'keras': keras
+    and [keras['path'], str(folder / 'fit_x.npy'), str(folder / 'fit_y.npy')],
   }
   (folder / 'job.json').write_text(json.dumps(job))
   script = folder / 'serve.py'
@@ -293,9 +305,17 @@ def served(tmp_path_factory):
   return folder, jax_side, report
 
 
+def _checked(want, got):
+  """JAX's and TF's sides of a case, or the failure of either."""
+  if isinstance(want, Exception):
+    raise AssertionError('the export failed') from want
+  assert 'error' not in got, got['error']
+  return want, got
+
+
 def _case(served, case):
   folder, jax_side, report = served
-  return folder, jax_side[case.id], report[case.id]
+  return (folder, *_checked(jax_side[case.id], report.get(case.id)))
 
 
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.id)
@@ -359,10 +379,10 @@ def test_a_serve_only_export_holds_no_gradient(served, case):
 def test_the_hidden_features_are_split_where_they_divide(served, case):
   """Over 'model' where its size divides them; on 3 devices (a 'model' of
   3, which divides no dimension), the rules replicate every variable."""
-  _, jax_side, _ = served
+  _, want, _ = _case(served, case)
   model_size = SHAPES[case.devices][1]
   split = 1 if 16 % model_size else model_size
-  shards = jax_side[case.id]['shards']
+  shards = want['shards']
   assert shards['up/kernel:0'] == (8, 16 // split)
   assert shards['norm/scale:0'] == (16 // split,)
   assert shards['down/kernel:0'] == (16 // split, 4)
@@ -370,8 +390,7 @@ def test_the_hidden_features_are_split_where_they_divide(served, case):
 
 def test_keras_trains_the_served_variables(served):
   folder, jax_side, report = served
-  want = jax_side[KERAS_CASE.id]
-  got = report['keras']
+  want, got = _checked(jax_side[KERAS_CASE.id], report.get('keras'))
   # Keras lists the SavedModel's own variables: the Params trainable, the
   # temperature not.
   assert sorted(got['trainable_weights']) == sorted(want['grads'])

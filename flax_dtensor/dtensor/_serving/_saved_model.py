@@ -520,6 +520,12 @@ def _serving(
   method = prepared.signature.method
   where = f'{model.name}.{method}'
 
+  # The abstract mesh of the first trace (the primal's). TF traces the
+  # gradient again while it saves, through jax2tf's VJP, whose `jit` runs
+  # under no mesh: a bare PartitionSpec in the forward (`out_sharding=P()`)
+  # would find none.
+  seen: list[Any] = []
+
   def forward(params: list[jax.Array], *arrays: jax.Array) -> Any:
     flat = []
     for e, p in zip(model.entries, params, strict=True):
@@ -529,7 +535,10 @@ def _serving(
         p = jax.random.wrap_key_data(p, impl=e.key_impl)
       flat.append((e.path, e.variable.copy(p)))
     merged = nnx.merge(model.graphdef, nnx.from_flat_state(flat), model.rest)
-    result = getattr(merged, method)(*prepared.inputs.arguments(arrays))
+    if not seen:
+      seen.append(jax.sharding.get_abstract_mesh())
+    with jax.sharding.use_abstract_mesh(seen[0]):
+      result = getattr(merged, method)(*prepared.inputs.arguments(arrays))
     _signature.named_outputs(result, where)  # Refuses what cannot be served.
     return result
 

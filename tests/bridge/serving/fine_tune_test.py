@@ -55,7 +55,9 @@ class MLP(nnx.Module):
   """A sharded block as users write it: its hidden features over 'model',
   gathered (by logical axes) before the contraction that leaves them."""
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, forward='logical'):
+    self.forward = forward  # How the contraction of the hidden features
+    # is written: a logical constraint before it, or its `out_sharding`.
     self.up = nnx.Linear(
       8,
       16,
@@ -79,6 +81,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     h = jnp.tanh(self.norm(self.up(x)))
+    if self.forward == 'out_sharding':  # A bare PartitionSpec, as JAX asks.
+      return self.down(h, out_sharding=jax.P()) * self.temperature[...][None]
     h = fdt.with_logical_constraint(h, (None, 'embed'), rules=RULES)
     return self.down(h) * self.temperature[...][None]
 
@@ -92,24 +96,35 @@ class Case:
   set_mesh: bool  # The export inside `jax.set_mesh(mesh)`.
   build: str = 'rules'  # 'rules' (eager, under the rules) or 'init'.
   trainable: str | None = 'param'  # A key of TRAINABLE, None: not given.
+  forward: str = 'logical'  # MLP's `forward`.
 
   @property
   def id(self):
     where = 'set' if self.set_mesh else 'unset'
     return (
       f'{self.kind}-{self.devices}dev-{where}-{self.build}-'
-      f'{self.trainable or "default"}'
+      f'{self.trainable or "default"}-{self.forward}'
     )
 
 
-MESH_CASES = [
-  Case(kind, n, set_mesh, build='init' if (k + i) % 2 else 'rules')
-  for k, kind in enumerate(AXIS_TYPES)
-  for i, n in enumerate((1, 2, 8))
-  for set_mesh in (True, False)
-] + [Case('explicit', 3, set_mesh) for set_mesh in (True, False)]
+# Every kind and size under `jax.set_mesh`; outside it, 8 devices and the
+# forwards written with `out_sharding` (Explicit axes ask for it).
+MESH_CASES = (
+  [
+    Case(kind, n, True, build='init' if (k + i) % 2 else 'rules')
+    for k, kind in enumerate(AXIS_TYPES)
+    for i, n in enumerate((1, 2, 8))
+  ]
+  + [Case(kind, 8, False) for kind in AXIS_TYPES]
+  + [Case('explicit', 3, True)]
+  + [
+    Case(kind, 8, set_mesh, forward='out_sharding')
+    for kind in ('explicit', 'mixed')
+    for set_mesh in (True, False)
+  ]
+)
 FILTER_CASES = [
-  Case('explicit', 8, True, trainable=t) for t in (None, 'false', 'true')
+  Case('explicit', 8, True, trainable=t) for t in (None, 'true')
 ] + [Case('auto', 2, False, trainable='kernels')]
 CASES = MESH_CASES + FILTER_CASES
 # Keras trains the mixed mesh's model of 8 devices, exported under it.
@@ -221,7 +236,7 @@ def _built(case, mesh):
   if case.build == 'init':
     return fdt.init(MLP, nnx.Rngs(0), mesh=mesh, rules=RULES)
   with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
-    return MLP(nnx.Rngs(0))
+    return MLP(nnx.Rngs(0), forward=case.forward)
 
 
 def _mesh(case):
@@ -279,7 +294,7 @@ def served(tmp_path_factory):
   np.save(folder / 'fit_y.npy', rng.standard_normal((32, 4), np.float32))
   jax_side, models = {}, {}
   for case in CASES:  # One model per mesh and spelling, exported by each.
-    key = (case.kind, case.devices, case.build)
+    key = (case.kind, case.devices, case.build, case.forward)
     try:
       if key not in models:
         mesh = _mesh(case)

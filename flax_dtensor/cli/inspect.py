@@ -139,13 +139,22 @@ def _read_with_tf(path: pathlib.Path) -> list[tuple[Any, Any, str]]:
       f'{_command.one_line(str(e))[:200]}. Pass a directory written by '
       '`flax-dtensor export` or `flax-dtensor demo`.'
     ) from e
+  from flax_dtensor.dtensor._checkpoints import _from_tf_files
+
   shapes = reader.get_variable_to_shape_map()
   dtypes = reader.get_variable_to_dtype_map()
-  return [
-    (_names.nnx_path(key), shapes[key], dtypes[key].name)
-    for key in sorted(shapes)
-    if _names.nnx_path(key) is not None
-  ]
+  # By NNX path where the object graph says it (a SavedModel TF saved
+  # again keys them its own way), else by TF's own name (a plain TF model).
+  by_graph = _from_tf_files.paths_of_keys(reader, str(path))
+  rows = []
+  for key in sorted(shapes):
+    if key == _names.OBJECT_GRAPH_KEY:
+      continue
+    found = _names.nnx_path(key) or by_graph.get(key)
+    if found is None:
+      found = (key.removesuffix(_names.ATTRIBUTES_SUFFIX),)
+    rows.append((found, shapes[key], dtypes[key].name))
+  return sorted(rows, key=lambda r: _names.path_text(r[0]))
 
 
 def _versions(base: pathlib.Path) -> list[pathlib.Path]:

@@ -168,6 +168,20 @@ def _prefix_of(path: str) -> str:
   return prefix
 
 
+def paths_of_keys(reader: Any, prefix: str) -> dict[str, _names.Path]:
+  """{checkpoint key: NNX path} of the variables under the one `state` of
+  a TF checkpoint's object graph (what TF saved of an export, whatever
+  keys it chose); empty if it has no object graph or not one such `state`.
+  """
+  try:
+    graph = _object_graph(reader, prefix)
+    node_id = _choose(_state_nodes(graph, prefix), prefix)
+    keys = _variable_keys(graph, node_id, prefix)
+  except _errors.ExportError:
+    return {}
+  return {k: p for p, k in keys.items()}
+
+
 def read_tf_variables(path: str) -> tuple[dict[_names.Path, Any], str]:
   """The tensors of a TF checkpoint by NNX path, and its prefix."""
   tf = _tf.tf()
@@ -215,7 +229,9 @@ def restore_from_tf(
   bit, as `from_tf_module` brings them back from memory.
 
   TF re-saves a trainable export (``trainable=`` of `save_saved_model`)
-  with ``tf.saved_model.save(loaded, directory)`` and no options: the
+  with ``tf.saved_model.save(loaded, directory,
+  signatures=loaded.signatures)`` (without `signatures`, TF keeps none for
+  serving) and no options: the
   gradients are saved with it, so the re-saved SavedModel trains again.
   ``options=tf.saved_model.SaveOptions(experimental_custom_gradients=False)``
   gives one that serves but no longer trains; either restores the same.

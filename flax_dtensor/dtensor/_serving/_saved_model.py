@@ -162,7 +162,9 @@ def save_saved_model(
       (`nnx.Param`, True for every one, default False: serve only). TF
       then differentiates every signature with respect to them
       (``loaded.trainable_variables``), and re-saves the fine-tuned model
-      with ``tf.saved_model.save(loaded, directory)`` and no options: the
+      with ``tf.saved_model.save(loaded, directory,
+      signatures=loaded.signatures)`` (without `signatures`, TF keeps no
+      signature to serve) and no options: the
       gradients are saved with it, so it trains again
       (``SaveOptions(experimental_custom_gradients=False)`` gives one that
       serves only), in any process but this one: here, TF resolves the

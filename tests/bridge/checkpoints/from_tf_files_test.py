@@ -89,9 +89,11 @@ _SCRIPT = processes.NO_JAX + textwrap.dedent(
     'first_served': first_served,
     'tuned_served': loaded(x)['output_0'].numpy().tolist(),
   }
-  # Re-saved as TF users do, no options: the gradients are saved too.
+  # Re-saved as TF users do, its signatures kept and no options: the
+  # gradients are saved too.
   try:
-    tf.saved_model.save(loaded, os.path.join(out, 'resaved'))
+    tf.saved_model.save(
+      loaded, os.path.join(out, 'resaved'), signatures=loaded.signatures)
     report['resaved'] = 'ok'
   except Exception as e:
     report['resaved'] = f'{type(e).__name__}: {e}'
@@ -111,6 +113,7 @@ _SCRIPT = processes.NO_JAX + textwrap.dedent(
   # The re-saved SavedModel serves the fine-tuned values and still trains.
   again = tf.saved_model.load(os.path.join(out, 'resaved'))
   report['resaved_served'] = again(x)['output_0'].numpy().tolist()
+  report['resaved_signatures'] = sorted(again.signatures)
   with tf.GradientTape() as tape:
     loss = tf.reduce_mean(again(x)['output_0'] ** 2)
   grads = tape.gradient(loss, again.trainable_variables)
@@ -356,6 +359,25 @@ def test_resaving_a_trainable_export(chain):
     np.array(report['tuned_served'], np.float32),
   )
   assert report['resaved_grads'] == [True] * 4
+  assert report['resaved_signatures'] == ['serving_default']
+
+
+def test_inspect_lists_what_tf_saved_by_nnx_path(chain):
+  """`flax-dtensor inspect` of the SavedModel TF saved again and of a
+  `tf.train.Checkpoint` holding it (no manifest, TF's own keys): the
+  model's variables by NNX path, TF's own (`save_counter`) by TF's name."""
+  from support.cli_helpers import ok, run_cli
+
+  shown = ok(run_cli('inspect', chain['root'] / 'resaved'))
+  paths = sorted(chain['tuned'])
+  assert f'{len(paths)} variables' in shown, shown
+  for path in paths:
+    assert path in shown, (path, shown)
+  assert 'serving_default' in shown
+  saved = ok(run_cli('inspect', chain['root'] / 'saved'))
+  assert f'{len(paths) + 1} variables' in saved, saved
+  for path in [*paths, 'save_counter']:
+    assert path in saved, (path, saved)
 
 
 # Refusals

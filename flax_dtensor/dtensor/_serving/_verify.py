@@ -649,7 +649,20 @@ def _reference(
       )
     return {k: _output_numpy(v) for k, v in named.items()}
 
-  outputs, first = _timed(call)
+  try:
+    outputs, first = _timed(call)
+  except Exception as e:  # JAX refuses to run the forward here.
+    raise _errors.ExportError(
+      f'JAX failed to run {where} for signature {feed.key!r}, the reference '
+      f'the SavedModel is compared with ({_signature.summary(e)}). The '
+      'export traced it on a one-device serving mesh; here it runs on the '
+      "module's own mesh, as training does. Expected the method to run "
+      'under jax.jit on these inputs where the model lives: call '
+      'verify_saved_model where the forward runs (e.g. inside '
+      '`with jax.set_mesh(mesh):`), or fix the forward for this mesh (on '
+      'Explicit axes, a contraction of sharded dimensions needs '
+      '`out_sharding=`).'
+    ) from e
   seconds = [_timed(call)[1] for _ in range(calls)]
   return outputs, first, statistics.median(seconds)
 

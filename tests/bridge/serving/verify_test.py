@@ -400,3 +400,34 @@ def test_an_output_on_one_side_only_is_reported():
     ('b', False, 'missing in TF'),
     ('c', False, 'missing in JAX'),
   ]
+
+
+class _Contracting(nnx.Module):
+  """Contracts a dimension sharded on both sides without `out_sharding`:
+  it traces on one device (the export's serving mesh), but JAX refuses it
+  on its own Explicit mesh."""
+
+  def __init__(self, rngs):
+    init = nnx.with_partitioning(nnx.initializers.ones, ('mlp', None))
+    self.kernel = nnx.Param(init(rngs.params(), (16, 4)))
+
+  def __call__(self, x):
+    x = jax.sharding.reshard(x, jax.P(None, 'model'))
+    return x @ self.kernel[...]
+
+
+def test_a_forward_jax_refuses_on_its_mesh_is_named(tmp_path):
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  spec = [tf.TensorSpec([None, 16], tf.float32, name='x')]
+  with jax.set_mesh(mesh), fdt.logical_axis_rules(RULES):
+    model = _Contracting(nnx.Rngs(0))
+    path = fdt_tf.save_saved_model(model, tmp_path / 'sm', input_signature=spec)
+    with pytest.raises(
+      fdt.ExportError,
+      match=r'JAX failed to run _Contracting\.__call__ for signature '
+      r"'serving_default', the reference .*ShardingTypeError.*call "
+      r'verify_saved_model where the forward runs',
+    ):
+      fdt_tf.verify_saved_model(
+        model, path, {'serving_default': _x((8, 16))}, input_signature=spec
+      )

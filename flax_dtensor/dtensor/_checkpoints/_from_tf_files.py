@@ -154,10 +154,24 @@ def _variable_keys(
 
 def _prefix_of(path: str) -> str:
   """The TF checkpoint prefix that `path` names, confined to it."""
+  if not os.path.isdir(path) and not os.path.exists(path + '.index'):
+    raise _errors.ExportNotFoundError(
+      f'{path!r} does not exist (nor {path + ".index"!r}). {_FIX}'
+    )
   if os.path.isdir(path):
     saved_model = os.path.join(path, 'variables', 'variables')
     if os.path.exists(saved_model + '.index'):
       return saved_model
+    indexes = sorted(n for n in os.listdir(path) if n.endswith('.index'))
+    if indexes and not os.path.exists(os.path.join(path, 'checkpoint')):
+      prefixes = [os.path.join(path, n.removesuffix('.index')) for n in indexes]
+      raise _errors.ExportNotFoundError(
+        f'{path!r} holds the TF checkpoint prefix'
+        f'{"es" * (len(prefixes) > 1)} {", ".join(map(repr, prefixes))} but '
+        'no TF `checkpoint` file naming one (`tf.train.Checkpoint.write` '
+        'writes none; `.save` does). Pass the prefix itself, e.g. '
+        f'restore_from_tf({prefixes[0]!r}, model).'
+      )
   prefix, _ = _restore.locate(path)
   if os.path.isdir(path):
     escape = _paths.escape_problem(path, os.path.relpath(prefix, path))

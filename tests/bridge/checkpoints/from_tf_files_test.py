@@ -423,7 +423,14 @@ def test_a_target_of_other_shapes(chain):
 _NOT_AN_EXPORT = {
   'missing': (
     fdt_tf.ExportNotFoundError,
-    r"got '.*missing', which holds no TF checkpoint",
+    r"'.*missing' does not exist \(nor '.*missing\.index'\)\. Pass a "
+    r'SavedModel directory',
+  ),
+  'written': (
+    fdt_tf.ExportNotFoundError,
+    r"'.*written' holds the TF checkpoint prefix '.*written/ckpt' but no TF "
+    r'`checkpoint` file naming one .*Pass the prefix itself, e\.g\. '
+    r"restore_from_tf\('.*written/ckpt', model\)",
   ),
   'values': (
     fdt_tf.ExportNotFoundError,

@@ -226,7 +226,7 @@ def test_refusals_come_at_the_call(explicit_mesh, tmp_path):
     )
   (tmp_path / 'f').write_text('x')  # A missing parent is made; a file, not.
   with pytest.raises(
-    fdt.ExportError, match='An ancestor .* is not a directory: .* is a file'
+    fdt.ExportError, match=r'An ancestor .* is not a directory: .* is a file'
   ):
     fdt_tf.save_checkpoint(model, tmp_path / 'f' / 'no' / 'd', blocking=False)
   assert sorted(os.listdir(tmp_path)) == ['c', 'f']

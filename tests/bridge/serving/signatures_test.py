@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from support import processes, warm
+from support.tagger import VOCAB, Tagger
 
 import flax_dtensor as fdt
 
@@ -18,7 +19,6 @@ tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
 RULES = [('embed', 'data'), ('mlp', 'model')]
-VOCAB = ['<unk>', 'the', 'cat', 'sat', 'on', 'mat']
 
 # One JAX-free process serves every SavedModel of a test: each signature on
 # its inputs, the gradients of a loss over `trainable_variables`, and a few
@@ -87,27 +87,6 @@ def _serve(tmp_path, models):
 
 def _init(names):
   return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-
-
-class Tagger(nnx.Module):
-  """Token ids to logits, with an embedding method of its own."""
-
-  def __init__(self, rngs):
-    self.embed_table = nnx.Embed(
-      len(VOCAB), 16, embedding_init=_init(('vocab', 'embed')), rngs=rngs
-    )
-    self.head = nnx.Linear(
-      16, len(VOCAB), kernel_init=_init(('embed', 'mlp')), rngs=rngs
-    )
-
-  def __call__(self, x):
-    return self.head(x)
-
-  def embed(self, ids):
-    return {'embedding': self.embed_table.embedding[...][ids]}
-
-  def logits(self, ids):
-    return self.head(self.embed_table.embedding[...][ids])
 
 
 def _np(x):

@@ -10,39 +10,14 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from support.tagger import VOCAB, Tagger
 
 import flax_dtensor as fdt
 
 tf = pytest.importorskip('tensorflow')
 fdt_tf = pytest.importorskip('flax_dtensor.dtensor')
 
-VOCAB = ['<unk>', 'the', 'cat', 'sat', 'on', 'mat']
 RULES = [('vocab', None), ('embed', None), ('mlp', 'model')]
-
-
-def _init(names):
-  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-
-
-class Tagger(nnx.Module):
-  """Features or token ids to logits, with an embedding method."""
-
-  def __init__(self, rngs):
-    self.table = nnx.Embed(
-      len(VOCAB), 16, embedding_init=_init(('vocab', 'embed')), rngs=rngs
-    )
-    self.head = nnx.Linear(
-      16, len(VOCAB), kernel_init=_init(('embed', 'mlp')), rngs=rngs
-    )
-
-  def __call__(self, x):
-    return self.head(x)
-
-  def embed(self, ids):
-    return {'embedding': self.table.embedding[...][ids]}
-
-  def logits(self, ids):
-    return self.head(self.table.embedding[...][ids])
 
 
 def _signatures():

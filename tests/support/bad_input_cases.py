@@ -1921,6 +1921,63 @@ CASES = [
   ),
   # SavedModels
   Case(
+    'flax_dtensor.dtensor.ServingSignature',
+    'a signature key serving clients cannot call',
+    fdt.ExportError,
+    r"Expected each key of `signatures` to be a plain name .* got '9 x'",
+    "Name each signature as clients call it, e.g. 'embed'.",
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(),
+      ctx.tmp / 'sm',
+      signatures={
+        '9 x': ctx.dt.ServingSignature([ctx.tf.TensorSpec([None, 8])])
+      },
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.ServingSignature',
+    'a preprocess that is not a function',
+    fdt.ExportError,
+    r"Expected the preprocess of `signatures\['serving_default'\]` to be "
+    r'a TF function \(a callable\), got str',
+    "Pass a function of the signature's inputs (or None).",
+    lambda ctx: ctx.dt.save_saved_model(
+      ctx.model(),
+      ctx.tmp / 'sm',
+      signatures={
+        'serving_default': ctx.dt.ServingSignature(
+          [ctx.tf.TensorSpec([None, 8])], preprocess='lowercase'
+        )
+      },
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.verify_saved_model',
+    'a directory that holds no SavedModel',
+    fdt_tf.ExportNotFoundError,
+    r'Expected a SavedModel in .*, found no saved_model\.pb there',
+    'Pass the directory save_saved_model wrote.',
+    lambda ctx: ctx.dt.verify_saved_model(
+      ctx.model(),
+      ctx.tmp,
+      {'serving_default': np.ones((2, 8), np.float32)},
+      input_signature=[ctx.tf.TensorSpec([None, 8])],
+    ),
+    tf=True,
+  ),
+  Case(
+    'flax_dtensor.dtensor.restore_from_tf',
+    'a path that does not exist',
+    fdt_tf.ExportNotFoundError,
+    r"'.*no-such-model' does not exist",
+    'Pass the SavedModel or checkpoint TF wrote (a checkpoint prefix where '
+    'there is no `checkpoint` file).',
+    lambda ctx: ctx.dt.restore_from_tf(ctx.tmp / 'no-such-model', ctx.model()),
+    tf=True,
+  ),
+  Case(
     'flax_dtensor.dtensor.save_saved_model',
     'a method the module does not have',
     fdt.ExportError,

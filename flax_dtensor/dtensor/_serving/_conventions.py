@@ -19,7 +19,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from flax_dtensor import _errors
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._conversion import _names, _selection
 
@@ -49,10 +48,6 @@ def add_lists(directory: str, entries: Sequence[_selection.Entry]) -> None:
   """Adds `LISTS` to the root of the SavedModel in `directory`.
 
   The variables are listed in the order of `entries` (NNX path order).
-
-  Raises:
-    ExportError: If the root already has one of `LISTS`, or TF did not
-      write a variable of `entries` where `checkpoint_key` says.
   """
   saved_model_pb2 = _tf.internal('tensorflow.core.protobuf.saved_model_pb2')
   path = os.path.join(directory, 'saved_model.pb')
@@ -62,21 +57,12 @@ def add_lists(directory: str, entries: Sequence[_selection.Entry]) -> None:
   (meta,) = proto.meta_graphs
   graph = meta.object_graph_def
   root = graph.nodes[0]
-  taken = sorted({c.local_name for c in root.children} & set(LISTS))
-  if taken:
-    raise _errors.ExportError(
-      f'The SavedModel root already has {", ".join(taken)}; expected them '
-      "free for TF's reusable-SavedModel lists."
-    )
+  # Internal invariants: no signature takes these names
+  # (`_signatures.RESERVED`), and TF keyed every variable under `state`
+  # (the root holds nothing shorter to reach it by).
   nodes = _variable_nodes(graph)
-  missing = [e.name for e in entries if e.key not in nodes]
-  if missing:
-    raise _errors.ExportError(
-      'TensorFlow did not write the variables '
-      f'{", ".join(map(repr, missing))} under their checkpoint keys '
-      f'(state/<path>{_names.ATTRIBUTES_SUFFIX}): expected each where '
-      '`checkpoint_key` says. Please report this.'
-    )
+  assert not {c.local_name for c in root.children} & set(LISTS)
+  assert all(e.key in nodes for e in entries), sorted(nodes)
   ids = [nodes[e.key] for e in entries]
   lists = {
     'variables': [i for i, _ in ids],

@@ -266,6 +266,10 @@ def test_tf_gradients_equal_jax_gradients(axis_type, tmp_path):
     )
 
 
+_S = fdt_tf.ServingSignature
+_IDS = [tf.TensorSpec([None], tf.int32, 'ids')]
+
+
 @pytest.mark.parametrize(
   'kwargs, match',
   [
@@ -277,6 +281,37 @@ def test_tf_gradients_equal_jax_gradients(axis_type, tmp_path):
     ({'signatures': {}}, 'non-empty dict'),
     ({'signatures': {'9x': None}}, 'plain name'),
     ({'signatures': {'k': 'embed'}}, 'to be a ServingSignature'),
+    (
+      {'signatures': {'k': _S(_IDS, method='embed')}, 'method': 'embed'},
+      r'Expected `method` to be left out with `signatures`',
+    ),
+    (
+      {'signatures': {'k': _S(_IDS, method=3)}},
+      r"Expected the method of `signatures\['k'\]` to be a method name",
+    ),
+    (
+      {'signatures': {'k': _S(_IDS, preprocess=lambda t: t.no_such)}},
+      r"The preprocess of `signatures\['k'\]` failed on its "
+      r'input_signature .*AttributeError',
+    ),
+    (
+      {
+        'signatures': {
+          'k': _S(
+            _IDS,
+            preprocess=lambda t: tf.strings.split(tf.strings.as_string(t)),
+          )
+        }
+      },
+      r"Expected the preprocess of `signatures\['k'\]` to return the "
+      r"method's positional arguments, tensors \(or None\), got "
+      r'RaggedTensor at position 0.*\.to_tensor\(\)',
+    ),
+    (
+      {'signatures': {'k': _S([None], preprocess=lambda: None)}},
+      r"Expected a spec for each input of `signatures\['k'\]`, got None "
+      r'at position 0',
+    ),
   ],
 )
 def test_signature_arguments_are_checked(tagger, tmp_path, kwargs, match):

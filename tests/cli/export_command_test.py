@@ -674,7 +674,7 @@ UNVERIFIED = (
   "TensorStore checked the OCDBT manifest's and tree nodes' CRC-32C and "
   "each chunk's framing as it read them, but damage inside the values "
   'cannot be detected. Steps of flax_dtensor.dtensor.CheckpointManager '
-  'carry a CRC-32 of every byte.'
+  'carry a CRC-32C of every byte.'
 )
 
 

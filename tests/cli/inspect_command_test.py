@@ -313,7 +313,7 @@ def test_inspect_verify_exit_statuses_without_jax_or_tensorflow(
   code, text = got['flipped']
   assert code == 1, text
   assert re.search(
-    r'- ckpt\.data-00000-of-00001 bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, '
+    r'- ckpt\.data-00000-of-00001 bytes 0\.\.\d+ changed \(CRC-32C [0-9a-f]{8}, '
     r'recorded [0-9a-f]{8}\)',
     ' '.join(text.split()),
   ), text

@@ -103,6 +103,12 @@ class Context:
   def checkpoint(self) -> str:
     return self.dt.save_checkpoint(self.model(), self.tmp / 'ckpt')
 
+  @functools.cached_property
+  def checkpoint_v4(self) -> str:
+    """The checkpoint as manifest version 4 wrote it (CRC-32)."""
+    with manifests.writing_version(4):
+      return self.dt.save_checkpoint(self.model(), self.tmp / 'ckpt_v4')
+
 
 def _captures_its_rngs():
   """A factory whose nnx.Rngs comes from the enclosing scope."""
@@ -352,12 +358,13 @@ def _damaged_data(ctx):
   ctx.dt.restore_checkpoint(path, ctx.model())
 
 
-def _crafted(ctx, name, edit):
-  """A copy of the checkpoint whose manifest `edit(meta, root)` changed."""
+def _crafted(ctx, name, edit, source=None):
+  """A copy of the checkpoint (or of `source`) whose manifest
+  `edit(meta, root)` changed."""
   import shutil
 
   root = str(ctx.tmp / name)
-  shutil.copytree(ctx.checkpoint, root)
+  shutil.copytree(source or ctx.checkpoint, root)
   file = os.path.join(root, 'flax_dtensor.json')
   with open(file) as f:
     meta = json.load(f)
@@ -400,8 +407,8 @@ def _kernel(meta):
 def _checksum_missing(ctx):
   def edit(meta, root):
     shards = _kernel(meta)['shards']
-    crcs = base64.b64decode(shards['crc32'])
-    shards['crc32'] = base64.b64encode(crcs[:-4]).decode()
+    crcs = base64.b64decode(shards['crc32c'])
+    shards['crc32c'] = base64.b64encode(crcs[:-4]).decode()
 
   ctx.dt.restore_checkpoint(_crafted(ctx, 'short', edit), ctx.model())
 
@@ -414,7 +421,9 @@ def _version_3_record_missing(ctx):
     manifests.as_version_3(meta)
     del _kernel(meta)['shards'][-1]
 
-  ctx.dt.restore_checkpoint(_crafted(ctx, 'v3', edit), ctx.model())
+  ctx.dt.restore_checkpoint(
+    _crafted(ctx, 'v3', edit, ctx.checkpoint_v4), ctx.model()
+  )
 
 
 def _version_2(ctx):
@@ -1732,7 +1741,7 @@ CASES = [
     'flax_dtensor.dtensor.restore_checkpoint',
     'files replaced by another save during the restore',
     fdt_tf.DamagedExportError,
-    r'is damaged: bias\[0:16\] read back with CRC-32 .*found in the bytes '
+    r'is damaged: bias\[0:16\] read back with CRC-32C .*found in the bytes '
     r'read, so the files may also have changed during the read.*Nothing was '
     r'restored: the target is unchanged',
     'Read again once the other save is done; restore from an intact copy.',

@@ -3,10 +3,12 @@ that damage it or write it as an older version did, and the JSON values a
 fuzzed one holds."""
 
 import base64
+import contextlib
 import json
 import os
 
 import numpy as np
+import pytest
 
 FILE = 'flax_dtensor.json'
 
@@ -22,9 +24,23 @@ def edit(path, change) -> None:
     json.dump(meta, f)
 
 
+@contextlib.contextmanager
+def writing_version(version: int):
+  """Exports written inside are written as that version's writer wrote
+  them: its version number and its checksum (CRC-32 before version 5)."""
+  from flax_dtensor.dtensor._format import _model
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_model, 'VERSION', version)
+    yield
+
+
 def as_version_3(meta):
-  """`meta` (changed in place, and returned) as versions before 4 wrote it:
-  a record per shard, its index and its CRC-32."""
+  """`meta`, a version 4 manifest (changed in place, and returned), as
+  versions before 4 wrote it: a record per shard, its index and its
+  CRC-32."""
+  if meta['version'] != 4:
+    raise ValueError(f'a version 4 manifest, not {meta["version"]}')
   meta['version'] = 3
   for var in meta['variables']:
     shape, blocks = var['shape'], var['shards']['blocks']

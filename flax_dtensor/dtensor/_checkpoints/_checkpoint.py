@@ -4,8 +4,9 @@
 with TF's plain SaveV2 on the host (`_host_write`: no DTensor op, no
 collective), with the object graph ``tf.train.Checkpoint`` needs; in a
 multi-process run each process writes a bundle of its own and process 0
-merges them (`merge`). The manifest (`_format._encode`) comes last, with a CRC-32
-of every shard (hashed while TF writes) and of every file. A blocking save
+merges them (`merge`). The manifest (`_format._encode`) comes last, with a
+CRC-32C of every shard and of every file chunk (a data file's hashed from
+the bytes handed to TF, while it writes them). A blocking save
 hands TF the JAX buffers themselves; a background save (`blocking=False`)
 copies them to host memory first and writes on a thread of its own.
 """
@@ -116,12 +117,18 @@ def _write_object_graph(
 
 
 def merge(
-  entries: Sequence[_selection.Entry], prefixes: Sequence[str], directory: str
-) -> None:
+  entries: Sequence[_selection.Entry],
+  prefixes: Sequence[str],
+  directory: str,
+  streams: Sequence[_checksums.StreamSum | None] = (),
+) -> dict[str, _checksums.StreamSum]:
   """Merges TF bundles into `directory/ckpt.*` (process 0, alone).
 
   Adds the object graph and the ``checkpoint`` state file; removes the
-  bundles and the scratch directory.
+  bundles and the scratch directory. TF renames each bundle's data file
+  (one each) to the checkpoint's data file of its place among `prefixes`,
+  the object graph's last: returns {that name: its stream}, of the
+  `streams` given per bundle.
   """
   tf = _tf.tf()
   scratch = os.path.join(directory, _SCRATCH)
@@ -133,6 +140,12 @@ def merge(
   )
   shutil.rmtree(scratch, ignore_errors=True)
   _write_state_file(directory)
+  count = len(prefixes) + 1
+  return {
+    f'{PREFIX}.data-{k:05d}-of-{count:05d}': stream
+    for k, stream in enumerate(streams)
+    if stream is not None
+  }
 
 
 def _write_state_file(directory: str) -> None:
@@ -153,7 +166,7 @@ def records(
 ) -> tuple[_model.Record, ...]:
   """The manifest's variable records (each array's sharding and layout).
 
-  `shards` lists, per variable, every distinct shard's (slice, CRC-32).
+  `shards` lists, per variable, every distinct shard's (slice, checksum).
   """
   out = []
   for e, sharding, layout, s in zip(
@@ -177,33 +190,34 @@ def records(
 
 
 def gather_shards(
-  mine: Sequence[Sequence[tuple[Any, int]]],
-  directory: str,
-  bundles: Sequence[str] = (),
-) -> tuple[list[list[tuple[Any, int]]], list[str]] | None:
-  """Every process's shard CRCs and TF bundles, on process 0 (None elsewhere).
+  mine: _host_write.Written, directory: str
+) -> _host_write.Written | None:
+  """Every process's shard checksums and TF bundles, on process 0.
 
-  `mine` lists, per variable, the (slice, CRC-32) of the shards this
-  process wrote; `bundles`, the prefixes of the TF bundles it wrote. Each
-  process writes both to a part file in the (shared) export directory;
-  process 0 reads them all after a barrier and merges them.
+  `mine` is what this process wrote. Each process writes it to a part file
+  in the (shared) export directory; process 0 reads them all after a
+  barrier and returns them merged, its bundles in process order (None on
+  the others).
   """
   if jax.process_count() == 1:
-    return [list(m) for m in mine], list(bundles)
+    return mine
   path = os.path.join(directory, _PART.format(jax.process_index()))
   with open(path, 'w') as f:
     json.dump(
       {
-        'shards': [[[list(map(list, i)), c] for i, c in v] for v in mine],
-        'bundles': [os.path.relpath(b, directory) for b in bundles],
+        'shards': [
+          [[list(map(list, i)), c] for i, c in v] for v in mine.shards
+        ],
+        'bundles': [os.path.relpath(b, directory) for b in mine.bundles],
+        'streams': [None if s is None else s.to_json() for s in mine.streams],
       },
       f,
     )
   _processes.sync('manifest-parts')
   if jax.process_index() != 0:
     return None
-  merged: list[dict[Any, int]] = [{} for _ in mine]
-  written = []
+  merged: list[dict[Any, int]] = [{} for _ in mine.shards]
+  written, streams = [], []
   for p in range(jax.process_count()):
     part = os.path.join(directory, _PART.format(p))
     with open(part) as f:
@@ -212,8 +226,14 @@ def gather_shards(
       for index, crc in shards:
         merged[i][tuple(tuple(d) for d in index)] = crc
     written += [os.path.join(directory, b) for b in raw['bundles']]
+    streams += [
+      None if s is None else _checksums.StreamSum.from_json(s)
+      for s in raw['streams']
+    ]
     os.remove(part)
-  return [sorted(m.items()) for m in merged], written
+  return _host_write.Written(
+    [sorted(m.items()) for m in merged], written, streams
+  )
 
 
 def write_manifest(
@@ -223,8 +243,13 @@ def write_manifest(
   recs: tuple[_model.Record, ...],
   pool: concurrent.futures.Executor,
   signatures: Mapping[str, _model.Signature] | None = None,
+  written: Mapping[str, _checksums.StreamSum] | None = None,
 ) -> None:
-  """Hashes every file under `root` and writes the manifest (process 0)."""
+  """Hashes every file under `root` and writes the manifest (process 0).
+
+  The files in `written` (by name) were hashed as they were written: only
+  what TF added past those bytes is read (`_checksums.file_sums`).
+  """
   names = [
     n
     for n in _encode.files_under(root)
@@ -235,7 +260,7 @@ def write_manifest(
     version=_model.VERSION,
     root=root,
     prefix=prefix,
-    files=_checksums.file_sums(root, names, pool),
+    files=_checksums.file_sums(root, names, pool, written),
     records=recs,
     signatures=signatures or {},
   )
@@ -303,7 +328,7 @@ def save_checkpoint(
   `tf.train.load_checkpoint(directory)`, without DTensor, under the keys of
   `checkpoint_key` (float16, float8, uint16 and uint32 stored widened). Next
   to it, `flax_dtensor.json` records every variable's exact path, dtype,
-  shape, layout and a CRC-32 of each shard, and a CRC-32 of every file, so
+  shape, layout and a CRC-32C of each shard, and of every file, so
   that `restore_checkpoint` and `read_checkpoint` can check what they read.
   By default every variable but RNG state is saved.
 
@@ -529,10 +554,14 @@ def _write_merged(
   )
   start = time.perf_counter()
 
-  def manifest(shards: Sequence[Sequence[tuple[Any, int]]]) -> None:
+  def manifest(
+    done: _host_write.Written, streams: Mapping[str, _checksums.StreamSum]
+  ) -> None:
     """The manifest of the written shards, last (process 0)."""
-    records_ = records(entries, shardings, layouts, shards)
-    write_manifest(tmp, _model.CHECKPOINT_FORMAT, PREFIX, records_, pool)
+    records_ = records(entries, shardings, layouts, done.shards)
+    write_manifest(
+      tmp, _model.CHECKPOINT_FORMAT, PREFIX, records_, pool, written=streams
+    )
 
   # `pool` has `_checksums.THREADS` threads (both callers start it so).
   count = _host_write.parts(pieces, _checksums.THREADS)
@@ -540,7 +569,7 @@ def _write_merged(
   if jax.process_count() == 1:
     if count == 1:  # One bundle: the checkpoint itself, with the graph.
       graph = _object_graph(entries, scratch)
-      shards = _host_write.write(
+      done = _host_write.write(
         entries,
         pieces,
         os.path.join(tmp, PREFIX),
@@ -549,36 +578,39 @@ def _write_merged(
       )
       pieces.clear()
       _write_state_file(tmp)
+      streams = {
+        os.path.relpath(_host_write.data_file(b), tmp): s
+        for b, s in zip(done.bundles, done.streams, strict=True)
+        if s is not None
+      }
     else:  # Several at once, merged (renamed: no byte copied).
       os.makedirs(scratch, exist_ok=True)
-      shards, bundles = _host_write.write_parts(
+      done = _host_write.write_parts(
         entries, pieces, os.path.join(scratch, 'part'), pool, count
       )
       pieces.clear()
-      merge(entries, bundles, tmp)
-    # The disk flushes what TF wrote while the CRCs read it back from the
-    # page cache; the directory's final flush then finds little to do.
-    # On one of `pool`'s threads (the CRCs take the others): a background
-    # save at the interpreter's exit may start no thread (Python 3.12).
+      streams = merge(entries, done.bundles, tmp, done.streams)
+    # The disk flushes what TF wrote while the manifest is made (only TF's
+    # index and the object graph are read back, from the page cache); the
+    # directory's final flush then finds little to do. On one of `pool`'s
+    # threads: a background save at the interpreter's exit may start no
+    # thread (Python 3.12).
     flushed = pool.submit(_temporaries.flush_files, tmp)
     try:
-      manifest(shards)
+      manifest(done, streams)
     finally:
       concurrent.futures.wait([flushed])  # Done with `tmp`, whatever happened.
     flushed.result()
   else:
     os.makedirs(scratch, exist_ok=True)
     prefix = os.path.join(scratch, f'process{jax.process_index()}')
-    shards, bundles = _host_write.write_parts(
-      entries, pieces, prefix, pool, count
-    )
+    done = _host_write.write_parts(entries, pieces, prefix, pool, count)
     pieces.clear()  # On disk: host copies go.
-    _host_write.flush(bundles)
-    gathered = gather_shards(shards, tmp, bundles)
+    _host_write.flush(done.bundles)
+    gathered = gather_shards(done, tmp)
     if gathered is not None:
-      shards, bundles = gathered
-      merge(entries, bundles, tmp)
-      manifest(shards)
+      streams = merge(entries, gathered.bundles, tmp, gathered.streams)
+      manifest(gathered, streams)
   _output.announce(
     show, f'wrote {directory} in {time.perf_counter() - start:.1f}s'
   )

@@ -42,13 +42,13 @@ _UNVERIFIED_OCDBT = (
   "Orbax checkpoints carry no checksum of their arrays' bytes: TensorStore "
   "checked the OCDBT manifest's and tree nodes' CRC-32C and each chunk's "
   'framing as it read them, but damage inside the values cannot be '
-  'detected. Steps of flax_dtensor.dtensor.CheckpointManager carry a CRC-32 '
+  'detected. Steps of flax_dtensor.dtensor.CheckpointManager carry a CRC-32C '
   'of every byte.'
 )
 _UNVERIFIED_PLAIN = (
   "Orbax checkpoints carry no checksum of their arrays' bytes, and this one "
   '(not OCDBT) none of its index: damage inside it cannot be detected. '
-  'Steps of flax_dtensor.dtensor.CheckpointManager carry a CRC-32 of every '
+  'Steps of flax_dtensor.dtensor.CheckpointManager carry a CRC-32C of every '
   'byte.'
 )
 # TensorStore's words for bytes that fail a check of the format.

@@ -235,7 +235,7 @@ def _reader(prefix: str, manifest: _model.Manifest | None) -> Any:
 
   Every file but the data files is checked whole (where it is, its size,
   its CRCs) before TF opens any; the data files' sizes too, and their bytes
-  as they are read (TF's CRC-32C of each entry, the manifest's CRC-32 of
+  as they are read (TF's CRC-32C of each entry, the manifest's checksum of
   each saved shard), so no byte is read twice.
   """
   tf = _tf.tf()

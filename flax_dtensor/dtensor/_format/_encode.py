@@ -98,10 +98,10 @@ def to_json(manifest: _model.Manifest) -> dict[str, Any]:
     'format': manifest.kind,
     'version': _model.VERSION,
     'checkpoint_prefix': manifest.prefix,
-    'checksum': 'crc32',
+    'checksum': _model.READABLE[_model.VERSION],
     'chunk_bytes': _model.CHUNK_BYTES,
     'files': {
-      name: {'bytes': s.size, 'crc32': list(s.crc32)}
+      name: {'bytes': s.size, _model.READABLE[_model.VERSION]: list(s.chunks)}
       for name, s in sorted(manifest.files.items())
     },
     'variables': [
@@ -120,7 +120,7 @@ def to_json(manifest: _model.Manifest) -> dict[str, Any]:
         ),
         'shards': {
           'blocks': list(r.shards.blocks),
-          'crc32': r.shards.to_text(),
+          _model.READABLE[_model.VERSION]: r.shards.to_text(),
         },
       }
       for r in manifest.records

@@ -1,12 +1,13 @@
-"""A variable's saved shards: the blocks of a grid, and a CRC-32 of each.
+"""A variable's saved shards: the blocks of a grid, and a checksum of each.
 
 The distinct shards of a sharded JAX array cut each dimension into equal
 blocks (JAX refuses uneven shardings), so a variable's saved shards are a
-grid: its shape, the number of blocks along each dimension, and one CRC-32
-per block in row-major order, 4 bytes a shard. Which blocks a region meets,
-and the region widened to whole blocks, are arithmetic: a process finds its
-shards among millions without listing them. Plain Python (`array`, no JAX
-or NumPy), so that the manifest reads without them.
+grid: its shape, the number of blocks along each dimension, and one
+checksum (a 32-bit CRC) per block in row-major order, 4 bytes a shard.
+Which blocks a region meets, and the region widened to whole blocks, are
+arithmetic: a process finds its shards among millions without listing
+them. Plain Python (`array`, no JAX or NumPy), so that the manifest reads
+without them.
 """
 
 from __future__ import annotations
@@ -51,16 +52,16 @@ def volume(index: Index) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ShardGrid:
-  """The saved shards of one variable, and their CRC-32s.
+  """The saved shards of one variable, and their checksums.
 
   Dimension `d` of `shape` is cut into `blocks[d]` equal blocks (one block
-  where the dimension is empty). Iterating yields `(global slice, CRC-32)`
+  where the dimension is empty). Iterating yields `(global slice, checksum)`
   per block in row-major order.
 
   Attributes:
     shape: The variable's shape.
     blocks: Per dimension, how many blocks it is cut into.
-    crcs: One CRC-32 per block, row-major (`array` of type `U32`).
+    crcs: One checksum per block, row-major (`array` of type `U32`).
   """
 
   shape: tuple[int, ...]
@@ -135,7 +136,7 @@ class ShardGrid:
     return tuple(out)
 
   def inside(self, region: Index) -> Iterator[tuple[Index, int]]:
-    """(slice, CRC-32) of every block inside an aligned `region`."""
+    """(slice, checksum) of every block inside an aligned `region`."""
     ranges = self._ranges(region)
     return zip(
       self._indices(ranges),
@@ -153,14 +154,16 @@ class ShardGrid:
 
 
 def decode(text: str) -> array.array:
-  """The CRC-32s of `ShardGrid.to_text`; ValueError if it is not that."""
+  """The checksums of `ShardGrid.to_text`; ValueError if it is not that."""
   try:
     # Strict: only the alphabet, padding only at the end (checked in C).
     raw = binascii.a2b_base64(text, strict_mode=True)
   except (ValueError, binascii.Error) as e:
     raise ValueError(f'not base64 ({e})') from None
   if len(raw) % 4:
-    raise ValueError(f'{len(raw)} bytes, not a whole number of CRC-32s')
+    raise ValueError(
+      f'{len(raw)} bytes, not a whole number of 4-byte checksums'
+    )
   crcs = array.array(U32)
   crcs.frombytes(raw)
   if sys.byteorder != 'little':

@@ -1,13 +1,13 @@
 """The manifest's model, ``flax_dtensor.json``: what an export records.
 
 Every variable (its exact NNX path, checkpoint key, NNX type, dtype,
-stored dtype, shape, layout, and a CRC-32 of each saved shard's bytes:
+stored dtype, shape, layout, and a checksum of each saved shard's bytes:
 the shards are the blocks of a grid its layout implies, `blocks_of` and
 `_grid`, so a shard costs 4 bytes) and every file of the export (size and
-a CRC-32 per `CHUNK_BYTES` chunk), as frozen dataclasses, with the
-format's names and versions. Writing them is `_encode`'s, reading them
-`_decode`'s, checking an export against them `_verify`'s; this module
-imports neither JAX nor TensorFlow.
+a checksum per `CHUNK_BYTES` chunk; CRC-32C, CRC-32 before version 5), as
+frozen dataclasses, with the format's names and versions. Writing them is
+`_encode`'s, reading them `_decode`'s, checking an export against them
+`_verify`'s; this module imports neither JAX nor TensorFlow.
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ SAVED_MODEL_FORMAT = 'flax_dtensor.saved_model'
 # 3: exact paths, per-shard and per-file checksums, each shard a record.
 # 4: the shards implied by each variable's layout (the blocks of a grid),
 # their checksums one base64 string of 4 bytes a shard.
-VERSION = 4
+# 5: CRC-32C instead of CRC-32 (hashed in hardware; a checkpoint's data
+# files are hashed as they are written, not read back).
+VERSION = 5
 # The versions read, each with the name of its checksum: the key of the
 # per-file and per-shard checksums, and the manifest's `checksum`. Version 2
 # (no checksums) was never released, and is refused.
-READABLE = {3: 'crc32', 4: 'crc32'}
+READABLE = {3: 'crc32', 4: 'crc32', 5: 'crc32c'}
+# How each checksum is named in messages.
+CHECKSUM_NAMES = {'crc32': 'CRC-32', 'crc32c': 'CRC-32C'}
 CHUNK_BYTES = 64 * 2**20
 # Where a SavedModel keeps the manifest.
 SAVED_MODEL_ASSETS = 'assets'
@@ -42,10 +46,10 @@ Index = _index.Index
 
 @dataclasses.dataclass(frozen=True)
 class FileSum:
-  """A file's size and the CRC-32 of each `CHUNK_BYTES` chunk."""
+  """A file's size and the checksum of each `CHUNK_BYTES` chunk."""
 
   size: int
-  crc32: tuple[int, ...]
+  chunks: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +115,7 @@ class Record:
   key_impl: str | None
   # A display string in the records of early flax_dtensor versions.
   sharding: ShardingRecord | str | None
-  # The saved shards: iterates as (global slice, CRC-32 of its bytes).
+  # The saved shards: iterates as (global slice, checksum of its bytes).
   shards: _grid.ShardGrid
 
 
@@ -160,6 +164,16 @@ class Manifest:
   files: Mapping[str, FileSum]
   records: tuple[Record, ...]
   signatures: Mapping[str, Signature] = dataclasses.field(default_factory=dict)
+
+  @property
+  def checksum(self) -> str:
+    """The name of its checksum ('crc32c'; 'crc32' before version 5)."""
+    return READABLE[self.version]
+
+  @property
+  def checksum_name(self) -> str:
+    """Its checksum as messages name it ('CRC-32C')."""
+    return CHECKSUM_NAMES[self.checksum]
 
   @property
   def by_key(self) -> dict[str, Record]:

@@ -4,7 +4,8 @@
 TensorFlow reads them (`problems_of` lists what is wrong, for
 ``--verify``; `confinement_problems` where they are); `verify_index`
 checks the variables against TF's index; `verify_read` checks every value
-read back against its saved CRC-32 (`_checksums.crc`). `damaged` is the
+read back against its saved checksum (`_checksums.crc`: CRC-32C, CRC-32
+before version 5). `damaged` is the
 error naming what is wrong.
 """
 
@@ -157,7 +158,7 @@ def problems_of(
     if not data and _DATA.search(name):
       continue
     chunks = _checksums.file_chunks(path, size)
-    if len(chunks) != len(expected.crc32):
+    if len(chunks) != len(expected.chunks):
       problems.append(f'{name} has {len(chunks)} chunks recorded wrongly')
       continue
     for i, (offset, length) in enumerate(chunks):
@@ -166,8 +167,10 @@ def problems_of(
           name,
           offset,
           length,
-          expected.crc32[i],
-          pool.submit(_checksums.crc_chunk, path, offset, length),
+          expected.chunks[i],
+          pool.submit(
+            _checksums.crc_chunk, path, offset, length, manifest.checksum
+          ),
         )
       )
   for name, offset, length, crc, future in jobs:
@@ -179,7 +182,7 @@ def problems_of(
     if got != crc:
       problems.append(
         f'{name} bytes {offset}..{offset + length} changed '
-        f'(CRC-32 {got:08x}, recorded {crc:08x})'
+        f'({manifest.checksum_name} {got:08x}, recorded {crc:08x})'
       )
   return sorted(set(problems), key=problems.index)
 
@@ -278,8 +281,8 @@ def verify_read(
   replaced by another save), a restore places only bytes that match what
   was saved. `read` maps each global slice TF returned to its host array,
   in the saved dtype: whole saved shards (a box of whole blocks of the
-  grid, `ShardGrid.hull`), each of which is hashed (`_checksums.crc`) and compared. A
-  slice that is not whole blocks is refused.
+  grid, `ShardGrid.hull`), each of which is hashed (`_checksums.crc`) and
+  compared. A slice that is not whole blocks is refused.
 
   Raises:
     DamagedExportError: If a shard's bytes differ from what was saved.
@@ -315,13 +318,15 @@ def _check_shard(
   data: Any,
   held: _model.Index,
 ) -> None:
-  got = _checksums.crc(data[_index.local(index, held)])
+  got = _checksums.crc(
+    data[_index.local(index, held)], checksum=manifest.checksum
+  )
   if got != expected:
     raise damaged(
       manifest,
       [
         f'{_names.path_text(record.path)}[{_grid.text(index)}] read back '
-        f'with CRC-32 {got:08x}, recorded {expected:08x}'
+        f'with {manifest.checksum_name} {got:08x}, recorded {expected:08x}'
       ],
       read=True,
     )

@@ -35,7 +35,7 @@ from flax_dtensor._rules import _context as _context_rules
 from flax_dtensor._rules import _meshes
 from flax_dtensor.dtensor import _tf
 from flax_dtensor.dtensor._conversion import _names, _selection
-from flax_dtensor.dtensor._format import _model
+from flax_dtensor.dtensor._format import _checksums, _model
 from flax_dtensor.dtensor._serving import _serialization
 from flax_dtensor.dtensor._storage import _host_write
 
@@ -233,9 +233,12 @@ def write(
   entries: Sequence[_selection.Entry],
   values: Sequence[jax.Array],
   pool: concurrent.futures.Executor,
-) -> list[list[tuple[_model.Index, int]]]:
-  """Writes a remembered export with `values` into `directory`; the CRC of
-  each variable's shards (for the manifest)."""
+) -> tuple[
+  list[list[tuple[_model.Index, int]]], dict[str, _checksums.StreamSum]
+]:
+  """Writes a remembered export with `values` into `directory`: the
+  checksum of each variable's shards, and the variables' data file hashed
+  as it was written (by its name under `directory`), for the manifest."""
   for rel, data in written.files:
     path = os.path.join(directory, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -244,7 +247,7 @@ def write(
   tf = _tf.tf()
   target = os.path.join(directory, prefix)
   os.makedirs(os.path.dirname(target), exist_ok=True)
-  shards = _host_write.write(
+  done = _host_write.write(
     entries,
     _host_write.hand_over(entries, values),
     target,
@@ -256,4 +259,9 @@ def write(
     'tensorflow.python.saved_model.fingerprinting_utils'
   )
   fingerprinting.write_fingerprint(directory)
-  return shards
+  streams = {
+    os.path.relpath(_host_write.data_file(b), directory): s
+    for b, s in zip(done.bundles, done.streams, strict=True)
+    if s is not None
+  }
+  return done.shards, streams

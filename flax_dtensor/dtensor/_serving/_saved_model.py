@@ -383,7 +383,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
       served.show, 'writing the variables of a SavedModel traced before'
     )
     with concurrent.futures.ThreadPoolExecutor(_checksums.THREADS) as pool:
-      shards = _reexport.write(
+      shards, streams = _reexport.write(
         written, directory, PREFIX, entries, values, pool
       )
       recs = _checkpoint.records(
@@ -396,6 +396,7 @@ def _write(module: Any, directory: str, served: _Served) -> None:
         recs,
         pool,
         signatures=dict(written.signatures),
+        written=streams,
       )
     return
   is_trainable = filterlib.to_predicate(served.trainable)

@@ -9,9 +9,11 @@ TF as they are (a blocking save: TF reads the JAX buffers themselves,
 through DLPack, where the dtype is stored as it is), `snapshot` copies them
 into host buffers first (a background save, so that the caller may
 overwrite its arrays); and `write` writes them as one TF bundle of this
-process, hashing each shard meanwhile (`write_parts`: as several bundles
-at once, where there is twice `PART_BYTES` or more to write). Process 0 merges
-every bundle into the checkpoint (`_checkpoint`).
+process (`write_parts`: as several bundles at once, where there is twice
+`PART_BYTES` or more to write), hashing each shard meanwhile and, from the
+same bytes, the chunks of the data file TF writes them into (`_hash`), so
+that no file is read back (`Written`). Process 0 merges every bundle into
+the checkpoint (`_checkpoint`).
 """
 
 from __future__ import annotations
@@ -179,36 +181,66 @@ def _tensor(data: np.ndarray | jax.Array) -> Any:
     return tf.convert_to_tensor(data)
 
 
-def _crcs(pieces: Sequence[Piece]) -> list[int]:
+def _hash(pieces: Sequence[Piece], stream: _checksums.StreamSum) -> list[int]:
+  """Each piece's checksum, and `stream` fed the bytes TF writes of them.
+
+  TF's bundle holds the pieces' bytes one after another, in the order
+  given to SaveV2 (`_save`): hashed here in that order, a block at a
+  time, each block twice while it is in cache (its shard's checksum, its
+  file's chunk), so that the file need not be read back. A piece stored
+  widened is hashed as its saved dtype, and its widened bytes go in the
+  file's checksum.
+  """
   out = []
   for piece in pieces:
-    data = piece.data
-    if isinstance(data, jax.Array):
-      out.append(_checksums.crc(np.asarray(data)))
-    else:
-      out.append(_checksums.crc(data, piece.saved))
+    flat = np.asarray(piece.data).reshape(-1).view(np.uint8)
+    if piece.saved != piece.data.dtype:
+      out.append(_checksums.crc(piece.data, piece.saved, stream.checksum))
+      stream.add(flat)
+      continue
+    value = 0
+    for start in range(0, flat.size, _HASH_BLOCK):
+      block = flat[start : start + _HASH_BLOCK]
+      value = _checksums.EXTEND[stream.checksum](value, block)
+      stream.add(block)
+    out.append(value)
   return out
 
 
-# Pieces hashed by one task: a task per shard would cost more to hand over
-# than to hash when they are small and many.
-_HASH_TASK_BYTES = 16 * 2**20
-_HASH_TASKS = 64
+# Bytes hashed at a time: each block's second hash finds it in cache.
+_HASH_BLOCK = 2**20
+# Bytes compared at each end of a bundle's pieces (`_laid_out`).
+_PROBE_BYTES = 4096
 
 
-def _hashing(
-  pieces: Sequence[Piece], pool: concurrent.futures.Executor
-) -> list[concurrent.futures.Future]:
-  """Starts hashing `pieces` in `pool`, in tasks of consecutive pieces."""
-  total = sum(p.data.nbytes for p in pieces)
-  step = max(_HASH_TASK_BYTES, total // _HASH_TASKS, 1)
-  tasks, start, size = [], 0, 0
-  for i, p in enumerate(pieces):
-    size += p.data.nbytes
-    if size >= step or i == len(pieces) - 1:
-      tasks.append(pool.submit(_crcs, pieces[start : i + 1]))
-      start, size = i + 1, 0
-  return tasks
+def _laid_out(prefix: str, pieces: Sequence[Piece]) -> bool:
+  """Whether the bundle's data file starts with the first piece's bytes and
+  holds the last one's where they would follow one another.
+
+  What the derived file checksums assume of TF's writer, probed at both
+  ends: if a TF release lays its bundles out otherwise, the file is read
+  back instead (`_checksums.file_sums`).
+  """
+  if not pieces:
+    return True
+  sizes = [p.data.nbytes for p in pieces]
+  first = np.asarray(pieces[0].data).reshape(-1).view(np.uint8)
+  last = np.asarray(pieces[-1].data).reshape(-1).view(np.uint8)
+  head = first[:_PROBE_BYTES]
+  tail = last[max(0, last.size - _PROBE_BYTES) :]
+  path = data_file(prefix)
+  try:
+    with open(path, 'rb', buffering=0) as f:
+      got_head = os.pread(f.fileno(), head.size, 0)
+      got_tail = os.pread(f.fileno(), tail.size, sum(sizes) - tail.size)
+  except OSError:
+    return False
+  return got_head == head.tobytes() and got_tail == tail.tobytes()
+
+
+def data_file(prefix: str) -> str:
+  """The one data file of a bundle SaveV2 wrote as `prefix`."""
+  return f'{prefix}.data-00000-of-00001'
 
 
 def _save(
@@ -236,13 +268,53 @@ def _save(
 def _by_variable(
   entries: Sequence[_selection.Entry],
   pieces: Sequence[Piece],
-  hashes: Sequence[concurrent.futures.Future],
+  crcs: Sequence[int],
 ) -> list[list[tuple[_model.Index, int]]]:
   out: list[list[tuple[_model.Index, int]]] = [[] for _ in entries]
-  crcs = (crc for h in hashes for crc in h.result())
   for p, crc in zip(pieces, crcs, strict=True):
     out[p.variable].append((p.index, crc))
   return [sorted(shards) for shards in out]
+
+
+@dataclasses.dataclass
+class Written:
+  """What a process wrote: its shards' checksums and its bundles.
+
+  Attributes:
+    shards: Per variable, the (slice, checksum) of each shard written.
+    bundles: The prefixes of the TF bundles written.
+    streams: Per bundle written, the checksums of its data file as hashed
+      while it was written (`_checksums.StreamSum`, to finish once the
+      file has its final name); None for one that must be read back.
+  """
+
+  shards: list[list[tuple[_model.Index, int]]]
+  bundles: list[str]
+  streams: list[_checksums.StreamSum | None]
+
+
+def _write_one(
+  entries: Sequence[_selection.Entry],
+  pieces: Sequence[Piece],
+  prefix: str,
+  pool: concurrent.futures.Executor,
+  extra: dict[str, Any],
+) -> tuple[list[int], _checksums.StreamSum | None]:
+  """One bundle: TF writes on this thread while `pool` hashes."""
+  stream = _checksums.StreamSum()
+  hashed = pool.submit(_hash, pieces, stream)
+  try:
+    if pieces or extra:
+      _save(entries, pieces, prefix, extra)
+  finally:
+    concurrent.futures.wait([hashed])
+  return hashed.result(), _checked(stream, prefix, pieces)
+
+
+def _checked(
+  stream: _checksums.StreamSum, prefix: str, pieces: Sequence[Piece]
+) -> _checksums.StreamSum | None:
+  return stream if _laid_out(prefix, pieces) else None
 
 
 def write(
@@ -251,18 +323,20 @@ def write(
   prefix: str,
   pool: concurrent.futures.Executor,
   extra: dict[str, Any] | None = None,
-) -> list[list[tuple[_model.Index, int]]]:
-  """Writes `pieces` as the TF bundle `prefix`; their CRCs per variable.
+) -> Written:
+  """Writes `pieces` as the TF bundle `prefix`, hashing them meanwhile.
 
-  TF writes on this thread while `pool` hashes (`flush` then puts the
-  bundle on disk). `extra` adds whole tensors by key (the object graph,
-  when this bundle is the checkpoint itself). A process with nothing to
+  `extra` adds whole tensors by key (the object graph, when this bundle is
+  the checkpoint itself), after the pieces. A process with nothing to
   write writes no bundle.
   """
-  hashes = _hashing(pieces, pool)
-  if pieces or extra:
-    _save(entries, pieces, prefix, extra or {})
-  return _by_variable(entries, pieces, hashes)
+  crcs, stream = _write_one(entries, pieces, prefix, pool, extra or {})
+  written = bool(pieces or extra)
+  return Written(
+    _by_variable(entries, pieces, crcs),
+    [prefix] if written else [],
+    [stream] if written else [],
+  )
 
 
 PART_BYTES = 64 * 2**20
@@ -287,13 +361,14 @@ def write_parts(
   prefix: str,
   pool: concurrent.futures.Executor,
   count: int,
-) -> tuple[list[list[tuple[_model.Index, int]]], list[str]]:
-  """Writes `pieces` as `count` TF bundles at once; CRCs and prefixes.
+) -> Written:
+  """Writes `pieces` as `count` TF bundles at once, hashing them meanwhile.
 
   The bundles are `prefix-0`, `prefix-1`, ..., of about equal bytes: this
-  thread writes the first, `pool` the others and then the CRCs (no task
-  in `pool` waits for another, so any pool size will do; `count` at most
-  its threads keeps one for hashing while the bundles are written).
+  thread writes the first, `pool` the others and hashes each bundle's
+  pieces as TF writes them (no task in `pool` waits for another, so any
+  pool size will do; `count` at most its threads keeps one for hashing
+  while the bundles are written).
   """
   groups: list[list[Piece]] = [[] for _ in range(count)]
   sizes = [0] * count
@@ -303,20 +378,32 @@ def write_parts(
     sizes[k] += p.data.nbytes
   groups = [g for g in groups if g]
   prefixes = [f'{prefix}-{k}' for k in range(len(groups))]
+  streams = [_checksums.StreamSum() for _ in groups]
   writes = [
     pool.submit(_save, entries, g, f, {})
     for g, f in zip(groups[1:], prefixes[1:], strict=True)
   ]
-  ordered = [p for g in groups for p in g]
-  hashes = _hashing(ordered, pool)
+  hashes = [
+    pool.submit(_hash, g, stream)
+    for g, stream in zip(groups, streams, strict=True)
+  ]
   try:
     if groups:
       _save(entries, groups[0], prefixes[0], {})
   finally:
-    concurrent.futures.wait(writes)  # None left writing, whatever happened.
+    concurrent.futures.wait(writes + hashes)  # None left, whatever happened.
   for w in writes:
     w.result()
-  return _by_variable(entries, ordered, hashes), prefixes
+  ordered = [p for g in groups for p in g]
+  crcs = [c for h in hashes for c in h.result()]
+  return Written(
+    _by_variable(entries, ordered, crcs),
+    prefixes,
+    [
+      _checked(stream, f, g)
+      for stream, f, g in zip(streams, prefixes, groups, strict=True)
+    ],
+  )
 
 
 def flush(prefixes: Sequence[str]) -> None:

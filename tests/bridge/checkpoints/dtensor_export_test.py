@@ -7,8 +7,8 @@ import re
 import socket
 import sys
 import textwrap
-import zlib
 
+import google_crc32c
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -429,7 +429,7 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
   with open(os.path.join(path, 'flax_dtensor.json')) as f:
     meta = json.load(f)
   assert meta['format'] == 'flax_dtensor.checkpoint'
-  assert meta['version'] == 4
+  assert (meta['version'], meta['checksum']) == (5, 'crc32c')
   record = _records(path)['float16']
   shards = record.pop('shards')
   assert record == {
@@ -450,15 +450,15 @@ def test_checkpoint_widens_only_unreadable_dtypes(auto_mesh, tmp_path):
       },
     },
   }
-  # One CRC-32 per distinct (2 x 4) block, of the saved dtype's bytes, in
+  # One CRC-32C per distinct (2 x 4) block, of the saved dtype's bytes, in
   # row-major order: 4 little-endian bytes each, in base64.
   value = np.asarray(state['float16'].get_value())
   assert shards['blocks'] == [2, 4]
-  crcs = np.frombuffer(base64.b64decode(shards['crc32']), '<u4')
+  crcs = np.frombuffer(base64.b64decode(shards['crc32c']), '<u4')
   assert len(crcs) == 8
   for k, (i, j) in enumerate(np.ndindex(2, 4)):
     block = np.ascontiguousarray(value[4 * i : 4 * i + 4, 4 * j : 4 * j + 4])
-    assert crcs[k] == zlib.crc32(block.tobytes())
+    assert crcs[k] == google_crc32c.value(block.tobytes())
   # Every file of the checkpoint, with its size.
   for name, record in meta['files'].items():
     assert os.path.getsize(os.path.join(path, name)) == record['bytes']

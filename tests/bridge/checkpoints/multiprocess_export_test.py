@@ -4,12 +4,14 @@ Each worker (tests/support/workers/_mp_worker_export.py, started by
 multiprocess_util) runs jax.distributed on 127.0.0.1 with 4 CPU devices and
 a DTensor client of its own; together they shard a model over a (2, 4) mesh spanning both processes
 (row-major, and transposed so each mesh row mixes the processes), save it
-with `save_checkpoint`, check that a second save and a process-local array
+with `save_checkpoint` (each data file's checksums hashed by its writer, not
+read back), check that a second save and a process-local array
 are refused on both, restore it onto the other layout and overwrite it. The
 parent then reads the checkpoint in a fresh process with plain TensorFlow (no
 JAX, no DTensor) and compares with the global values the workers gathered.
 """
 
+import concurrent.futures
 import json
 import os
 import textwrap
@@ -19,7 +21,7 @@ import pytest
 from support import multiprocess_util, processes, warm
 
 pytest.importorskip('tensorflow')
-
+from flax_dtensor.dtensor._format import _decode, _verify
 
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 4
@@ -98,6 +100,13 @@ def test_two_processes_write_one_checkpoint(tmp_path, kind):
     'expected.npz',
     'expected_dtypes.json',
   ]
+  # Every data file's checksums, hashed by the process that wrote it from
+  # the bytes it handed TF and carried to process 0 under the merged name,
+  # are the file's as read back: `inspect --verify` finds it intact.
+  manifest = _decode.read(str(tmp_path / 'ckpt'))
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    assert _verify.problems_of(manifest, pool) == []
+  assert manifest.checksum == 'crc32c'
 
   with np.load(tmp_path / 'expected.npz') as data:
     expected = dict(data)

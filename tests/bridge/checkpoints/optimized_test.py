@@ -6,10 +6,10 @@ values. One process (workers/optimized_restore.py) compiles flax_dtensor
 as `-O` does, with no `assert` (JAX, Flax and TensorFlow load as they are:
 a real `python -O` recompiles all of them, half a minute more), and runs
 the restore cases: intact checkpoints come back bit for bit, onto the saved
-layout and another, from a version 4 manifest and a version 3 one; a shard
-record removed or its index changed (version 3), a checksum removed or
-changed, or blocks that are not the layout's (version 4), are refused in
-our words, the target unchanged.
+layout and another, from a version 5 manifest and a version 3 one (made
+from what version 4 wrote); a shard record removed or its index changed
+(version 3), a checksum removed or changed, or blocks that are not the
+layout's (version 5), are refused in our words, the target unchanged.
 """
 
 import re
@@ -36,11 +36,11 @@ EXPECTED = {
   + r'the shards recorded for a record the block \[4:8, 8:12\] twice',
   'v3 a shard index off the grid': _MALFORMED
   + r'the shards recorded for a are not the equal blocks of a grid',
-  'v4 a shard checksum removed': _MALFORMED
+  'v5 a shard checksum removed': _MALFORMED
   + r'a has 7 shard checksums, where its layout .* implies 8 shards',
-  'v4 a shard checksum changed': r"DamagedExportError: The export at '.*' "
-  r'is damaged: a\[4:8, 4:8\] read back with CRC-32 [0-9a-f]{8}, recorded',
-  'v4 blocks changed': _MALFORMED
+  'v5 a shard checksum changed': r"DamagedExportError: The export at '.*' "
+  r'is damaged: a\[4:8, 4:8\] read back with CRC-32C [0-9a-f]{8}, recorded',
+  'v5 blocks changed': _MALFORMED
   + r'the shards of a are \[4, 2\] blocks, where its layout',
 }
 

@@ -105,7 +105,7 @@ def test_a_byte_changed_in_any_part_is_refused_naming_it(
   with pytest.raises(
     fdt_tf.DamagedExportError,
     match=rf"The export at '.*c' is damaged: {re.escape(name)} bytes 0\.\.\d+ "
-    r'changed \(CRC-32 [0-9a-f]{8}, recorded [0-9a-f]{8}\).*Nothing was '
+    r'changed \(CRC-32C [0-9a-f]{8}, recorded [0-9a-f]{8}\).*Nothing was '
     r'restored',
   ):
     fdt_tf.restore_checkpoint(path, target)

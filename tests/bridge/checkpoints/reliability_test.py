@@ -80,11 +80,11 @@ def test_manifest_records_every_variable_and_file(explicit_mesh, tmp_path):
   records = {tuple(r['path']): r for r in meta['variables']}
   assert set(records) == {('w',), ('b',), ('n',)}
   assert records[('w',)]['shape'] == [8, 16]
-  # A CRC-32 (4 bytes, base64) per distinct block of the layout's grid.
+  # A CRC-32C (4 bytes, base64) per distinct block of the layout's grid.
   assert records[('w',)]['shards']['blocks'] == [2, 4]
-  assert len(base64.b64decode(records[('w',)]['shards']['crc32'])) == 8 * 4
+  assert len(base64.b64decode(records[('w',)]['shards']['crc32c'])) == 8 * 4
   assert records[('b',)]['shards']['blocks'] == [1]  # Replicated: one copy.
-  assert len(base64.b64decode(records[('b',)]['shards']['crc32'])) == 4
+  assert len(base64.b64decode(records[('b',)]['shards']['crc32c'])) == 4
   assert sorted(meta['files']) == sorted(
     n for n in os.listdir(path) if n != 'flax_dtensor.json'
   )
@@ -181,7 +181,7 @@ def test_damaged_data_is_refused_or_unused(explicit_mesh, tmp_path, where):
   # The range is the file's checked block: here the whole (small) file.
   size = os.path.getsize(os.path.join(path, name))
   assert re.fullmatch(
-    rf'{re.escape(name)} bytes 0\.\.{size} changed \(CRC-32 '
+    rf'{re.escape(name)} bytes 0\.\.{size} changed \(CRC-32C '
     r'[0-9a-f]{8}, recorded [0-9a-f]{8}\)',
     problem,
   )
@@ -294,11 +294,11 @@ def _record_of(meta, name):
 
 
 def _set_crc(record, k, value):
-  """Sets the k-th shard's CRC-32 (the manifest keeps them in base64)."""
-  crcs = np.frombuffer(base64.b64decode(record['shards']['crc32']), '<u4')
+  """Sets the k-th shard's CRC-32C (the manifest keeps them in base64)."""
+  crcs = np.frombuffer(base64.b64decode(record['shards']['crc32c']), '<u4')
   crcs = crcs.copy()
   crcs[k] = value
-  record['shards']['crc32'] = base64.b64encode(crcs.tobytes()).decode()
+  record['shards']['crc32c'] = base64.b64encode(crcs.tobytes()).decode()
 
 
 @pytest.mark.parametrize(
@@ -326,7 +326,7 @@ def _set_crc(record, k, value):
       # Bytes that do not match their recorded CRC: damaged, as far as
       # anything can tell.
       fdt_tf.DamagedExportError,
-      r'w\[0:4, 0:4\] read back with CRC-32 [0-9a-f]{8}, recorded 00003039',
+      r'w\[0:4, 0:4\] read back with CRC-32C [0-9a-f]{8}, recorded 00003039',
     ),
   ],
   ids=['shape', 'dtype', 'dropped-record', 'shard-crc'],

@@ -129,7 +129,7 @@ def test_records_out_of_the_shape_are_refused():
   'text, match',
   [
     ('not base64!', 'not base64'),
-    ('AAA=', '2 bytes, not a whole number of CRC-32s'),
+    ('AAA=', '2 bytes, not a whole number of 4-byte checksums'),
     ('ÿÿÿÿ', 'not base64'),
   ],
 )

@@ -2,8 +2,8 @@
 
 The manifest is what grows with the devices, and every process reads it
 before anything else: it must stand any bytes. Hypothesis starts from the
-manifests of a real checkpoint (version 4, and the same as version 3 wrote
-it) and breaks them the ways files break and attackers write: truncations,
+manifests of a real checkpoint (version 5; the same state saved as version
+4 wrote it, and that as version 3 wrote it) and breaks them the ways files break and attackers write: truncations,
 bytes inserted, values of another type, huge and negative numbers, floats,
 deep nesting, duplicate keys, paths that climb out of the export, shard
 grids and checksum counts that disagree with the layout, and checksum
@@ -28,6 +28,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -57,7 +58,12 @@ MEMORY_BYTES = 64 * 2**20
 
 @pytest.fixture(scope='module')
 def export(tmp_path_factory):
-  """(parent, the export, its version 4 manifest, as version 3 wrote it)."""
+  """(parent, the export, {version: its manifest as that version wrote it},
+  {version: the export that manifest is of}).
+
+  Version 5 is today's; version 4's the same state saved as its writer
+  did (CRC-32); version 3's that manifest as version 3 wrote it.
+  """
   base = tmp_path_factory.mktemp('fuzz')
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   rng = np.random.default_rng(0)
@@ -78,9 +84,15 @@ def export(tmp_path_factory):
     }
   )
   path = fdt_tf.save_checkpoint(state, base / 'ckpt')
-  with open(os.path.join(path, MANIFEST)) as f:
-    v4 = json.load(f)
-  return str(base), path, v4, manifests.as_version_3(json.loads(json.dumps(v4)))
+  with manifests.writing_version(4):
+    old = fdt_tf.save_checkpoint(state, base / 'ckpt_v4')
+  metas = {}
+  for version, where in ((_model.VERSION, path), (4, old)):
+    with open(os.path.join(where, MANIFEST)) as f:
+      metas[version] = json.load(f)
+  metas[3] = manifests.as_version_3(json.loads(json.dumps(metas[4])))
+  assert sorted(m['version'] for m in metas.values()) == [3, 4, 5]
+  return str(base), path, metas, {5: path, 4: old, 3: old}
 
 
 # What to break, and how
@@ -182,24 +194,26 @@ def _shard_edit(draw, var):
     isinstance(sharding, dict) and isinstance(sharding.get('mesh'), dict)
   ):
     return
+  # The grid's checksums: 'crc32c' from version 5, 'crc32' before.
+  key = 'crc32' if 'crc32' in shards else 'crc32c'
   if op == 'blocks':
     shards['blocks'] = draw(
       st.lists(st.sampled_from([0, 1, 2, 3, 4, 8, *HUGE]), max_size=3)
     )
-  elif op in ('shorter', 'longer') and _is_b64(shards.get('crc32')):
-    crcs = _crcs(shards['crc32'])
+  elif op in ('shorter', 'longer') and _is_b64(shards.get(key)):
+    crcs = _crcs(shards[key])
     crcs = crcs[:-1] if op == 'shorter' else [*crcs, 7]
-    shards['crc32'] = _b64(crcs)
-  elif op == 'garbage' and isinstance(shards.get('crc32'), str):
-    text = shards['crc32']
+    shards[key] = _b64(crcs)
+  elif op == 'garbage' and isinstance(shards.get(key), str):
+    text = shards[key]
     at = draw(st.integers(0, len(text)))
-    shards['crc32'] = (
+    shards[key] = (
       text[:at]
       + draw(st.sampled_from(['=', '==', '!', ' ', 'A', '\n']))
       + text[at:]
     )
   elif op == 'not ascii':
-    shards['crc32'] = draw(st.text(min_size=1, max_size=12))
+    shards[key] = draw(st.text(min_size=1, max_size=12))
   elif op == 'huge':
     # A layout claiming thousands of devices, with few checksums.
     sharding['mesh']['axis_sizes'] = [
@@ -215,9 +229,9 @@ def _shard_edit(draw, var):
 
 
 @st.composite
-def broken(draw, v4, v3):
+def broken(draw, metas):
   """A manifest broken by one to three edits, as the bytes to write."""
-  meta = json.loads(json.dumps(draw(st.sampled_from([v4, v3]))))
+  meta = json.loads(json.dumps(draw(st.sampled_from(list(metas.values())))))
   for _ in range(draw(st.integers(1, 3))):
     kind = draw(st.sampled_from(['shards', 'shards', 'node', 'path', 'none']))
     variables = meta.get('variables')
@@ -263,7 +277,9 @@ def broken(draw, v4, v3):
     depth = draw(st.sampled_from([63, 65, 5000, 200_000]))
     text = b'{"variables": ' + b'[' * depth + b']' * depth + b'}'
   elif damage == 'number':
-    text = text.replace(b'"version": 4', b'"version": 4' + b'0' * 5000, 1)
+    text = re.sub(
+      rb'"version": (\d+)', rb'"version": \g<1>' + b'0' * 5000, text, count=1
+    )
   return text
 
 
@@ -342,7 +358,7 @@ def _outcome(text, base, root):
 
 
 def test_a_broken_manifest_is_read_right_or_refused(export):
-  base, path, v4, v3 = export
+  base, path, metas, _ = export
   root = os.path.join(base, 'case')
   shutil.copytree(path, root)
   outcomes = {'read': 0, 'refused': 0}
@@ -357,7 +373,7 @@ def test_a_broken_manifest_is_read_right_or_refused(export):
   )
   @hypothesis.given(st.data())
   def check(data):
-    text = data.draw(broken(v4, v3))
+    text = data.draw(broken(metas))
     outcome = _outcome(text, base, root)
     if isinstance(outcome, Exception):
       outcomes['refused'] += 1
@@ -378,7 +394,8 @@ def test_a_broken_manifest_is_read_right_or_refused(export):
         )
       else:
         assert list(record.shards.blocks) == shards['blocks']
-        assert list(record.shards.crcs) == _crcs(shards['crc32'])
+        checksum = _model.READABLE[raw['version']]
+        assert list(record.shards.crcs) == _crcs(shards[checksum])
 
   check()
   # Both outcomes happen: the breaks are neither all harmless nor all
@@ -386,14 +403,18 @@ def test_a_broken_manifest_is_read_right_or_refused(export):
   assert outcomes['refused'] > outcomes['read'] > 0, outcomes
 
 
-@pytest.mark.parametrize('version', [4, 3])
+@pytest.mark.parametrize('version', [5, 4, 3])
 def test_the_intact_manifests_read_back_whole(export, version):
-  """The starting points themselves read, with every shard's checksum."""
-  base, path, v4, v3 = export
+  """The starting points themselves read, with every shard's checksum,
+  and each is intact against its own export's files."""
+  base, _, metas, paths = export
   root = os.path.join(base, f'intact{version}')
-  shutil.copytree(path, root)
-  meta = v4 if version == 4 else v3
+  shutil.copytree(paths[version], root)
+  meta = metas[version]
   outcome = _outcome(json.dumps(meta).encode(), base, root)
   assert isinstance(outcome, _model.Manifest), outcome
   assert outcome.version == version
+  assert outcome.checksum == ('crc32c' if version == 5 else 'crc32')
   assert [len(r.shards) for r in outcome.records] == [1, 8, 8, 1]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    assert _verify.problems_of(outcome, pool) == []

@@ -12,12 +12,14 @@ own call site).
 import base64
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import pathlib
 import shutil
 import zlib
 
+import google_crc32c
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -37,6 +39,7 @@ from flax_dtensor.cli import _command  # noqa: E402
 from flax_dtensor.cli import inspect as inspect_command  # noqa: E402
 from flax_dtensor.dtensor._checkpoints import _restore  # noqa: E402
 from flax_dtensor.dtensor._format import _checksums, _decode, _model, _verify  # noqa: E402
+from flax_dtensor.dtensor._format import _model as format_model  # noqa: E402
 
 MANIFEST = _model.FILE
 VERSION = _model.VERSION
@@ -422,21 +425,16 @@ def test_a_crafted_manifest_is_refused(
 # ------------------------------------------------------------------------------
 
 
-def as_version_3(meta):
-  """The manifest as flax_dtensor wrote it before version 4: a record of
-  each shard, its global slice and CRC-32, instead of a grid and a string."""
-  meta['version'] = 3
-  for var in meta['variables']:
-    shape, blocks = var['shape'], var['shards']['blocks']
-    steps = [n // b if n else 0 for n, b in zip(shape, blocks, strict=True)]
-    var['shards'] = [
-      {
-        'index': [[k * s, (k + 1) * s] for k, s in zip(i, steps, strict=True)],
-        CHECKSUM: int(crc),
-      }
-      for i, crc in zip(np.ndindex(*blocks), _crcs(var['shards']), strict=True)
-    ]
-  return meta
+as_version_3 = manifests.as_version_3
+
+
+@pytest.fixture(scope='module')
+def saved_v4(saved):
+  """`saved`, with 'mine' written as version 4 wrote it (CRC-32)."""
+  base, _, theirs, mesh = saved
+  with manifests.writing_version(4):
+    mine = fdt_tf.save_checkpoint(_model(mesh, 0), base / 'mine_v4')
+  return base, str(mine), theirs, mesh
 
 
 def _kernel_shards(meta):
@@ -457,7 +455,7 @@ def _v3_edit(case):
     elif case == 'an index out of shape':
       shards[7]['index'] = [[4, 9], [12, 16]]
     elif case == 'a crc a string':
-      shards[0][CHECKSUM] = '12'
+      shards[0]['crc32'] = '12'
     elif case == 'no records':
       shards.clear()
 
@@ -488,7 +486,7 @@ VERSION_3 = [
     'an index out of shape',
     r'the shards recorded for dense/kernel do not fit its shape \(8, 16\)',
   ),
-  ('a crc a string', rf'the {CHECKSUM} of a shard is .*expected an int'),
+  ('a crc a string', r'the crc32 of a shard is .*expected an int'),
   (
     'no records',
     r'the shards recorded for dense/kernel do not cover \[0:8, 0:16\]',
@@ -496,10 +494,12 @@ VERSION_3 = [
 ]
 
 
-def test_a_version_3_manifest_still_reads(saved, tmp_path, monkeypatch):
+def test_a_version_3_manifest_still_reads(saved_v4, tmp_path, monkeypatch):
   """Checkpoints on disk from before version 4 restore as they did."""
-  base, _, _, mesh = saved
-  root = _craft(saved, tmp_path, lambda meta, *_: as_version_3(meta) and None)
+  base, _, _, mesh = saved_v4
+  root = _craft(
+    saved_v4, tmp_path, lambda meta, *_: as_version_3(meta) and None
+  )
   assert _meta(root)['version'] == 3
   target = _model(mesh, 1)
   with _watched(monkeypatch, base, root):
@@ -513,7 +513,7 @@ def test_a_version_3_manifest_still_reads(saved, tmp_path, monkeypatch):
     np.testing.assert_array_equal(arrays[key], value)
   # The same grid and checksums as the version 4 manifest it came from.
   old = _decode.read(root).by_key
-  new = _decode.read(saved[1]).by_key
+  new = _decode.read(saved_v4[1]).by_key
   assert {k: r.shards for k, r in old.items()} == {
     k: r.shards for k, r in new.items()
   }
@@ -523,11 +523,11 @@ def test_a_version_3_manifest_still_reads(saved, tmp_path, monkeypatch):
   ('case', 'match'), VERSION_3, ids=[c for c, _ in VERSION_3]
 )
 def test_version_3_shard_records_that_do_not_tile_are_refused(
-  saved, tmp_path, monkeypatch, case, match
+  saved_v4, tmp_path, monkeypatch, case, match
 ):
   """Before a byte is read: a region no record covers is named."""
-  base, _, _, mesh = saved
-  root = _craft(saved, tmp_path, _v3_edit(case))
+  base, _, _, mesh = saved_v4
+  root = _craft(saved_v4, tmp_path, _v3_edit(case))
   target = _model(mesh, 1)
   before = _values(target)
   with _watched(monkeypatch, base, root):
@@ -821,20 +821,79 @@ def random_file(tmp_path_factory):
   return str(path), data
 
 
+# Each checksum a manifest names, and the one-shot function of its library.
+_REFERENCES = {
+  'crc32': zlib.crc32,
+  'crc32c': lambda data: google_crc32c.value(bytes(data)),
+}
+
+
 @hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
 @hypothesis.given(
   offset=st.sampled_from([0, 1, _BLOCK - 1, _BLOCK, _BLOCK + 7, _FILE_BYTES])
   | st.integers(0, _FILE_BYTES),
   length=st.sampled_from([0, 1, _BLOCK, _BLOCK + 1, 2 * _BLOCK])
   | st.integers(0, _FILE_BYTES),
+  checksum=st.sampled_from(sorted(_REFERENCES)),
 )
-def test_chunk_crc_is_zlibs_over_the_same_bytes(random_file, offset, length):
-  """Block by block, across block edges, equals one CRC of the bytes."""
+def test_chunk_crc_is_the_librarys_over_the_same_bytes(
+  random_file, offset, length, checksum
+):
+  """Block by block, across block edges, equals one checksum of the bytes
+  (CRC-32C from version 5, CRC-32 before)."""
   path, data = random_file
   length = min(length, _FILE_BYTES - offset)
-  assert _checksums.crc_chunk(path, offset, length) == zlib.crc32(
-    data[offset : offset + length]
+  assert _checksums.crc_chunk(path, offset, length, checksum) == _REFERENCES[
+    checksum
+  ](data[offset : offset + length])
+
+
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(
+  cuts=st.lists(st.integers(0, _FILE_BYTES), max_size=6),
+  tail=st.sampled_from([0, 1, 999, 5000]) | st.integers(0, _FILE_BYTES),
+  chunk=st.sampled_from([1000, 4096, _BLOCK, format_model.CHUNK_BYTES]),
+  checksum=st.sampled_from(sorted(_REFERENCES)),
+)
+def test_a_file_hashed_as_written_sums_as_read_back(
+  random_file, cuts, tail, chunk, checksum
+):
+  """The bytes a writer hashed, in pieces, then TF's tail read: the same
+  size and chunk checksums as the whole file read back, at any chunk
+  size (chunk edges inside pieces, between them and in the tail)."""
+  path, data = random_file
+  written = len(data) - min(tail, len(data))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(format_model, 'CHUNK_BYTES', chunk)
+    stream = _checksums.StreamSum(checksum)
+    edges = sorted({0, written, *(c for c in cuts if c < written)})
+    for a, b in itertools.pairwise(edges):
+      stream.add(np.frombuffer(data[a:b], np.uint8))
+    finished = stream.finish(path)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      root, name = os.path.split(path)
+      with manifests.writing_version({'crc32': 4, 'crc32c': 5}[checksum]):
+        read_back = _checksums.file_sums(root, [name], pool)[name]
+  assert finished == read_back
+  assert finished.chunks == tuple(
+    _REFERENCES[checksum](data[o : o + chunk])
+    for o in range(0, len(data), chunk)
   )
+
+
+def test_a_file_shorter_than_what_was_hashed_is_read_back(tmp_path):
+  """`finish` gives up on a file holding fewer bytes than were hashed for
+  it (it is not what was written), and `file_sums` reads it back."""
+  path = tmp_path / 'data'
+  path.write_bytes(b'abc')
+  stream = _checksums.StreamSum()
+  stream.add(np.frombuffer(b'abcdef', np.uint8))
+  assert stream.finish(str(path)) is None
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    sums = _checksums.file_sums(str(tmp_path), ['data'], pool, {'data': stream})
+  assert sums == {
+    'data': format_model.FileSum(3, (google_crc32c.value(b'abc'),))
+  }
 
 
 def test_chunk_crc_of_a_short_file_is_an_os_error(random_file):

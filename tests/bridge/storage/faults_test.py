@@ -372,7 +372,7 @@ def test_a_checkpoint_replaced_during_a_restore_is_refused(
     target,
     before,
     fdt_tf.DamagedExportError,
-    r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32 '
+    r'is damaged: blocks/\d\[0:4, 0:4\] read back with CRC-32C '
     r'[0-9a-f]{8}, recorded [0-9a-f]{8} \(expected what its manifest '
     r'flax_dtensor.json records; found in the bytes read, so the files may '
     r'also have changed during the read\)\. Nothing was restored: the '
@@ -822,7 +822,7 @@ def test_a_damaged_restore_prints_no_tensorflow_log_line(tmp_path):
   assert lines[0] == 'saved'
   assert re.fullmatch(
     r"refused The export at '.*c' is damaged: ckpt\.data-00000-of-00001 "
-    r'bytes 0\.\.\d+ changed \(CRC-32 [0-9a-f]{8}, recorded [0-9a-f]{8}\)',
+    r'bytes 0\.\.\d+ changed \(CRC-32C [0-9a-f]{8}, recorded [0-9a-f]{8}\)',
     lines[1],
   )
   assert not re.search(r'^[IW]\d{4} ', proc.stderr, re.M), proc.stderr

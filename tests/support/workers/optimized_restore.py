@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import manifests
 
 import flax_dtensor as fdt
 import flax_dtensor.dtensor as fdt_tf
@@ -87,12 +88,15 @@ def _model(mesh, specs, seed):
   )
 
 
-def _crcs(shards):
-  return np.frombuffer(base64.b64decode(shards['crc32']), '<u4')
+def _crcs(shards, key='crc32c'):
+  return np.frombuffer(base64.b64decode(shards[key]), '<u4')
 
 
 def _as_version_3(meta):
-  """The manifest as versions before 4 wrote it: a record per shard."""
+  """A version 4 manifest as versions before 4 wrote it: a record per
+  shard."""
+  if meta['version'] != 4:
+    raise ValueError(f'a version 4 manifest, not {meta["version"]}')
   meta['version'] = 3
   for var in meta['variables']:
     shape, blocks = var['shape'], var['shards']['blocks']
@@ -102,7 +106,9 @@ def _as_version_3(meta):
         'index': [[k * s, (k + 1) * s] for k, s in zip(i, steps, strict=True)],
         'crc32': int(crc),
       }
-      for i, crc in zip(np.ndindex(*blocks), _crcs(var['shards']), strict=True)
+      for i, crc in zip(
+        np.ndindex(*blocks), _crcs(var['shards'], 'crc32'), strict=True
+      )
     ]
 
 
@@ -116,15 +122,15 @@ def _edit(case, meta):
     a['shards'][5]['index'] = a['shards'][6]['index']
   elif case == 'v3 a shard index off the grid':
     a['shards'][5]['index'] = [[4, 8], [4, 9]]
-  elif case == 'v4 a shard checksum removed':
-    a['shards']['crc32'] = base64.b64encode(
+  elif case == 'v5 a shard checksum removed':
+    a['shards']['crc32c'] = base64.b64encode(
       _crcs(a['shards'])[:-1].tobytes()
     ).decode()
-  elif case == 'v4 a shard checksum changed':
+  elif case == 'v5 a shard checksum changed':
     crcs = _crcs(a['shards']).copy()
     crcs[5] ^= 1
-    a['shards']['crc32'] = base64.b64encode(crcs.tobytes()).decode()
-  elif case == 'v4 blocks changed':
+    a['shards']['crc32c'] = base64.b64encode(crcs.tobytes()).decode()
+  elif case == 'v5 blocks changed':
     a['shards']['blocks'] = [4, 2]
 
 
@@ -135,6 +141,8 @@ def main():
   saved = _model(mesh, specs, 0)
   expected = {k: np.asarray(v.get_value()) for k, v in saved.items()}
   path = fdt_tf.save_checkpoint(saved, os.path.join(out, 'saved'))
+  with manifests.writing_version(4):  # CRC-32, as version 4 wrote it.
+    path_v4 = fdt_tf.save_checkpoint(saved, os.path.join(out, 'saved_v4'))
   result = {'asserts stripped': _stripped()}
   cases = [
     'intact',
@@ -143,13 +151,13 @@ def main():
     'v3 a shard record removed',
     'v3 a shard index moved onto another',
     'v3 a shard index off the grid',
-    'v4 a shard checksum removed',
-    'v4 a shard checksum changed',
-    'v4 blocks changed',
+    'v5 a shard checksum removed',
+    'v5 a shard checksum changed',
+    'v5 blocks changed',
   ]
   for k, case in enumerate(cases):
     root = os.path.join(out, f'case{k}')
-    shutil.copytree(path, root)
+    shutil.copytree(path_v4 if case.startswith('v3') else path, root)
     with open(os.path.join(root, MANIFEST)) as f:
       meta = json.load(f)
     _edit(case, meta)

@@ -1406,7 +1406,7 @@ def test_interrupted_save_leaves_nothing(
     fdt_tf.save_checkpoint(model, target, include=nnx.BatchStat)
   seen = []
 
-  def fail(directory, *args):
+  def fail(directory, *args, **kwargs):
     seen.append(_listing(directory))
     raise RuntimeError('disk on fire')
 

@@ -666,7 +666,7 @@ def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):
   shape = (8, 16)
   full = np.arange(128, dtype=np.float32).reshape(shape)
   manifest = _model.Manifest(
-    _model.CHECKPOINT_FORMAT, 4, str(tmp_path), 'ckpt', {}, ()
+    _model.CHECKPOINT_FORMAT, _model.VERSION, str(tmp_path), 'ckpt', {}, ()
   )
   record = _record(shape, _grid(shape, (2, 2), full))
   whole = {((0, 8), (0, 16)): full}
@@ -681,7 +681,7 @@ def test_the_read_check_refuses_slices_that_are_not_whole_shards(tmp_path):
   changed = full.copy()
   changed[7, 15] += 1
   with pytest.raises(
-    fdt_tf.DamagedExportError, match=r'w\[4:8, 8:16\] read back with CRC-32'
+    fdt_tf.DamagedExportError, match=r'w\[4:8, 8:16\] read back with CRC-32C '
   ):
     _verify.verify_read(manifest, record, {((0, 8), (0, 16)): changed})
 

@@ -513,6 +513,10 @@ def _save_in_background(
       _tf_errors.translated('Writing the checkpoint', directory, WRITE_FIX),
       stack,
     ):
+      # No process writes before every one has copied its shards: on a
+      # host that runs several, the writes of the first to finish would
+      # take the cores the copies of the others (their callers) wait on.
+      _processes.sync('copied')
       _write_merged(
         entries, copies.pop(), shardings, layouts, tmp, directory, show, pool
       )
